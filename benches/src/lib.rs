@@ -1,0 +1,4 @@
+//! # quilt-bench: trace replay, workloads and the A/B harness
+#![forbid(unsafe_code)]
+
+pub mod trace;

@@ -1,0 +1,97 @@
+//! The allocator trait that Quilt and every baseline implement, so that an A/B
+//! comparison is one switch.
+
+use std::sync::Arc;
+
+use quilt_vmm::{DevicePtr, StreamId, Vmm};
+
+use crate::error::{AllocError, InvariantViolation};
+use crate::snapshot::MemorySnapshot;
+use crate::stats::AllocatorStats;
+
+/// What a successful allocation hands back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address of the first byte. Never 0.
+    pub ptr: DevicePtr,
+    /// Bytes usable at `ptr`: at least the size asked for (the rounded size).
+    pub size: u64,
+}
+
+/// A device memory allocator for one device.
+///
+/// Contract, shared by every implementation:
+/// - `allocate(0, _)` and sizes past [`MAX_ALLOCATION`] are
+///   [`AllocError::InvalidSize`]; a request the device cannot back is
+///   [`AllocError::OutOfMemory`] with a diagnosis; the allocator stays usable.
+/// - `free` of a pointer that is not the start of a live allocation is
+///   [`AllocError::UnknownPointer`] (or [`AllocError::DoubleFree`] where the
+///   allocator can tell) and changes nothing.
+/// - A block freed on its stream may be reused at once on that stream; on another
+///   stream only after the events of every stream it was recorded on
+///   (`record_stream`) have completed.
+/// - `check_invariants` is cheap enough to call after every operation in tests.
+pub trait DeviceAllocator: Send + Sync {
+    /// Short name of the allocator (`quilt`, `classic`, `expandable`, `gmlake`, `offset`).
+    fn name(&self) -> &str;
+
+    /// Allocate `size` bytes for use on `stream`.
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError>;
+
+    /// Free the allocation starting at `ptr`.
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError>;
+
+    /// Note that the live allocation at `ptr` is also used on `stream`
+    /// (PyTorch's `record_stream`): its memory is not reused until the work queued
+    /// on `stream` before its free has completed.
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError>;
+
+    /// Release every cached block that can be released back to the driver
+    /// (PyTorch's `empty_cache`).
+    fn empty_cache(&self) -> Result<(), AllocError>;
+
+    /// Statistics, in PyTorch's vocabulary.
+    fn stats(&self) -> AllocatorStats;
+
+    /// Segments and blocks as they stand now.
+    fn snapshot(&self) -> MemorySnapshot;
+
+    /// Check every internal invariant; the first violation found is returned.
+    fn check_invariants(&self) -> Result<(), InvariantViolation>;
+
+    /// The driver backend underneath (for driver statistics and leak reports).
+    fn vmm(&self) -> &Arc<dyn Vmm>;
+}
+
+/// The largest single request any allocator accepts: 1 TiB. Larger sizes are
+/// rejected as invalid before any rounding can overflow.
+pub const MAX_ALLOCATION: u64 = 1 << 40;
+
+/// PyTorch's smallest block and rounding unit: 512 bytes.
+pub const MIN_BLOCK_SIZE: u64 = 512;
+
+/// The boundary between small and large requests: 1 MiB.
+pub const SMALL_SIZE: u64 = 1 << 20;
+
+/// Round `size` up to a multiple of `unit` (a power of two); `None` on overflow.
+pub fn round_up(size: u64, unit: u64) -> Option<u64> {
+    debug_assert!(unit.is_power_of_two());
+    size.checked_add(unit - 1).map(|s| s & !(unit - 1))
+}
+
+/// Validate a requested size against the shared contract.
+pub fn check_size(size: u64) -> Result<(), AllocError> {
+    if size == 0 {
+        return Err(AllocError::InvalidSize {
+            size,
+            reason: "size must be non-zero",
+        });
+    }
+    if size > MAX_ALLOCATION {
+        return Err(AllocError::InvalidSize {
+            size,
+            reason: "size exceeds the 1 TiB limit of a single allocation",
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! The allocator's error type and its out-of-memory diagnosis.
+
+use std::fmt;
+
+use quilt_vmm::{DevicePtr, VmmError};
+
+/// Everything an allocator operation can fail with. After any of these the
+/// allocator is consistent and usable, and nothing has leaked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    /// Zero, or larger than any allocation can be.
+    #[error("invalid size {size}: {reason}")]
+    InvalidSize {
+        /// The size asked for.
+        size: u64,
+        /// The rule it broke.
+        reason: &'static str,
+    },
+    /// The device cannot back the request; the report says why.
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+    /// The pointer is not the start of a live allocation.
+    #[error("unknown pointer {ptr:#x}: not the start of a live allocation")]
+    UnknownPointer {
+        /// The pointer passed.
+        ptr: DevicePtr,
+    },
+    /// The pointer was the start of an allocation that is already free.
+    #[error("double free of {ptr:#x}")]
+    DoubleFree {
+        /// The pointer passed.
+        ptr: DevicePtr,
+    },
+    /// A driver call failed; what the allocator held before the call is intact.
+    #[error("driver call failed: {0}")]
+    Driver(#[from] VmmError),
+    /// An internal lock was poisoned by a panic on another thread.
+    #[error("allocator state poisoned by a panic on another thread")]
+    Poisoned,
+}
+
+impl AllocError {
+    /// The out-of-memory report, if this is an out-of-memory error.
+    pub fn oom_report(&self) -> Option<&OomReport> {
+        match self {
+            AllocError::OutOfMemory(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// Why a request ran out of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OomVerdict {
+    /// Free plus reclaimable memory is smaller than the request: a real shortage.
+    Capacity,
+    /// Enough memory is free in total, but not in a shape the allocator can use.
+    Fragmentation,
+}
+
+/// The figures behind an out-of-memory error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OomReport {
+    /// The allocator that failed.
+    pub allocator: String,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Bytes the request needed after rounding (whole pages where it needs pages).
+    pub needed: u64,
+    /// Device capacity (or the allocator's memory limit) in bytes.
+    pub capacity: u64,
+    /// Bytes reserved from the driver (physical memory held).
+    pub reserved: u64,
+    /// Bytes handed out to live allocations.
+    pub allocated: u64,
+    /// Bytes the device could still create.
+    pub device_free: u64,
+    /// Bytes held but not backing any live allocation that could serve this
+    /// request after reclaiming caches (free pages plus reclaimable cached pages).
+    pub reclaimable: u64,
+    /// The largest contiguous free extent the allocator could hand out whole.
+    pub largest_free_extent: u64,
+    /// Capacity or fragmentation.
+    pub verdict: OomVerdict,
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let verdict = match self.verdict {
+            OomVerdict::Capacity => "capacity: the device really has too little memory",
+            OomVerdict::Fragmentation => {
+                "fragmentation: enough memory is free in total, but not in one usable piece"
+            }
+        };
+        write!(
+            f,
+            "{}: out of memory allocating {} bytes ({:.2} MiB, {:.2} MiB needed); \
+             capacity {:.2} MiB, reserved {:.2} MiB, allocated {:.2} MiB, \
+             device free {:.2} MiB, free or reclaimable {:.2} MiB, largest free extent {:.2} MiB; \
+             verdict: {}",
+            self.allocator,
+            self.requested,
+            mib(self.requested),
+            mib(self.needed),
+            mib(self.capacity),
+            mib(self.reserved),
+            mib(self.allocated),
+            mib(self.device_free),
+            mib(self.reclaimable),
+            mib(self.largest_free_extent),
+            verdict
+        )
+    }
+}
+
+/// An invariant the checker found broken: a bug in the allocator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invariant violated: {0}")]
+pub struct InvariantViolation(pub String);

@@ -1,0 +1,14 @@
+//! # quilt-alloc: the Quilt allocator and its baselines
+//!
+//! [`DeviceAllocator`] is the one trait every allocator here implements.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod error;
+pub mod snapshot;
+pub mod stats;
+
+pub use api::{Allocation, DeviceAllocator, MAX_ALLOCATION, MIN_BLOCK_SIZE, SMALL_SIZE};
+pub use error::{AllocError, InvariantViolation, OomReport, OomVerdict};
+pub use snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
+pub use stats::{AllocatorStats, Stat};

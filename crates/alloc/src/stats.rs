@@ -1,0 +1,76 @@
+//! Statistics in PyTorch's vocabulary (`torch.cuda.memory_stats()`).
+
+use quilt_vmm::DriverStats;
+
+/// One statistic: its current value, its peak, and the totals that moved it.
+///
+/// Invariant: `current == allocated - freed` and `peak >= current`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Value now.
+    pub current: u64,
+    /// Highest value since creation (or the last [`Stat::reset_peak`]).
+    pub peak: u64,
+    /// Total added over the allocator's life.
+    pub allocated: u64,
+    /// Total removed over the allocator's life.
+    pub freed: u64,
+}
+
+impl Stat {
+    /// Add `n`.
+    pub fn increase(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Remove `n` (saturating: a bug shows up in the invariant checker, not as a panic).
+    pub fn decrease(&mut self, n: u64) {
+        self.current = self.current.saturating_sub(n);
+        self.freed += n;
+    }
+
+    /// Set the peak to the current value.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// Allocator statistics. Names follow `torch.cuda.memory_stats()`:
+/// - *allocated*: bytes and blocks handed out to live allocations (rounded sizes);
+/// - *requested*: the bytes the caller asked for, before rounding;
+/// - *reserved*: physical memory held from the driver (segments, or pages);
+/// - *active*: blocks in use, including freed blocks still waiting on other streams;
+/// - *inactive_split*: free blocks that cannot be released because they are part
+///   of a segment that is still partly in use.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    /// Allocated bytes.
+    pub allocated_bytes: Stat,
+    /// Requested (unrounded) bytes.
+    pub requested_bytes: Stat,
+    /// Reserved bytes.
+    pub reserved_bytes: Stat,
+    /// Active bytes.
+    pub active_bytes: Stat,
+    /// Inactive-split bytes.
+    pub inactive_split_bytes: Stat,
+    /// Live allocations.
+    pub allocation: Stat,
+    /// Segments (classic) or physical chunks (Quilt) held.
+    pub segment: Stat,
+    /// Active blocks.
+    pub active: Stat,
+    /// Inactive-split blocks.
+    pub inactive_split: Stat,
+    /// Allocations that had to free cached memory and retry.
+    pub num_alloc_retries: u64,
+    /// Requests that ended in out-of-memory.
+    pub num_ooms: u64,
+    /// Times a stream was made to wait on another stream's event so that memory
+    /// freed there could be reused here.
+    pub num_stream_waits: u64,
+    /// Driver calls and driver time of the backend underneath.
+    pub driver: DriverStats,
+}

@@ -1,0 +1,74 @@
+//! The driver trait: the VMM calls every layer above talks to.
+
+use crate::error::Result;
+use crate::types::{DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+
+/// CUDA's virtual memory management API for one device, as one trait.
+///
+/// Every backend enforces the driver's rules and reports breaches as typed
+/// errors; no method panics on any input. Methods take `&self`: a backend is
+/// shared by every thread and stream of its device.
+///
+/// Rules (as in the CUDA driver documentation):
+/// - `reserve` sizes and alignments are multiples of [`Vmm::granularity`]
+///   (alignment 0 means the granularity); `address_free` names a whole
+///   reservation exactly and is rejected while it still holds mappings.
+/// - `create` sizes are non-zero multiples of the granularity.
+/// - `map(ptr, size, handle, offset)`: `ptr`, `size` and `offset` are multiples of
+///   the granularity, `size > 0`, `offset + size` lies inside the handle, the range
+///   lies inside one live reservation and overlaps no existing mapping.
+/// - `unmap(ptr, size)` must cover whole mappings exactly (one or several
+///   neighbouring ones); a hole in the range is an error.
+/// - `release(handle)` may be called while the handle is still mapped: the
+///   physical memory lives until its last mapping is unmapped.
+/// - `set_access` makes a fully mapped range readable and writable by the device.
+pub trait Vmm: Send + Sync + std::fmt::Debug {
+    /// A short name of the backend ("cuda", "host", "simulated").
+    fn backend_name(&self) -> &'static str;
+
+    /// The allocation granularity in bytes (a power of two), fixed for the
+    /// backend's lifetime (`cuMemGetAllocationGranularity`, minimum).
+    fn granularity(&self) -> u64;
+
+    /// `cuMemAddressReserve`: reserve `size` bytes of virtual address space aligned to `alignment`.
+    fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr>;
+
+    /// `cuMemAddressFree`: free a whole reservation made by [`Vmm::reserve`].
+    fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()>;
+
+    /// `cuMemCreate`: create `size` bytes of physical memory on the device.
+    fn create(&self, size: u64) -> Result<PhysHandle>;
+
+    /// `cuMemRelease`: release a handle; its memory is freed at its last unmap.
+    fn release(&self, handle: PhysHandle) -> Result<()>;
+
+    /// `cuMemMap`: map `size` bytes of `handle` starting at `offset` at `ptr`.
+    fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()>;
+
+    /// `cuMemUnmap`: unmap the mappings that exactly cover `ptr..ptr+size`.
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()>;
+
+    /// `cuMemSetAccess`: make `ptr..ptr+size` (all mapped) read-write for this device.
+    fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()>;
+
+    /// `cuMemGetInfo`: total and free device memory.
+    fn mem_info(&self) -> Result<MemInfo>;
+
+    /// Record an event on `stream` (`cuEventCreate` + `cuEventRecord`).
+    fn event_record(&self, stream: StreamId) -> Result<EventId>;
+
+    /// `cuEventQuery`: true once the work before the event has completed.
+    fn event_query(&self, event: EventId) -> Result<bool>;
+
+    /// `cuEventDestroy`.
+    fn event_destroy(&self, event: EventId) -> Result<()>;
+
+    /// `cuStreamWaitEvent`: later work on `stream` waits for `event`.
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()>;
+
+    /// `cuStreamSynchronize`: wait for all work on `stream`.
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()>;
+
+    /// Calls made through this backend so far, by kind, and their time.
+    fn driver_stats(&self) -> DriverStats;
+}

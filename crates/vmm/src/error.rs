@@ -1,0 +1,105 @@
+//! The driver layer's one error type.
+
+use crate::types::{CallKind, DevicePtr};
+
+/// Everything a driver call can fail with. Every variant carries the figures
+/// needed to tell what went wrong without a debugger.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VmmError {
+    /// The device (or the simulated capacity) cannot back `requested` more bytes.
+    #[error("{call}: out of memory: requested {requested} bytes, {available} bytes available")]
+    OutOfMemory {
+        /// The call that failed.
+        call: CallKind,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes still available when the call failed (0 when unknown).
+        available: u64,
+    },
+    /// An argument broke one of the driver's rules.
+    #[error("{call}: invalid argument `{argument}` = {value:#x}: {rule}")]
+    InvalidArgument {
+        /// The call that failed.
+        call: CallKind,
+        /// The argument's name as in the CUDA documentation.
+        argument: &'static str,
+        /// The value passed.
+        value: u64,
+        /// The rule it broke, in words.
+        rule: &'static str,
+    },
+    /// An unmap, or a free of a range, named memory that is not mapped.
+    #[error("{call}: range {ptr:#x}+{size:#x} is not mapped")]
+    NotMapped {
+        /// The call that failed.
+        call: CallKind,
+        /// Start of the range.
+        ptr: DevicePtr,
+        /// Length of the range.
+        size: u64,
+    },
+    /// A map named a range that already has a mapping in it.
+    #[error("{call}: range {ptr:#x}+{size:#x} is already mapped")]
+    AlreadyMapped {
+        /// The call that failed.
+        call: CallKind,
+        /// Start of the range.
+        ptr: DevicePtr,
+        /// Length of the range.
+        size: u64,
+    },
+    /// An address range still has mappings in it and cannot be freed.
+    #[error("{call}: range {ptr:#x}+{size:#x} still has {mappings} mapping(s)")]
+    StillMapped {
+        /// The call that failed.
+        call: CallKind,
+        /// Start of the range.
+        ptr: DevicePtr,
+        /// Length of the range.
+        size: u64,
+        /// Mappings still inside it.
+        mappings: usize,
+    },
+    /// No driver, no device, or the device lacks virtual memory management.
+    #[error("backend unavailable: {reason}")]
+    Unavailable {
+        /// Why, in words.
+        reason: String,
+    },
+    /// The CUDA driver returned an error (or the simulated backend injected one).
+    #[error("{call}: {name} ({code}): {text}")]
+    Driver {
+        /// The call that failed.
+        call: CallKind,
+        /// The numeric `CUresult`.
+        code: u32,
+        /// Its name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The driver's description of it.
+        text: String,
+    },
+}
+
+impl VmmError {
+    /// The call that failed, where there is one.
+    pub fn call(&self) -> Option<CallKind> {
+        match self {
+            VmmError::OutOfMemory { call, .. }
+            | VmmError::InvalidArgument { call, .. }
+            | VmmError::NotMapped { call, .. }
+            | VmmError::AlreadyMapped { call, .. }
+            | VmmError::StillMapped { call, .. }
+            | VmmError::Driver { call, .. } => Some(*call),
+            VmmError::Unavailable { .. } => None,
+        }
+    }
+
+    /// True for out-of-memory (including a driver's `CUDA_ERROR_OUT_OF_MEMORY`).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, VmmError::OutOfMemory { .. })
+            || matches!(self, VmmError::Driver { code: 2, .. })
+    }
+}
+
+/// Result alias of the driver layer.
+pub type Result<T, E = VmmError> = std::result::Result<T, E>;

@@ -1,0 +1,26 @@
+//! # quilt-vmm: Quilt's driver layer
+//!
+//! One trait, [`Vmm`], over CUDA's virtual memory management API
+//! (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`,
+//! `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`, plus the stream and event
+//! calls an allocator needs), and three backends behind it:
+//!
+//! - [`cuda::CudaVmm`]: the real driver through `cudarc`, loaded at run time.
+//!   Where `libcuda` is absent, construction returns [`VmmError::Unavailable`].
+//! - [`host::HostVmm`]: the same semantics on real host memory (Linux): a memfd
+//!   is physical memory, a `PROT_NONE` mapping is a reservation.
+//! - [`sim::SimVmm`]: bookkeeping only, any capacity, a cost model, call
+//!   counters, fault injection and a leak report.
+//!
+//! `unsafe` code lives in the CUDA and host backends alone.
+
+pub mod cuda;
+pub mod driver;
+pub mod error;
+pub mod host;
+pub mod sim;
+pub mod types;
+
+pub use driver::Vmm;
+pub use error::{Result, VmmError};
+pub use types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};

@@ -1,0 +1,1 @@
+//! Simulated backend (being written).

@@ -1,0 +1,174 @@
+//! Plain value types shared by every backend.
+
+use std::fmt;
+
+/// A device virtual address (CUDA's `CUdeviceptr`). `0` is never a valid address.
+pub type DevicePtr = u64;
+
+/// An opaque handle to physical memory created by [`crate::Vmm::create`]
+/// (CUDA's `CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// A stream: work on one stream runs in order. `StreamId(0)` is the default stream.
+/// On the CUDA backend the value is the raw `CUstream` pointer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The default (legacy) stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+/// An event recorded on a stream; it completes once the work queued before it on
+/// that stream has finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventId(pub u64);
+
+/// Device memory figures, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Total device memory in bytes.
+    pub total: u64,
+    /// Memory not yet backing any physical handle, in bytes.
+    pub free: u64,
+}
+
+/// The kinds of driver call, for counters, costs and fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CallKind {
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    AddressFree,
+    /// `cuMemCreate`.
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuMemGetInfo`.
+    MemInfo,
+    /// `cuEventCreate` + `cuEventRecord`.
+    EventRecord,
+    /// `cuEventQuery`.
+    EventQuery,
+    /// `cuEventDestroy`.
+    EventDestroy,
+    /// `cuStreamWaitEvent`.
+    StreamWaitEvent,
+    /// `cuStreamSynchronize`.
+    StreamSynchronize,
+}
+
+impl CallKind {
+    /// Every kind, in declaration order (the index of a kind is its position here).
+    pub const ALL: [CallKind; 13] = [
+        CallKind::Reserve,
+        CallKind::AddressFree,
+        CallKind::Create,
+        CallKind::Release,
+        CallKind::Map,
+        CallKind::Unmap,
+        CallKind::SetAccess,
+        CallKind::MemInfo,
+        CallKind::EventRecord,
+        CallKind::EventQuery,
+        CallKind::EventDestroy,
+        CallKind::StreamWaitEvent,
+        CallKind::StreamSynchronize,
+    ];
+
+    /// Position of this kind in [`CallKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The CUDA driver function this kind stands for.
+    pub fn driver_name(self) -> &'static str {
+        match self {
+            CallKind::Reserve => "cuMemAddressReserve",
+            CallKind::AddressFree => "cuMemAddressFree",
+            CallKind::Create => "cuMemCreate",
+            CallKind::Release => "cuMemRelease",
+            CallKind::Map => "cuMemMap",
+            CallKind::Unmap => "cuMemUnmap",
+            CallKind::SetAccess => "cuMemSetAccess",
+            CallKind::MemInfo => "cuMemGetInfo",
+            CallKind::EventRecord => "cuEventRecord",
+            CallKind::EventQuery => "cuEventQuery",
+            CallKind::EventDestroy => "cuEventDestroy",
+            CallKind::StreamWaitEvent => "cuStreamWaitEvent",
+            CallKind::StreamSynchronize => "cuStreamSynchronize",
+        }
+    }
+
+    /// True for the seven VMM calls the allocator reports on (reserve, create,
+    /// map, set-access, unmap, release, address-free).
+    pub fn is_vmm(self) -> bool {
+        matches!(
+            self,
+            CallKind::Reserve
+                | CallKind::AddressFree
+                | CallKind::Create
+                | CallKind::Release
+                | CallKind::Map
+                | CallKind::Unmap
+                | CallKind::SetAccess
+        )
+    }
+}
+
+impl fmt::Display for CallKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.driver_name())
+    }
+}
+
+/// Driver calls made through one backend: counts by kind, and time.
+///
+/// Invariant: `calls[k.index()]` counts every call of kind `k` that reached the
+/// backend, whether it succeeded or failed; `failed` counts the failures among them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverStats {
+    /// Calls by [`CallKind::index`].
+    pub calls: [u64; 13],
+    /// Calls that returned an error, by kind.
+    pub failed: [u64; 13],
+    /// Modelled driver time in nanoseconds (simulated backend; 0 elsewhere).
+    pub modelled_ns: u64,
+    /// Measured wall time inside driver calls in nanoseconds (real backends; 0 on the simulated one).
+    pub measured_ns: u64,
+}
+
+impl DriverStats {
+    /// Calls of one kind.
+    pub fn count(&self, kind: CallKind) -> u64 {
+        self.calls[kind.index()]
+    }
+
+    /// All VMM calls (see [`CallKind::is_vmm`]) together.
+    pub fn vmm_calls(&self) -> u64 {
+        CallKind::ALL
+            .iter()
+            .filter(|k| k.is_vmm())
+            .map(|k| self.count(*k))
+            .sum()
+    }
+
+    /// The difference `self - earlier`, kind by kind (saturating).
+    pub fn since(&self, earlier: &DriverStats) -> DriverStats {
+        let mut out = DriverStats::default();
+        for i in 0..self.calls.len() {
+            out.calls[i] = self.calls[i].saturating_sub(earlier.calls[i]);
+            out.failed[i] = self.failed[i].saturating_sub(earlier.failed[i]);
+        }
+        out.modelled_ns = self.modelled_ns.saturating_sub(earlier.modelled_ns);
+        out.measured_ns = self.measured_ns.saturating_sub(earlier.measured_ns);
+        out
+    }
+}
