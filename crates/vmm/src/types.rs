@@ -139,8 +139,14 @@ pub struct DriverStats {
     pub calls: [u64; 13],
     /// Calls that returned an error, by kind.
     pub failed: [u64; 13],
-    /// Modelled driver time in nanoseconds (simulated backend; 0 elsewhere).
+    /// Modelled driver time in nanoseconds (simulated backend; 0 elsewhere),
+    /// with `cuMemCreate` costed in proportion to the handle's size.
     pub modelled_ns: u64,
+    /// The same, with every `cuMemCreate` costed as one flat per-call figure
+    /// whatever its size (the cost model's alternative; reports give both).
+    pub modelled_flat_create_ns: u64,
+    /// Bytes of physical memory created so far (sum of successful `cuMemCreate` sizes).
+    pub created_bytes: u64,
     /// Measured wall time inside driver calls in nanoseconds (real backends; 0 on the simulated one).
     pub measured_ns: u64,
 }
@@ -168,6 +174,10 @@ impl DriverStats {
             out.failed[i] = self.failed[i].saturating_sub(earlier.failed[i]);
         }
         out.modelled_ns = self.modelled_ns.saturating_sub(earlier.modelled_ns);
+        out.modelled_flat_create_ns = self
+            .modelled_flat_create_ns
+            .saturating_sub(earlier.modelled_flat_create_ns);
+        out.created_bytes = self.created_bytes.saturating_sub(earlier.created_bytes);
         out.measured_ns = self.measured_ns.saturating_sub(earlier.measured_ns);
         out
     }
