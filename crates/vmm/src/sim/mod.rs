@@ -1,0 +1,314 @@
+//! The simulated backend: the driver's bookkeeping without a device.
+//!
+//! [`SimVmm`] enforces every rule of the [`Vmm`] trait (alignment to the
+//! granularity, mappings inside one reservation, no double mapping, offset plus
+//! size inside the handle, whole-mapping unmaps, release while mapped) at any
+//! capacity (a 200 GiB device costs nothing), counts every call by kind, models
+//! the driver's time per call ([`CostModel`]), injects faults ([`Fault`]) and
+//! reports what is still alive ([`LeakReport`]).
+//!
+//! It is fast: every call is a few `BTreeMap` look-ups under one mutex, O(log n)
+//! (plus O(k) for an unmap or set-access covering k mappings).
+//!
+//! Addresses come from a bump pointer starting at `0x7f00_0000_0000` and are
+//! never reused; a one-granule gap follows each reservation, so two reservations
+//! are never adjacent. Handle and event ids count up from 1.
+//!
+//! Events: an event recorded on a stream is pending until the stream is
+//! synchronised ([`Vmm::stream_synchronize`]) or completed by the test or harness
+//! ([`SimVmm::complete_stream`], [`SimVmm::complete_all`]), as if the device had
+//! caught up. A stream that waited for an event completes that event too when it
+//! catches up.
+
+mod cost;
+mod faults;
+mod leak;
+mod state;
+
+use std::fmt;
+use std::sync::{Mutex, MutexGuard};
+
+pub use cost::{CostModel, SimConfig, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, DEFAULT_VA_LIMIT};
+pub use faults::{cuda_error_for, Fault, FaultTrigger};
+pub use leak::LeakReport;
+
+use crate::driver::Vmm;
+use crate::error::{Result, VmmError};
+use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+use faults::FaultSet;
+use state::State;
+
+/// Target of the backend's tracing events.
+const TARGET: &str = "quilt_vmm::sim";
+
+/// Everything behind the lock.
+#[derive(Debug)]
+struct Inner {
+    state: State,
+    stats: DriverStats,
+    faults: FaultSet,
+}
+
+/// A simulated device (see the module documentation).
+///
+/// `Send + Sync`; all methods take `&self` (one mutex inside). No method panics.
+pub struct SimVmm {
+    config: SimConfig,
+    inner: Mutex<Inner>,
+}
+
+impl SimVmm {
+    /// A simulated device with `config`.
+    ///
+    /// Fails with [`VmmError::InvalidArgument`] when the granularity is not a
+    /// non-zero power of two.
+    pub fn new(config: SimConfig) -> Result<SimVmm> {
+        if !config.granularity.is_power_of_two() {
+            return Err(VmmError::InvalidArgument {
+                call: CallKind::MemInfo,
+                argument: "granularity",
+                value: config.granularity,
+                rule: "the simulated device's granularity must be a non-zero power of two",
+            });
+        }
+        let state = State::new(config.granularity, config.capacity, config.va_limit);
+        Ok(SimVmm {
+            config,
+            inner: Mutex::new(Inner {
+                state,
+                stats: DriverStats::default(),
+                faults: FaultSet::default(),
+            }),
+        })
+    }
+
+    /// A simulated device of `capacity` bytes with the default granularity (2 MiB),
+    /// costs and address-space limit.
+    pub fn with_capacity(capacity: u64) -> Result<SimVmm> {
+        SimVmm::new(SimConfig {
+            capacity,
+            ..SimConfig::default()
+        })
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // No code under this lock panics; should it ever be poisoned, the state is
+        // still consistent (every operation validates before it mutates).
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Arm a fault (see [`Fault`]); several may be armed at once.
+    pub fn inject(&self, fault: Fault) {
+        tracing::debug!(target: TARGET, ?fault, "fault armed");
+        self.lock().faults.arm(fault);
+    }
+
+    /// Disarm every fault.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// Faults still armed (an `Nth` fault disarms when it fires).
+    pub fn armed_faults(&self) -> usize {
+        self.lock().faults.len()
+    }
+
+    /// What is alive now: handles, reservations, mappings, events.
+    pub fn leak_report(&self) -> LeakReport {
+        self.lock().state.leak_report()
+    }
+
+    /// Complete every event recorded so far on `stream` (as if the device caught up).
+    pub fn complete_stream(&self, stream: StreamId) {
+        self.lock().state.complete_stream(stream);
+    }
+
+    /// Complete every event recorded so far on every stream.
+    pub fn complete_all(&self) {
+        self.lock().state.complete_all();
+    }
+
+    /// Bytes of physical memory held by live handles (not released, or released
+    /// but still mapped).
+    pub fn physical_in_use(&self) -> u64 {
+        self.lock().state.physical_in_use()
+    }
+
+    /// Bytes currently mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.lock().state.mapped_bytes()
+    }
+
+    /// Bytes of virtual address space currently reserved.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.lock().state.reserved_bytes()
+    }
+
+    /// Live handles, reservations and mappings, in that order.
+    pub fn live_counts(&self) -> (usize, usize, usize) {
+        self.lock().state.counts()
+    }
+
+    /// Whether the mapping containing `addr` has had [`Vmm::set_access`] called on
+    /// it (any part of it) since it was mapped; `None` when `addr` is not mapped.
+    pub fn access_set(&self, addr: DevicePtr) -> Option<bool> {
+        self.lock().state.access_set(addr)
+    }
+
+    /// The physical handle and the offset inside it that back `addr`, or `None`
+    /// when `addr` is not mapped.
+    pub fn translate(&self, addr: DevicePtr) -> Option<(PhysHandle, u64)> {
+        self.lock().state.translate(addr)
+    }
+
+    /// Reset the call counters and modelled time to zero (state is kept).
+    pub fn reset_stats(&self) {
+        self.lock().stats = DriverStats::default();
+    }
+
+    /// Run one driver call: count it, fire a fault or run `op`, cost it, trace it.
+    fn call<T>(
+        &self,
+        kind: CallKind,
+        size: u64,
+        op: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<T> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let result = match inner.faults.check(kind) {
+            Some(error) => Err(error),
+            None => op(&mut inner.state),
+        };
+        let cost = &self.config.cost;
+        let stats = &mut inner.stats;
+        let i = kind.index();
+        stats.calls[i] += 1;
+        let (modelled, flat) = match (kind, &result) {
+            (CallKind::Create, Ok(_)) => {
+                stats.created_bytes = stats.created_bytes.saturating_add(size);
+                (
+                    cost.create_proportional_ns(size, self.config.granularity),
+                    cost.create_flat_ns,
+                )
+            }
+            _ => {
+                let ns = cost.per_call_ns(kind);
+                (ns, ns)
+            }
+        };
+        stats.modelled_ns = stats.modelled_ns.saturating_add(modelled);
+        stats.modelled_flat_create_ns = stats.modelled_flat_create_ns.saturating_add(flat);
+        match &result {
+            Ok(_) => tracing::trace!(target: TARGET, call = %kind, size, ok = true),
+            Err(error) => {
+                stats.failed[i] += 1;
+                tracing::trace!(target: TARGET, call = %kind, size, ok = false, %error);
+            }
+        }
+        result
+    }
+}
+
+impl fmt::Debug for SimVmm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.lock();
+        let (handles, reservations, mappings) = inner.state.counts();
+        f.debug_struct("SimVmm")
+            .field("capacity", &self.config.capacity)
+            .field("granularity", &self.config.granularity)
+            .field("physical_in_use", &inner.state.physical_in_use())
+            .field("mapped_bytes", &inner.state.mapped_bytes())
+            .field("handles", &handles)
+            .field("reservations", &reservations)
+            .field("mappings", &mappings)
+            .field("armed_faults", &inner.faults.len())
+            .finish()
+    }
+}
+
+impl Drop for SimVmm {
+    fn drop(&mut self) {
+        let report = self.leak_report();
+        if !report.is_empty() {
+            tracing::warn!(target: TARGET, "simulated device dropped with {report}");
+        }
+    }
+}
+
+impl Vmm for SimVmm {
+    fn backend_name(&self) -> &'static str {
+        "simulated"
+    }
+
+    fn granularity(&self) -> u64 {
+        self.config.granularity
+    }
+
+    fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
+        self.call(CallKind::Reserve, size, |s| s.reserve(size, alignment))
+    }
+
+    fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.call(CallKind::AddressFree, size, |s| s.address_free(ptr, size))
+    }
+
+    fn create(&self, size: u64) -> Result<PhysHandle> {
+        self.call(CallKind::Create, size, |s| s.create(size))
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        self.call(CallKind::Release, 0, |s| s.release(handle))
+    }
+
+    fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
+        self.call(CallKind::Map, size, |s| s.map(ptr, size, handle, offset))
+    }
+
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.call(CallKind::Unmap, size, |s| s.unmap(ptr, size))
+    }
+
+    fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.call(CallKind::SetAccess, size, |s| s.set_access(ptr, size))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.call(CallKind::MemInfo, 0, |s| Ok(s.mem_info()))
+    }
+
+    fn event_record(&self, stream: StreamId) -> Result<EventId> {
+        self.call(CallKind::EventRecord, 0, |s| Ok(s.event_record(stream)))
+    }
+
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        self.call(CallKind::EventQuery, 0, |s| s.event_query(event))
+    }
+
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.call(CallKind::EventDestroy, 0, |s| s.event_destroy(event))
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.call(CallKind::StreamWaitEvent, 0, |s| {
+            s.stream_wait_event(stream, event)
+        })
+    }
+
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.call(CallKind::StreamSynchronize, 0, |s| {
+            s.complete_stream(stream);
+            Ok(())
+        })
+    }
+
+    fn driver_stats(&self) -> DriverStats {
+        self.lock().stats
+    }
+}
