@@ -1,0 +1,2 @@
+//! The `quilt-bench` command line.
+fn main() {}
