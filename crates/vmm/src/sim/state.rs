@@ -213,19 +213,13 @@ impl State {
         Ok(ptr)
     }
 
-    /// `cuMemAddressFree`.
+    /// `cuMemAddressFree`: `ptr` must start a live reservation (else `NotMapped`)
+    /// and `size` be its whole size (else `InvalidArgument`).
     pub(crate) fn address_free(&mut self, ptr: DevicePtr, size: u64) -> Result<()> {
         let call = CallKind::AddressFree;
         let res = match self.reservations.get(&ptr) {
             Some(r) => *r,
-            None => {
-                return Err(invalid(
-                    call,
-                    "ptr",
-                    ptr,
-                    "must be the start of a live reservation",
-                ))
-            }
+            None => return Err(VmmError::NotMapped { call, ptr, size }),
         };
         if size != res.size {
             return Err(invalid(
@@ -423,14 +417,8 @@ impl State {
         } else {
             return Err(VmmError::NotMapped { call, ptr, size });
         }
-        if self.reservation_containing(ptr, end).is_none() {
-            return Err(invalid(
-                call,
-                "size",
-                size,
-                "ptr..ptr+size must lie inside one live reservation",
-            ));
-        }
+        // Mappings lie inside reservations and no two reservations are adjacent,
+        // so a run of neighbouring mappings never leaves its reservation.
         let starts = self.tiling_mappings(call, ptr, size, end)?;
         for start in starts {
             let Some(m) = self.mappings.remove(&start) else {

@@ -1,0 +1,1328 @@
+//! The conformance suite: one set of checks of the [`Vmm`] trait's rules, run
+//! against every backend available here.
+//!
+//! - simulated: always;
+//! - host: always on Linux (64 MiB capacity, 2 MiB granularity);
+//! - CUDA: device 0 when it constructs; otherwise the suite prints
+//!   "conformance: CUDA backend skipped: <error>" and goes on without it.
+//!
+//! Every check takes a [`Backend`] and uses only the trait, so a backend passes
+//! exactly when it follows the same rules with the same typed errors. On CUDA
+//! only the default stream is used (stream ids there are raw `CUstream`s), and
+//! capacity is never exhausted for real (a request larger than the device is
+//! asked for instead). Checks specific to the simulated backend (leak report,
+//! fault injection, cost model) follow at the end of the file.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use quilt_vmm::sim::{CostModel, Fault, FaultTrigger, SimConfig, SimVmm};
+use quilt_vmm::{CallKind, DevicePtr, PhysHandle, StreamId, Vmm, VmmError};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Capacity of the simulated and host backends in the shared checks.
+const SMALL_CAPACITY: u64 = 64 * MIB;
+
+/// Granularity of the simulated and host backends in the shared checks.
+const SMALL_GRANULARITY: u64 = 2 * MIB;
+
+/// One backend under test.
+struct Backend {
+    vmm: Arc<dyn Vmm>,
+    /// The capacity, where it is small enough to exhaust in a test.
+    exhaustible: Option<u64>,
+}
+
+impl Backend {
+    fn name(&self) -> &'static str {
+        self.vmm.backend_name()
+    }
+}
+
+fn sim_backend() -> Backend {
+    let config = SimConfig {
+        capacity: SMALL_CAPACITY,
+        granularity: SMALL_GRANULARITY,
+        ..SimConfig::default()
+    };
+    Backend {
+        vmm: Arc::new(SimVmm::new(config).unwrap()),
+        exhaustible: Some(SMALL_CAPACITY),
+    }
+}
+
+// Gated until the host backend lands: flip `any()` to `all()` in both places.
+#[cfg(any())]
+fn host_backend() -> Option<Backend> {
+    let vmm = quilt_vmm::host::HostVmm::new(quilt_vmm::host::HostConfig {
+        granularity: SMALL_GRANULARITY,
+        capacity: SMALL_CAPACITY,
+    })
+    .expect("the host backend constructs on Linux");
+    Some(Backend {
+        vmm: Arc::new(vmm),
+        exhaustible: Some(SMALL_CAPACITY),
+    })
+}
+
+#[cfg(not(any()))]
+fn host_backend() -> Option<Backend> {
+    eprintln!("conformance: host backend skipped: not built yet");
+    None
+}
+
+#[cfg(any())]
+fn cuda_backend() -> Option<Backend> {
+    match quilt_vmm::cuda::CudaVmm::new(0) {
+        Ok(vmm) => Some(Backend {
+            vmm: Arc::new(vmm),
+            exhaustible: None,
+        }),
+        Err(error) => {
+            eprintln!("conformance: CUDA backend skipped: {error}");
+            None
+        }
+    }
+}
+
+#[cfg(not(any()))]
+fn cuda_backend() -> Option<Backend> {
+    eprintln!("conformance: CUDA backend skipped: not built yet");
+    None
+}
+
+/// Every backend available here, simulated first.
+fn backends() -> Vec<Backend> {
+    let mut out = vec![sim_backend()];
+    out.extend(host_backend());
+    out.extend(cuda_backend());
+    out
+}
+
+/// Runs `check` against every backend.
+fn each_backend(check: impl Fn(&Backend)) {
+    for backend in backends() {
+        eprintln!("conformance: {}", backend.name());
+        check(&backend);
+    }
+}
+
+#[track_caller]
+fn assert_invalid<T: Debug>(
+    backend: &Backend,
+    result: quilt_vmm::Result<T>,
+    call: CallKind,
+    argument: &str,
+) {
+    match result {
+        Err(VmmError::InvalidArgument {
+            call: c,
+            argument: a,
+            ..
+        }) if c == call && a == argument => {}
+        other => panic!(
+            "{}: expected InvalidArgument {{ call: {call:?}, argument: {argument:?} }}, got {other:?}",
+            backend.name()
+        ),
+    }
+}
+
+#[track_caller]
+fn assert_not_mapped<T: Debug>(backend: &Backend, result: quilt_vmm::Result<T>, call: CallKind) {
+    match result {
+        Err(VmmError::NotMapped { call: c, .. }) if c == call => {}
+        other => panic!(
+            "{}: expected NotMapped {{ call: {call:?} }}, got {other:?}",
+            backend.name()
+        ),
+    }
+}
+
+#[track_caller]
+fn assert_already_mapped<T: Debug>(backend: &Backend, result: quilt_vmm::Result<T>) {
+    match result {
+        Err(VmmError::AlreadyMapped {
+            call: CallKind::Map,
+            ..
+        }) => {}
+        other => panic!(
+            "{}: expected AlreadyMapped from cuMemMap, got {other:?}",
+            backend.name()
+        ),
+    }
+}
+
+fn free_bytes(b: &Backend) -> u64 {
+    b.vmm.mem_info().unwrap().free
+}
+
+/// Reserve, create and map `pages` granules at the start of a fresh
+/// reservation of `reserve_pages`; returns (reservation, handle).
+fn mapped(b: &Backend, reserve_pages: u64, pages: u64) -> (DevicePtr, PhysHandle) {
+    let g = b.vmm.granularity();
+    let va = b.vmm.reserve(reserve_pages * g, 0).unwrap();
+    let h = b.vmm.create(pages * g).unwrap();
+    b.vmm.map(va, pages * g, h, 0).unwrap();
+    (va, h)
+}
+
+/// Undo [`mapped`].
+fn unmapped(b: &Backend, va: DevicePtr, reserve_pages: u64, h: PhysHandle, pages: u64) {
+    let g = b.vmm.granularity();
+    b.vmm.unmap(va, pages * g).unwrap();
+    b.vmm.release(h).unwrap();
+    b.vmm.address_free(va, reserve_pages * g).unwrap();
+}
+
+// ---------------------------------------------------------------- properties
+
+#[test]
+fn granularity_is_a_power_of_two() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        assert!(g.is_power_of_two(), "{}: granularity {g:#x}", b.name());
+        assert_eq!(b.vmm.granularity(), g, "{}: granularity is fixed", b.name());
+    });
+}
+
+#[test]
+fn mem_info_reports_capacity() {
+    each_backend(|b| {
+        let info = b.vmm.mem_info().unwrap();
+        assert!(info.free <= info.total, "{}: {info:?}", b.name());
+        assert!(info.total > 0, "{}: {info:?}", b.name());
+        if let Some(capacity) = b.exhaustible {
+            assert_eq!(info.total, capacity, "{}", b.name());
+            assert_eq!(info.free, capacity, "{}: nothing created yet", b.name());
+        }
+    });
+}
+
+// ---------------------------------------------------------------- reserve / free
+
+#[test]
+fn reserve_rejects_bad_sizes_and_alignments() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        assert_invalid(b, v.reserve(0, 0), CallKind::Reserve, "size");
+        assert_invalid(b, v.reserve(g / 2, 0), CallKind::Reserve, "size");
+        assert_invalid(b, v.reserve(g + 4096, 0), CallKind::Reserve, "size");
+        assert_invalid(b, v.reserve(g, g / 2), CallKind::Reserve, "alignment");
+        assert_invalid(b, v.reserve(g, g + g / 2), CallKind::Reserve, "alignment");
+        assert_invalid(b, v.reserve(g, 4096), CallKind::Reserve, "alignment");
+    });
+}
+
+#[test]
+fn reservations_are_aligned_and_disjoint_and_free_whole() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let a = v.reserve(4 * g, 0).unwrap();
+        let c = v.reserve(2 * g, 8 * g).unwrap();
+        let d = v.reserve(g, 0).unwrap();
+        for (p, size) in [(a, 4 * g), (c, 2 * g), (d, g)] {
+            assert_ne!(p, 0, "{}", b.name());
+            assert_eq!(p % g, 0, "{}: {p:#x} not aligned", b.name());
+            for (q, qsize) in [(a, 4 * g), (c, 2 * g), (d, g)] {
+                if p != q {
+                    assert!(
+                        p + size <= q || q + qsize <= p,
+                        "{}: {p:#x}+{size:#x} overlaps {q:#x}+{qsize:#x}",
+                        b.name()
+                    );
+                }
+            }
+        }
+        assert_eq!(c % (8 * g), 0, "{}: {c:#x} not 8-granule aligned", b.name());
+
+        // address_free names a whole reservation exactly.
+        assert_invalid(b, v.address_free(a, 2 * g), CallKind::AddressFree, "size");
+        assert_invalid(b, v.address_free(a, 8 * g), CallKind::AddressFree, "size");
+        assert_not_mapped(b, v.address_free(a + g, 3 * g), CallKind::AddressFree);
+        assert_not_mapped(b, v.address_free(0, g), CallKind::AddressFree);
+        v.address_free(a, 4 * g).unwrap();
+        assert_not_mapped(b, v.address_free(a, 4 * g), CallKind::AddressFree);
+        v.address_free(c, 2 * g).unwrap();
+        v.address_free(d, g).unwrap();
+    });
+}
+
+#[test]
+fn address_free_while_mapped_is_rejected() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(4 * g, 0).unwrap();
+        let h = v.create(2 * g).unwrap();
+        v.map(va, g, h, 0).unwrap();
+        v.map(va + 2 * g, g, h, g).unwrap();
+        match v.address_free(va, 4 * g) {
+            Err(VmmError::StillMapped {
+                call: CallKind::AddressFree,
+                ptr,
+                size,
+                mappings: 2,
+            }) => {
+                assert_eq!((ptr, size), (va, 4 * g), "{}", b.name());
+            }
+            other => panic!(
+                "{}: expected StillMapped with 2 mappings, got {other:?}",
+                b.name()
+            ),
+        }
+        v.unmap(va, g).unwrap();
+        assert!(
+            matches!(
+                v.address_free(va, 4 * g),
+                Err(VmmError::StillMapped { mappings: 1, .. })
+            ),
+            "{}",
+            b.name()
+        );
+        v.unmap(va + 2 * g, g).unwrap();
+        v.address_free(va, 4 * g).unwrap();
+        v.release(h).unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- create / release
+
+#[test]
+fn create_rejects_bad_sizes() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        assert_invalid(b, b.vmm.create(0), CallKind::Create, "size");
+        assert_invalid(b, b.vmm.create(g / 2), CallKind::Create, "size");
+        assert_invalid(b, b.vmm.create(3 * g + 512), CallKind::Create, "size");
+    });
+}
+
+#[test]
+fn create_and_release_move_free_memory() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let h1 = v.create(g).unwrap();
+        let h2 = v.create(3 * g).unwrap();
+        assert_ne!(h1, h2, "{}: handles are distinct", b.name());
+        if b.exhaustible.is_some() {
+            // Exact figures where nothing else shares the device.
+            let info = v.mem_info().unwrap();
+            assert_eq!(info.total - info.free, 4 * g, "{}", b.name());
+            v.release(h2).unwrap();
+            assert_eq!(
+                v.mem_info().unwrap().total - free_bytes(b),
+                g,
+                "{}",
+                b.name()
+            );
+            v.release(h1).unwrap();
+            assert_eq!(free_bytes(b), info.total, "{}", b.name());
+        } else {
+            v.release(h2).unwrap();
+            v.release(h1).unwrap();
+        }
+        // Double release, and a handle never created.
+        assert_invalid(b, v.release(h1), CallKind::Release, "handle");
+        assert_invalid(
+            b,
+            v.release(PhysHandle(0xdead_beef)),
+            CallKind::Release,
+            "handle",
+        );
+    });
+}
+
+#[test]
+fn exhausting_capacity_is_out_of_memory_with_the_size_asked() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        match b.exhaustible {
+            Some(capacity) => {
+                let half = capacity / 2 / g * g;
+                let h1 = v.create(half).unwrap();
+                let h2 = v.create(capacity - half).unwrap();
+                assert_eq!(free_bytes(b), 0, "{}", b.name());
+                match v.create(2 * g) {
+                    Err(VmmError::OutOfMemory {
+                        call: CallKind::Create,
+                        requested,
+                        available,
+                    }) => {
+                        assert_eq!(requested, 2 * g, "{}", b.name());
+                        assert_eq!(available, 0, "{}", b.name());
+                    }
+                    other => panic!("{}: expected OutOfMemory, got {other:?}", b.name()),
+                }
+                v.release(h1).unwrap();
+                match v.create(capacity) {
+                    Err(VmmError::OutOfMemory {
+                        requested,
+                        available,
+                        ..
+                    }) => {
+                        assert_eq!(requested, capacity, "{}", b.name());
+                        assert_eq!(available, half, "{}", b.name());
+                    }
+                    other => panic!("{}: expected OutOfMemory, got {other:?}", b.name()),
+                }
+                // The failure changed nothing: what is free can still be created.
+                let h3 = v.create(half).unwrap();
+                v.release(h3).unwrap();
+                v.release(h2).unwrap();
+                assert_eq!(free_bytes(b), capacity, "{}", b.name());
+            }
+            None => {
+                let total = v.mem_info().unwrap().total;
+                let too_much = (total / g + 1) * g;
+                let err = v.create(too_much).unwrap_err();
+                assert!(err.is_out_of_memory(), "{}: {err}", b.name());
+                if let VmmError::OutOfMemory { requested, .. } = err {
+                    assert_eq!(requested, too_much, "{}", b.name());
+                }
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------- map
+
+#[test]
+fn map_rejects_bad_arguments() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(4 * g, 0).unwrap();
+        let h = v.create(2 * g).unwrap();
+        assert_invalid(b, v.map(0, g, h, 0), CallKind::Map, "ptr");
+        assert_invalid(b, v.map(va + 4096, g, h, 0), CallKind::Map, "ptr");
+        assert_invalid(b, v.map(va, 0, h, 0), CallKind::Map, "size");
+        assert_invalid(b, v.map(va, g / 2, h, 0), CallKind::Map, "size");
+        assert_invalid(b, v.map(va, g, h, 4096), CallKind::Map, "offset");
+        // offset + size beyond the handle.
+        assert_invalid(b, v.map(va, 3 * g, h, 0), CallKind::Map, "offset");
+        assert_invalid(b, v.map(va, g, h, 2 * g), CallKind::Map, "offset");
+        assert_invalid(b, v.map(va, 2 * g, h, g), CallKind::Map, "offset");
+        assert_invalid(
+            b,
+            v.map(va, g, h, u64::MAX - g + 1),
+            CallKind::Map,
+            "offset",
+        );
+        // An unknown handle.
+        assert_invalid(
+            b,
+            v.map(va, g, PhysHandle(0xdead_beef), 0),
+            CallKind::Map,
+            "handle",
+        );
+        // Outside the reservation: past its end, straddling its end, before it.
+        assert_invalid(b, v.map(va + 4 * g, g, h, 0), CallKind::Map, "ptr");
+        assert_invalid(b, v.map(va + 3 * g, 2 * g, h, 0), CallKind::Map, "ptr");
+        assert_invalid(b, v.map(va - g, 2 * g, h, 0), CallKind::Map, "ptr");
+        // No failed map left anything behind: the whole range maps now.
+        v.map(va, 2 * g, h, 0).unwrap();
+        v.unmap(va, 2 * g).unwrap();
+        v.release(h).unwrap();
+        v.address_free(va, 4 * g).unwrap();
+        // Outside any reservation at all (the one just freed).
+        let h = v.create(g).unwrap();
+        assert_invalid(b, v.map(va, g, h, 0), CallKind::Map, "ptr");
+        v.release(h).unwrap();
+    });
+}
+
+#[test]
+fn map_over_a_mapping_is_already_mapped() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(8 * g, 0).unwrap();
+        let h = v.create(4 * g).unwrap();
+        v.map(va + 2 * g, 2 * g, h, 0).unwrap();
+        assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 0));
+        assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 2 * g));
+        assert_already_mapped(b, v.map(va + 3 * g, g, h, 2 * g));
+        assert_already_mapped(b, v.map(va + g, 2 * g, h, 2 * g));
+        assert_already_mapped(b, v.map(va + 3 * g, 2 * g, h, 2 * g));
+        // Right next to it on both sides is fine; the same physical pages may be
+        // mapped at several addresses.
+        v.map(va + g, g, h, 2 * g).unwrap();
+        v.map(va + 4 * g, 2 * g, h, 0).unwrap();
+        v.unmap(va + g, g).unwrap();
+        v.unmap(va + 2 * g, 2 * g).unwrap();
+        v.unmap(va + 4 * g, 2 * g).unwrap();
+        v.release(h).unwrap();
+        v.address_free(va, 8 * g).unwrap();
+    });
+}
+
+#[test]
+fn map_at_offsets_and_unmap_neighbours_together() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(6 * g, 0).unwrap();
+        let h1 = v.create(4 * g).unwrap();
+        let h2 = v.create(2 * g).unwrap();
+        // Stitch: pages of two handles, out of order, behind one range.
+        v.map(va, g, h1, 3 * g).unwrap();
+        v.map(va + g, 2 * g, h2, 0).unwrap();
+        v.map(va + 3 * g, 3 * g, h1, 0).unwrap();
+        v.set_access(va, 6 * g).unwrap();
+        // Three neighbouring mappings go with one unmap.
+        v.unmap(va, 6 * g).unwrap();
+        assert_not_mapped(b, v.unmap(va, g), CallKind::Unmap);
+        v.release(h1).unwrap();
+        v.release(h2).unwrap();
+        v.address_free(va, 6 * g).unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- unmap
+
+#[test]
+fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(8 * g, 0).unwrap();
+        let h = v.create(4 * g).unwrap();
+        v.map(va, 2 * g, h, 0).unwrap();
+        v.map(va + 4 * g, 2 * g, h, 2 * g).unwrap();
+
+        assert_invalid(b, v.unmap(va + 4096, g), CallKind::Unmap, "ptr");
+        assert_invalid(b, v.unmap(va, 0), CallKind::Unmap, "size");
+        assert_invalid(b, v.unmap(va, g + 4096), CallKind::Unmap, "size");
+        // Part of a mapping: its first half, its second half.
+        assert_invalid(b, v.unmap(va, g), CallKind::Unmap, "size");
+        assert_invalid(b, v.unmap(va + g, g), CallKind::Unmap, "ptr");
+        assert_invalid(b, v.unmap(va + g, 4 * g), CallKind::Unmap, "ptr");
+        // A hole: nothing mapped there, or a mapping then a hole then a mapping.
+        assert_not_mapped(b, v.unmap(va + 2 * g, 2 * g), CallKind::Unmap);
+        assert_not_mapped(b, v.unmap(va, 6 * g), CallKind::Unmap);
+        assert_not_mapped(b, v.unmap(va, 3 * g), CallKind::Unmap);
+        assert_not_mapped(b, v.unmap(va + 6 * g, 2 * g), CallKind::Unmap);
+        // Nothing changed: both mappings still there.
+        assert!(
+            matches!(
+                v.address_free(va, 8 * g),
+                Err(VmmError::StillMapped { mappings: 2, .. })
+            ),
+            "{}",
+            b.name()
+        );
+        v.unmap(va, 2 * g).unwrap();
+        v.unmap(va + 4 * g, 2 * g).unwrap();
+        assert_not_mapped(b, v.unmap(va, 2 * g), CallKind::Unmap);
+        v.release(h).unwrap();
+        v.address_free(va, 8 * g).unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- set access
+
+#[test]
+fn set_access_needs_a_fully_mapped_range() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(8 * g, 0).unwrap();
+        let h = v.create(4 * g).unwrap();
+        assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
+        v.map(va, 2 * g, h, 0).unwrap();
+        v.map(va + 2 * g, g, h, 2 * g).unwrap();
+        v.map(va + 4 * g, g, h, 3 * g).unwrap();
+        assert_invalid(b, v.set_access(va + 4096, g), CallKind::SetAccess, "ptr");
+        assert_invalid(b, v.set_access(va, 0), CallKind::SetAccess, "size");
+        assert_invalid(b, v.set_access(va, g / 2), CallKind::SetAccess, "size");
+        // A hole at va + 3g.
+        assert_not_mapped(b, v.set_access(va, 5 * g), CallKind::SetAccess);
+        assert_not_mapped(b, v.set_access(va + 3 * g, g), CallKind::SetAccess);
+        assert_not_mapped(b, v.set_access(va + 4 * g, 2 * g), CallKind::SetAccess);
+        // Several neighbouring mappings at once, and one alone.
+        v.set_access(va, 3 * g).unwrap();
+        v.set_access(va + 4 * g, g).unwrap();
+        v.unmap(va, 3 * g).unwrap();
+        v.unmap(va + 4 * g, g).unwrap();
+        assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
+        v.release(h).unwrap();
+        v.address_free(va, 8 * g).unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- release while mapped
+
+#[test]
+fn release_while_mapped_keeps_memory_until_the_last_unmap() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let va = v.reserve(4 * g, 0).unwrap();
+        let h = v.create(2 * g).unwrap();
+        v.map(va, g, h, 0).unwrap();
+        v.map(va + 2 * g, 2 * g, h, 0).unwrap();
+        let before = free_bytes(b);
+        v.release(h).unwrap();
+        if b.exhaustible.is_some() {
+            assert_eq!(free_bytes(b), before, "{}: still mapped twice", b.name());
+        }
+        // A released handle cannot be mapped again, nor released again.
+        assert_invalid(b, v.map(va + g, g, h, 0), CallKind::Map, "handle");
+        assert_invalid(b, v.release(h), CallKind::Release, "handle");
+        v.unmap(va, g).unwrap();
+        if b.exhaustible.is_some() {
+            assert_eq!(free_bytes(b), before, "{}: still mapped once", b.name());
+        }
+        v.unmap(va + 2 * g, 2 * g).unwrap();
+        if b.exhaustible.is_some() {
+            assert_eq!(
+                free_bytes(b),
+                before + 2 * g,
+                "{}: freed at last unmap",
+                b.name()
+            );
+        }
+        assert_invalid(b, v.release(h), CallKind::Release, "handle");
+        v.address_free(va, 4 * g).unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- events
+
+#[test]
+fn events_record_query_synchronize_destroy() {
+    each_backend(|b| {
+        let v = &b.vmm;
+        let s = StreamId::DEFAULT;
+        let e1 = v.event_record(s).unwrap();
+        let e2 = v.event_record(s).unwrap();
+        assert_ne!(e1, e2, "{}", b.name());
+        // Whether it is complete yet depends on the device; it must answer.
+        v.event_query(e1).unwrap();
+        v.stream_wait_event(s, e1).unwrap();
+        v.stream_synchronize(s).unwrap();
+        assert!(
+            v.event_query(e1).unwrap(),
+            "{}: complete after sync",
+            b.name()
+        );
+        assert!(
+            v.event_query(e2).unwrap(),
+            "{}: complete after sync",
+            b.name()
+        );
+        v.event_destroy(e1).unwrap();
+        v.event_destroy(e2).unwrap();
+    });
+}
+
+#[test]
+fn events_reject_unknown_and_destroyed_events() {
+    each_backend(|b| {
+        let v = &b.vmm;
+        let s = StreamId::DEFAULT;
+        let e = v.event_record(s).unwrap();
+        v.event_destroy(e).unwrap();
+        assert_invalid(b, v.event_query(e), CallKind::EventQuery, "event");
+        assert_invalid(b, v.event_destroy(e), CallKind::EventDestroy, "event");
+        assert_invalid(
+            b,
+            v.stream_wait_event(s, e),
+            CallKind::StreamWaitEvent,
+            "event",
+        );
+        let unknown = quilt_vmm::EventId(0xdead_beef);
+        assert_invalid(b, v.event_query(unknown), CallKind::EventQuery, "event");
+        assert_invalid(b, v.event_destroy(unknown), CallKind::EventDestroy, "event");
+        assert_invalid(
+            b,
+            v.stream_wait_event(s, unknown),
+            CallKind::StreamWaitEvent,
+            "event",
+        );
+    });
+}
+
+// ---------------------------------------------------------------- counters
+
+#[test]
+fn every_call_is_counted_and_failures_apart() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        let v = &b.vmm;
+        let before = v.driver_stats();
+        let (va, h) = mapped(b, 2, 1);
+        v.set_access(va, g).unwrap();
+        let _ = v.create(0);
+        let _ = v.map(va, g, h, 0);
+        let _ = v.mem_info();
+        unmapped(b, va, 2, h, 1);
+        let d = v.driver_stats().since(&before);
+        let expect = [
+            (CallKind::Reserve, 1, 0),
+            (CallKind::Create, 2, 1),
+            (CallKind::Map, 2, 1),
+            (CallKind::SetAccess, 1, 0),
+            (CallKind::MemInfo, 1, 0),
+            (CallKind::Unmap, 1, 0),
+            (CallKind::Release, 1, 0),
+            (CallKind::AddressFree, 1, 0),
+        ];
+        for (kind, calls, failed) in expect {
+            assert_eq!(d.count(kind), calls, "{}: calls of {kind}", b.name());
+            assert_eq!(
+                d.failed[kind.index()],
+                failed,
+                "{}: failures of {kind}",
+                b.name()
+            );
+        }
+        assert_eq!(d.vmm_calls(), 9, "{}", b.name());
+        assert_eq!(d.created_bytes, g, "{}: only successful creates", b.name());
+    });
+}
+
+// ---------------------------------------------------------------- threads
+
+#[test]
+fn threads_share_one_backend() {
+    each_backend(|b| {
+        let g = b.vmm.granularity();
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                let v = Arc::clone(&b.vmm);
+                scope.spawn(move || {
+                    for _ in 0..25 {
+                        let va = v.reserve(2 * g, 0).unwrap();
+                        let h = v.create(g).unwrap();
+                        v.map(va + g, g, h, 0).unwrap();
+                        v.set_access(va + g, g).unwrap();
+                        v.release(h).unwrap();
+                        v.unmap(va + g, g).unwrap();
+                        v.address_free(va, 2 * g).unwrap();
+                    }
+                });
+            }
+        });
+        if let Some(capacity) = b.exhaustible {
+            assert_eq!(free_bytes(b), capacity, "{}", b.name());
+        }
+    });
+}
+
+// ---------------------------------------------------------------- differential
+
+/// One step of a random workload; indices pick among live objects modulo their count.
+#[derive(Clone, Debug)]
+enum Op {
+    Reserve(u64),
+    Free(usize),
+    Create(u64),
+    Release(usize),
+    Map(usize, u64, u64, usize, u64),
+    Unmap(usize, u64, u64),
+    Access(usize, u64, u64),
+}
+
+/// What a call returned, without addresses or ids (those differ by backend).
+fn outcome<T>(r: &quilt_vmm::Result<T>) -> String {
+    match r {
+        Ok(_) => "ok".into(),
+        Err(VmmError::InvalidArgument { call, argument, .. }) => {
+            format!("{call:?} invalid {argument}")
+        }
+        Err(VmmError::NotMapped { call, .. }) => format!("{call:?} not mapped"),
+        Err(VmmError::AlreadyMapped { call, .. }) => format!("{call:?} already mapped"),
+        Err(VmmError::StillMapped { call, mappings, .. }) => {
+            format!("{call:?} still mapped {mappings}")
+        }
+        Err(VmmError::OutOfMemory {
+            call,
+            requested,
+            available,
+        }) => format!("{call:?} oom {requested} {available}"),
+        Err(e) => format!("{e}"),
+    }
+}
+
+/// Runs `ops` on `v`; returns each call's outcome. Granule counts are scaled by
+/// the granularity; reservations and handles are named by index.
+fn replay(v: &dyn Vmm, ops: &[Op]) -> Vec<String> {
+    let g = v.granularity();
+    let mut res: Vec<(DevicePtr, u64)> = Vec::new();
+    let mut handles: Vec<PhysHandle> = Vec::new();
+    let mut out = Vec::new();
+    for op in ops {
+        let pick = |n: usize, len: usize| if len == 0 { None } else { Some(n % len) };
+        let o = match *op {
+            Op::Reserve(pages) => {
+                let r = v.reserve(pages * g, 0);
+                if let Ok(p) = r {
+                    res.push((p, pages * g));
+                }
+                outcome(&r)
+            }
+            Op::Free(i) => match pick(i, res.len()) {
+                Some(i) => {
+                    let (p, size) = res[i];
+                    let r = v.address_free(p, size);
+                    if r.is_ok() {
+                        res.remove(i);
+                    }
+                    outcome(&r)
+                }
+                None => "skip".into(),
+            },
+            Op::Create(pages) => {
+                let r = v.create(pages * g);
+                if let Ok(h) = r {
+                    handles.push(h);
+                }
+                outcome(&r)
+            }
+            Op::Release(i) => match pick(i, handles.len()) {
+                // Released handles stay in the list: later calls on them test the rules.
+                Some(i) => outcome(&v.release(handles[i])),
+                None => "skip".into(),
+            },
+            Op::Map(r, at, pages, hi, off) => match (pick(r, res.len()), pick(hi, handles.len())) {
+                (Some(r), Some(hi)) => {
+                    outcome(&v.map(res[r].0 + at * g, pages * g, handles[hi], off * g))
+                }
+                _ => "skip".into(),
+            },
+            Op::Unmap(r, at, pages) => match pick(r, res.len()) {
+                Some(r) => outcome(&v.unmap(res[r].0 + at * g, pages * g)),
+                None => "skip".into(),
+            },
+            Op::Access(r, at, pages) => match pick(r, res.len()) {
+                Some(r) => outcome(&v.set_access(res[r].0 + at * g, pages * g)),
+                None => "skip".into(),
+            },
+        };
+        out.push(o);
+    }
+    out.push(format!(
+        "free {}",
+        v.mem_info().map(|m| m.free).unwrap_or(0)
+    ));
+    out
+}
+
+fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (1u64..6).prop_map(Op::Reserve),
+        any::<usize>().prop_map(Op::Free),
+        (1u64..6).prop_map(Op::Create),
+        any::<usize>().prop_map(Op::Release),
+        (any::<usize>(), 0u64..6, 1u64..4, any::<usize>(), 0u64..4)
+            .prop_map(|(r, at, p, h, o)| Op::Map(r, at, p, h, o)),
+        (any::<usize>(), 0u64..6, 1u64..4).prop_map(|(r, at, p)| Op::Unmap(r, at, p)),
+        (any::<usize>(), 0u64..6, 1u64..4).prop_map(|(r, at, p)| Op::Access(r, at, p)),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Every backend gives the same outcome, call by call, as the simulated one
+    /// on random workloads (capacity exhaustion included on the small backends).
+    #[test]
+    fn backends_agree_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
+        let reference = sim_backend();
+        let expected = replay(&*reference.vmm, &ops);
+        for b in backends().into_iter().skip(1) {
+            if b.exhaustible != reference.exhaustible {
+                continue;
+            }
+            let got = replay(&*b.vmm, &ops);
+            proptest::prop_assert_eq!(&got, &expected, "{} differs from simulated on {:?}", b.name(), ops);
+        }
+    }
+}
+
+// ================================================================ simulated only
+
+fn sim(capacity: u64) -> SimVmm {
+    SimVmm::with_capacity(capacity).unwrap()
+}
+
+#[test]
+fn sim_rejects_bad_configurations() {
+    for granularity in [0, 3, 3 * MIB] {
+        let config = SimConfig {
+            granularity,
+            ..SimConfig::default()
+        };
+        assert!(
+            matches!(
+                SimVmm::new(config),
+                Err(VmmError::InvalidArgument {
+                    argument: "granularity",
+                    ..
+                })
+            ),
+            "granularity {granularity}"
+        );
+    }
+    let v = sim(GIB);
+    assert_eq!(v.config().capacity, GIB);
+    assert_eq!(v.config().granularity, 2 * MIB);
+    assert_eq!(v.granularity(), 2 * MIB);
+    assert_eq!(v.backend_name(), "simulated");
+}
+
+#[test]
+fn sim_reserve_requires_power_of_two_alignment_and_respects_va_limit() {
+    let v = SimVmm::new(SimConfig {
+        va_limit: 8 * MIB,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    assert!(matches!(
+        v.reserve(2 * MIB, 6 * MIB),
+        Err(VmmError::InvalidArgument {
+            argument: "alignment",
+            ..
+        })
+    ));
+    let a = v.reserve(6 * MIB, 0).unwrap();
+    match v.reserve(4 * MIB, 0) {
+        Err(VmmError::OutOfMemory {
+            call: CallKind::Reserve,
+            requested,
+            available,
+        }) => assert_eq!((requested, available), (4 * MIB, 2 * MIB)),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    let b = v.reserve(2 * MIB, 0).unwrap();
+    v.address_free(a, 6 * MIB).unwrap();
+    let c = v.reserve(4 * MIB, 0).unwrap();
+    // Addresses are never reused, and reservations are never adjacent.
+    assert!(c > b + 2 * MIB && b > a + 6 * MIB);
+    // An absurd alignment is honoured once, then runs out of addresses: an
+    // out-of-memory, not a panic.
+    let v = sim(GIB);
+    let top = v.reserve(2 * MIB, 1 << 63).unwrap();
+    assert_eq!(top, 1 << 63);
+    assert!(matches!(
+        v.reserve(2 * MIB, 1 << 63),
+        Err(VmmError::OutOfMemory {
+            call: CallKind::Reserve,
+            ..
+        })
+    ));
+    v.address_free(top, 2 * MIB).unwrap();
+}
+
+#[test]
+fn sim_leak_report_lists_what_is_alive_and_empties_after_cleanup() {
+    let v = sim(GIB);
+    assert!(v.leak_report().is_empty());
+    assert_eq!(v.leak_report().to_string(), "nothing alive");
+    let va = v.reserve(8 * MIB, 0).unwrap();
+    let h = v.create(4 * MIB).unwrap();
+    let lonely = v.create(2 * MIB).unwrap();
+    v.map(va, 4 * MIB, h, 0).unwrap();
+    v.release(h).unwrap(); // still mapped: stays alive
+    let e = v.event_record(StreamId(7)).unwrap();
+    let report = v.leak_report();
+    assert_eq!(report.handles, vec![(h, 4 * MIB), (lonely, 2 * MIB)]);
+    assert_eq!(report.reservations, vec![(va, 8 * MIB)]);
+    assert_eq!(report.mappings, vec![(va, 4 * MIB)]);
+    assert_eq!(report.events, 1);
+    assert_eq!(report.handle_bytes(), 6 * MIB);
+    let text = report.to_string();
+    assert!(
+        text.contains("2 handle(s)") && text.contains("1 reservation(s)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("1 mapping(s)") && text.contains("1 event(s)"),
+        "{text}"
+    );
+    assert_eq!(v.physical_in_use(), 6 * MIB);
+    assert_eq!(v.mapped_bytes(), 4 * MIB);
+
+    v.unmap(va, 4 * MIB).unwrap();
+    v.release(lonely).unwrap();
+    v.address_free(va, 8 * MIB).unwrap();
+    v.event_destroy(e).unwrap();
+    assert!(v.leak_report().is_empty(), "{}", v.leak_report());
+    assert_eq!(
+        (v.physical_in_use(), v.mapped_bytes(), v.reserved_bytes()),
+        (0, 0, 0)
+    );
+    assert_eq!(v.live_counts(), (0, 0, 0));
+}
+
+#[test]
+fn sim_tracks_access_per_mapping_and_translates() {
+    let v = sim(GIB);
+    let va = v.reserve(8 * MIB, 0).unwrap();
+    let h = v.create(8 * MIB).unwrap();
+    v.map(va, 4 * MIB, h, 4 * MIB).unwrap();
+    v.map(va + 4 * MIB, 2 * MIB, h, 0).unwrap();
+    assert_eq!(v.access_set(va), Some(false));
+    assert_eq!(v.access_set(va + 6 * MIB), None);
+    v.set_access(va, 4 * MIB).unwrap();
+    assert_eq!(v.access_set(va + 3 * MIB), Some(true));
+    assert_eq!(
+        v.access_set(va + 4 * MIB),
+        Some(false),
+        "a map without set_access"
+    );
+    assert_eq!(v.translate(va + 5 * MIB + 7), Some((h, MIB + 7)));
+    assert_eq!(v.translate(va + MIB), Some((h, 5 * MIB)));
+    // Access resets with the mapping.
+    v.unmap(va, 4 * MIB).unwrap();
+    v.map(va, 4 * MIB, h, 0).unwrap();
+    assert_eq!(v.access_set(va), Some(false));
+    v.unmap(va, 6 * MIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, 8 * MIB).unwrap();
+}
+
+/// Everything observable about a simulated device except the counters.
+fn observable(v: &SimVmm) -> (quilt_vmm::sim::LeakReport, u64, u64, u64) {
+    (
+        v.leak_report(),
+        v.physical_in_use(),
+        v.mapped_bytes(),
+        v.reserved_bytes(),
+    )
+}
+
+#[track_caller]
+fn assert_cuda_error<T: Debug>(r: quilt_vmm::Result<T>, kind: CallKind, code: u32, name: &str) {
+    match r {
+        Err(VmmError::Driver {
+            call,
+            code: c,
+            name: n,
+            ..
+        }) => assert_eq!((call, c, n.as_str()), (kind, code, name)),
+        other => panic!("expected {name} from {kind}, got {other:?}"),
+    }
+}
+
+#[test]
+fn sim_nth_fault_fails_exactly_that_call_and_changes_nothing() {
+    let v = sim(GIB);
+    let va = v.reserve(8 * MIB, 0).unwrap();
+    let h = v.create(8 * MIB).unwrap();
+    v.inject(Fault::nth(CallKind::Map, 3));
+    v.inject(Fault::nth(CallKind::Create, 1));
+    assert_eq!(v.armed_faults(), 2);
+    v.map(va, 2 * MIB, h, 0).unwrap();
+    v.map(va + 2 * MIB, 2 * MIB, h, 0).unwrap();
+    let before = observable(&v);
+    let stats = v.driver_stats();
+    assert_cuda_error(
+        v.map(va + 4 * MIB, 2 * MIB, h, 0),
+        CallKind::Map,
+        1,
+        "CUDA_ERROR_INVALID_VALUE",
+    );
+    assert_eq!(observable(&v), before, "a failed call changes no state");
+    let d = v.driver_stats().since(&stats);
+    assert_eq!(
+        (d.count(CallKind::Map), d.failed[CallKind::Map.index()]),
+        (1, 1)
+    );
+    assert_eq!(
+        d.modelled_ns,
+        CostModel::default().map_ns,
+        "a failed call is still costed"
+    );
+    // Disarmed after firing: the same call succeeds now.
+    v.map(va + 4 * MIB, 2 * MIB, h, 0).unwrap();
+    assert_cuda_error(
+        v.create(2 * MIB),
+        CallKind::Create,
+        2,
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    );
+    assert_eq!(v.armed_faults(), 0);
+    let h2 = v.create(2 * MIB).unwrap();
+    v.release(h2).unwrap();
+    v.unmap(va, 6 * MIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, 8 * MIB).unwrap();
+    assert!(v.leak_report().is_empty());
+}
+
+#[test]
+fn sim_always_fault_fails_every_call_until_cleared() {
+    let v = sim(GIB);
+    let custom = VmmError::Unavailable {
+        reason: "device lost".into(),
+    };
+    v.inject(Fault::always(CallKind::SetAccess).with_error(custom.clone()));
+    v.inject(Fault::always(CallKind::Reserve));
+    for _ in 0..3 {
+        assert_cuda_error(
+            v.reserve(2 * MIB, 0),
+            CallKind::Reserve,
+            1,
+            "CUDA_ERROR_INVALID_VALUE",
+        );
+    }
+    assert_eq!(v.reserved_bytes(), 0);
+    // Calls of other kinds go through.
+    let h = v.create(2 * MIB).unwrap();
+    v.clear_faults();
+    let va = v.reserve(2 * MIB, 0).unwrap();
+    v.map(va, 2 * MIB, h, 0).unwrap();
+    v.set_access(va, 2 * MIB).unwrap();
+    v.inject(Fault::always(CallKind::SetAccess).with_error(custom.clone()));
+    assert_eq!(v.set_access(va, 2 * MIB), Err(custom.clone()));
+    assert_eq!(v.set_access(va, 2 * MIB), Err(custom));
+    let stats = v.driver_stats();
+    assert_eq!(stats.failed[CallKind::Reserve.index()], 3);
+    assert_eq!(stats.count(CallKind::Reserve), 4);
+    assert_eq!(stats.failed[CallKind::SetAccess.index()], 2);
+    v.clear_faults();
+    assert_eq!(v.armed_faults(), 0);
+    v.unmap(va, 2 * MIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, 2 * MIB).unwrap();
+}
+
+/// A small workload of `SEQUENCE_CALLS` VMM calls (plus events, which are not
+/// VMM calls), stopping at the first failure; returns whether it finished.
+fn small_workload(v: &SimVmm) -> Result<(), VmmError> {
+    let va = v.reserve(8 * MIB, 0)?;
+    let h = v.create(4 * MIB)?;
+    let e = v.event_record(StreamId(1))?;
+    v.map(va, 4 * MIB, h, 0)?;
+    v.set_access(va, 4 * MIB)?;
+    v.event_destroy(e)?;
+    v.unmap(va, 4 * MIB)?;
+    v.release(h)?;
+    v.address_free(va, 8 * MIB)?;
+    Ok(())
+}
+const SEQUENCE_CALLS: u64 = 7;
+const SEQUENCE_KINDS: [CallKind; 7] = [
+    CallKind::Reserve,
+    CallKind::Create,
+    CallKind::Map,
+    CallKind::SetAccess,
+    CallKind::Unmap,
+    CallKind::Release,
+    CallKind::AddressFree,
+];
+
+#[test]
+fn sim_nth_overall_fault_fails_the_kth_vmm_call_with_cudas_error() {
+    let probe = sim(GIB);
+    small_workload(&probe).unwrap();
+    assert_eq!(probe.driver_stats().vmm_calls(), SEQUENCE_CALLS);
+    for k in 1..=SEQUENCE_CALLS {
+        let v = sim(GIB);
+        v.inject(Fault::nth_overall(k));
+        let err = small_workload(&v).unwrap_err();
+        let kind = SEQUENCE_KINDS[(k - 1) as usize];
+        let (code, name) = if kind == CallKind::Create {
+            (2, "CUDA_ERROR_OUT_OF_MEMORY")
+        } else {
+            (1, "CUDA_ERROR_INVALID_VALUE")
+        };
+        assert_cuda_error::<()>(Err(err), kind, code, name);
+        let stats = v.driver_stats();
+        assert_eq!(stats.vmm_calls(), k, "stopped at call {k}");
+        assert_eq!(stats.failed.iter().sum::<u64>(), 1);
+        assert_eq!(v.armed_faults(), 0);
+    }
+    // Past the end: nothing fails, and the fault stays armed.
+    let v = sim(GIB);
+    v.inject(Fault {
+        kind: CallKind::Map,
+        trigger: FaultTrigger::NthCallOfAnyKind(SEQUENCE_CALLS + 1),
+        error: None,
+    });
+    small_workload(&v).unwrap();
+    assert_eq!(v.armed_faults(), 1);
+    // Nth(0) never fires.
+    v.clear_faults();
+    v.inject(Fault::nth(CallKind::Map, 0));
+    small_workload(&v).unwrap();
+}
+
+#[test]
+fn sim_costs_and_counters_add_up() {
+    let v = sim(GIB);
+    let c = CostModel::default();
+    assert_eq!(
+        (
+            c.reserve_ns,
+            c.create_ns_per_granule,
+            c.create_flat_ns,
+            c.map_ns
+        ),
+        (19_000, 193_000, 193_000, 1_500)
+    );
+    assert_eq!(
+        (c.set_access_ns, c.unmap_ns, c.release_ns, c.address_free_ns),
+        (36_000, 26_000, 25_000, 19_000)
+    );
+    let h = v.create(64 * MIB).unwrap();
+    let s = v.driver_stats();
+    assert_eq!(s.modelled_ns, 32 * 193_000, "64 MiB = 32 granules");
+    assert_eq!(s.modelled_flat_create_ns, 193_000);
+    assert_eq!(s.created_bytes, 64 * MIB);
+    let va = v.reserve(64 * MIB, 0).unwrap();
+    v.map(va, 64 * MIB, h, 0).unwrap();
+    v.set_access(va, 64 * MIB).unwrap();
+    v.unmap(va, 64 * MIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, 64 * MIB).unwrap();
+    let _ = v.create(3 * GIB); // out of memory: costed flat
+    let e = v.event_record(StreamId::DEFAULT).unwrap();
+    v.event_query(e).unwrap();
+    v.stream_wait_event(StreamId(3), e).unwrap();
+    v.event_destroy(e).unwrap();
+    v.stream_synchronize(StreamId::DEFAULT).unwrap();
+    v.mem_info().unwrap();
+    let s = v.driver_stats();
+    let others = c.reserve_ns
+        + c.map_ns
+        + c.set_access_ns
+        + c.unmap_ns
+        + c.release_ns
+        + c.address_free_ns
+        + c.create_flat_ns
+        + 4 * c.event_ns
+        + c.sync_ns
+        + c.mem_info_ns;
+    assert_eq!(s.modelled_ns, 32 * 193_000 + others);
+    assert_eq!(s.modelled_flat_create_ns, 193_000 + others);
+    assert_eq!(s.created_bytes, 64 * MIB);
+    assert_eq!(s.count(CallKind::Create), 2);
+    assert_eq!(s.failed[CallKind::Create.index()], 1);
+    assert_eq!(s.calls.iter().sum::<u64>(), 14);
+    assert_eq!(s.vmm_calls(), 8);
+    v.reset_stats();
+    assert_eq!(v.driver_stats(), quilt_vmm::DriverStats::default());
+}
+
+#[test]
+fn sim_custom_costs_are_used() {
+    let v = SimVmm::new(SimConfig {
+        granularity: 64 * 1024,
+        cost: CostModel {
+            create_ns_per_granule: 10,
+            create_flat_ns: 7,
+            map_ns: 3,
+            ..CostModel::default()
+        },
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let h = v.create(MIB).unwrap();
+    let va = v.reserve(MIB, 0).unwrap();
+    v.map(va, MIB, h, 0).unwrap();
+    let s = v.driver_stats();
+    assert_eq!(s.modelled_ns, 16 * 10 + v.config().cost.reserve_ns + 3);
+    assert_eq!(
+        s.modelled_flat_create_ns,
+        7 + v.config().cost.reserve_ns + 3
+    );
+    v.unmap(va, MIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, MIB).unwrap();
+}
+
+#[test]
+fn sim_huge_capacity_costs_nothing() {
+    let v = sim(200 * GIB);
+    let va = v.reserve(150 * GIB, 0).unwrap();
+    let h = v.create(150 * GIB).unwrap();
+    v.map(va, 150 * GIB, h, 0).unwrap();
+    v.set_access(va, 150 * GIB).unwrap();
+    let info = v.mem_info().unwrap();
+    assert_eq!((info.total, info.free), (200 * GIB, 50 * GIB));
+    assert_eq!(v.physical_in_use(), 150 * GIB);
+    assert!(v.create(51 * GIB).unwrap_err().is_out_of_memory());
+    let h2 = v.create(50 * GIB).unwrap();
+    v.release(h2).unwrap();
+    v.unmap(va, 150 * GIB).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, 150 * GIB).unwrap();
+    assert!(v.leak_report().is_empty());
+}
+
+#[test]
+fn sim_events_complete_when_their_stream_catches_up() {
+    let v = sim(GIB);
+    let (s1, s2, s3) = (StreamId(1), StreamId(2), StreamId(3));
+    let a = v.event_record(s1).unwrap();
+    let b = v.event_record(s2).unwrap();
+    assert!(!v.event_query(a).unwrap() && !v.event_query(b).unwrap());
+    v.complete_stream(s1);
+    assert!(v.event_query(a).unwrap());
+    assert!(!v.event_query(b).unwrap(), "other streams stay pending");
+    let a2 = v.event_record(s1).unwrap();
+    assert!(!v.event_query(a2).unwrap(), "recorded after the catch-up");
+    // s3 waits for b: when s3 catches up, b has completed too; a2 has not.
+    v.stream_wait_event(s3, b).unwrap();
+    let c = v.event_record(s3).unwrap();
+    v.stream_synchronize(s3).unwrap();
+    assert!(v.event_query(c).unwrap());
+    assert!(v.event_query(b).unwrap(), "s3 waited for b");
+    assert!(!v.event_query(a2).unwrap());
+    // A wait holds back only the events recorded after it: s3 waits for d, which
+    // s1 recorded before its own wait for e, so s3 catching up completes d, not e.
+    let d = v.event_record(s1).unwrap();
+    let e = v.event_record(s2).unwrap();
+    v.stream_wait_event(s1, e).unwrap();
+    v.stream_wait_event(s3, d).unwrap();
+    v.complete_stream(s3);
+    assert!(v.event_query(d).unwrap() && v.event_query(a2).unwrap());
+    assert!(!v.event_query(e).unwrap());
+    v.complete_all();
+    assert!(v.event_query(e).unwrap());
+    for ev in [a, b, c, a2, d, e] {
+        v.event_destroy(ev).unwrap();
+    }
+    assert!(v.leak_report().is_empty());
+}
+
+#[test]
+fn sim_is_fast_enough_for_replays() {
+    // Many live mappings, then many calls: O(log n) each. No timing is asserted;
+    // this only has to finish quickly.
+    let v = sim(1 << 50);
+    let n = 20_000u64;
+    let va = v.reserve(n * 2 * MIB, 0).unwrap();
+    let h = v.create(n * 2 * MIB).unwrap();
+    for i in 0..n {
+        v.map(va + i * 2 * MIB, 2 * MIB, h, i * 2 * MIB).unwrap();
+    }
+    for i in 0..n {
+        v.set_access(va + i * 2 * MIB, 2 * MIB).unwrap();
+    }
+    v.unmap(va, n * 2 * MIB).unwrap();
+    assert_eq!(v.mapped_bytes(), 0);
+    v.release(h).unwrap();
+    v.address_free(va, n * 2 * MIB).unwrap();
+    assert_eq!(v.driver_stats().vmm_calls(), 2 * n + 5);
+}
+
+#[test]
+fn sim_debug_is_a_summary() {
+    let v = sim(GIB);
+    let text = format!("{v:?}");
+    assert!(
+        text.starts_with("SimVmm") && text.contains("capacity"),
+        "{text}"
+    );
+}
