@@ -1,1 +1,584 @@
-//! Host backend (being written).
+//! Host backend: CUDA's VMM semantics on real host memory (64-bit Linux).
+//!
+//! | CUDA call | host emulation |
+//! |---|---|
+//! | `cuMemCreate` | `memfd_create` + `ftruncate` (zeroed, allocated lazily) |
+//! | `cuMemAddressReserve` | `mmap(NULL, PROT_NONE, PRIVATE \| NORESERVE)`, over-reserved and trimmed to the alignment |
+//! | `cuMemMap` | `mmap(ptr, PROT_NONE, SHARED \| FIXED, memfd, offset)` |
+//! | `cuMemSetAccess` | `mprotect(READ \| WRITE)` |
+//! | `cuMemUnmap` | `mmap(ptr, PROT_NONE, PRIVATE \| FIXED \| NORESERVE)`: the hole stays reserved |
+//! | `cuMemRelease` | drop the memfd once no mapping names it |
+//! | `cuMemAddressFree` | `munmap` |
+//!
+//! A mapping is inaccessible until [`crate::Vmm::set_access`], as on CUDA. Bytes
+//! written through any mapping really land in the memfd's pages, so one handle
+//! mapped at two addresses shows the same bytes, and a range stitched from pages
+//! of several handles reads back what each handle holds: tests check data with
+//! [`HostVmm::write_bytes`] and [`HostVmm::read_bytes`].
+//!
+//! Soundness: every call is checked against the backend's ledger (the same
+//! rules as the simulated backend) before any system call, so no address
+//! outside a live reservation of this backend ever reaches `mmap`, `mprotect`
+//! or `munmap`, and bytes are only read or written where a mapping with access
+//! set covers them, under the ledger's lock (no unmap can race a copy).
+//!
+//! Events: the host is synchronous, so an event is complete when recorded;
+//! event ids are still checked. Streams are not tracked: any [`StreamId`] is accepted.
+
+mod os;
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use crate::call_log::CallLog;
+use crate::driver::Vmm;
+use crate::error::{Result, VmmError};
+use crate::ledger::{LeakReport, Ledger};
+use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+
+use os::OsError;
+
+/// Settings of a [`HostVmm`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostConfig {
+    /// The allocation granularity in bytes: a power of two, at least the OS
+    /// page size. Default 2 MiB, as on NVIDIA data-centre GPUs.
+    pub granularity: u64,
+    /// Bytes of physical memory (sum of live handles) the backend allows;
+    /// `create` beyond it fails with `OutOfMemory`. Default 256 MiB. Memfd
+    /// pages are allocated only when touched, so a large capacity costs nothing
+    /// until written.
+    pub capacity: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            granularity: 2 << 20,
+            capacity: 256 << 20,
+        }
+    }
+}
+
+/// Live event ids (the host completes every event at once).
+#[derive(Debug, Default)]
+struct EventBook {
+    next: u64,
+    live: BTreeSet<u64>,
+}
+
+/// The host backend. `Send + Sync`: all state sits behind mutexes and atomics.
+pub struct HostVmm {
+    config: HostConfig,
+    ledger: Mutex<Ledger<os::Memory>>,
+    events: Mutex<EventBook>,
+    log: CallLog,
+}
+
+impl fmt::Debug for HostVmm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostVmm")
+            .field("config", &self.config)
+            .field("live", &self.leak_report())
+            .finish()
+    }
+}
+
+fn os_failure(call: CallKind, size: u64, e: OsError) -> VmmError {
+    if e.out_of_memory {
+        VmmError::OutOfMemory {
+            call,
+            requested: size,
+            available: 0,
+        }
+    } else {
+        VmmError::Driver {
+            call,
+            code: e.errno.unsigned_abs(),
+            name: e.name,
+            text: e.text,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl HostVmm {
+    /// A host backend with `config`.
+    ///
+    /// Errors: `Unavailable` off 64-bit Linux; `InvalidArgument` when the
+    /// granularity is not a power of two at least the OS page size.
+    pub fn new(config: HostConfig) -> Result<HostVmm> {
+        if !os::SUPPORTED {
+            return Err(VmmError::Unavailable {
+                reason: "the host backend needs 64-bit Linux (memfd and mmap)".to_owned(),
+            });
+        }
+        let page = os::page_size();
+        if !config.granularity.is_power_of_two() || config.granularity < page {
+            return Err(VmmError::InvalidArgument {
+                call: CallKind::Create,
+                argument: "granularity",
+                value: config.granularity,
+                rule: "must be a power of two multiple of the OS page size",
+            });
+        }
+        Ok(HostVmm {
+            config,
+            ledger: Mutex::new(Ledger::new(config.granularity, Some(config.capacity))),
+            events: Mutex::new(EventBook {
+                next: 1,
+                live: BTreeSet::new(),
+            }),
+            log: CallLog::new("host"),
+        })
+    }
+
+    /// The settings this backend was made with.
+    pub fn config(&self) -> HostConfig {
+        self.config
+    }
+
+    /// Copies `data` to `ptr`. The whole range must be mapped (else `NotMapped`)
+    /// and made accessible with `set_access` (else `InvalidArgument`); it may
+    /// span several neighbouring mappings. Empty data always succeeds.
+    pub fn write_bytes(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
+        let ledger = lock(&self.ledger);
+        ledger.check_accessible(ptr, data.len() as u64)?;
+        if !data.is_empty() {
+            // SAFETY: the ledger confirmed every byte is inside mappings with
+            // access set (so mapped READ|WRITE), and holding its lock keeps any
+            // unmap from racing the copy.
+            unsafe { os::copy_in(ptr, data) };
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from `ptr` into `out`; same rules as [`HostVmm::write_bytes`].
+    pub fn read_bytes(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<()> {
+        let ledger = lock(&self.ledger);
+        ledger.check_accessible(ptr, out.len() as u64)?;
+        if !out.is_empty() {
+            // SAFETY: as in `write_bytes`, for reads.
+            unsafe { os::copy_out(ptr, out) };
+        }
+        Ok(())
+    }
+
+    /// Sets `len` bytes at `ptr` to `byte`; same rules as [`HostVmm::write_bytes`].
+    pub fn fill(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<()> {
+        let ledger = lock(&self.ledger);
+        ledger.check_accessible(ptr, len)?;
+        if len > 0 {
+            // SAFETY: as in `write_bytes`, for `len` bytes of writes.
+            unsafe { os::fill(ptr, len, byte) };
+        }
+        Ok(())
+    }
+
+    /// True when all `len` bytes at `ptr` equal `byte`; same rules as [`HostVmm::write_bytes`].
+    pub fn check_filled(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<bool> {
+        let ledger = lock(&self.ledger);
+        ledger.check_accessible(ptr, len)?;
+        if len == 0 {
+            return Ok(true);
+        }
+        // SAFETY: as in `write_bytes`, for `len` bytes of reads; the lock keeps
+        // every writer out while the bytes are compared.
+        Ok(unsafe { os::all_equal(ptr, len, byte) })
+    }
+
+    /// Handles, reservations, mappings and events still alive.
+    pub fn leak_report(&self) -> LeakReport {
+        let mut report = lock(&self.ledger).live_counts();
+        report.events = lock(&self.events).live.len();
+        report
+    }
+
+    fn unknown_event(call: CallKind, event: EventId) -> VmmError {
+        VmmError::InvalidArgument {
+            call,
+            argument: "event",
+            value: event.0,
+            rule: "is not a live event (never recorded, or already destroyed)",
+        }
+    }
+
+    fn check_event(&self, call: CallKind, event: EventId) -> Result<()> {
+        if lock(&self.events).live.contains(&event.0) {
+            Ok(())
+        } else {
+            Err(Self::unknown_event(call, event))
+        }
+    }
+}
+
+impl Vmm for HostVmm {
+    fn backend_name(&self) -> &'static str {
+        "host"
+    }
+
+    fn granularity(&self) -> u64 {
+        self.config.granularity
+    }
+
+    fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            let alignment = ledger.check_reserve(size, alignment)?;
+            let ptr =
+                os::reserve(size, alignment).map_err(|e| os_failure(CallKind::Reserve, size, e))?;
+            ledger.add_reservation(ptr, size);
+            Ok(ptr)
+        })();
+        self.log.record(CallKind::Reserve, size, started, result)
+    }
+
+    fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_address_free(ptr, size)?;
+            // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly one of our
+            // reservations with no mapping left; data copies hold the lock we
+            // hold, so no reference points into it.
+            unsafe { os::unreserve(ptr, size) }
+                .map_err(|e| os_failure(CallKind::AddressFree, size, e))?;
+            ledger.remove_reservation(ptr);
+            Ok(())
+        })();
+        self.log
+            .record(CallKind::AddressFree, size, started, result)
+    }
+
+    fn create(&self, size: u64) -> Result<PhysHandle> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_create(size)?;
+            let memory = os::create_memory(size).map_err(|e| {
+                let mut err = os_failure(CallKind::Create, size, e);
+                if let VmmError::OutOfMemory { available, .. } = &mut err {
+                    *available = self.config.capacity.saturating_sub(ledger.used());
+                }
+                err
+            })?;
+            Ok(ledger.add_handle(size, memory))
+        })();
+        self.log.record(CallKind::Create, size, started, result)
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            let size = ledger.live_handle(CallKind::Release, handle)?.size;
+            // Dropping the memfd (if no mapping names it any more) closes it.
+            drop(ledger.release(handle));
+            Ok(size)
+        })();
+        let size = result.as_ref().map_or(0, |s| *s);
+        self.log
+            .record(CallKind::Release, size, started, result.map(|_| ()))
+    }
+
+    fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            let entry = ledger.check_map(ptr, size, handle, offset)?;
+            // SAFETY: the ledger confirmed `ptr..ptr+size` lies inside one of our
+            // reservations with no mapping in it, that both are multiples of
+            // the granularity (itself a page multiple), and that
+            // `offset + size` is inside the memfd.
+            unsafe { os::map_fixed(ptr, size, &entry.payload, offset) }
+                .map_err(|e| os_failure(CallKind::Map, size, e))?;
+            ledger.add_mapping(ptr, size, handle);
+            Ok(())
+        })();
+        self.log.record(CallKind::Map, size, started, result)
+    }
+
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            let starts = ledger.check_unmap(ptr, size)?;
+            // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly a run of
+            // our mappings, all inside our reservations; no reference points
+            // into it while we hold the lock.
+            unsafe { os::reset_to_reserved(ptr, size) }
+                .map_err(|e| os_failure(CallKind::Unmap, size, e))?;
+            // Memfds of released handles unmapped for the last time close here.
+            drop(ledger.remove_mappings(&starts));
+            Ok(())
+        })();
+        self.log.record(CallKind::Unmap, size, started, result)
+    }
+
+    fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let started = Instant::now();
+        let result = (|| {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_set_access(ptr, size)?;
+            // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
+            // our memfd mappings.
+            unsafe { os::protect_read_write(ptr, size) }
+                .map_err(|e| os_failure(CallKind::SetAccess, size, e))?;
+            ledger.mark_accessible(ptr, size);
+            Ok(())
+        })();
+        self.log.record(CallKind::SetAccess, size, started, result)
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let started = Instant::now();
+        let used = lock(&self.ledger).used();
+        let info = MemInfo {
+            total: self.config.capacity,
+            free: self.config.capacity.saturating_sub(used),
+        };
+        self.log.record(CallKind::MemInfo, 0, started, Ok(info))
+    }
+
+    fn event_record(&self, _stream: StreamId) -> Result<EventId> {
+        let started = Instant::now();
+        let mut book = lock(&self.events);
+        let id = book.next;
+        book.next += 1;
+        book.live.insert(id);
+        drop(book);
+        self.log
+            .record(CallKind::EventRecord, 0, started, Ok(EventId(id)))
+    }
+
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        let started = Instant::now();
+        let result = self.check_event(CallKind::EventQuery, event).map(|()| true);
+        self.log.record(CallKind::EventQuery, 0, started, result)
+    }
+
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        let started = Instant::now();
+        let result = if lock(&self.events).live.remove(&event.0) {
+            Ok(())
+        } else {
+            Err(Self::unknown_event(CallKind::EventDestroy, event))
+        };
+        self.log.record(CallKind::EventDestroy, 0, started, result)
+    }
+
+    fn stream_wait_event(&self, _stream: StreamId, event: EventId) -> Result<()> {
+        let started = Instant::now();
+        let result = self.check_event(CallKind::StreamWaitEvent, event);
+        self.log
+            .record(CallKind::StreamWaitEvent, 0, started, result)
+    }
+
+    fn stream_synchronize(&self, _stream: StreamId) -> Result<()> {
+        let started = Instant::now();
+        self.log
+            .record(CallKind::StreamSynchronize, 0, started, Ok(()))
+    }
+
+    fn driver_stats(&self) -> DriverStats {
+        self.log.stats()
+    }
+}
+
+impl Drop for HostVmm {
+    fn drop(&mut self) {
+        let report = self.leak_report();
+        if !report.is_clean() {
+            tracing::debug!(%report, "host backend dropped with memory still held; freeing it");
+        }
+        let drained = lock(&self.ledger).drain();
+        for (ptr, size) in drained.reservations {
+            // SAFETY: each range is exactly one of our reservations (mappings
+            // inside it go with it); `&mut self` means no copy is in flight.
+            if let Err(e) = unsafe { os::unreserve(ptr, size) } {
+                tracing::warn!(ptr, size, error = %e.text, "munmap of a reservation failed at drop");
+            }
+        }
+        // The memfds close as `drained.handles` drops.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn small() -> HostVmm {
+        HostVmm::new(HostConfig {
+            granularity: 64 * 1024,
+            capacity: 4 * MIB,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn granularity_must_be_a_power_of_two_page_multiple() {
+        for g in [0, 1000, 3 * 4096, 1] {
+            let err = HostVmm::new(HostConfig {
+                granularity: g,
+                capacity: MIB,
+            })
+            .unwrap_err();
+            assert!(
+                matches!(err, VmmError::InvalidArgument { argument: "granularity", value, .. } if value == g),
+                "{g}: {err}"
+            );
+        }
+        assert!(HostVmm::new(HostConfig::default()).is_ok());
+    }
+
+    #[test]
+    fn reservations_are_aligned_as_asked() {
+        let vmm = small();
+        let g = vmm.granularity();
+        for align in [0, g, 4 * g, 32 * g] {
+            let ptr = vmm.reserve(3 * g, align).unwrap();
+            assert_eq!(ptr % align.max(g), 0, "alignment {align}");
+            vmm.address_free(ptr, 3 * g).unwrap();
+        }
+        assert!(vmm.leak_report().is_clean());
+    }
+
+    #[test]
+    fn fresh_memory_reads_zero_and_capacity_is_enforced() {
+        let vmm = small();
+        let g = vmm.granularity();
+        let ptr = vmm.reserve(4 * g, 0).unwrap();
+        let h = vmm.create(2 * g).unwrap();
+        vmm.map(ptr, 2 * g, h, 0).unwrap();
+        vmm.set_access(ptr, 2 * g).unwrap();
+        assert!(vmm.check_filled(ptr, 2 * g, 0).unwrap());
+        let err = vmm.create(4 * MIB).unwrap_err();
+        assert_eq!(
+            err,
+            VmmError::OutOfMemory {
+                call: CallKind::Create,
+                requested: 4 * MIB,
+                available: 4 * MIB - 2 * g
+            }
+        );
+        assert_eq!(vmm.mem_info().unwrap().free, 4 * MIB - 2 * g);
+        vmm.unmap(ptr, 2 * g).unwrap();
+        vmm.release(h).unwrap();
+        vmm.address_free(ptr, 4 * g).unwrap();
+        assert_eq!(vmm.mem_info().unwrap().free, 4 * MIB);
+    }
+
+    #[test]
+    fn released_handle_stays_readable_until_unmapped() {
+        let vmm = small();
+        let g = vmm.granularity();
+        let ptr = vmm.reserve(g, 0).unwrap();
+        let h = vmm.create(g).unwrap();
+        vmm.map(ptr, g, h, 0).unwrap();
+        vmm.set_access(ptr, g).unwrap();
+        vmm.fill(ptr, g, 0x5a).unwrap();
+        vmm.release(h).unwrap();
+        assert!(vmm.check_filled(ptr, g, 0x5a).unwrap());
+        let live = vmm.leak_report();
+        assert_eq!((live.handles, live.released_but_mapped), (0, 1));
+        assert!(matches!(
+            vmm.release(h),
+            Err(VmmError::InvalidArgument {
+                argument: "handle",
+                ..
+            })
+        ));
+        vmm.unmap(ptr, g).unwrap();
+        assert_eq!(vmm.leak_report().released_but_mapped, 0);
+        assert_eq!(vmm.mem_info().unwrap().free, 4 * MIB);
+        vmm.address_free(ptr, g).unwrap();
+    }
+
+    #[test]
+    fn unmap_takes_away_access() {
+        let vmm = small();
+        let g = vmm.granularity();
+        let ptr = vmm.reserve(g, 0).unwrap();
+        let h = vmm.create(g).unwrap();
+        vmm.map(ptr, g, h, 0).unwrap();
+        vmm.set_access(ptr, g).unwrap();
+        vmm.unmap(ptr, g).unwrap();
+        vmm.map(ptr, g, h, 0).unwrap();
+        assert!(matches!(
+            vmm.write_bytes(ptr, &[1]),
+            Err(VmmError::InvalidArgument {
+                call: CallKind::SetAccess,
+                ..
+            })
+        ));
+        vmm.unmap(ptr, g).unwrap();
+        vmm.release(h).unwrap();
+        vmm.address_free(ptr, g).unwrap();
+    }
+
+    #[test]
+    fn events_complete_at_once_and_ids_are_checked() {
+        let vmm = small();
+        let e = vmm.event_record(StreamId(7)).unwrap();
+        assert!(vmm.event_query(e).unwrap());
+        vmm.stream_wait_event(StreamId::DEFAULT, e).unwrap();
+        vmm.stream_synchronize(StreamId(7)).unwrap();
+        assert_eq!(vmm.leak_report().events, 1);
+        vmm.event_destroy(e).unwrap();
+        assert!(vmm.event_query(e).is_err());
+        assert!(vmm.event_destroy(e).is_err());
+        assert!(vmm.stream_wait_event(StreamId::DEFAULT, e).is_err());
+        let stats = vmm.driver_stats();
+        assert_eq!(stats.count(CallKind::EventQuery), 2);
+        assert_eq!(stats.failed[CallKind::EventQuery.index()], 1);
+        assert_eq!(stats.failed[CallKind::EventDestroy.index()], 1);
+    }
+
+    #[test]
+    fn stats_count_calls_failures_and_created_bytes() {
+        let vmm = small();
+        let g = vmm.granularity();
+        let h = vmm.create(g).unwrap();
+        let _ = vmm.create(0);
+        let ptr = vmm.reserve(g, 0).unwrap();
+        vmm.map(ptr, g, h, 0).unwrap();
+        vmm.unmap(ptr, g).unwrap();
+        vmm.release(h).unwrap();
+        vmm.address_free(ptr, g).unwrap();
+        let s = vmm.driver_stats();
+        assert_eq!(s.count(CallKind::Create), 2);
+        assert_eq!(s.failed[CallKind::Create.index()], 1);
+        assert_eq!(s.created_bytes, g);
+        assert_eq!(s.vmm_calls(), 7);
+        assert!(s.measured_ns > 0);
+        assert_eq!(s.modelled_ns, 0);
+    }
+
+    #[test]
+    fn drop_frees_what_is_left() {
+        let vmm = small();
+        let g = vmm.granularity();
+        let ptr = vmm.reserve(2 * g, 0).unwrap();
+        let h = vmm.create(g).unwrap();
+        vmm.map(ptr, g, h, 0).unwrap();
+        let live = vmm.leak_report();
+        assert!(!live.is_clean());
+        assert_eq!((live.handles, live.reservations, live.mappings), (1, 1, 1));
+        drop(vmm);
+    }
+
+    #[test]
+    fn is_send_sync_debug() {
+        fn check<T: Send + Sync + std::fmt::Debug>() {}
+        check::<HostVmm>();
+        assert!(format!("{:?}", small()).contains("HostVmm"));
+    }
+}

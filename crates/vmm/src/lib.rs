@@ -14,13 +14,16 @@
 //!
 //! `unsafe` code lives in the CUDA and host backends alone.
 
+mod call_log;
 pub mod cuda;
 pub mod driver;
 pub mod error;
 pub mod host;
+mod ledger;
 pub mod sim;
 pub mod types;
 
 pub use driver::Vmm;
 pub use error::{Result, VmmError};
+pub use ledger::LeakReport;
 pub use types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
