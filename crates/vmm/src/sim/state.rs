@@ -447,28 +447,24 @@ impl State {
         self.check_size(call, size)?;
         let end = Self::end_of(call, ptr, size)?;
         // The range must be fully mapped: start inside a mapping, then mappings
-        // follow one another without a hole up to `end`.
+        // follow one another without a hole up to `end`. First check, then mark.
         let Some((first, m)) = self.mapping_containing(ptr) else {
             return Err(VmmError::NotMapped { call, ptr, size });
         };
         let mut at = first.saturating_add(m.size);
-        let mut starts = vec![first];
         if at < end {
             for (&start, m) in self.mappings.range(at..end) {
                 if start != at {
                     return Err(VmmError::NotMapped { call, ptr, size });
                 }
-                starts.push(start);
                 at = start.saturating_add(m.size);
             }
         }
         if at < end {
             return Err(VmmError::NotMapped { call, ptr, size });
         }
-        for start in starts {
-            if let Some(m) = self.mappings.get_mut(&start) {
-                m.access = true;
-            }
+        for (_, m) in self.mappings.range_mut(first..end) {
+            m.access = true;
         }
         Ok(())
     }
