@@ -160,6 +160,8 @@ pub struct CudaVmm {
     ordinal: usize,
     name: String,
     driver_version: i32,
+    /// Device memory in bytes (`cuDeviceTotalMem`): no handle can be larger.
+    total_memory: u64,
     granularity: u64,
     ledger: Mutex<Ledger<sys::CUmemGenericAllocationHandle>>,
     sync: Mutex<SyncBook>,
@@ -174,6 +176,7 @@ impl fmt::Debug for CudaVmm {
             .field("ordinal", &self.ordinal)
             .field("name", &self.name)
             .field("driver_version", &self.driver_version)
+            .field("total_memory", &self.total_memory)
             .field("granularity", &self.granularity)
             .field("live", &self.leak_report())
             .finish()
@@ -262,6 +265,11 @@ impl CudaVmm {
             }
             _ => String::from("unknown CUDA device"),
         };
+        let mut total_memory: usize = 0;
+        // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
+        check_setup("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut total_memory, device)
+        })?;
         let mut driver_version: c_int = 0;
         // SAFETY: valid out-pointer.
         let _ = unsafe { sys::cuDriverGetVersion(&mut driver_version) };
@@ -301,6 +309,7 @@ impl CudaVmm {
             ordinal,
             name,
             driver_version,
+            total_memory: total_memory as u64,
             granularity,
             ledger: Mutex::new(Ledger::new(granularity, None)),
             sync: Mutex::new(SyncBook {
@@ -320,6 +329,11 @@ impl CudaVmm {
     /// The device's name (`cuDeviceGetName`), e.g. `NVIDIA H200`.
     pub fn device_name(&self) -> &str {
         &self.name
+    }
+
+    /// Device memory in bytes (`cuDeviceTotalMem`).
+    pub fn total_memory(&self) -> u64 {
+        self.total_memory
     }
 
     /// The driver's CUDA version (`cuDriverGetVersion`), e.g. 12080 for 12.8.
@@ -514,6 +528,16 @@ impl Vmm for CudaVmm {
             ledger.check_create(size)?;
             let size_u = to_usize(call, "size", size)?;
             self.bind(call)?;
+            if size > self.total_memory {
+                // Larger than the device: out of memory whatever is free, and
+                // not worth a driver call (whose error for it is not documented).
+                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
+                return Err(VmmError::OutOfMemory {
+                    call,
+                    requested: size,
+                    available,
+                });
+            }
             let prop = allocation_prop(self.ordinal_c());
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: valid out-pointer and a fully initialised `prop` that

@@ -3,18 +3,29 @@
 //! | CUDA call | host emulation |
 //! |---|---|
 //! | `cuMemCreate` | `memfd_create` + `ftruncate` (zeroed, allocated lazily) |
-//! | `cuMemAddressReserve` | `mmap(NULL, PROT_NONE, PRIVATE \| NORESERVE)`, over-reserved and trimmed to the alignment |
+//! | `cuMemAddressReserve` | `mmap(ptr, PROT_NONE, PRIVATE \| FIXED \| NORESERVE)` at the next free address of the backend's address arena |
 //! | `cuMemMap` | `mmap(ptr, PROT_NONE, SHARED \| FIXED, memfd, offset)` |
 //! | `cuMemSetAccess` | `mprotect(READ \| WRITE)` |
 //! | `cuMemUnmap` | `mmap(ptr, PROT_NONE, PRIVATE \| FIXED \| NORESERVE)`: the hole stays reserved |
 //! | `cuMemRelease` | drop the memfd once no mapping names it |
-//! | `cuMemAddressFree` | `munmap` |
+//! | `cuMemAddressFree` | `mmap(ptr, PROT_NONE, PRIVATE \| FIXED \| NORESERVE)`: back to the arena, never reused |
 //!
 //! A mapping is inaccessible until [`crate::Vmm::set_access`], as on CUDA. Bytes
 //! written through any mapping really land in the memfd's pages, so one handle
 //! mapped at two addresses shows the same bytes, and a range stitched from pages
 //! of several handles reads back what each handle holds: tests check data with
 //! [`HostVmm::write_bytes`] and [`HostVmm::read_bytes`].
+//!
+//! Address arena: at construction the backend takes one large `PROT_NONE`,
+//! `NORESERVE` range from the kernel (`mmap` + trim to a 1 GiB boundary; it
+//! costs no memory), and hands reservations out of it exactly as the simulated
+//! backend does: from a bump pointer, never reusing an address, with a
+//! one-granule gap after each reservation so two are never adjacent. The same
+//! workload therefore meets the same rules at the same relative addresses on
+//! both backends, and a stale address can never reach a newer reservation.
+//! The arena is `munmap`ped at drop; a reservation past its end fails with
+//! `OutOfMemory { call: Reserve }`. Its size is 16 × the capacity, at least
+//! 64 GiB and at most 8 TiB.
 //!
 //! Soundness: every call is checked against the backend's ledger (the same
 //! rules as the simulated backend) before any system call, so no address
@@ -69,10 +80,29 @@ struct EventBook {
     live: BTreeSet<u64>,
 }
 
+/// The ledger and the arena's bump pointer.
+#[derive(Debug)]
+struct HostState {
+    ledger: Ledger<os::Memory>,
+    /// The next free address of the arena (addresses below it are never reused).
+    next_va: u64,
+}
+
+/// Smallest address arena, in bytes.
+const ARENA_MIN: u64 = 64 << 30;
+/// Largest address arena, in bytes.
+const ARENA_MAX: u64 = 8 << 40;
+/// Alignment of the arena's start.
+const ARENA_ALIGN: u64 = 1 << 30;
+
 /// The host backend. `Send + Sync`: all state sits behind mutexes and atomics.
 pub struct HostVmm {
     config: HostConfig,
-    ledger: Mutex<Ledger<os::Memory>>,
+    /// Start of the address arena (a multiple of 1 GiB).
+    arena_base: u64,
+    /// Size of the address arena in bytes.
+    arena_size: u64,
+    state: Mutex<HostState>,
     events: Mutex<EventBook>,
     log: CallLog,
 }
@@ -81,6 +111,8 @@ impl fmt::Debug for HostVmm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostVmm")
             .field("config", &self.config)
+            .field("arena_base", &self.arena_base)
+            .field("arena_size", &self.arena_size)
             .field("live", &self.leak_report())
             .finish()
     }
@@ -110,8 +142,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl HostVmm {
     /// A host backend with `config`.
     ///
-    /// Errors: `Unavailable` off 64-bit Linux; `InvalidArgument` when the
-    /// granularity is not a power of two at least the OS page size.
+    /// Errors: `Unavailable` off 64-bit Linux or when the address arena cannot
+    /// be had; `InvalidArgument` when the granularity is not a power of two at
+    /// least the OS page size.
     pub fn new(config: HostConfig) -> Result<HostVmm> {
         if !os::SUPPORTED {
             return Err(VmmError::Unavailable {
@@ -127,9 +160,26 @@ impl HostVmm {
                 rule: "must be a power of two multiple of the OS page size",
             });
         }
+        let arena_size = config
+            .capacity
+            .saturating_mul(16)
+            .clamp(ARENA_MIN, ARENA_MAX)
+            .next_multiple_of(config.granularity);
+        let arena_base = os::reserve_anywhere(arena_size, ARENA_ALIGN.max(config.granularity))
+            .map_err(|e| VmmError::Unavailable {
+                reason: format!(
+                    "cannot reserve a {arena_size}-byte address arena: {} ({})",
+                    e.text, e.name
+                ),
+            })?;
         Ok(HostVmm {
             config,
-            ledger: Mutex::new(Ledger::new(config.granularity, Some(config.capacity))),
+            arena_base,
+            arena_size,
+            state: Mutex::new(HostState {
+                ledger: Ledger::new(config.granularity, Some(config.capacity)),
+                next_va: arena_base,
+            }),
             events: Mutex::new(EventBook {
                 next: 1,
                 live: BTreeSet::new(),
@@ -147,7 +197,8 @@ impl HostVmm {
     /// and made accessible with `set_access` (else `InvalidArgument`); it may
     /// span several neighbouring mappings. Empty data always succeeds.
     pub fn write_bytes(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
-        let ledger = lock(&self.ledger);
+        let state = lock(&self.state);
+        let ledger = &state.ledger;
         ledger.check_accessible(ptr, data.len() as u64)?;
         if !data.is_empty() {
             // SAFETY: the ledger confirmed every byte is inside mappings with
@@ -160,7 +211,8 @@ impl HostVmm {
 
     /// Copies `out.len()` bytes from `ptr` into `out`; same rules as [`HostVmm::write_bytes`].
     pub fn read_bytes(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<()> {
-        let ledger = lock(&self.ledger);
+        let state = lock(&self.state);
+        let ledger = &state.ledger;
         ledger.check_accessible(ptr, out.len() as u64)?;
         if !out.is_empty() {
             // SAFETY: as in `write_bytes`, for reads.
@@ -171,7 +223,8 @@ impl HostVmm {
 
     /// Sets `len` bytes at `ptr` to `byte`; same rules as [`HostVmm::write_bytes`].
     pub fn fill(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<()> {
-        let ledger = lock(&self.ledger);
+        let state = lock(&self.state);
+        let ledger = &state.ledger;
         ledger.check_accessible(ptr, len)?;
         if len > 0 {
             // SAFETY: as in `write_bytes`, for `len` bytes of writes.
@@ -182,7 +235,8 @@ impl HostVmm {
 
     /// True when all `len` bytes at `ptr` equal `byte`; same rules as [`HostVmm::write_bytes`].
     pub fn check_filled(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<bool> {
-        let ledger = lock(&self.ledger);
+        let state = lock(&self.state);
+        let ledger = &state.ledger;
         ledger.check_accessible(ptr, len)?;
         if len == 0 {
             return Ok(true);
@@ -194,7 +248,7 @@ impl HostVmm {
 
     /// Handles, reservations, mappings and events still alive.
     pub fn leak_report(&self) -> LeakReport {
-        let mut report = lock(&self.ledger).live_counts();
+        let mut report = lock(&self.state).ledger.live_counts();
         report.events = lock(&self.events).live.len();
         report
     }
@@ -229,11 +283,29 @@ impl Vmm for HostVmm {
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
-            let alignment = ledger.check_reserve(size, alignment)?;
-            let ptr =
-                os::reserve(size, alignment).map_err(|e| os_failure(CallKind::Reserve, size, e))?;
-            ledger.add_reservation(ptr, size);
+            let mut state = lock(&self.state);
+            let alignment = state.ledger.check_reserve(size, alignment)?;
+            let arena_end = self.arena_base + self.arena_size;
+            let out_of_space = VmmError::OutOfMemory {
+                call: CallKind::Reserve,
+                requested: size,
+                available: arena_end.saturating_sub(state.next_va),
+            };
+            let Some(ptr) = state.next_va.checked_next_multiple_of(alignment) else {
+                return Err(out_of_space);
+            };
+            let end = match ptr.checked_add(size) {
+                Some(end) if end <= arena_end => end,
+                _ => return Err(out_of_space),
+            };
+            // SAFETY: `ptr..end` lies inside our arena above the bump pointer,
+            // where nothing was ever mapped and nothing refers.
+            unsafe { os::reset_to_reserved(ptr, size) }
+                .map_err(|e| os_failure(CallKind::Reserve, size, e))?;
+            // One granule of gap (it may fall past the arena's end: it is never
+            // handed out either way).
+            state.next_va = end.saturating_add(self.config.granularity);
+            state.ledger.add_reservation(ptr, size);
             Ok(ptr)
         })();
         self.log.record(CallKind::Reserve, size, started, result)
@@ -242,12 +314,14 @@ impl Vmm for HostVmm {
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             ledger.check_address_free(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly one of our
-            // reservations with no mapping left; data copies hold the lock we
-            // hold, so no reference points into it.
-            unsafe { os::unreserve(ptr, size) }
+            // reservations (inside the arena) with no mapping left; data copies
+            // hold the lock we hold, so no reference points into it. The range
+            // goes back to plain arena space and is never handed out again.
+            unsafe { os::reset_to_reserved(ptr, size) }
                 .map_err(|e| os_failure(CallKind::AddressFree, size, e))?;
             ledger.remove_reservation(ptr);
             Ok(())
@@ -259,7 +333,8 @@ impl Vmm for HostVmm {
     fn create(&self, size: u64) -> Result<PhysHandle> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             ledger.check_create(size)?;
             let memory = os::create_memory(size).map_err(|e| {
                 let mut err = os_failure(CallKind::Create, size, e);
@@ -276,7 +351,8 @@ impl Vmm for HostVmm {
     fn release(&self, handle: PhysHandle) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             let size = ledger.live_handle(CallKind::Release, handle)?.size;
             // Dropping the memfd (if no mapping names it any more) closes it.
             drop(ledger.release(handle));
@@ -290,7 +366,8 @@ impl Vmm for HostVmm {
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             let entry = ledger.check_map(ptr, size, handle, offset)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` lies inside one of our
             // reservations with no mapping in it, that both are multiples of
@@ -307,7 +384,8 @@ impl Vmm for HostVmm {
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             let starts = ledger.check_unmap(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly a run of
             // our mappings, all inside our reservations; no reference points
@@ -324,7 +402,8 @@ impl Vmm for HostVmm {
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut ledger = lock(&self.ledger);
+            let mut state = lock(&self.state);
+            let ledger = &mut state.ledger;
             ledger.check_set_access(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
             // our memfd mappings.
@@ -338,7 +417,7 @@ impl Vmm for HostVmm {
 
     fn mem_info(&self) -> Result<MemInfo> {
         let started = Instant::now();
-        let used = lock(&self.ledger).used();
+        let used = lock(&self.state).ledger.used();
         let info = MemInfo {
             total: self.config.capacity,
             free: self.config.capacity.saturating_sub(used),
@@ -397,15 +476,13 @@ impl Drop for HostVmm {
         if !report.is_clean() {
             tracing::debug!(%report, "host backend dropped with memory still held; freeing it");
         }
-        let drained = lock(&self.ledger).drain();
-        for (ptr, size) in drained.reservations {
-            // SAFETY: each range is exactly one of our reservations (mappings
-            // inside it go with it); `&mut self` means no copy is in flight.
-            if let Err(e) = unsafe { os::unreserve(ptr, size) } {
-                tracing::warn!(ptr, size, error = %e.text, "munmap of a reservation failed at drop");
-            }
+        // SAFETY: the arena is exactly the range `reserve_anywhere` made in
+        // `new`; every reservation and mapping of this backend lies inside it
+        // and goes with it; `&mut self` means no copy is in flight.
+        if let Err(e) = unsafe { os::unreserve(self.arena_base, self.arena_size) } {
+            tracing::warn!(error = %e.text, "munmap of the address arena failed at drop");
         }
-        // The memfds close as `drained.handles` drops.
+        // The memfds close as the ledger drops with the backend.
     }
 }
 

@@ -157,12 +157,12 @@ impl<P> Ledger<P> {
     }
 
     fn check_ptr(&self, call: CallKind, ptr: DevicePtr) -> Result<()> {
-        if ptr == 0 || !self.aligned(ptr) {
+        if !self.aligned(ptr) {
             return Err(invalid(
                 call,
                 "ptr",
                 ptr,
-                "must be a non-null multiple of the granularity",
+                "must be a multiple of the granularity",
             ));
         }
         Ok(())
@@ -205,19 +205,20 @@ impl<P> Ledger<P> {
     /// (the granularity when `alignment` is 0).
     pub fn check_reserve(&self, size: u64, alignment: u64) -> Result<u64> {
         self.check_size(CallKind::Reserve, size)?;
-        if !self.aligned(alignment) {
+        let alignment = if alignment == 0 {
+            self.granularity
+        } else {
+            alignment
+        };
+        if !alignment.is_power_of_two() || !self.aligned(alignment) {
             return Err(invalid(
                 CallKind::Reserve,
                 "alignment",
                 alignment,
-                "must be 0 or a multiple of the granularity",
+                "must be 0 or a power-of-two multiple of the granularity",
             ));
         }
-        Ok(if alignment == 0 {
-            self.granularity
-        } else {
-            alignment
-        })
+        Ok(alignment)
     }
 
     /// Records a reservation the backend has made.
@@ -337,6 +338,9 @@ impl<P> Ledger<P> {
         offset: u64,
     ) -> Result<&HandleEntry<P>> {
         let call = CallKind::Map;
+        if ptr == 0 {
+            return Err(invalid(call, "ptr", ptr, "must be non-zero"));
+        }
         self.check_ptr(call, ptr)?;
         self.check_size(call, size)?;
         if !self.aligned(offset) {
@@ -347,6 +351,7 @@ impl<P> Ledger<P> {
                 "must be a multiple of the granularity",
             ));
         }
+        let end = Self::end_of(call, ptr, size)?;
         let entry = self.live_handle(call, handle)?;
         if offset.checked_add(size).is_none_or(|end| end > entry.size) {
             return Err(invalid(
@@ -356,7 +361,6 @@ impl<P> Ledger<P> {
                 "offset + size must lie inside the handle",
             ));
         }
-        let end = Self::end_of(call, ptr, size)?;
         if self.reservation_containing(ptr, end).is_none() {
             return Err(invalid(
                 call,

@@ -66,8 +66,9 @@ mod imp {
 
     /// `mmap(NULL, size + alignment, PROT_NONE, PRIVATE | NORESERVE)`, then
     /// `munmap` of the head and tail so that what remains is `size` bytes at a
-    /// multiple of `alignment` (a multiple of the page size). Returns its address.
-    pub(crate) fn reserve(size: u64, alignment: u64) -> Result<u64, OsError> {
+    /// multiple of `alignment` (a multiple of the page size), placed by the
+    /// kernel where nothing else is mapped. Returns its address.
+    pub(crate) fn reserve_anywhere(size: u64, alignment: u64) -> Result<u64, OsError> {
         let len = size
             .checked_add(alignment)
             .ok_or_else(|| os_error(Errno::NOMEM))?;
@@ -106,8 +107,8 @@ mod imp {
     /// plain reservation so the address space stays held.
     ///
     /// # Safety
-    /// `ptr..ptr+size` lies inside a reservation made by [`reserve`] that has
-    /// no mapping in that range, `ptr` and `size` are page multiples, and
+    /// `ptr..ptr+size` lies inside address space made by [`reserve_anywhere`]
+    /// that has no mapping in that range, `ptr` and `size` are page multiples, and
     /// `offset + size` is within the memfd's size.
     pub(crate) unsafe fn map_fixed(
         ptr: u64,
@@ -159,12 +160,12 @@ mod imp {
     }
 
     /// `mmap(ptr, size, PROT_NONE, PRIVATE | FIXED | NORESERVE)`: replaces
-    /// whatever this backend mapped there by a plain reservation (an unmap that
-    /// keeps the hole reserved).
+    /// whatever this backend mapped there by plain reserved address space (an
+    /// unmap that keeps the hole reserved).
     ///
     /// # Safety
-    /// `ptr..ptr+size` lies inside a reservation made by [`reserve`], and no
-    /// Rust reference points into it.
+    /// `ptr..ptr+size` lies inside address space made by [`reserve_anywhere`],
+    /// and no Rust reference points into it.
     pub(crate) unsafe fn reset_to_reserved(ptr: u64, size: u64) -> Result<(), OsError> {
         // SAFETY: by contract the range is this backend's own address space and
         // nothing borrows it.
@@ -181,10 +182,11 @@ mod imp {
         Ok(())
     }
 
-    /// `munmap(ptr, size)`: gives a whole reservation (and anything mapped in it) back.
+    /// `munmap(ptr, size)`: gives a whole range made by [`reserve_anywhere`]
+    /// (and anything mapped in it) back.
     ///
     /// # Safety
-    /// `ptr..ptr+size` is exactly a reservation made by [`reserve`], and no
+    /// `ptr..ptr+size` is exactly a range made by [`reserve_anywhere`], and no
     /// Rust reference points into it.
     pub(crate) unsafe fn unreserve(ptr: u64, size: u64) -> Result<(), OsError> {
         // SAFETY: by contract the range is one of this backend's reservations.
@@ -261,7 +263,7 @@ mod imp {
     pub(crate) fn create_memory(_size: u64) -> Result<Memory, OsError> {
         Err(unsupported())
     }
-    pub(crate) fn reserve(_size: u64, _alignment: u64) -> Result<u64, OsError> {
+    pub(crate) fn reserve_anywhere(_size: u64, _alignment: u64) -> Result<u64, OsError> {
         Err(unsupported())
     }
     pub(crate) unsafe fn map_fixed(
