@@ -13,6 +13,10 @@
 //! asked for instead). Checks specific to the simulated backend (leak report,
 //! fault injection, cost model) follow at the end of the file.
 
+// Test code: a failed expectation is a panic (clippy's test allowance covers
+// only `#[test]` functions, not the helpers here).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::fmt::Debug;
 use std::sync::Arc;
 
