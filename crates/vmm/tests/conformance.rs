@@ -749,7 +749,7 @@ fn outcome<T>(r: &quilt_vmm::Result<T>) -> String {
 
 /// Runs `ops` on `v`; returns each call's outcome. Granule counts are scaled by
 /// the granularity; reservations and handles are named by index.
-fn replay(v: &dyn Vmm, ops: &[Op]) -> Vec<String> {
+fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
     let g = v.granularity();
     let mut res: Vec<(DevicePtr, u64)> = Vec::new();
     let mut handles: Vec<PhysHandle> = Vec::new();
@@ -820,6 +820,7 @@ fn replay(v: &dyn Vmm, ops: &[Op]) -> Vec<String> {
             },
         };
         out.push(o);
+        after_each();
     }
     out.push(format!(
         "free {}",
@@ -850,18 +851,48 @@ proptest::proptest! {
     #[test]
     fn backends_agree_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
         let reference = sim_backend();
-        let expected = replay(&*reference.vmm, &ops);
+        let expected = replay(&*reference.vmm, &ops, &|| {});
         for b in backends().into_iter().skip(1) {
             if b.exhaustible != reference.exhaustible {
                 continue;
             }
-            let got = replay(&*b.vmm, &ops);
+            let got = replay(&*b.vmm, &ops, &|| {});
             proptest::prop_assert_eq!(&got, &expected, "{} differs from simulated on {:?}", b.name(), ops);
         }
     }
 }
 
 // ================================================================ simulated only
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// The simulated device's bookkeeping stays consistent after every call of a
+    /// random workload, with the `k`th VMM call failing (k = 0: none fails).
+    #[test]
+    fn sim_invariants_hold_after_every_call(
+        ops in proptest::collection::vec(op_strategy(), 1..80),
+        k in 0u64..80,
+    ) {
+        let v = SimVmm::new(SimConfig {
+            capacity: SMALL_CAPACITY,
+            granularity: SMALL_GRANULARITY,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        v.inject(Fault::nth_overall(k));
+        let check = || {
+            if let Err(broken) = v.check_invariants() {
+                panic!("invariant broken: {broken}");
+            }
+        };
+        let outcomes = replay(&v, &ops, &check);
+        let failures = v.driver_stats().failed.iter().sum::<u64>();
+        let injected = outcomes.iter().filter(|o| o.contains("injected")).count() as u64;
+        proptest::prop_assert!(injected <= 1 && failures >= injected);
+        proptest::prop_assert_eq!(injected == 1, k >= 1 && k <= v.driver_stats().vmm_calls());
+    }
+}
 
 fn sim(capacity: u64) -> SimVmm {
     SimVmm::with_capacity(capacity).unwrap()

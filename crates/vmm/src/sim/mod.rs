@@ -168,6 +168,12 @@ impl SimVmm {
         self.lock().state.translate(addr)
     }
 
+    /// Checks every invariant of the simulated device's bookkeeping and says which
+    /// one broke (O(n) in what is alive: meant for tests, after every operation).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lock().state.check_invariants()
+    }
+
     /// Reset the call counters and modelled time to zero (state is kept).
     pub fn reset_stats(&self) {
         self.lock().stats = DriverStats::default();

@@ -571,6 +571,93 @@ impl State {
         }
     }
 
+    /// Checks every invariant of the bookkeeping (O(n); for tests):
+    /// reservations disjoint and never adjacent, their sizes summing to
+    /// `reserved_bytes <= va_limit`; mappings disjoint, each inside one
+    /// reservation and inside its handle, summing to `mapped_bytes`; every
+    /// handle's mapping count exact, a released handle only while mapped; live
+    /// handles summing to `physical_in_use <= capacity`; every event on a known
+    /// stream, numbered no later than the stream's last record.
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut reserved = 0u64;
+        let mut last_end: Option<u64> = None;
+        for (&start, r) in &self.reservations {
+            if r.size == 0 || start % self.granularity != 0 || r.size % self.granularity != 0 {
+                return Err(format!("reservation {start:#x}+{:#x} misaligned", r.size));
+            }
+            if last_end.is_some_and(|e| e >= start) {
+                return Err(format!(
+                    "reservation {start:#x} overlaps or touches its predecessor"
+                ));
+            }
+            last_end = Some(start + r.size);
+            reserved += r.size;
+        }
+        if reserved != self.reserved_bytes || reserved > self.va_limit {
+            return Err(format!(
+                "reserved {reserved} != counter {} (limit {})",
+                self.reserved_bytes, self.va_limit
+            ));
+        }
+        let mut mapped = 0u64;
+        let mut per_handle: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut last_end: Option<u64> = None;
+        for (&start, m) in &self.mappings {
+            let end = start + m.size;
+            if last_end.is_some_and(|e| e > start) {
+                return Err(format!("mapping {start:#x} overlaps its predecessor"));
+            }
+            last_end = Some(end);
+            if self.reservation_containing(start, end).is_none() {
+                return Err(format!(
+                    "mapping {start:#x}+{:#x} outside every reservation",
+                    m.size
+                ));
+            }
+            match self.handles.get(&m.handle) {
+                Some(h) if m.offset + m.size <= h.size => {}
+                _ => {
+                    return Err(format!(
+                        "mapping {start:#x} names handle {} that is dead or too small",
+                        m.handle
+                    ))
+                }
+            }
+            *per_handle.entry(m.handle).or_default() += 1;
+            mapped += m.size;
+        }
+        if mapped != self.mapped_bytes {
+            return Err(format!("mapped {mapped} != counter {}", self.mapped_bytes));
+        }
+        let mut physical = 0u64;
+        for (&id, h) in &self.handles {
+            let count = per_handle.get(&id).copied().unwrap_or(0);
+            if h.mappings != count {
+                return Err(format!(
+                    "handle {id} counts {} mappings, has {count}",
+                    h.mappings
+                ));
+            }
+            if h.released && count == 0 {
+                return Err(format!("handle {id} released and unmapped but still alive"));
+            }
+            physical += h.size;
+        }
+        if physical != self.physical_in_use || physical > self.capacity {
+            return Err(format!(
+                "physical {physical} != counter {} (capacity {})",
+                self.physical_in_use, self.capacity
+            ));
+        }
+        for (&id, e) in &self.events {
+            match self.streams.get(&e.stream) {
+                Some(s) if e.seq <= s.recorded && s.completed <= s.recorded => {}
+                _ => return Err(format!("event {id} on {:?} is out of order", e.stream)),
+            }
+        }
+        Ok(())
+    }
+
     /// What is alive now.
     pub(crate) fn leak_report(&self) -> LeakReport {
         LeakReport {
