@@ -1,0 +1,100 @@
+//! Quilt's policies, every one a knob: the default policy and the GMLake preset
+//! are two values of [`QuiltConfig`], not two allocators.
+
+use quilt_pool::{GrowthPolicy, MemoryLimit, PoolConfig};
+
+/// When cached pages (mapped behind free virtual space) are taken apart to back
+/// a new block instead of growing the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReclaimPolicy {
+    /// Grow the pool first; reclaim cached pages only when the pool cannot grow
+    /// (memory limit or device full). A repeated sequence of sizes then makes no
+    /// driver call after its first pass.
+    WhenFull,
+    /// Before growing, reclaim cached mappings that have been wholly free for at
+    /// least this many allocator operations (cold cache), then grow, then
+    /// reclaim the rest when the pool cannot grow.
+    IdleFor(u64),
+    /// Reclaim every cached page before growing: memory held tracks memory used
+    /// as closely as possible, at the price of driver calls.
+    Always,
+}
+
+/// Configuration of a [`super::QuiltAllocator`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuiltConfig {
+    /// The physical pool: chunk sizes and growth margin, memory limit.
+    pub pool: PoolConfig,
+    /// Requests up to this size (bytes) are small: they go to the small arena of
+    /// their stream. PyTorch's boundary, 1 MiB.
+    pub small_size: u64,
+    /// Virtual address space reserved per arena, as a multiple of the memory
+    /// limit (address space is cheap; 2 by default).
+    pub arena_va_factor: u64,
+    /// At most this many pages per `cuMemMap` call (0 = a whole run of
+    /// neighbouring pages inside one chunk in one call).
+    pub max_pages_per_map: u64,
+    /// One `cuMemSetAccess` per map call (true, GMLake) or one per newly mapped
+    /// contiguous range (false).
+    pub access_per_map: bool,
+    /// When cached pages are reclaimed instead of growing the pool.
+    pub reclaim: ReclaimPolicy,
+    /// Large requests of at least this size are stitched from pages wherever they
+    /// are; smaller large requests (above `small_size`) are served only from a
+    /// cached block of the same stream or from fresh pages rounded to whole pages
+    /// (GMLake's `fragLimit`). 0: stitch every large request (Quilt's default).
+    pub stitch_threshold: u64,
+    /// Below the stitch threshold, reuse a cached free block only if it is at most
+    /// this many times the request (GMLake's `reuseLimit`; 0 = no limit).
+    pub reuse_limit: u64,
+    /// Call `cuStreamSynchronize` on a stream before unmapping pages of its arena
+    /// (as PyTorch's expandable segments do; safe on real GPUs, costs a sync).
+    pub synchronize_before_unmap: bool,
+}
+
+impl Default for QuiltConfig {
+    fn default() -> Self {
+        QuiltConfig {
+            pool: PoolConfig {
+                growth: GrowthPolicy::default(),
+                limit: MemoryLimit::Device,
+            },
+            small_size: 1 << 20,
+            arena_va_factor: 2,
+            max_pages_per_map: 0,
+            access_per_map: false,
+            reclaim: ReclaimPolicy::WhenFull,
+            stitch_threshold: 0,
+            reuse_limit: 0,
+            synchronize_before_unmap: false,
+        }
+    }
+}
+
+impl QuiltConfig {
+    /// GMLake (ASPLOS'24) as a configuration of Quilt's stitching policy: one
+    /// 2 MiB handle per page (one `cuMemCreate` each), mapped and access-set one
+    /// page at a time, stitching only requests of 512 MiB or more (`fragLimit`),
+    /// reusing a cached block only up to 10x the request (`reuseLimit`). Below
+    /// the threshold it behaves as a caching allocator over whole 2 MiB pages.
+    pub fn gmlake() -> QuiltConfig {
+        QuiltConfig {
+            pool: PoolConfig {
+                growth: GrowthPolicy::page_per_chunk(),
+                limit: MemoryLimit::Device,
+            },
+            max_pages_per_map: 1,
+            access_per_map: true,
+            reclaim: ReclaimPolicy::WhenFull,
+            stitch_threshold: 512 << 20,
+            reuse_limit: 10,
+            ..QuiltConfig::default()
+        }
+    }
+
+    /// The same configuration with a memory limit.
+    pub fn with_limit(mut self, limit: MemoryLimit) -> QuiltConfig {
+        self.pool.limit = limit;
+        self
+    }
+}

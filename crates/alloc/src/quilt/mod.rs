@@ -1,0 +1,226 @@
+//! # Quilt: the stitching allocator
+//!
+//! Every stream has two virtual arenas (small requests of at most 1 MiB, and
+//! large ones), each a generous reservation of address space carved at
+//! 512-byte granularity. A block goes into the best-fitting free gap of its
+//! arena, at the gap's start, next to the block before it: neighbours share
+//! their boundary pages, so a run of 2.25 MiB tensors packs at 2.25 MiB each.
+//! The pages behind a block come from the physical page pool (`quilt-pool`),
+//! from wherever it has them: one map call per run of neighbouring pages of one
+//! chunk, one set-access call per newly mapped range.
+//!
+//! A freed block's pages stay mapped (cached): the next block placed over them
+//! costs no driver call. Placement looks only at where blocks are, not at what
+//! is mapped, so a repeated sequence of sizes lays out the same way every pass
+//! and, after the first pass, finds every page it needs mapped already.
+//!
+//! When the pool cannot grow, cached pages (mapped, touched by no block) are
+//! unmapped and remapped where they are needed, in any arena, after the
+//! receiving stream waits for the donor stream's work. A request of `N` new
+//! pages fails only when fewer than `N` pages are free, cached or creatable:
+//! the out-of-memory is capacity, never fragmentation.
+//!
+//! See `docs/design.md` for the data structures, the invariants and the figures.
+
+mod arena;
+mod config;
+mod invariants;
+mod snapshot;
+mod state;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use quilt_pool::PagePool;
+use quilt_vmm::{DevicePtr, StreamId, Vmm};
+
+pub use config::{QuiltConfig, ReclaimPolicy};
+pub use quilt_pool::{GrowthPolicy, MemoryLimit, PoolConfig};
+
+use crate::api::{Allocation, DeviceAllocator};
+use crate::error::{AllocError, InvariantViolation};
+use crate::snapshot::MemorySnapshot;
+use crate::stats::AllocatorStats;
+use state::{pool_err, Ctx, State};
+
+/// The Quilt allocator for one device. `Send + Sync`: one lock guards its state.
+#[derive(Debug)]
+pub struct QuiltAllocator {
+    vmm: Arc<dyn Vmm>,
+    pool: PagePool,
+    config: QuiltConfig,
+    page: u64,
+    arena_va: u64,
+    name: &'static str,
+    state: Mutex<State>,
+}
+
+impl QuiltAllocator {
+    /// An allocator over `vmm` with `config`. Holds no memory until the first request.
+    pub fn new(vmm: Arc<dyn Vmm>, config: QuiltConfig) -> Result<QuiltAllocator, AllocError> {
+        let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
+        let page = pool.page_size();
+        if page == 0 || !page.is_power_of_two() {
+            return Err(AllocError::Driver(quilt_vmm::VmmError::Unavailable {
+                reason: format!("granularity {page} is not a power of two"),
+            }));
+        }
+        let limit = pool.limit_pages().max(1) * page;
+        let arena_va = limit.saturating_mul(config.arena_va_factor.max(1));
+        let name = if config.stitch_threshold > 0 {
+            "gmlake"
+        } else {
+            "quilt"
+        };
+        Ok(QuiltAllocator {
+            vmm,
+            pool,
+            config,
+            page,
+            arena_va,
+            name,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &QuiltConfig {
+        &self.config
+    }
+
+    /// The physical page pool underneath.
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>, AllocError> {
+        self.state.lock().map_err(|_| AllocError::Poisoned)
+    }
+
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            vmm: self.vmm.as_ref(),
+            pool: &self.pool,
+            cfg: &self.config,
+            page: self.page,
+            arena_va: self.arena_va,
+            name: self.name,
+        }
+    }
+
+    /// Pages that are mapped but back no block (the cache), over all arenas.
+    pub fn cached_bytes(&self) -> u64 {
+        self.lock()
+            .map(|s| s.cached_pages() * self.page)
+            .unwrap_or(0)
+    }
+
+    /// Pages touched by at least one block (live, or freed and waiting on
+    /// events), over all arenas, in bytes: the physical memory blocks hold.
+    pub fn touched_bytes(&self) -> u64 {
+        self.lock()
+            .map(|s| s.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * self.page)
+            .unwrap_or(0)
+    }
+}
+
+impl DeviceAllocator for QuiltAllocator {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.allocate(&ctx, size, stream)
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.free(&ctx, ptr)
+    }
+
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.lock()?.record_stream(ptr, stream)
+    }
+
+    fn empty_cache(&self) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.empty_cache(&ctx)
+    }
+
+    fn stats(&self) -> AllocatorStats {
+        let ctx = self.ctx();
+        let mut s = match self.lock() {
+            Ok(mut st) => {
+                st.poll_pending(&ctx);
+                st.sync_stats(&ctx);
+                st.stats.clone()
+            }
+            Err(_) => AllocatorStats::default(),
+        };
+        s.driver = self.vmm.driver_stats();
+        s
+    }
+
+    fn snapshot(&self) -> MemorySnapshot {
+        match self.lock() {
+            Ok(st) => snapshot::snapshot(&st, self.name, self.page),
+            Err(_) => MemorySnapshot {
+                allocator: self.name.to_string(),
+                segments: Vec::new(),
+            },
+        }
+    }
+
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
+        invariants::check(&st, &self.pool, self.page)
+    }
+
+    fn vmm(&self) -> &Arc<dyn Vmm> {
+        &self.vmm
+    }
+}
+
+impl Drop for QuiltAllocator {
+    fn drop(&mut self) {
+        let page = self.page;
+        let state = match self.state.get_mut() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        let live = state
+            .blocks
+            .values()
+            .filter(|b| b.pending.is_none())
+            .count();
+        if live > 0 {
+            tracing::warn!(
+                live,
+                "quilt allocator dropped with live allocations; releasing their memory"
+            );
+        }
+        for b in state.blocks.values() {
+            for e in b.pending.iter().flatten() {
+                let _ = self.vmm.event_destroy(*e);
+            }
+        }
+        let mut give = Vec::new();
+        for a in &state.arenas {
+            for (&start, m) in &a.mappings {
+                match self.vmm.unmap(a.page_addr(start), m.pages * page) {
+                    Ok(()) => give.push(m.run),
+                    Err(e) => tracing::warn!(error = %e, "unmap at drop failed"),
+                }
+            }
+            if let Err(e) = self.vmm.address_free(a.base, a.size) {
+                tracing::warn!(error = %e, "address free at drop failed");
+            }
+        }
+        if let Err(e) = self.pool.give_back(&give) {
+            tracing::warn!(error = %e, "returning pages to the pool at drop failed");
+        }
+        if let Err(e) = self.pool.trim(0) {
+            tracing::warn!(error = %e, "releasing chunks at drop failed");
+        }
+    }
+}
