@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod error;
+pub mod quilt;
 pub mod snapshot;
 pub mod stats;
 
