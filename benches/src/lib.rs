@@ -1,5 +1,21 @@
 //! # quilt-bench: trace replay, workloads and the A/B harness
+//!
+//! - [`trace`]: the text trace format; [`snapshot`]: PyTorch snapshot pickles;
+//!   [`workloads`]: built-in generators.
+//! - [`replay`]: a trace through an allocator on a simulated device, with
+//!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
+//!   minimum capacity at which it completes.
+//! - [`allocators`]: the registry of allocators by name; [`report`]: JSON, table
+//!   and charts; [`cli`]: the `quilt-bench` command line; [`units`]: byte sizes.
 #![forbid(unsafe_code)]
 
+pub mod allocators;
+pub mod bisect;
+pub mod cli;
+pub mod live;
+pub mod replay;
+pub mod report;
 pub mod snapshot;
 pub mod trace;
+pub mod units;
+pub mod workloads;

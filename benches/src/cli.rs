@@ -1,0 +1,328 @@
+//! The `quilt-bench` command line: `ab` (the A/B harness) and `list`.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::allocators;
+use crate::bisect::min_capacity_bytes;
+use crate::live::trace_stats;
+use crate::replay::{replay_fresh, ReplayConfig, ReplayError};
+use crate::report::{self, Measurement};
+use crate::snapshot::load_snapshot;
+use crate::trace::{load_trace, Trace, TraceError};
+use crate::units::{gib, parse_size, SizeError};
+use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
+
+/// `quilt-bench`: replay allocation traces through GPU memory allocators on a
+/// simulated device and compare them.
+#[derive(Debug, Parser)]
+#[command(name = "quilt-bench", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Replay workloads through allocators and compare them (A/B).
+    Ab(Box<AbArgs>),
+    /// List the built-in workloads with their figures.
+    List {
+        /// Seed of the generators.
+        #[arg(long, default_value_t = DEFAULT_SEED)]
+        seed: u64,
+    },
+}
+
+/// Arguments of `quilt-bench ab`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AbArgs {
+    /// A built-in workload (repeatable); see `quilt-bench list`.
+    #[arg(long = "workload", value_name = "NAME")]
+    pub workloads: Vec<String>,
+    /// A trace file in the text format (repeatable).
+    #[arg(long = "trace", value_name = "FILE")]
+    pub traces: Vec<PathBuf>,
+    /// A PyTorch memory snapshot pickle (repeatable).
+    #[arg(long = "snapshot", value_name = "FILE")]
+    pub snapshots: Vec<PathBuf>,
+    /// Allocators to compare, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "quilt,classic,expandable,gmlake,offset"
+    )]
+    pub allocators: Vec<String>,
+    /// Simulated device capacity of the main replay (80GiB, 512MiB, 1.5GiB, bytes).
+    #[arg(long, default_value = "80GiB")]
+    pub capacity: String,
+    /// Times the non-pre-existing part of each trace is replayed.
+    #[arg(long, default_value_t = 1)]
+    pub iterations: u32,
+    /// Write the JSON report here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write SVG charts into this folder.
+    #[arg(long, value_name = "DIR")]
+    pub svg: Option<PathBuf>,
+    /// Skip the minimum-capacity bisection (min_capacity_bytes is null).
+    #[arg(long)]
+    pub no_bisect: bool,
+    /// Seed of the built-in workload generators.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Check the allocator's invariants every K events (slow; for debugging).
+    #[arg(long, value_name = "K")]
+    pub check_every: Option<usize>,
+    /// Worker threads (default: the machine's parallelism).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+}
+
+/// Why a command failed. Every variant exits with status 2.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// An argument is wrong.
+    #[error("{0}")]
+    Usage(String),
+    /// A size could not be parsed.
+    #[error(transparent)]
+    Size(#[from] SizeError),
+    /// A trace or snapshot could not be read.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// A replay failed (an allocator bug or an inconsistent trace).
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+    /// A report could not be written.
+    #[error("{0}")]
+    Output(String),
+}
+
+/// Run a parsed command; the report goes to stdout, progress to stderr.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::List { seed } => {
+            print!("{}", list(seed));
+            Ok(())
+        }
+        Command::Ab(args) => {
+            let measurements = run_ab(&args)?;
+            print!("{}", report::table(&measurements));
+            for m in &measurements {
+                if let Some(message) = &m.oom_message {
+                    println!("{} / {}: {message}", m.row.workload, m.row.allocator);
+                }
+            }
+            if let Some(path) = &args.json {
+                let json =
+                    report::to_json(&measurements).map_err(|e| CliError::Output(e.to_string()))?;
+                std::fs::write(path, json + "\n")
+                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
+                println!("JSON written to {}", path.display());
+            }
+            if let Some(dir) = &args.svg {
+                let files = report::write_charts(dir, &measurements)
+                    .map_err(|e| CliError::Output(e.to_string()))?;
+                println!("charts written: {}", files.join(", "));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The text of `quilt-bench list`.
+pub fn list(seed: u64) -> String {
+    let mut out = String::new();
+    for w in WORKLOADS {
+        let trace = (w.generate)(seed);
+        let s = trace_stats(&trace);
+        out.push_str(&format!(
+            "{:<22} {:>6} events  peak live {:>6} GiB  max alloc {:>5} MiB  {} stream(s)  {}\n",
+            w.name,
+            s.events,
+            gib(s.peak_live_bytes),
+            s.max_alloc_bytes >> 20,
+            s.streams,
+            w.description
+        ));
+    }
+    out
+}
+
+/// Load every trace the arguments name (all built-in workloads when none).
+pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
+    let mut traces = Vec::new();
+    for name in &args.workloads {
+        let w = workloads::find(name).ok_or_else(|| {
+            CliError::Usage(format!(
+                "unknown workload `{name}` (known: {})",
+                WORKLOADS.map(|w| w.name).join(", ")
+            ))
+        })?;
+        traces.push((w.generate)(args.seed));
+    }
+    for path in &args.traces {
+        let mut trace = load_trace(path)?;
+        trace.preexisting = preexisting_from_stats(path)?.unwrap_or(0);
+        traces.push(trace);
+    }
+    for path in &args.snapshots {
+        traces.push(load_snapshot(path)?);
+    }
+    if args.workloads.is_empty() && args.traces.is_empty() && args.snapshots.is_empty() {
+        traces.extend(WORKLOADS.iter().map(|w| (w.generate)(args.seed)));
+    }
+    Ok(traces)
+}
+
+/// The pre-existing prefix of a converted trace, from the `stats.json` beside it
+/// (`preexisting_allocs` of the entry whose `file` is the trace's file name).
+/// `None` when there is no `stats.json` or no entry for the file.
+pub fn preexisting_from_stats(trace_path: &Path) -> Result<Option<usize>, CliError> {
+    let Some(dir) = trace_path.parent() else {
+        return Ok(None);
+    };
+    let stats_path = dir.join("stats.json");
+    let Ok(text) = std::fs::read_to_string(&stats_path) else {
+        return Ok(None);
+    };
+    let bad = |m: String| CliError::Output(format!("{}: {m}", stats_path.display()));
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let file_name = trace_path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let Some(entries) = value.as_array() else {
+        return Err(bad("expected a list of trace entries".into()));
+    };
+    for entry in entries {
+        if entry.get("file").and_then(|f| f.as_str()) == Some(file_name.as_str()) {
+            return match entry.get("preexisting_allocs").and_then(|p| p.as_u64()) {
+                Some(n) => Ok(Some(n as usize)),
+                None => Err(bad(format!(
+                    "entry for {file_name} lacks preexisting_allocs"
+                ))),
+            };
+        }
+    }
+    Ok(None)
+}
+
+/// Run the A/B: every trace through every allocator, at the given capacity,
+/// plus the minimum-capacity bisection unless turned off. Pairs run on
+/// `--jobs` worker threads; the results come back in (trace, allocator) order.
+pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
+    let capacity = parse_size(&args.capacity)?;
+    if capacity == 0 {
+        return Err(CliError::Usage(
+            "--capacity must be more than 0 bytes".into(),
+        ));
+    }
+    if args.iterations == 0 {
+        return Err(CliError::Usage("--iterations must be at least 1".into()));
+    }
+    if args.allocators.is_empty() {
+        return Err(CliError::Usage("--allocators names none".into()));
+    }
+    for a in &args.allocators {
+        allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
+    }
+    let traces = collect_traces(args)?;
+    let config = ReplayConfig {
+        iterations: args.iterations,
+        check_every: args.check_every,
+        record_series: args.svg.is_some(),
+        time_ops: true,
+    };
+    let jobs: Vec<(usize, &str)> = (0..traces.len())
+        .flat_map(|t| args.allocators.iter().map(move |a| (t, a.as_str())))
+        .collect();
+    let workers = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .clamp(1, jobs.len().max(1));
+
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(jobs.len() as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}") {
+        bar.set_style(style);
+    }
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Measurement, ReplayError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let stats: Vec<u64> = traces
+        .iter()
+        .map(|t| trace_stats(t).peak_live_bytes)
+        .collect();
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(t, allocator)) = jobs.get(i) else {
+                    break;
+                };
+                let trace = &traces[t];
+                bar.set_message(format!("{} / {allocator}", trace.name));
+                let outcome = measure(
+                    trace,
+                    allocator,
+                    capacity,
+                    stats[t],
+                    &config,
+                    args.no_bisect,
+                );
+                bar.inc(1);
+                if let Ok(mut slots) = results.lock() {
+                    slots[i] = Some(outcome);
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let slots = results
+        .into_inner()
+        .map_err(|_| CliError::Output("a worker thread panicked".into()))?;
+    let mut out = Vec::with_capacity(slots.len());
+    for slot in slots {
+        match slot {
+            Some(result) => out.push(result?),
+            None => return Err(CliError::Output("a worker thread panicked".into())),
+        }
+    }
+    Ok(out)
+}
+
+/// One (trace, allocator) pair: the main replay and the bisection.
+fn measure(
+    trace: &Trace,
+    allocator: &str,
+    capacity: u64,
+    peak_live: u64,
+    config: &ReplayConfig,
+    no_bisect: bool,
+) -> Result<Measurement, ReplayError> {
+    let result = replay_fresh(trace, allocator, capacity, config)?;
+    let min = if no_bisect {
+        None
+    } else {
+        min_capacity_bytes(trace, allocator, peak_live, config)?
+    };
+    Ok(Measurement::new(
+        &trace.name,
+        allocator,
+        capacity,
+        result,
+        min,
+    ))
+}

@@ -1,0 +1,423 @@
+//! Replay of a trace through an allocator on a simulated device, with metrics.
+//!
+//! Rules:
+//! - `alloc` calls `allocate(size, StreamId(stream))`; `free` calls `free(ptr)` on
+//!   the pointer the allocation got, then [`SimVmm::complete_all`]: trace frees are
+//!   taken at `free_completed`, when the GPU has caught up.
+//! - With `iterations: N`, the pre-existing prefix is replayed once and the rest
+//!   N times. Between iterations, whatever the iteration left live is freed (in
+//!   allocation order) and any pre-existing allocation it freed is allocated
+//!   again, so every iteration starts from the same live set.
+//! - An allocation that fails with out-of-memory counts one OOM and ends the
+//!   replay (`completed == false`). Any other allocator error, or a trace that
+//!   frees an id that is not live, is a [`ReplayError`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{DevicePtr, DriverStats, StreamId, Vmm};
+
+use crate::allocators::{self, RegistryError};
+use crate::live::LiveTracker;
+use crate::trace::{Event, Trace};
+
+/// How to replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplayConfig {
+    /// Times the non-pre-existing part is replayed (at least 1).
+    pub iterations: u32,
+    /// Check the allocator's invariants every this many events (`None`: never).
+    pub check_every: Option<usize>,
+    /// Sample live and reserved memory over the replay (for charts).
+    pub record_series: bool,
+    /// Time every allocate and free call (for `cpu_ns_per_op`).
+    pub time_ops: bool,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            iterations: 1,
+            check_every: None,
+            record_series: false,
+            time_ops: false,
+        }
+    }
+}
+
+/// The most points a recorded series holds (about; sampling is by a fixed stride).
+pub const MAX_SERIES_POINTS: usize = 2000;
+
+/// One sample of memory over the replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeriesPoint {
+    /// Events replayed so far.
+    pub event: u64,
+    /// Live requested bytes.
+    pub live_bytes: u64,
+    /// The allocator's reserved bytes.
+    pub reserved_bytes: u64,
+}
+
+/// What a replay measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayResult {
+    /// True when every event was replayed.
+    pub completed: bool,
+    /// Allocations that failed with out-of-memory (0 or 1: the replay stops at the first).
+    pub ooms: u64,
+    /// The out-of-memory error's message, if one ended the replay.
+    pub oom_message: Option<String>,
+    /// Events replayed.
+    pub events: u64,
+    /// Peak of the live requested bytes.
+    pub peak_live_bytes: u64,
+    /// Peak of the allocator's reserved bytes (`stats().reserved_bytes.peak`).
+    pub peak_reserved_bytes: u64,
+    /// `peak_live_bytes / peak_reserved_bytes` (0 when nothing was reserved).
+    pub efficiency: f64,
+    /// Peak of the page-granular lower bound (see [`LiveTracker::ideal_now`]).
+    pub ideal_bytes: u64,
+    /// Driver calls and modelled time over the whole replay (allocator construction included).
+    pub driver: DriverStats,
+    /// Driver calls and modelled time over iterations 2..N (zero when N = 1).
+    pub driver_after_first_iteration: DriverStats,
+    /// Median host time of one allocate or free call, in nanoseconds (0 unless timed).
+    pub cpu_ns_per_op: u64,
+    /// Live and reserved memory over the replay (empty unless recorded).
+    pub series: Vec<SeriesPoint>,
+}
+
+/// Why a replay could not run to a result.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The trace is inconsistent (a free of an id that is not live, an id reused while live).
+    #[error("trace `{trace}`, event {event}: {message}")]
+    BadTrace {
+        /// The trace.
+        trace: String,
+        /// 0-based index of the event in the trace.
+        event: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// The allocator failed in a way other than out-of-memory.
+    #[error("allocator `{allocator}` failed at event {event}: {source}")]
+    Allocator {
+        /// The allocator.
+        allocator: String,
+        /// 0-based index of the event in the trace.
+        event: usize,
+        /// Its error.
+        source: AllocError,
+    },
+    /// The invariant checker found a violation.
+    #[error("allocator `{allocator}` broke an invariant after event {event}: {source}")]
+    Invariant {
+        /// The allocator.
+        allocator: String,
+        /// 0-based index of the event in the trace.
+        event: usize,
+        /// The violation.
+        source: InvariantViolation,
+    },
+    /// The simulated device could not be built.
+    #[error("simulated device: {0}")]
+    Device(quilt_vmm::VmmError),
+    /// The allocator could not be built.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// Build a fresh simulated device of `capacity` bytes and the allocator `name` on
+/// it, and replay `trace`.
+pub fn replay_fresh(
+    trace: &Trace,
+    allocator: &str,
+    capacity: u64,
+    config: &ReplayConfig,
+) -> Result<ReplayResult, ReplayError> {
+    let sim = Arc::new(SimVmm::with_capacity(capacity).map_err(ReplayError::Device)?);
+    let vmm: Arc<dyn Vmm> = sim.clone();
+    let alloc = allocators::build(allocator, vmm)?;
+    replay(trace, alloc.as_ref(), &sim, config)
+}
+
+/// The live allocations of a replay, by trace id.
+struct Live {
+    by_id: HashMap<u64, (DevicePtr, u64)>,
+    tracker: LiveTracker,
+}
+
+/// The state of one replay run.
+struct Run<'a> {
+    trace: &'a Trace,
+    alloc: &'a dyn DeviceAllocator,
+    sim: &'a SimVmm,
+    config: &'a ReplayConfig,
+    live: Live,
+    events: u64,
+    stride: u64,
+    series: Vec<SeriesPoint>,
+    op_ns: Vec<u32>,
+}
+
+/// What applying one event came to.
+enum Step {
+    Done,
+    OutOfMemory(String),
+}
+
+impl Run<'_> {
+    fn bad(&self, event: usize, message: String) -> ReplayError {
+        ReplayError::BadTrace {
+            trace: self.trace.name.clone(),
+            event,
+            message,
+        }
+    }
+
+    fn allocate(
+        &mut self,
+        index: usize,
+        id: u64,
+        size: u64,
+        stream: u64,
+    ) -> Result<Step, ReplayError> {
+        if self.live.by_id.contains_key(&id) {
+            return Err(self.bad(index, format!("id {id} allocated while live")));
+        }
+        let start = self.config.time_ops.then(Instant::now);
+        let result = self.alloc.allocate(size, StreamId(stream));
+        if let Some(start) = start {
+            self.op_ns.push(elapsed_ns(start));
+        }
+        match result {
+            Ok(a) => {
+                self.live.by_id.insert(id, (a.ptr, size));
+                self.live.tracker.add(size);
+                Ok(Step::Done)
+            }
+            Err(e) if is_oom(&e) => Ok(Step::OutOfMemory(e.to_string())),
+            Err(source) => Err(ReplayError::Allocator {
+                allocator: self.alloc.name().to_string(),
+                event: index,
+                source,
+            }),
+        }
+    }
+
+    fn free(&mut self, index: usize, id: u64) -> Result<(), ReplayError> {
+        let Some((ptr, size)) = self.live.by_id.remove(&id) else {
+            return Err(self.bad(index, format!("free of id {id}, which is not live")));
+        };
+        let start = self.config.time_ops.then(Instant::now);
+        let result = self.alloc.free(ptr);
+        if let Some(start) = start {
+            self.op_ns.push(elapsed_ns(start));
+        }
+        result.map_err(|source| ReplayError::Allocator {
+            allocator: self.alloc.name().to_string(),
+            event: index,
+            source,
+        })?;
+        self.sim.complete_all();
+        self.live.tracker.remove(size);
+        Ok(())
+    }
+
+    fn apply(&mut self, index: usize) -> Result<Step, ReplayError> {
+        let Some(&event) = self.trace.events.get(index) else {
+            return Ok(Step::Done);
+        };
+        let step = match event {
+            Event::Alloc { id, size, stream } => self.allocate(index, id, size, stream)?,
+            Event::Free { id } => {
+                self.free(index, id)?;
+                Step::Done
+            }
+        };
+        if let Step::OutOfMemory(_) = step {
+            return Ok(step);
+        }
+        self.events += 1;
+        if let Some(k) = self.config.check_every {
+            if k > 0 && self.events.is_multiple_of(k as u64) {
+                self.check(index)?;
+            }
+        }
+        if self.config.record_series && self.events.is_multiple_of(self.stride) {
+            self.sample();
+        }
+        Ok(Step::Done)
+    }
+
+    fn check(&self, index: usize) -> Result<(), ReplayError> {
+        self.alloc
+            .check_invariants()
+            .map_err(|source| ReplayError::Invariant {
+                allocator: self.alloc.name().to_string(),
+                event: index,
+                source,
+            })
+    }
+
+    fn sample(&mut self) {
+        self.series.push(SeriesPoint {
+            event: self.events,
+            live_bytes: self.live.tracker.live_bytes,
+            reserved_bytes: self.alloc.stats().reserved_bytes.current,
+        });
+    }
+
+    /// Free what an iteration left live (in allocation order) and allocate again
+    /// the pre-existing allocations it freed. `pre` lists the prefix's allocations.
+    fn reset_iteration(&mut self, pre: &[(usize, u64, u64, u64)]) -> Result<Step, ReplayError> {
+        let pre_ids: std::collections::HashSet<u64> = pre.iter().map(|p| p.1).collect();
+        let mut leftovers: Vec<u64> = self
+            .live
+            .by_id
+            .keys()
+            .copied()
+            .filter(|id| !pre_ids.contains(id))
+            .collect();
+        leftovers.sort_unstable();
+        let last = self.trace.events.len().saturating_sub(1);
+        for id in leftovers {
+            self.free(last, id)?;
+        }
+        for &(index, id, size, stream) in pre {
+            if !self.live.by_id.contains_key(&id) {
+                if let Step::OutOfMemory(m) = self.allocate(index, id, size, stream)? {
+                    return Ok(Step::OutOfMemory(m));
+                }
+            }
+        }
+        Ok(Step::Done)
+    }
+}
+
+fn elapsed_ns(start: Instant) -> u32 {
+    u32::try_from(start.elapsed().as_nanos()).unwrap_or(u32::MAX)
+}
+
+/// True for an out-of-memory error, whether the allocator diagnosed it or a
+/// driver call reported it.
+pub fn is_oom(e: &AllocError) -> bool {
+    match e {
+        AllocError::OutOfMemory(_) => true,
+        AllocError::Driver(v) => v.is_out_of_memory(),
+        _ => false,
+    }
+}
+
+/// Replay `trace` through `alloc`, which runs on `sim`.
+pub fn replay(
+    trace: &Trace,
+    alloc: &dyn DeviceAllocator,
+    sim: &SimVmm,
+    config: &ReplayConfig,
+) -> Result<ReplayResult, ReplayError> {
+    let iterations = config.iterations.max(1);
+    let pre_len = trace.preexisting.min(trace.events.len());
+    let body_len = trace.events.len() - pre_len;
+    let expected = pre_len as u64 + body_len as u64 * u64::from(iterations);
+    let mut run = Run {
+        trace,
+        alloc,
+        sim,
+        config,
+        live: Live {
+            by_id: HashMap::new(),
+            tracker: LiveTracker::new(),
+        },
+        events: 0,
+        stride: (expected / MAX_SERIES_POINTS as u64).max(1),
+        series: Vec::new(),
+        op_ns: Vec::with_capacity(if config.time_ops {
+            expected as usize
+        } else {
+            0
+        }),
+    };
+    let pre: Vec<(usize, u64, u64, u64)> = trace.events[..pre_len]
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match *e {
+            Event::Alloc { id, size, stream } => Some((i, id, size, stream)),
+            Event::Free { .. } => None,
+        })
+        .collect();
+
+    let mut oom: Option<String> = None;
+    let mut after_first_start: Option<DriverStats> = None;
+    'outer: {
+        for index in 0..pre_len {
+            if let Step::OutOfMemory(m) = run.apply(index)? {
+                oom = Some(m);
+                break 'outer;
+            }
+        }
+        for iteration in 0..iterations {
+            if iteration > 0 {
+                if let Step::OutOfMemory(m) = run.reset_iteration(&pre)? {
+                    oom = Some(m);
+                    break 'outer;
+                }
+            }
+            if iteration == 1 {
+                after_first_start = Some(sim.driver_stats());
+            }
+            for index in pre_len..trace.events.len() {
+                if let Step::OutOfMemory(m) = run.apply(index)? {
+                    oom = Some(m);
+                    break 'outer;
+                }
+            }
+        }
+    }
+    if config.check_every.is_some() {
+        run.check(trace.events.len().saturating_sub(1))?;
+    }
+    if config.record_series {
+        run.sample();
+    }
+    let driver = sim.driver_stats();
+    let driver_after_first_iteration = after_first_start
+        .map(|start| driver.since(&start))
+        .unwrap_or_default();
+    let stats = alloc.stats();
+    let peak_reserved = stats.reserved_bytes.peak;
+    let peak_live = run.live.tracker.peak_live_bytes;
+    Ok(ReplayResult {
+        completed: oom.is_none(),
+        ooms: u64::from(oom.is_some()),
+        oom_message: oom,
+        events: run.events,
+        peak_live_bytes: peak_live,
+        peak_reserved_bytes: peak_reserved,
+        efficiency: if peak_reserved == 0 {
+            0.0
+        } else {
+            peak_live as f64 / peak_reserved as f64
+        },
+        ideal_bytes: run.live.tracker.peak_ideal_bytes,
+        driver,
+        driver_after_first_iteration,
+        cpu_ns_per_op: median(&mut run.op_ns),
+        series: run.series,
+    })
+}
+
+/// The median of `values` (0 when empty); reorders them.
+fn median(values: &mut [u32]) -> u64 {
+    if values.is_empty() {
+        return 0;
+    }
+    let mid = values.len() / 2;
+    let (_, m, _) = values.select_nth_unstable(mid);
+    u64::from(*m)
+}
