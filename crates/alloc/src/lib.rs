@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod baselines;
 pub mod error;
 pub mod quilt;
 pub mod snapshot;
