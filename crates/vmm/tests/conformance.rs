@@ -747,12 +747,38 @@ fn outcome<T>(r: &quilt_vmm::Result<T>) -> String {
     }
 }
 
-/// Runs `ops` on `v`; returns each call's outcome. Granule counts are scaled by
-/// the granularity; reservations and handles are named by index.
-fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
+/// What a workload left alive: reservations, handles (with whether released), mappings.
+#[derive(Default)]
+struct Leftovers {
+    res: Vec<(DevicePtr, u64)>,
+    handles: Vec<(PhysHandle, bool)>,
+    maps: std::collections::BTreeMap<DevicePtr, u64>,
+}
+
+/// Runs `ops` on `v`, then tears down everything still alive (which must
+/// succeed), leaving the backend as it was; returns each call's outcome, then
+/// (where `report_free`) the free memory before the teardown.
+fn replay(v: &dyn Vmm, ops: &[Op], report_free: bool, after_each: &dyn Fn()) -> Vec<String> {
+    let (mut out, left) = run_ops(v, ops, after_each);
+    if report_free {
+        out.push(format!(
+            "free {}",
+            v.mem_info().map(|m| m.free).unwrap_or(0)
+        ));
+    }
+    teardown(v, left, after_each);
+    out
+}
+
+/// Runs `ops` on `v` and returns each call's outcome and what is left alive.
+/// Granule counts are scaled by the granularity; reservations and handles are
+/// named by index.
+fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Leftovers) {
     let g = v.granularity();
     let mut res: Vec<(DevicePtr, u64)> = Vec::new();
-    let mut handles: Vec<PhysHandle> = Vec::new();
+    // Released handles stay in the list: later calls on them test the rules.
+    let mut handles: Vec<(PhysHandle, bool)> = Vec::new();
+    let mut maps: std::collections::BTreeMap<DevicePtr, u64> = Default::default();
     let mut out = Vec::new();
     for op in ops {
         let pick = |n: usize, len: usize| if len == 0 { None } else { Some(n % len) };
@@ -778,13 +804,18 @@ fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
             Op::Create(pages) => {
                 let r = v.create(pages * g);
                 if let Ok(h) = r {
-                    handles.push(h);
+                    handles.push((h, false));
                 }
                 outcome(&r)
             }
             Op::Release(i) => match pick(i, handles.len()) {
-                // Released handles stay in the list: later calls on them test the rules.
-                Some(i) => outcome(&v.release(handles[i])),
+                Some(i) => {
+                    let r = v.release(handles[i].0);
+                    if r.is_ok() {
+                        handles[i].1 = true;
+                    }
+                    outcome(&r)
+                }
                 None => "skip".into(),
             },
             // Ranges start inside their reservation (the layout of reservations
@@ -795,8 +826,12 @@ fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
             Op::Map(r, at, pages, hi, off) => match (pick(r, res.len()), pick(hi, handles.len())) {
                 (Some(r), Some(hi)) => {
                     let (start, size) = res[r];
-                    let at = at % (size / g);
-                    outcome(&v.map(start + at * g, pages * g, handles[hi], off * g))
+                    let ptr = start + at % (size / g) * g;
+                    let result = v.map(ptr, pages * g, handles[hi].0, off * g);
+                    if result.is_ok() {
+                        maps.insert(ptr, pages * g);
+                    }
+                    outcome(&result)
                 }
                 _ => "skip".into(),
             },
@@ -805,7 +840,12 @@ fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
                     let (start, size) = res[r];
                     let at = at % (size / g);
                     let pages = pages.min(size / g - at);
-                    outcome(&v.unmap(start + at * g, pages * g))
+                    let ptr = start + at * g;
+                    let result = v.unmap(ptr, pages * g);
+                    if result.is_ok() {
+                        maps.retain(|&p, _| p < ptr || p >= ptr + pages * g);
+                    }
+                    outcome(&result)
                 }
                 None => "skip".into(),
             },
@@ -822,11 +862,26 @@ fn replay(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> Vec<String> {
         out.push(o);
         after_each();
     }
-    out.push(format!(
-        "free {}",
-        v.mem_info().map(|m| m.free).unwrap_or(0)
-    ));
-    out
+    (out, Leftovers { res, handles, maps })
+}
+
+/// Unmaps, releases and frees everything in `left`; every call must succeed.
+fn teardown(v: &dyn Vmm, left: Leftovers, after_each: &dyn Fn()) {
+    let Leftovers { res, handles, maps } = left;
+    for (ptr, size) in maps {
+        v.unmap(ptr, size).unwrap();
+        after_each();
+    }
+    for (h, released) in handles {
+        if !released {
+            v.release(h).unwrap();
+            after_each();
+        }
+    }
+    for (ptr, size) in res {
+        v.address_free(ptr, size).unwrap();
+        after_each();
+    }
 }
 
 fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -846,20 +901,41 @@ fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
 
-    /// Every backend gives the same outcome, call by call, as the simulated one
-    /// on random workloads (capacity exhaustion included on the small backends).
+    /// Every backend gives the same outcome, call by call, as a simulated one of
+    /// the same granularity on random workloads (capacity exhaustion included on
+    /// the small backends; the CUDA device, shared by every case, is never
+    /// exhausted), and the workload tears down cleanly on each.
     #[test]
     fn backends_agree_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
-        let reference = sim_backend();
-        let expected = replay(&*reference.vmm, &ops, &|| {});
-        for b in backends().into_iter().skip(1) {
-            if b.exhaustible != reference.exhaustible {
-                continue;
-            }
-            let got = replay(&*b.vmm, &ops, &|| {});
+        let mut others: Vec<Backend> = host_backend().into_iter().collect();
+        others.extend(shared_cuda_backend());
+        for b in others {
+            let reference = SimVmm::new(SimConfig {
+                capacity: b.exhaustible.unwrap_or(1 << 50),
+                granularity: b.vmm.granularity(),
+                ..SimConfig::default()
+            })
+            .unwrap();
+            let exact = b.exhaustible.is_some();
+            let expected = replay(&reference, &ops, exact, &|| {});
+            proptest::prop_assert!(reference.leak_report().is_empty());
+            let got = replay(&*b.vmm, &ops, exact, &|| {});
             proptest::prop_assert_eq!(&got, &expected, "{} differs from simulated on {:?}", b.name(), ops);
         }
     }
+}
+
+/// One CUDA backend for every case of the differential check (a context per case
+/// would be slow); `None` where CUDA is unavailable.
+fn shared_cuda_backend() -> Option<Backend> {
+    static SHARED: std::sync::OnceLock<Option<Arc<dyn Vmm>>> = std::sync::OnceLock::new();
+    SHARED
+        .get_or_init(|| cuda_backend().map(|b| b.vmm))
+        .as_ref()
+        .map(|vmm| Backend {
+            vmm: Arc::clone(vmm),
+            exhaustible: None,
+        })
 }
 
 // ================================================================ simulated only
@@ -886,11 +962,14 @@ proptest::proptest! {
                 panic!("invariant broken: {broken}");
             }
         };
-        let outcomes = replay(&v, &ops, &check);
+        let (outcomes, left) = run_ops(&v, &ops, &check);
         let failures = v.driver_stats().failed.iter().sum::<u64>();
         let injected = outcomes.iter().filter(|o| o.contains("injected")).count() as u64;
         proptest::prop_assert!(injected <= 1 && failures >= injected);
         proptest::prop_assert_eq!(injected == 1, k >= 1 && k <= v.driver_stats().vmm_calls());
+        v.clear_faults();
+        teardown(&v, left, &check);
+        proptest::prop_assert!(v.leak_report().is_empty(), "{}", v.leak_report());
     }
 }
 
