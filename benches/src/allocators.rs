@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
 use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
+use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::Vmm;
 
@@ -59,7 +60,13 @@ pub fn build(name: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, 
         "expandable" => Ok(Box::new(
             ExpandableAllocator::new(vmm, ExpandableConfig::default()).map_err(wrap)?,
         )),
-        "quilt" | "gmlake" | "offset" => Err(RegistryError::Unavailable {
+        "quilt" => Ok(Box::new(
+            QuiltAllocator::new(vmm, QuiltConfig::default()).map_err(wrap)?,
+        )),
+        "gmlake" => Ok(Box::new(
+            QuiltAllocator::new(vmm, QuiltConfig::gmlake()).map_err(wrap)?,
+        )),
+        "offset" => Err(RegistryError::Unavailable {
             name: name.to_string(),
         }),
         _ => Err(RegistryError::Unknown {
