@@ -165,3 +165,58 @@ impl FaultSet {
         fired
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_nth_faults_due_on_the_same_call_both_disarm_and_the_first_wins() {
+        let mut set = FaultSet::default();
+        let custom = VmmError::Unavailable {
+            reason: "first".into(),
+        };
+        set.arm(Fault::nth(CallKind::Map, 2).with_error(custom.clone()));
+        set.arm(Fault::nth_overall(2));
+        assert_eq!(set.len(), 2);
+        assert_eq!(set.check(CallKind::Map), None);
+        // Not a VMM call: counted by neither.
+        assert_eq!(set.check(CallKind::EventRecord), None);
+        assert_eq!(set.check(CallKind::Map), Some(custom));
+        assert_eq!(set.len(), 0);
+        assert_eq!(set.check(CallKind::Map), None);
+    }
+
+    #[test]
+    fn nth_counts_only_its_kind_and_always_stays() {
+        let mut set = FaultSet::default();
+        set.arm(Fault::nth(CallKind::Create, 2));
+        set.arm(Fault::always(CallKind::Unmap));
+        set.arm(Fault::nth(CallKind::Map, 0));
+        assert_eq!(set.len(), 2, "Nth(0) is never armed");
+        assert_eq!(set.check(CallKind::Create), None);
+        assert_eq!(set.check(CallKind::Map), None);
+        assert_eq!(
+            set.check(CallKind::Create),
+            Some(cuda_error_for(CallKind::Create))
+        );
+        for _ in 0..3 {
+            assert_eq!(
+                set.check(CallKind::Unmap),
+                Some(cuda_error_for(CallKind::Unmap))
+            );
+        }
+        assert_eq!(set.len(), 1);
+        set.clear();
+        assert_eq!(set.check(CallKind::Unmap), None);
+    }
+
+    #[test]
+    fn cuda_errors_are_out_of_memory_for_create_and_invalid_value_otherwise() {
+        for kind in CallKind::ALL {
+            let err = cuda_error_for(kind);
+            assert_eq!(err.call(), Some(kind));
+            assert_eq!(err.is_out_of_memory(), kind == CallKind::Create, "{kind}");
+        }
+    }
+}

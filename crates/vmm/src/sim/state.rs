@@ -676,3 +676,51 @@ impl State {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 2 << 20;
+
+    #[test]
+    fn catching_up_completes_waited_events_transitively() {
+        let mut st = State::new(G, 1 << 30, 1 << 40);
+        let (s1, s2, s3) = (StreamId(1), StreamId(2), StreamId(3));
+        let a = st.event_record(s1);
+        st.stream_wait_event(s2, a).unwrap();
+        let b = st.event_record(s2);
+        st.stream_wait_event(s3, b).unwrap();
+        st.complete_stream(s3);
+        assert!(st.event_query(a).unwrap() && st.event_query(b).unwrap());
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn waiting_on_a_completed_event_or_own_stream_records_nothing() {
+        let mut st = State::new(G, 1 << 30, 1 << 40);
+        let s = StreamId(4);
+        let a = st.event_record(s);
+        st.stream_wait_event(s, a).unwrap();
+        st.complete_stream(s);
+        st.stream_wait_event(StreamId(5), a).unwrap();
+        assert!(st.streams.values().all(|s| s.waits.is_empty()));
+    }
+
+    #[test]
+    fn failed_calls_change_nothing() {
+        let mut st = State::new(G, 8 * G, 1 << 40);
+        let va = st.reserve(4 * G, 0).unwrap();
+        let h = st.create(2 * G).unwrap();
+        st.map(va, G, h, 0).unwrap();
+        let before = st.leak_report();
+        assert!(st.map(va, G, h, G).is_err());
+        assert!(st.unmap(va, 2 * G).is_err());
+        assert!(st.create(8 * G).is_err());
+        assert!(st.address_free(va, 4 * G).is_err());
+        assert!(st.set_access(va + G, G).is_err());
+        assert_eq!(st.leak_report(), before);
+        st.check_invariants().unwrap();
+        assert_eq!(st.translate(va + 5), Some((h, 5)));
+    }
+}
