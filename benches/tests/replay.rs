@@ -1,0 +1,218 @@
+//! The replay engine, its metrics and the bisection, on hand-made traces whose
+//! answers are derived by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use quilt_bench::bisect::min_capacity_bytes;
+use quilt_bench::live::trace_stats;
+use quilt_bench::replay::{replay_fresh, ReplayConfig, ReplayError};
+use quilt_bench::report::{to_json, Measurement};
+use quilt_bench::trace::{parse_trace, Trace};
+
+const MIB: u64 = 1 << 20;
+
+fn trace(name: &str, text: &str, preexisting: usize) -> Trace {
+    Trace {
+        name: name.into(),
+        events: parse_trace(text).unwrap(),
+        preexisting,
+    }
+}
+
+fn checked() -> ReplayConfig {
+    ReplayConfig {
+        check_every: Some(1),
+        ..ReplayConfig::default()
+    }
+}
+
+#[test]
+fn ideal_bytes_by_hand() {
+    // a0 3 MiB (large), a1 exactly 1 MiB (small: 1 MiB or less), a2 100 B (small,
+    // 512 after rounding), a3 1 MiB + 1 B (large).
+    //   large = 3145728 + 1048577 = 4194305 -> 3 pages = 6 MiB
+    //   small = 1048576 + 512 = 1049088     -> 1 page  = 2 MiB      ideal 8 MiB
+    // free a0, then a4 5 MiB (large):
+    //   large = 1048577 + 5242880 = 6291457 -> 4 pages = 8 MiB
+    //   small unchanged                     -> 2 MiB                ideal 10 MiB
+    // Peak live = 1048577 + 5242880 + 1048576 + 100 = 7340133 (after a4).
+    let t = trace(
+        "ideal",
+        "a 0 3145728 0\na 1 1048576 0\na 2 100 0\na 3 1048577 0\nf 0\na 4 5242880 0\n",
+        0,
+    );
+    let s = trace_stats(&t);
+    assert_eq!(s.ideal_bytes, 10 * MIB);
+    assert_eq!(s.peak_live_bytes, 7_340_133);
+    for allocator in ["classic", "expandable", "quilt"] {
+        let r = replay_fresh(&t, allocator, 64 * MIB, &checked()).unwrap();
+        assert!(r.completed, "{allocator}");
+        assert_eq!(r.ideal_bytes, 10 * MIB, "{allocator}");
+        assert_eq!(r.peak_live_bytes, 7_340_133, "{allocator}");
+        assert_eq!(r.events, 6);
+        assert!(
+            r.peak_reserved_bytes >= r.ideal_bytes,
+            "{allocator} beats the ideal"
+        );
+    }
+}
+
+#[test]
+fn bisection_finds_the_exact_classic_threshold() {
+    // One 30 MiB request: classic rounds it to 2 MiB (already a multiple) and,
+    // above 10 MiB, gets a segment of exactly that size: it completes at 30 MiB
+    // and not at 28 MiB.
+    let t = trace("one-30mib", "a 0 31457280 0\n", 0);
+    let cfg = ReplayConfig::default();
+    assert!(
+        replay_fresh(&t, "classic", 30 * MIB, &cfg)
+            .unwrap()
+            .completed
+    );
+    assert!(
+        !replay_fresh(&t, "classic", 28 * MIB, &cfg)
+            .unwrap()
+            .completed
+    );
+    assert_eq!(
+        min_capacity_bytes(&t, "classic", 30 * MIB, &cfg).unwrap(),
+        Some(30 * MIB)
+    );
+
+    // A 3 MiB request gets a 20 MiB segment from classic: more than twice the
+    // peak live bytes (6 MiB), so the search range holds no answer.
+    let t = trace("one-3mib", "a 0 3145728 0\n", 0);
+    assert_eq!(
+        min_capacity_bytes(&t, "classic", 3 * MIB, &cfg).unwrap(),
+        None
+    );
+    // A page-granular allocator needs 2 pages for it.
+    assert_eq!(
+        min_capacity_bytes(&t, "quilt", 3 * MIB, &cfg).unwrap(),
+        Some(4 * MIB)
+    );
+
+    // 100 bytes: classic's small pool takes one 2 MiB segment.
+    let t = trace("tiny", "a 0 100 0\n", 0);
+    assert_eq!(
+        min_capacity_bytes(&t, "classic", 100, &cfg).unwrap(),
+        Some(2 * MIB)
+    );
+}
+
+#[test]
+fn oom_stops_the_replay_and_counts() {
+    let t = trace("oom", "a 0 31457280 0\na 1 31457280 0\nf 0\n", 0);
+    let r = replay_fresh(&t, "classic", 40 * MIB, &checked()).unwrap();
+    assert!(!r.completed);
+    assert_eq!(r.ooms, 1);
+    assert_eq!(r.events, 1);
+    assert!(r.oom_message.is_some());
+}
+
+#[test]
+fn iterations_keep_the_prefix_and_reset_the_rest() {
+    // Prefix: id 0 (kept) and id 1 (freed by the body). Body: allocates 2 and 3,
+    // frees 1 and 2, leaves 3 live.
+    let t = trace(
+        "iter",
+        "a 0 4194304 0\na 1 2097152 0\na 2 25165824 0\na 3 3000 0\nf 1\nf 2\n",
+        2,
+    );
+    let cfg = ReplayConfig {
+        iterations: 3,
+        check_every: Some(1),
+        time_ops: true,
+        ..ReplayConfig::default()
+    };
+    for allocator in ["classic", "expandable", "quilt", "gmlake"] {
+        let r = replay_fresh(&t, allocator, 256 * MIB, &cfg).unwrap();
+        assert!(r.completed, "{allocator}");
+        assert_eq!(r.events, 2 + 3 * 4, "{allocator}");
+        // Every iteration starts from the same live set: peak live is one iteration's.
+        assert_eq!(
+            r.peak_live_bytes,
+            4194304 + 2097152 + 25165824 + 3000,
+            "{allocator}"
+        );
+        assert!(r.cpu_ns_per_op > 0);
+        // Caching allocators make no driver call once the sizes repeat.
+        if allocator == "classic" {
+            assert_eq!(r.driver_after_first_iteration.vmm_calls(), 0);
+        }
+    }
+    let one = replay_fresh(&t, "classic", 256 * MIB, &ReplayConfig::default()).unwrap();
+    assert_eq!(one.driver_after_first_iteration.vmm_calls(), 0);
+    assert!(one.driver.vmm_calls() > 0);
+}
+
+#[test]
+fn inconsistent_traces_are_errors() {
+    let t = Trace {
+        name: "bad".into(),
+        events: vec![quilt_bench::trace::Event::Free { id: 9 }],
+        preexisting: 0,
+    };
+    match replay_fresh(&t, "classic", 64 * MIB, &ReplayConfig::default()) {
+        Err(ReplayError::BadTrace { event: 0, .. }) => {}
+        other => panic!("expected a bad-trace error, got {other:?}"),
+    }
+    assert!(matches!(
+        replay_fresh(&t, "no-such", 64 * MIB, &ReplayConfig::default()),
+        Err(ReplayError::Registry(_))
+    ));
+}
+
+#[test]
+fn json_has_exactly_the_listed_fields() {
+    let t = trace("json", "a 0 3145728 0\na 1 100 1\nf 0\n", 0);
+    let r = replay_fresh(&t, "classic", 64 * MIB, &ReplayConfig::default()).unwrap();
+    let m = Measurement::new("json", "classic", 64 * MIB, r, None);
+    let json: serde_json::Value = serde_json::from_str(&to_json(&[m]).unwrap()).unwrap();
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), 1);
+    let row = rows[0].as_object().unwrap();
+    let mut keys: Vec<&str> = row.keys().map(|k| k.as_str()).collect();
+    keys.sort_unstable();
+    let mut want = vec![
+        "workload",
+        "allocator",
+        "capacity_bytes",
+        "completed",
+        "ooms",
+        "events",
+        "peak_live_bytes",
+        "peak_reserved_bytes",
+        "efficiency",
+        "ideal_bytes",
+        "min_capacity_bytes",
+        "driver_calls",
+        "driver_calls_after_first_iteration",
+        "modelled_driver_us",
+        "cpu_ns_per_op",
+    ];
+    want.sort_unstable();
+    assert_eq!(keys, want);
+    assert!(row["min_capacity_bytes"].is_null());
+    let calls = [
+        "address_free",
+        "create",
+        "map",
+        "release",
+        "reserve",
+        "set_access",
+        "unmap",
+    ];
+    for field in ["driver_calls", "driver_calls_after_first_iteration"] {
+        let mut k: Vec<&str> = row[field]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        k.sort_unstable();
+        assert_eq!(k, calls, "{field}");
+    }
+    assert_eq!(row["workload"], "json");
+    assert_eq!(row["events"], 3);
+    assert_eq!(row["peak_live_bytes"], 3145728 + 100);
+}
