@@ -1,0 +1,170 @@
+//! The `quilt-bench` binary, run as a user runs it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_quilt-bench"))
+}
+
+/// A fresh folder under the system's temporary directory.
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("quilt-bench-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn ab_on_a_tiny_trace_writes_json_and_charts() {
+    let dir = temp_dir("ab");
+    let trace = dir.join("tiny.trace");
+    // Pre-existing 4 MiB (declared in stats.json beside it), then a step.
+    std::fs::write(
+        &trace,
+        "a 0 4194304 0\na 1 3145728 0\na 2 100 1\nf 1\na 3 25165824 0\nf 3\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("stats.json"),
+        r#"[{"file": "tiny.trace", "preexisting_allocs": 1}]"#,
+    )
+    .unwrap();
+    let json = dir.join("out.json");
+    let svg = dir.join("charts");
+    let out = bin()
+        .args(["ab", "--trace"])
+        .arg(&trace)
+        .args([
+            "--allocators",
+            "classic,quilt",
+            "--capacity",
+            "1GiB",
+            "--iterations",
+            "2",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("tiny") && stdout.contains("classic") && stdout.contains("quilt"));
+
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, allocator) in rows.iter().zip(["classic", "quilt"]) {
+        assert_eq!(row["workload"], "tiny");
+        assert_eq!(row["allocator"], allocator);
+        assert_eq!(row["completed"], true);
+        assert_eq!(row["capacity_bytes"], 1u64 << 30);
+        // One pre-existing event, then the 5-event body twice.
+        assert_eq!(row["events"], 1 + 2 * 5);
+        assert_eq!(row["peak_live_bytes"], 4194304 + 100 + 25165824);
+        let min = row["min_capacity_bytes"].as_u64().unwrap();
+        assert!(min >= 4194304 + 100 + 25165824 && min % (2 << 20) == 0);
+    }
+    for chart in ["tiny.svg", "min-capacity.svg"] {
+        let body = std::fs::read_to_string(svg.join(chart)).unwrap();
+        assert!(
+            body.starts_with("<svg") && body.contains("</svg>"),
+            "{chart}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    let dir = temp_dir("bad");
+    let missing = dir.join("missing.trace");
+    let bad_trace = dir.join("bad.trace");
+    std::fs::write(&bad_trace, "a 0 100 0\nf 7\n").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["ab".into(), "--trace".into(), missing.display().to_string()],
+            "missing.trace",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--snapshot".into(),
+                missing.display().to_string(),
+            ],
+            "missing.trace",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--trace".into(),
+                bad_trace.display().to_string(),
+            ],
+            "line 2",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--workload".into(),
+                "train-varlen".into(),
+                "--capacity".into(),
+                "80XB".into(),
+            ],
+            "bad size `80XB`",
+        ),
+        (
+            vec!["ab".into(), "--workload".into(), "nope".into()],
+            "unknown workload `nope`",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--workload".into(),
+                "train-varlen".into(),
+                "--allocators".into(),
+                "classic,foo".into(),
+            ],
+            "unknown allocator `foo`",
+        ),
+        (vec!["frobnicate".into()], "frobnicate"),
+    ];
+    for (args, needle) in cases {
+        let out = bin().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(needle),
+            "{args:?}: stderr lacks `{needle}`: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn list_names_every_workload() {
+    let out = bin().arg("list").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for name in [
+        "train-varlen",
+        "llm-serving",
+        "model-switch",
+        "mixed-vision-language",
+    ] {
+        assert!(stdout.contains(name), "{stdout}");
+    }
+}
