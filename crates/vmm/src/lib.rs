@@ -19,6 +19,7 @@ pub mod cuda;
 pub mod driver;
 pub mod error;
 pub mod host;
+pub mod latency;
 mod ledger;
 pub mod sim;
 pub mod types;
