@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
 use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
+use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::Vmm;
@@ -17,12 +18,6 @@ pub enum RegistryError {
     /// No allocator has this name.
     #[error("unknown allocator `{name}` (known: {})", ALLOCATOR_NAMES.join(", "))]
     Unknown {
-        /// The name asked for.
-        name: String,
-    },
-    /// The name is known but its implementation is not in this build yet.
-    #[error("allocator `{name}` is not available in this build")]
-    Unavailable {
         /// The name asked for.
         name: String,
     },
@@ -66,9 +61,9 @@ pub fn build(name: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, 
         "gmlake" => Ok(Box::new(
             QuiltAllocator::new(vmm, QuiltConfig::gmlake()).map_err(wrap)?,
         )),
-        "offset" => Err(RegistryError::Unavailable {
-            name: name.to_string(),
-        }),
+        "offset" => Ok(Box::new(
+            OffsetAllocator::new(vmm, OffsetConfig::default()).map_err(wrap)?,
+        )),
         _ => Err(RegistryError::Unknown {
             name: name.to_string(),
         }),
