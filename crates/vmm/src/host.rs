@@ -25,7 +25,8 @@
 //! both backends, and a stale address can never reach a newer reservation.
 //! The arena is `munmap`ped at drop; a reservation past its end fails with
 //! `OutOfMemory { call: Reserve }`. Its size is 16 × the capacity, at least
-//! 64 GiB and at most 8 TiB.
+//! 64 GiB and at most 8 TiB; where the system refuses that much address space
+//! (a limit on it, or valgrind), the size is halved until it fits, down to 1 GiB.
 //!
 //! Soundness: every call is checked against the backend's ledger (the same
 //! rules as the simulated backend) before any system call, so no address
@@ -90,6 +91,8 @@ struct HostState {
 
 /// Smallest address arena, in bytes.
 const ARENA_MIN: u64 = 64 << 30;
+/// Smallest arena tried when the system refuses the preferred size, in bytes.
+const ARENA_FLOOR: u64 = 1 << 30;
 /// Largest address arena, in bytes.
 const ARENA_MAX: u64 = 8 << 40;
 /// Alignment of the arena's start.
@@ -160,18 +163,27 @@ impl HostVmm {
                 rule: "must be a power of two multiple of the OS page size",
             });
         }
-        let arena_size = config
+        // The arena: as large as asked, halved while the system refuses (an
+        // address-space limit, or a tool such as valgrind), down to ARENA_FLOOR.
+        let mut arena_size = config
             .capacity
             .saturating_mul(16)
             .clamp(ARENA_MIN, ARENA_MAX)
             .next_multiple_of(config.granularity);
-        let arena_base = os::reserve_anywhere(arena_size, ARENA_ALIGN.max(config.granularity))
-            .map_err(|e| VmmError::Unavailable {
-                reason: format!(
-                    "cannot reserve a {arena_size}-byte address arena: {} ({})",
-                    e.text, e.name
-                ),
-            })?;
+        let arena_base = loop {
+            match os::reserve_anywhere(arena_size, ARENA_ALIGN.max(config.granularity)) {
+                Ok(base) => break base,
+                Err(e) if arena_size / 2 < ARENA_FLOOR.max(config.granularity) => {
+                    return Err(VmmError::Unavailable {
+                        reason: format!(
+                            "cannot reserve a {arena_size}-byte address arena: {} ({})",
+                            e.text, e.name
+                        ),
+                    });
+                }
+                Err(_) => arena_size = (arena_size / 2).next_multiple_of(config.granularity),
+            }
+        };
         Ok(HostVmm {
             config,
             arena_base,
