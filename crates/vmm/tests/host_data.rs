@@ -4,7 +4,7 @@
 //!
 //! Each test makes its own backend; every test ends with a clean leak report.
 
-#![cfg(target_os = "linux")]
+#![cfg(all(target_os = "linux", target_pointer_width = "64"))]
 
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Vmm, VmmError};
