@@ -499,7 +499,8 @@ impl Drop for HostVmm {
 }
 
 // The backend exists on 64-bit Linux only (elsewhere `new` is `Unavailable`).
-#[cfg(all(test, target_os = "linux", target_pointer_width = "64"))]
+#[cfg(test)]
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
 mod tests {
     use super::*;
 
