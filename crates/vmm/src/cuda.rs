@@ -252,16 +252,15 @@ impl CudaVmm {
         }
         let mut name_buf = [0 as c_char; 256];
         // SAFETY: the buffer is 256 writable bytes and we pass its length; the
-        // driver writes a NUL-terminated string within it.
+        // driver writes at most that many.
         let name = match unsafe {
             sys::cuDeviceGetName(name_buf.as_mut_ptr(), name_buf.len() as c_int, device)
         } {
             sys::CUresult::CUDA_SUCCESS => {
-                // SAFETY: on success the buffer holds a NUL-terminated string;
-                // the last byte is still 0 in any case.
-                unsafe { CStr::from_ptr(name_buf.as_ptr()) }
-                    .to_string_lossy()
-                    .into_owned()
+                let bytes: Vec<u8> = name_buf.iter().map(|c| *c as u8).collect();
+                CStr::from_bytes_until_nul(&bytes)
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
             }
             _ => String::from("unknown CUDA device"),
         };
