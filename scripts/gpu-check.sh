@@ -20,6 +20,12 @@
 #
 # Outputs go to $GPU_CHECK_OUT (default target/gpu-check): the logs of each
 # step and driver_latency.md, which docs/benchmarks.md can take as is.
+#
+# On a GPU machine without network or Rust, build here and carry the binaries
+# (about 3 MB once stripped, x86-64 Linux builds):
+#     echo /gpu-bin/ >> .git/info/exclude; scripts/gpu-check.sh --build gpu-bin
+# then there:
+#     GPU_CHECK_OUT=$OUT scripts/gpu-check.sh --prebuilt gpu-bin
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
