@@ -14,6 +14,9 @@ pub mod classic;
 pub mod expandable;
 pub mod offset;
 
+#[cfg(test)]
+mod proptests;
+
 pub use caching::config::{
     RoundupPower2Divisions, LARGE_BUFFER, MIN_LARGE_ALLOC, ROUNDUP_INTERVALS, ROUND_LARGE,
     SMALL_BUFFER,
