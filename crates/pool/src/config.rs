@@ -48,7 +48,7 @@ impl Default for GrowthPolicy {
         GrowthPolicy {
             min_chunk_bytes: 0,
             max_chunk_bytes: 1 << 30,
-            ahead_divisor: 64,
+            ahead_divisor: 128,
         }
     }
 }

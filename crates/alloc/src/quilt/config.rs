@@ -28,6 +28,14 @@ pub struct QuiltConfig {
     /// Requests up to this size (bytes) are small: they go to the small arena of
     /// their stream. PyTorch's boundary, 1 MiB.
     pub small_size: u64,
+    /// A separate arena per stream for small requests (true), or one arena per
+    /// stream for every size (false: small blocks fill the holes between large
+    /// ones, which measured better on the real traces; see `docs/design.md`).
+    pub separate_small_arena: bool,
+    /// When a block extends its arena's mapped tail, map the pool's free margin
+    /// (up to the growth policy's ahead-of-demand margin) behind it in the same
+    /// call, so the blocks that follow find their pages mapped.
+    pub map_ahead: bool,
     /// Virtual address space reserved per arena, as a multiple of the memory
     /// limit (address space is cheap; 2 by default).
     pub arena_va_factor: u64,
@@ -60,6 +68,8 @@ impl Default for QuiltConfig {
                 limit: MemoryLimit::Device,
             },
             small_size: 1 << 20,
+            separate_small_arena: false,
+            map_ahead: true,
             arena_va_factor: 2,
             max_pages_per_map: 0,
             access_per_map: false,
@@ -85,6 +95,8 @@ impl QuiltConfig {
             },
             max_pages_per_map: 1,
             access_per_map: true,
+            separate_small_arena: true,
+            map_ahead: false,
             reclaim: ReclaimPolicy::WhenFull,
             stitch_threshold: 512 << 20,
             reuse_limit: 10,

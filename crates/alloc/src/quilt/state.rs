@@ -209,7 +209,7 @@ impl State {
         })?;
         self.tick += 1;
         self.poll_pending(ctx);
-        let kind = if size <= ctx.cfg.small_size {
+        let kind = if ctx.cfg.separate_small_arena && size <= ctx.cfg.small_size {
             Kind::Small
         } else {
             Kind::Large
@@ -228,7 +228,7 @@ impl State {
         let runs = self.arenas[ai].unmapped_runs(first, last);
         let n: u64 = runs.iter().map(|r| r.1).sum();
         if n > 0 {
-            if let Err(e) = self.back_pages(ctx, ai, stream, size, &runs, n) {
+            if let Err(e) = self.back_pages(ctx, ai, stream, size, runs, n, last) {
                 self.touch(ai, off, rounded, false);
                 self.arenas[ai].vacate(off);
                 self.sync_stats(ctx);
@@ -258,19 +258,55 @@ impl State {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Back the unmapped page runs `runs` of arena `ai` (n pages in all) with pool pages.
+    /// Back the unmapped page runs `runs` of arena `ai` (n pages in all, the
+    /// block's last page being `last`) with pool pages.
+    #[allow(clippy::too_many_arguments)]
     fn back_pages(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         stream: StreamId,
         size: u64,
-        runs: &[(u64, u64)],
+        mut runs: Vec<(u64, u64)>,
         n: u64,
+        last: u64,
     ) -> Result<(), AllocError> {
         self.obtain_free_pages(ctx, stream, size, n)?;
+        let mut n = n;
+        if ctx.cfg.map_ahead {
+            let extra = self.map_ahead_pages(ctx, ai, last, n);
+            if extra > 0 {
+                if let Some(r) = runs.last_mut() {
+                    if r.0 + r.1 == last + 1 {
+                        r.1 += extra;
+                        n += extra;
+                    } else {
+                        runs.push((last + 1, extra));
+                        n += extra;
+                    }
+                }
+            }
+        }
         let pruns = ctx.pool.take(n).map_err(pool_err)?;
-        self.map_runs(ctx, ai, runs, pruns)
+        self.map_runs(ctx, ai, &runs, pruns)
+    }
+
+    /// Pages to map ahead of demand behind a block whose last page is `last`:
+    /// only when the block extends the arena's mapped tail, only from pages
+    /// already free in the pool (its growth margin), at most the margin.
+    fn map_ahead_pages(&self, ctx: &Ctx<'_>, ai: usize, last: u64, n: u64) -> u64 {
+        let a = &self.arenas[ai];
+        if a.mappings.range(last + 1..).next().is_some() {
+            return 0;
+        }
+        let spare = ctx.pool.free_pages().saturating_sub(n);
+        let growth = ctx.cfg.pool.growth;
+        let held = ctx.pool.total_pages();
+        let cap = growth
+            .chunk_pages(0, held, ctx.page)
+            .min(growth.max_chunk_bytes / ctx.page);
+        let room = (a.size / ctx.page).saturating_sub(last + 1);
+        spare.min(cap).min(room)
     }
 
     /// Make at least `n` pages free in the pool: by the reclaim policy, growth,
