@@ -274,16 +274,12 @@ impl State {
         self.obtain_free_pages(ctx, stream, size, n)?;
         let mut n = n;
         if ctx.cfg.map_ahead {
-            let extra = self.map_ahead_pages(ctx, ai, last, n);
-            if extra > 0 {
+            // Only behind a block whose last page is newly mapped, at the tail.
+            if runs.last().is_some_and(|r| r.0 + r.1 == last + 1) {
+                let extra = self.map_ahead_pages(ctx, ai, last, n);
                 if let Some(r) = runs.last_mut() {
-                    if r.0 + r.1 == last + 1 {
-                        r.1 += extra;
-                        n += extra;
-                    } else {
-                        runs.push((last + 1, extra));
-                        n += extra;
-                    }
+                    r.1 += extra;
+                    n += extra;
                 }
             }
         }

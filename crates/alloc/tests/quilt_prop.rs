@@ -1,0 +1,207 @@
+//! Property test of Quilt at a tight capacity: random allocate / free /
+//! record-stream / synchronise / empty-cache sequences, the invariants after
+//! every step, and the central promise on every failed request: it failed only
+//! because fewer pages were free or reclaimable than the new block needed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+use quilt_alloc::{AllocError, BlockState, DeviceAllocator, OomVerdict};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{StreamId, Vmm};
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 2 * MIB;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, stream: u64 },
+    Free { pick: usize },
+    Record { pick: usize, stream: u64 },
+    Complete { stream: u64 },
+    Sync,
+    EmptyCache,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (1u64..=MIB, 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        4 => (MIB + 1..40 * MIB, 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        1 => (1u64..4, 0u64..3).prop_map(|(pages, stream)| Op::Alloc { size: pages * PAGE, stream }),
+        6 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => (any::<usize>(), 0u64..3).prop_map(|(pick, stream)| Op::Record { pick, stream }),
+        1 => (0u64..3).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::Sync),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+struct Model {
+    /// Live blocks: ptr -> (rounded size, streams recorded on).
+    live: BTreeMap<u64, (u64, BTreeSet<u64>)>,
+    /// The stream each live block was allocated on.
+    owner: BTreeMap<u64, u64>,
+    /// Freed blocks still waiting: ptr -> (size, streams not yet completed).
+    pending: BTreeMap<u64, (u64, BTreeSet<u64>)>,
+}
+
+impl Model {
+    /// Pages touched by live or pending blocks (distinct virtual pages; every
+    /// arena is page aligned, so these are distinct physical pages too).
+    fn touched_pages(&self) -> u64 {
+        let mut pages = BTreeSet::new();
+        for (&p, (s, _)) in self.live.iter().chain(self.pending.iter()) {
+            for pg in p / PAGE..=(p + s - 1) / PAGE {
+                pages.insert(pg);
+            }
+        }
+        pages.len() as u64
+    }
+}
+
+fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseError> {
+    let sim = Arc::new(SimVmm::with_capacity(capacity).unwrap());
+    let v: Arc<dyn Vmm> = sim.clone();
+    let a = QuiltAllocator::new(v, config).unwrap();
+    let mut m = Model {
+        live: BTreeMap::new(),
+        owner: BTreeMap::new(),
+        pending: BTreeMap::new(),
+    };
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => match a.allocate(size, StreamId(stream)) {
+                Ok(al) => {
+                    prop_assert!(al.size >= size);
+                    prop_assert!(m.live.insert(al.ptr, (al.size, BTreeSet::new())).is_none());
+                    m.owner.insert(al.ptr, stream);
+                }
+                Err(AllocError::OutOfMemory(r)) => {
+                    // The allocator's own account: not enough free, cached or creatable pages.
+                    prop_assert_eq!(r.verdict, OomVerdict::Capacity, "{}", r);
+                    prop_assert!(r.reclaimable + r.device_free < r.needed, "{}", r);
+                    // The independent account: capacity minus pages backing blocks.
+                    let available = capacity / PAGE - m.touched_pages();
+                    let whole = size.div_ceil(512) * 512;
+                    prop_assert!(
+                        available < whole.div_ceil(PAGE),
+                        "request of {} bytes failed with {} pages available: {}",
+                        size,
+                        available,
+                        r
+                    );
+                }
+                Err(e) => prop_assert!(false, "unexpected error {e}"),
+            },
+            Op::Free { pick } => {
+                if m.live.is_empty() {
+                    continue;
+                }
+                let ptr = *m.live.keys().nth(pick % m.live.len()).unwrap();
+                a.free(ptr).unwrap();
+                let (size, rec) = m.live.remove(&ptr).unwrap();
+                m.owner.remove(&ptr);
+                if !rec.is_empty() {
+                    m.pending.insert(ptr, (size, rec));
+                }
+                let again = matches!(a.free(ptr), Err(AllocError::DoubleFree { .. }));
+                prop_assert!(again, "double free not reported");
+            }
+            Op::Record { pick, stream } => {
+                if m.live.is_empty() {
+                    continue;
+                }
+                let ptr = *m.live.keys().nth(pick % m.live.len()).unwrap();
+                a.record_stream(ptr, StreamId(stream)).unwrap();
+                // Recording on the block's own stream is a no-op.
+                if m.owner[&ptr] != stream {
+                    m.live.get_mut(&ptr).unwrap().1.insert(stream);
+                }
+            }
+            Op::Complete { stream } => {
+                sim.complete_stream(StreamId(stream));
+                for (_, (_, rec)) in m.pending.iter_mut() {
+                    rec.remove(&stream);
+                }
+                m.pending.retain(|_, (_, rec)| !rec.is_empty());
+                // Completed frees are noticed at the next operation (stats polls).
+                let _ = a.stats();
+                // A stream that waited on another stream's event (when its
+                // cached pages moved across) completes that stream's earlier
+                // work too: the allocator may see more frees completed than
+                // the model. Take those from the snapshot, checking that the
+                // allocator never keeps pending what the model has completed.
+                let still: BTreeSet<u64> = a
+                    .snapshot()
+                    .segments
+                    .iter()
+                    .flat_map(|s| s.blocks.iter())
+                    .filter(|b| b.state == BlockState::PendingFree)
+                    .map(|b| b.address)
+                    .collect();
+                for p in &still {
+                    prop_assert!(
+                        m.pending.contains_key(p),
+                        "{:#x} pending in the allocator only",
+                        p
+                    );
+                }
+                m.pending.retain(|p, _| still.contains(p));
+            }
+            Op::Sync => {
+                sim.complete_all();
+                m.pending.clear();
+                let _ = a.stats();
+            }
+            Op::EmptyCache => {
+                a.empty_cache().unwrap();
+                prop_assert_eq!(a.cached_bytes(), 0);
+            }
+        }
+        a.check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(a.touched_bytes(), m.touched_pages() * PAGE);
+        prop_assert!(a.stats().reserved_bytes.current <= capacity);
+    }
+    for &ptr in m.live.keys() {
+        a.free(ptr).unwrap();
+    }
+    sim.complete_all();
+    a.empty_cache().unwrap();
+    a.check_invariants()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(a.stats().reserved_bytes.current, 0);
+    drop(a);
+    prop_assert!(sim.leak_report().is_empty());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn central_promise_and_invariants_at_64_mib(ops in proptest::collection::vec(op(), 1..120)) {
+        run(ops, 64 * MIB, QuiltConfig::default())?;
+    }
+
+    #[test]
+    fn central_promise_and_invariants_at_128_mib(ops in proptest::collection::vec(op(), 1..120)) {
+        run(ops, 128 * MIB, QuiltConfig::default())?;
+    }
+
+    #[test]
+    fn invariants_with_separate_small_arenas(ops in proptest::collection::vec(op(), 1..120)) {
+        let config = QuiltConfig { separate_small_arena: true, ..QuiltConfig::default() };
+        run(ops, 96 * MIB, config)?;
+    }
+
+    #[test]
+    fn invariants_with_a_large_growth_margin_mapped_ahead(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut config = QuiltConfig::default();
+        config.pool.growth.ahead_divisor = 2;
+        config.pool.growth.min_chunk_bytes = 8 * MIB;
+        run(ops, 96 * MIB, config)?;
+    }
+}
