@@ -296,3 +296,63 @@ fn allocator_is_send_sync() {
     fn check<T: Send + Sync>() {}
     check::<QuiltAllocator>();
 }
+
+#[test]
+fn gmlake_preset_is_a_configuration() {
+    let sim = Arc::new(SimVmm::with_capacity(2 << 30).unwrap());
+    let v: Arc<dyn Vmm> = sim.clone();
+    let a = QuiltAllocator::new(v, QuiltConfig::gmlake()).unwrap();
+    assert_eq!(a.name(), "gmlake");
+    let before = sim.driver_stats();
+    let x = a.allocate(10 * MIB, S0).unwrap();
+    let d = sim.driver_stats().since(&before);
+    // One 2 MiB handle per page, mapped and access-set one by one.
+    assert_eq!(d.count(CallKind::Create), 5);
+    assert_eq!(d.count(CallKind::Map), 5);
+    assert_eq!(d.count(CallKind::SetAccess), 5);
+    // Below the stitch threshold, fresh blocks start on a page: no boundary sharing.
+    let y = a.allocate(3 * MIB, S0).unwrap();
+    let z = a.allocate(3 * MIB, S0).unwrap();
+    assert_eq!(y.ptr % (2 * MIB), 0);
+    assert_eq!(z.ptr - y.ptr, 4 * MIB);
+    ok(&a);
+    // A cached block is reused without driver calls.
+    a.free(x.ptr).unwrap();
+    let calls = sim.driver_stats().vmm_calls();
+    let x2 = a.allocate(10 * MIB, S0).unwrap();
+    assert_eq!(x2.ptr, x.ptr);
+    assert_eq!(sim.driver_stats().vmm_calls(), calls);
+    // At or above the threshold, requests are stitched from pages anywhere.
+    let big = a.allocate(600 * MIB, S0).unwrap();
+    ok(&a);
+    for p in [x2.ptr, y.ptr, z.ptr, big.ptr] {
+        a.free(p).unwrap();
+    }
+    ok(&a);
+    drop(a);
+    assert!(sim.leak_report().is_empty());
+}
+
+#[test]
+fn gmlake_preset_survives_pressure() {
+    let sim = Arc::new(SimVmm::with_capacity(64 * MIB).unwrap());
+    let v: Arc<dyn Vmm> = sim.clone();
+    let a = QuiltAllocator::new(v, QuiltConfig::gmlake()).unwrap();
+    let ptrs: Vec<u64> = (0..16)
+        .map(|_| a.allocate(3 * MIB, S0).unwrap().ptr)
+        .collect();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    ok(&a);
+    // 8 x 4 MiB of pages are cached: a fresh 30 MiB block needs 15 of them.
+    let big = a.allocate(30 * MIB, S1).unwrap();
+    ok(&a);
+    a.free(big.ptr).unwrap();
+    for p in ptrs.iter().skip(1).step_by(2) {
+        a.free(*p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    ok(&a);
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}

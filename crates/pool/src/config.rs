@@ -41,6 +41,10 @@ pub struct GrowthPolicy {
     pub max_chunk_bytes: u64,
     /// Margin ahead of demand: `held / ahead_divisor` pages; 0 disables it.
     pub ahead_divisor: u64,
+    /// The largest single handle in bytes (0 = no limit): a growth larger than
+    /// this creates several handles (GMLake and PyTorch's expandable segments
+    /// create one handle per page).
+    pub max_handle_bytes: u64,
 }
 
 impl Default for GrowthPolicy {
@@ -49,18 +53,26 @@ impl Default for GrowthPolicy {
             min_chunk_bytes: 0,
             max_chunk_bytes: 1 << 30,
             ahead_divisor: 128,
+            max_handle_bytes: 0,
         }
     }
 }
 
 impl GrowthPolicy {
-    /// One page per chunk, exactly what is needed (GMLake: one 2 MiB handle per page).
+    /// Exactly what is needed, one handle per page (GMLake: one 2 MiB
+    /// `cuMemCreate` per page).
     pub fn page_per_chunk() -> GrowthPolicy {
         GrowthPolicy {
             min_chunk_bytes: 0,
             max_chunk_bytes: 0,
             ahead_divisor: 0,
+            max_handle_bytes: 1,
         }
+    }
+
+    /// Pages per handle (at least 1) when handles are limited, else `None`.
+    pub fn handle_pages(&self, page_size: u64) -> Option<u64> {
+        (self.max_handle_bytes > 0).then(|| (self.max_handle_bytes / page_size.max(1)).max(1))
     }
 
     /// Pages of the chunk to create when `needed` pages are missing and the pool

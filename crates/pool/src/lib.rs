@@ -8,7 +8,7 @@
 //! - [`PagePool::take`] hands out `n` free pages, preferring long runs inside one
 //!   chunk; it never needs them to be contiguous.
 //! - [`PagePool::give_back`] returns pages.
-//! - [`PagePool::grow`] creates a chunk ahead of demand by the [`GrowthPolicy`],
+//! - [`PagePool::grow`] creates a chunk (or one handle per page, by policy) ahead of demand by the [`GrowthPolicy`],
 //!   falling back to exactly the missing pages when the device cannot create the
 //!   larger chunk. A failed growth leaves the pool exactly as it was.
 //! - [`PagePool::trim`] releases chunks whose pages are all free, down to a threshold.
@@ -345,33 +345,66 @@ impl PagePool {
             .chunk_pages(needed, held, self.page_size)
             .min(by_limit)
             .max(needed);
-        let handle = match self.vmm.create(want * self.page_size) {
-            Ok(h) => (h, want),
-            Err(e) if e.is_out_of_memory() && want > needed => {
-                (self.vmm.create(needed * self.page_size)?, needed)
+        let created = match self.create_handles(want) {
+            Ok(c) => c,
+            Err(PoolError::Driver(e)) if e.is_out_of_memory() && want > needed => {
+                self.create_handles(needed)?
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         };
-        let (handle, pages) = handle;
         let mut s = match self.lock() {
             Ok(s) => s,
             Err(e) => {
-                let _ = self.vmm.release(handle);
+                for (h, _) in created {
+                    let _ = self.vmm.release(h);
+                }
                 return Err(e);
             }
         };
-        let chunk = Chunk::new(handle, pages);
-        if let Some(slot) = s.free_slots.pop() {
-            s.chunks[slot as usize] = Some(chunk);
-        } else {
-            s.chunks.push(Some(chunk));
+        let mut pages = 0;
+        for (handle, n) in created {
+            let chunk = Chunk::new(handle, n);
+            if let Some(slot) = s.free_slots.pop() {
+                s.chunks[slot as usize] = Some(chunk);
+            } else {
+                s.chunks.push(Some(chunk));
+            }
+            s.total_pages += n;
+            s.free_pages += n;
+            s.created += 1;
+            pages += n;
         }
-        s.total_pages += pages;
-        s.free_pages += pages;
         s.peak_pages = s.peak_pages.max(s.total_pages);
-        s.created += 1;
-        tracing::debug!(pages, "pool grew by one chunk");
+        tracing::debug!(pages, "pool grew");
         Ok(pages)
+    }
+
+    /// Create `pages` pages as one handle, or as several when the growth policy
+    /// limits the handle size. All or nothing: on error, the handles created
+    /// so far are released.
+    fn create_handles(&self, pages: u64) -> Result<Vec<(PhysHandle, u64)>, PoolError> {
+        let per = self
+            .config
+            .growth
+            .handle_pages(self.page_size)
+            .unwrap_or(pages)
+            .max(1);
+        let mut out = Vec::new();
+        let mut left = pages;
+        while left > 0 {
+            let n = left.min(per);
+            match self.vmm.create(n * self.page_size) {
+                Ok(h) => out.push((h, n)),
+                Err(e) => {
+                    for (h, _) in out {
+                        let _ = self.vmm.release(h);
+                    }
+                    return Err(e.into());
+                }
+            }
+            left -= n;
+        }
+        Ok(out)
     }
 
     /// Release chunks whose pages are all free, largest first, while the pool

@@ -67,6 +67,7 @@ fn growth_margin_and_limit() {
             min_chunk_bytes: 0,
             max_chunk_bytes: 1 << 30,
             ahead_divisor: 4,
+            max_handle_bytes: 0,
         },
         MemoryLimit::Bytes(40 * MIB),
     );
@@ -87,6 +88,7 @@ fn failed_growth_leaves_pool_unchanged_and_falls_back_to_exact() {
             min_chunk_bytes: 64 * MIB,
             max_chunk_bytes: 64 * MIB,
             ahead_divisor: 0,
+            max_handle_bytes: 0,
         },
         MemoryLimit::Device,
     );
@@ -101,6 +103,25 @@ fn failed_growth_leaves_pool_unchanged_and_falls_back_to_exact() {
     assert!(p.grow(1).is_err());
     assert_eq!(p.stats(), before);
     vmm.clear_faults();
+    p.check_invariants().unwrap();
+    drop(p);
+    assert!(vmm.leak_report().is_empty());
+}
+
+#[test]
+fn one_handle_per_page_is_all_or_nothing() {
+    let vmm = sim(64 * MIB);
+    let p = pool(&vmm, GrowthPolicy::page_per_chunk(), MemoryLimit::Device);
+    assert_eq!(p.grow(3).unwrap(), 3);
+    assert_eq!(p.stats().chunks, 3);
+    vmm.inject(Fault::nth(CallKind::Create, 2));
+    let before = p.stats();
+    assert!(p.grow(4).is_err());
+    assert_eq!(
+        p.stats(),
+        before,
+        "the handles created before the failure are released"
+    );
     p.check_invariants().unwrap();
     drop(p);
     assert!(vmm.leak_report().is_empty());
@@ -130,7 +151,7 @@ mod prop {
         #[test]
         fn random_take_give(ops in proptest::collection::vec((0u8..4, 1u64..6), 1..60)) {
             let vmm = sim(64 * MIB);
-            let p = pool(&vmm, GrowthPolicy { min_chunk_bytes: 0, max_chunk_bytes: 8 * MIB, ahead_divisor: 2 }, MemoryLimit::Device);
+            let p = pool(&vmm, GrowthPolicy { min_chunk_bytes: 0, max_chunk_bytes: 8 * MIB, ahead_divisor: 2, max_handle_bytes: 0 }, MemoryLimit::Device);
             let mut held: Vec<Vec<PageRun>> = Vec::new();
             for (op, n) in ops {
                 match op {

@@ -120,6 +120,35 @@ impl Arena {
             .map(|&(_, start)| start)
     }
 
+    /// The best-fitting gap of at most `max_len` bytes whose first `len` bytes
+    /// lie on mapped pages only (a cached free range), looking at no more than
+    /// `tries` candidates.
+    pub(crate) fn best_fit_mapped(&self, len: u64, max_len: u64, tries: usize) -> Option<u64> {
+        self.gaps_by_size
+            .range((len, 0)..)
+            .take(tries)
+            .take_while(|&&(l, _)| l <= max_len)
+            .map(|&(_, start)| start)
+            .find(|&start| {
+                let (f, l) = self.page_span(start, len);
+                self.unmapped_runs(f, l).is_empty()
+            })
+    }
+
+    /// A page-aligned offset for `len` bytes past everything mapped or
+    /// occupied: fresh virtual space whose pages are all unmapped.
+    pub(crate) fn fresh_tail(&self, len: u64) -> Option<u64> {
+        let (&gs, &ge) = self.gaps.iter().next_back()?;
+        let mapped_end = self
+            .mappings
+            .iter()
+            .next_back()
+            .map(|(&s, m)| (s + m.pages) * self.page)
+            .unwrap_or(0);
+        let start = gs.max(mapped_end).div_ceil(self.page) * self.page;
+        (ge >= start && ge - start >= len).then_some(start)
+    }
+
     /// Occupy `off .. off + len`, which must lie inside one gap (returns false,
     /// changing nothing, when it does not).
     pub(crate) fn occupy(&mut self, off: u64, len: u64) -> bool {

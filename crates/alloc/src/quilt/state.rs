@@ -219,7 +219,7 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
-        let Some(off) = self.arenas[ai].best_fit(rounded) else {
+        let Some(off) = self.place(ctx, ai, kind, size, rounded) else {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
         self.arenas[ai].occupy(off, rounded);
@@ -256,6 +256,34 @@ impl State {
         self.stats.requested_bytes.increase(size);
         self.sync_stats(ctx);
         Ok(Allocation { ptr, size: rounded })
+    }
+
+    /// Where a block of `rounded` bytes (asked for as `size`) goes in arena `ai`.
+    ///
+    /// Quilt's default (stitch threshold 0): the best-fitting gap, at its start.
+    /// With a stitch threshold (GMLake), a large request below it is served
+    /// from a cached range whose pages are all mapped, else from fresh,
+    /// page-aligned virtual space past the arena's mapped tail (new pages, no
+    /// stitching); a request at or above it reuses a cached range of at most
+    /// `reuse_limit` times its size, else is stitched like any Quilt block.
+    fn place(&self, ctx: &Ctx<'_>, ai: usize, kind: Kind, size: u64, rounded: u64) -> Option<u64> {
+        let a = &self.arenas[ai];
+        let threshold = ctx.cfg.stitch_threshold;
+        if threshold == 0 || kind == Kind::Small {
+            return a.best_fit(rounded);
+        }
+        let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
+            rounded.saturating_mul(ctx.cfg.reuse_limit)
+        } else {
+            u64::MAX
+        };
+        if let Some(off) = a.best_fit_mapped(rounded, limit, 64) {
+            return Some(off);
+        }
+        if size >= threshold {
+            return a.best_fit(rounded);
+        }
+        a.fresh_tail(rounded)
     }
 
     /// Back the unmapped page runs `runs` of arena `ai` (n pages in all, the
