@@ -1,4 +1,5 @@
 //! Quilt on the simulated backend: packing, caching, streams, bad input, drop, threads.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
 use std::sync::Arc;
 

@@ -2,6 +2,7 @@
 //! record-stream / synchronise / empty-cache sequences, the invariants after
 //! every step, and the central promise on every failed request: it failed only
 //! because fewer pages were free or reclaimable than the new block needed.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

@@ -2,6 +2,7 @@
 //! training-like loop makes no driver call after its first iteration, and (in
 //! the ignored `measure_*` tests) the figures quoted in `docs/design.md`.
 //! Every test skips, saying so, when the traces folder is absent.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
 use std::collections::HashMap;
 use std::path::PathBuf;
