@@ -2,6 +2,17 @@
 
 use crate::live::PAGE;
 use crate::replay::{replay_fresh, ReplayConfig, ReplayError};
+
+/// A probe of the bisection failed (an allocator error other than out-of-memory).
+#[derive(Debug, thiserror::Error)]
+#[error("probe at capacity {capacity} bytes: {source}")]
+pub struct ProbeError {
+    /// The capacity of the failing probe.
+    pub capacity: u64,
+    /// What failed.
+    #[source]
+    pub source: ReplayError,
+}
 use crate::trace::Trace;
 
 /// The smallest capacity, a whole number of 2 MiB pages, at which `trace`
@@ -19,7 +30,7 @@ pub fn min_capacity_bytes(
     allocator: &str,
     peak_live_bytes: u64,
     config: &ReplayConfig,
-) -> Result<Option<u64>, ReplayError> {
+) -> Result<Option<u64>, ProbeError> {
     if peak_live_bytes == 0 {
         return Ok(Some(0));
     }
@@ -28,8 +39,11 @@ pub fn min_capacity_bytes(
         time_ops: false,
         ..*config
     };
-    let completes = |pages: u64| -> Result<bool, ReplayError> {
-        Ok(replay_fresh(trace, allocator, pages * PAGE, &probe_config)?.completed)
+    let completes = |pages: u64| -> Result<bool, ProbeError> {
+        let capacity = pages * PAGE;
+        replay_fresh(trace, allocator, capacity, &probe_config)
+            .map(|r| r.completed)
+            .map_err(|source| ProbeError { capacity, source })
     };
     // Invariant: `lo` pages fail (below the live peak nothing can complete),
     // `hi` pages complete.

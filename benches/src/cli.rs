@@ -38,6 +38,9 @@ pub enum Command {
         /// Seed of the generators.
         #[arg(long, default_value_t = DEFAULT_SEED)]
         seed: u64,
+        /// Also print each workload's size mix (allocations and bytes by size class).
+        #[arg(long)]
+        sizes: bool,
     },
 }
 
@@ -98,9 +101,18 @@ pub enum CliError {
     /// A trace or snapshot could not be read.
     #[error(transparent)]
     Trace(#[from] TraceError),
-    /// A replay failed (an allocator bug or an inconsistent trace).
-    #[error(transparent)]
-    Replay(#[from] ReplayError),
+    /// One (workload, allocator) pair failed at one capacity.
+    #[error("{workload} / {allocator} at capacity {capacity} bytes: {source}")]
+    Pair {
+        /// The workload.
+        workload: String,
+        /// The allocator.
+        allocator: String,
+        /// The capacity of the failing replay.
+        capacity: u64,
+        /// What failed.
+        source: Box<ReplayError>,
+    },
     /// A report could not be written.
     #[error("{0}")]
     Output(String),
@@ -109,8 +121,8 @@ pub enum CliError {
 /// Run a parsed command; the report goes to stdout, progress to stderr.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
-        Command::List { seed } => {
-            print!("{}", list(seed));
+        Command::List { seed, sizes } => {
+            print!("{}", list(seed, sizes));
             Ok(())
         }
         Command::Ab(args) => {
@@ -138,8 +150,47 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
-/// The text of `quilt-bench list`.
-pub fn list(seed: u64) -> String {
+/// Upper bounds (inclusive) of the size classes of `list --sizes`.
+const SIZE_CLASSES: [(u64, &str); 5] = [
+    (1 << 20, "<=1MiB"),
+    (16 << 20, "<=16MiB"),
+    (128 << 20, "<=128MiB"),
+    (1 << 30, "<=1GiB"),
+    (u64::MAX, ">1GiB"),
+];
+
+/// A trace's size mix: per size class, the share of allocations and of bytes allocated.
+pub fn size_mix(trace: &Trace) -> String {
+    let mut counts = [0u64; SIZE_CLASSES.len()];
+    let mut bytes = [0u64; SIZE_CLASSES.len()];
+    for e in &trace.events {
+        if let crate::trace::Event::Alloc { size, .. } = *e {
+            let class = SIZE_CLASSES
+                .iter()
+                .position(|(bound, _)| size <= *bound)
+                .unwrap_or(SIZE_CLASSES.len() - 1);
+            counts[class] += 1;
+            bytes[class] = bytes[class].saturating_add(size);
+        }
+    }
+    let n: u64 = counts.iter().sum::<u64>().max(1);
+    let b: u64 = bytes.iter().sum::<u64>().max(1);
+    let cells: Vec<String> = SIZE_CLASSES
+        .iter()
+        .enumerate()
+        .map(|(i, (_, label))| {
+            format!(
+                "{label} {:.1}% of allocs, {:.1}% of bytes",
+                100.0 * counts[i] as f64 / n as f64,
+                100.0 * bytes[i] as f64 / b as f64
+            )
+        })
+        .collect();
+    format!("    size mix: {}\n", cells.join("; "))
+}
+
+/// The text of `quilt-bench list` (with `sizes`, each workload's size mix too).
+pub fn list(seed: u64, sizes: bool) -> String {
     let mut out = String::new();
     for w in WORKLOADS {
         let trace = (w.generate)(seed);
@@ -153,6 +204,9 @@ pub fn list(seed: u64) -> String {
             s.streams,
             w.description
         ));
+        if sizes {
+            out.push_str(&size_mix(&trace));
+        }
     }
     out
 }
@@ -259,7 +313,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
         bar.set_style(style);
     }
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Measurement, ReplayError>>>> =
+    let results: Mutex<Vec<Option<Result<Measurement, CliError>>>> =
         Mutex::new((0..jobs.len()).map(|_| None).collect());
     let stats: Vec<u64> = traces
         .iter()
@@ -311,12 +365,19 @@ fn measure(
     peak_live: u64,
     config: &ReplayConfig,
     no_bisect: bool,
-) -> Result<Measurement, ReplayError> {
-    let result = replay_fresh(trace, allocator, capacity, config)?;
+) -> Result<Measurement, CliError> {
+    let pair = |capacity: u64, source: ReplayError| CliError::Pair {
+        workload: trace.name.clone(),
+        allocator: allocator.to_string(),
+        capacity,
+        source: Box::new(source),
+    };
+    let result = replay_fresh(trace, allocator, capacity, config).map_err(|e| pair(capacity, e))?;
     let min = if no_bisect {
         None
     } else {
-        min_capacity_bytes(trace, allocator, peak_live, config)?
+        min_capacity_bytes(trace, allocator, peak_live, config)
+            .map_err(|e| pair(e.capacity, e.source))?
     };
     Ok(Measurement::new(
         &trace.name,

@@ -347,6 +347,7 @@ fn memory_chart(path: &Path, workload: &str, rows: &[&Measurement]) -> Result<()
     chart
         .configure_mesh()
         .x_desc("events replayed")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("GiB")
         .draw()
         .map_err(|e| e.to_string())?;
