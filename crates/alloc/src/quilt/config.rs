@@ -11,9 +11,9 @@ pub enum ReclaimPolicy {
     /// (memory limit or device full). A repeated sequence of sizes then makes no
     /// driver call after its first pass.
     WhenFull,
-    /// Before growing, reclaim cached mappings that have been wholly free for at
-    /// least this many allocator operations (cold cache), then grow, then
-    /// reclaim the rest when the pool cannot grow.
+    /// Before growing, reclaim the cached pages of mappings whose cached pages
+    /// have not changed for at least this many allocator operations (a cold
+    /// cache), then grow, then reclaim the rest when the pool cannot grow.
     IdleFor(u64),
     /// Reclaim every cached page before growing: memory held tracks memory used
     /// as closely as possible, at the price of driver calls.

@@ -400,8 +400,8 @@ impl State {
     }
 
     /// Reclaim cached pages into the pool until `target` pages are gained or
-    /// nothing (eligible) is left; with `idle_before`, only wholly cached
-    /// mappings unchanged since that tick. Pages of another stream's arena are
+    /// nothing (eligible) is left; with `idle_before`, only mappings whose
+    /// cached pages have not changed since that tick. Pages of another stream's arena are
     /// taken only after `stream` waits for that stream's work. Returns the
     /// pages gained.
     pub(crate) fn reclaim(
@@ -415,11 +415,12 @@ impl State {
         let mut waited: Vec<StreamId> = Vec::new();
         while gained < target {
             let key = match idle_before {
-                Some(t) => self
-                    .reclaim
-                    .range((0, 0, 0, 0)..(0, t.saturating_add(1), 0, 0))
-                    .next()
-                    .copied(),
+                Some(t) => (0u8..2).find_map(|c| {
+                    self.reclaim
+                        .range((c, 0, 0, 0)..(c, t.saturating_add(1), 0, 0))
+                        .next()
+                        .copied()
+                }),
                 None => self.reclaim.iter().next().copied(),
             };
             let Some((_, _, ai, start)) = key else {
