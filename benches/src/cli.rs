@@ -47,14 +47,14 @@ pub enum Command {
 /// Arguments of `quilt-bench ab`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AbArgs {
-    /// A built-in workload (repeatable); see `quilt-bench list`.
-    #[arg(long = "workload", value_name = "NAME")]
+    /// Built-in workloads (repeatable, or several after one flag); see `quilt-bench list`.
+    #[arg(long = "workload", value_name = "NAME", num_args = 1..)]
     pub workloads: Vec<String>,
-    /// A trace file in the text format (repeatable).
-    #[arg(long = "trace", value_name = "FILE")]
+    /// Trace files in the text format (repeatable, or several after one flag).
+    #[arg(long = "trace", value_name = "FILE", num_args = 1..)]
     pub traces: Vec<PathBuf>,
-    /// A PyTorch memory snapshot pickle (repeatable).
-    #[arg(long = "snapshot", value_name = "FILE")]
+    /// PyTorch memory snapshot pickles (repeatable, or several after one flag).
+    #[arg(long = "snapshot", value_name = "FILE", num_args = 1..)]
     pub snapshots: Vec<PathBuf>,
     /// Allocators to compare, comma-separated.
     #[arg(
@@ -212,6 +212,7 @@ pub fn list(seed: u64, sizes: bool) -> String {
 }
 
 /// Load every trace the arguments name (all built-in workloads when none).
+/// Names are made unique (`name`, `name-2`, ...) in the order given.
 pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
     let mut traces = Vec::new();
     for name in &args.workloads {
@@ -233,6 +234,16 @@ pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
     }
     if args.workloads.is_empty() && args.traces.is_empty() && args.snapshots.is_empty() {
         traces.extend(WORKLOADS.iter().map(|w| (w.generate)(args.seed)));
+    }
+    // Reports key rows by workload name: a name seen before gets a suffix.
+    let mut seen = std::collections::HashSet::new();
+    for trace in &mut traces {
+        let base = trace.name.clone();
+        let mut n = 1;
+        while !seen.insert(trace.name.clone()) {
+            n += 1;
+            trace.name = format!("{base}-{n}");
+        }
     }
     Ok(traces)
 }

@@ -168,3 +168,43 @@ fn list_names_every_workload() {
         assert!(stdout.contains(name), "{stdout}");
     }
 }
+
+#[test]
+fn converted_traces_take_their_prefix_from_stats_json() {
+    let dir = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/converted"
+    ));
+    if !dir.join("stats.json").exists() {
+        eprintln!("skipping: {} not present", dir.display());
+        return;
+    }
+    // stats.json lists 396 pre-existing allocations for this trace.
+    let n = quilt_bench::cli::preexisting_from_stats(&dir.join("bert_large_infer.trace")).unwrap();
+    assert_eq!(n, Some(396));
+    assert_eq!(
+        quilt_bench::cli::preexisting_from_stats(&dir.join("not-listed.trace")).unwrap(),
+        None
+    );
+}
+
+#[test]
+fn repeated_names_are_made_unique() {
+    let args = quilt_bench::cli::AbArgs {
+        workloads: vec!["train-varlen".into(), "train-varlen".into()],
+        traces: vec![],
+        snapshots: vec![],
+        allocators: vec!["classic".into()],
+        capacity: "80GiB".into(),
+        iterations: 1,
+        json: None,
+        svg: None,
+        no_bisect: true,
+        seed: 1,
+        check_every: None,
+        jobs: Some(1),
+    };
+    let traces = quilt_bench::cli::collect_traces(&args).unwrap();
+    let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["train-varlen", "train-varlen-2"]);
+}
