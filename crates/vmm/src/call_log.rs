@@ -1,6 +1,7 @@
 //! Counting and tracing of driver calls for the real backends (host and CUDA).
 //!
-//! Every call goes through [`CallLog::record`], which bumps the per-kind
+//! Every call goes through [`CallLog::record`] (or [`CallLog::time`], which
+//! times a closure and records it), which bumps the per-kind
 //! counters of [`DriverStats`], adds the measured wall time, and emits one
 //! `tracing` event (trace level on success, debug level on failure) with the
 //! kind, size, result and duration.
@@ -77,6 +78,13 @@ impl CallLog {
             }
         }
         result
+    }
+
+    /// Runs `op` as one call of `kind` on `size` bytes, timed and recorded.
+    pub fn time<T>(&self, kind: CallKind, size: u64, op: impl FnOnce() -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let result = op();
+        self.record(kind, size, started, result)
     }
 
     /// A snapshot of the counters.

@@ -25,7 +25,7 @@
 //! - At drop, whatever is still alive (events, streams, mappings, handles,
 //!   reservations) is given back to the driver, and the leak is logged.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -37,7 +37,9 @@ use cudarc::driver::sys;
 use crate::call_log::CallLog;
 use crate::driver::Vmm;
 use crate::error::{Result, VmmError};
-use crate::ledger::{LeakReport, Ledger};
+use crate::events::EventBook;
+use crate::leak::LeakReport;
+use crate::ledger::Ledger;
 use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -122,9 +124,8 @@ impl Drop for PrimaryContext {
 struct SyncBook {
     /// Raw `CUstream` addresses made by `create_stream`.
     streams: BTreeSet<u64>,
-    /// Event id -> raw `CUevent` address.
-    events: BTreeMap<u64, usize>,
-    next_event: u64,
+    /// Live events, each with its raw `CUevent` address.
+    events: EventBook<usize>,
 }
 
 impl SyncBook {
@@ -142,15 +143,7 @@ impl SyncBook {
     }
 
     fn event(&self, call: CallKind, event: EventId) -> Result<sys::CUevent> {
-        match self.events.get(&event.0) {
-            Some(raw) => Ok(*raw as sys::CUevent),
-            None => Err(VmmError::InvalidArgument {
-                call,
-                argument: "event",
-                value: event.0,
-                rule: "is not a live event (never recorded, or already destroyed)",
-            }),
-        }
+        self.events.get(call, event).map(|raw| *raw as sys::CUevent)
     }
 }
 
@@ -310,11 +303,8 @@ impl CudaVmm {
             driver_version,
             total_memory: total_memory as u64,
             granularity,
-            ledger: Mutex::new(Ledger::new(granularity, None)),
-            sync: Mutex::new(SyncBook {
-                next_event: 1,
-                ..SyncBook::default()
-            }),
+            ledger: Mutex::new(Ledger::new(granularity, u64::MAX)),
+            sync: Mutex::new(SyncBook::default()),
             log: CallLog::new("cuda"),
             context,
         })
@@ -342,9 +332,10 @@ impl CudaVmm {
 
     /// Handles, reservations, mappings and events still alive.
     pub fn leak_report(&self) -> LeakReport {
-        let mut report = lock(&self.ledger).live_counts();
-        report.events = lock(&self.sync).events.len();
-        report
+        LeakReport {
+            events: lock(&self.sync).events.len(),
+            ..lock(&self.ledger).leak_report()
+        }
     }
 
     fn ordinal_c(&self) -> c_int {
@@ -477,9 +468,8 @@ impl Vmm for CudaVmm {
     }
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
-        let started = Instant::now();
         let call = CallKind::Reserve;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             let alignment = ledger.check_reserve(size, alignment)?;
             let size_u = to_usize(call, "size", size)?;
@@ -499,14 +489,12 @@ impl Vmm for CudaVmm {
             check(call, r)?;
             ledger.add_reservation(ptr, size);
             Ok(ptr)
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::AddressFree;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             ledger.check_address_free(ptr, size)?;
             self.bind(call)?;
@@ -515,14 +503,12 @@ impl Vmm for CudaVmm {
             check(call, unsafe { sys::cuMemAddressFree(ptr, size as usize) })?;
             ledger.remove_reservation(ptr);
             Ok(())
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle> {
-        let started = Instant::now();
         let call = CallKind::Create;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             ledger.check_create(size)?;
             let size_u = to_usize(call, "size", size)?;
@@ -552,8 +538,7 @@ impl Vmm for CudaVmm {
             }
             check(call, r)?;
             Ok(ledger.add_handle(size, handle))
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
@@ -576,9 +561,8 @@ impl Vmm for CudaVmm {
     }
 
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::Map;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             let raw = ledger.check_map(ptr, size, handle, offset)?.payload;
             self.bind(call)?;
@@ -588,16 +572,14 @@ impl Vmm for CudaVmm {
             check(call, unsafe {
                 sys::cuMemMap(ptr, size as usize, offset as usize, raw, 0)
             })?;
-            ledger.add_mapping(ptr, size, handle);
+            ledger.add_mapping(ptr, size, handle, offset);
             Ok(())
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::Unmap;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             let starts = ledger.check_unmap(ptr, size)?;
             self.bind(call)?;
@@ -622,14 +604,12 @@ impl Vmm for CudaVmm {
             // Mappings unmapped before a failure are gone either way.
             let _ = ledger.remove_mappings(&done);
             outcome
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::SetAccess;
-        let result = (|| {
+        self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             ledger.check_set_access(ptr, size)?;
             self.bind(call)?;
@@ -647,8 +627,7 @@ impl Vmm for CudaVmm {
             })?;
             ledger.mark_accessible(ptr, size);
             Ok(())
-        })();
-        self.log.record(call, size, started, result)
+        })
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
@@ -659,9 +638,8 @@ impl Vmm for CudaVmm {
     }
 
     fn event_record(&self, stream: StreamId) -> Result<EventId> {
-        let started = Instant::now();
         let call = CallKind::EventRecord;
-        let result = (|| {
+        self.log.time(call, 0, || {
             let mut book = lock(&self.sync);
             let raw_stream = book.stream(call, stream)?;
             self.bind(call)?;
@@ -681,18 +659,13 @@ impl Vmm for CudaVmm {
                 let _ = unsafe { sys::cuEventDestroy_v2(event) };
                 return Err(e);
             }
-            let id = book.next_event;
-            book.next_event += 1;
-            book.events.insert(id, event as usize);
-            Ok(EventId(id))
-        })();
-        self.log.record(call, 0, started, result)
+            Ok(book.events.record(event as usize))
+        })
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
-        let started = Instant::now();
         let call = CallKind::EventQuery;
-        let result = (|| {
+        self.log.time(call, 0, || {
             let book = lock(&self.sync);
             let raw = book.event(call, event)?;
             self.bind(call)?;
@@ -703,29 +676,25 @@ impl Vmm for CudaVmm {
                 sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
                 r => check(call, r).map(|()| false),
             }
-        })();
-        self.log.record(call, 0, started, result)
+        })
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::EventDestroy;
-        let result = (|| {
+        self.log.time(call, 0, || {
             let mut book = lock(&self.sync);
             let raw = book.event(call, event)?;
             self.bind(call)?;
-            book.events.remove(&event.0);
+            book.events.remove(call, event)?;
             // SAFETY: `raw` was live and is now out of the book, so it is
             // destroyed exactly once.
             check(call, unsafe { sys::cuEventDestroy_v2(raw) })
-        })();
-        self.log.record(call, 0, started, result)
+        })
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::StreamWaitEvent;
-        let result = (|| {
+        self.log.time(call, 0, || {
             let book = lock(&self.sync);
             let raw_stream = book.stream(call, stream)?;
             let raw_event = book.event(call, event)?;
@@ -735,22 +704,19 @@ impl Vmm for CudaVmm {
             check(call, unsafe {
                 sys::cuStreamWaitEvent(raw_stream, raw_event, 0)
             })
-        })();
-        self.log.record(call, 0, started, result)
+        })
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::StreamSynchronize;
-        let result = (|| {
+        self.log.time(call, 0, || {
             let raw_stream = lock(&self.sync).stream(call, stream)?;
             self.bind(call)?;
             // SAFETY: the default stream or a live stream of ours. The book's
             // lock is not held while waiting, so a concurrent destroy_stream
             // of the same stream is the caller's race, as with the driver.
             check(call, unsafe { sys::cuStreamSynchronize(raw_stream) })
-        })();
-        self.log.record(call, 0, started, result)
+        })
     }
 
     fn driver_stats(&self) -> DriverStats {
@@ -767,8 +733,8 @@ impl Drop for CudaVmm {
         if self.bind(CallKind::Release).is_err() {
             return;
         }
-        let book = std::mem::take(&mut *lock(&self.sync));
-        for raw in book.events.into_values() {
+        let mut book = std::mem::take(&mut *lock(&self.sync));
+        for raw in book.events.drain() {
             // SAFETY: each event is live and destroyed once, here.
             let _ = unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) };
         }

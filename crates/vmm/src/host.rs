@@ -39,7 +39,6 @@
 
 mod os;
 
-use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -47,7 +46,9 @@ use std::time::Instant;
 use crate::call_log::CallLog;
 use crate::driver::Vmm;
 use crate::error::{Result, VmmError};
-use crate::ledger::{LeakReport, Ledger};
+use crate::events::EventBook;
+use crate::leak::LeakReport;
+use crate::ledger::Ledger;
 use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
 
 use os::OsError;
@@ -72,13 +73,6 @@ impl Default for HostConfig {
             capacity: 256 << 20,
         }
     }
-}
-
-/// Live event ids (the host completes every event at once).
-#[derive(Debug, Default)]
-struct EventBook {
-    next: u64,
-    live: BTreeSet<u64>,
 }
 
 /// The ledger and the arena's bump pointer.
@@ -106,7 +100,8 @@ pub struct HostVmm {
     /// Size of the address arena in bytes.
     arena_size: u64,
     state: Mutex<HostState>,
-    events: Mutex<EventBook>,
+    /// Live events (the host completes every event at once).
+    events: Mutex<EventBook<()>>,
     log: CallLog,
 }
 
@@ -189,13 +184,10 @@ impl HostVmm {
             arena_base,
             arena_size,
             state: Mutex::new(HostState {
-                ledger: Ledger::new(config.granularity, Some(config.capacity)),
+                ledger: Ledger::new(config.granularity, config.capacity),
                 next_va: arena_base,
             }),
-            events: Mutex::new(EventBook {
-                next: 1,
-                live: BTreeSet::new(),
-            }),
+            events: Mutex::new(EventBook::default()),
             log: CallLog::new("host"),
         })
     }
@@ -260,26 +252,29 @@ impl HostVmm {
 
     /// Handles, reservations, mappings and events still alive.
     pub fn leak_report(&self) -> LeakReport {
-        let mut report = lock(&self.state).ledger.live_counts();
-        report.events = lock(&self.events).live.len();
-        report
-    }
-
-    fn unknown_event(call: CallKind, event: EventId) -> VmmError {
-        VmmError::InvalidArgument {
-            call,
-            argument: "event",
-            value: event.0,
-            rule: "is not a live event (never recorded, or already destroyed)",
+        LeakReport {
+            events: lock(&self.events).len(),
+            ..lock(&self.state).ledger.leak_report()
         }
     }
 
-    fn check_event(&self, call: CallKind, event: EventId) -> Result<()> {
-        if lock(&self.events).live.contains(&event.0) {
-            Ok(())
-        } else {
-            Err(Self::unknown_event(call, event))
-        }
+    /// Runs `op` on the state, under its lock, as one timed and counted call.
+    fn call<T>(
+        &self,
+        kind: CallKind,
+        size: u64,
+        op: impl FnOnce(&mut HostState) -> Result<T>,
+    ) -> Result<T> {
+        self.log.time(kind, size, || op(&mut lock(&self.state)))
+    }
+
+    /// Runs `op` on the event book, under its lock, as one timed and counted call.
+    fn event_call<T>(
+        &self,
+        kind: CallKind,
+        op: impl FnOnce(&mut EventBook<()>) -> Result<T>,
+    ) -> Result<T> {
+        self.log.time(kind, 0, || op(&mut lock(&self.events)))
     }
 }
 
@@ -293,9 +288,7 @@ impl Vmm for HostVmm {
     }
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
+        self.call(CallKind::Reserve, size, |state| {
             let alignment = state.ledger.check_reserve(size, alignment)?;
             let arena_end = self.arena_base + self.arena_size;
             let out_of_space = VmmError::OutOfMemory {
@@ -319,52 +312,42 @@ impl Vmm for HostVmm {
             state.next_va = end.saturating_add(self.config.granularity);
             state.ledger.add_reservation(ptr, size);
             Ok(ptr)
-        })();
-        self.log.record(CallKind::Reserve, size, started, result)
+        })
     }
 
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
-            let ledger = &mut state.ledger;
-            ledger.check_address_free(ptr, size)?;
+        self.call(CallKind::AddressFree, size, |state| {
+            state.ledger.check_address_free(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly one of our
             // reservations (inside the arena) with no mapping left; data copies
             // hold the lock we hold, so no reference points into it. The range
             // goes back to plain arena space and is never handed out again.
             unsafe { os::reset_to_reserved(ptr, size) }
                 .map_err(|e| os_failure(CallKind::AddressFree, size, e))?;
-            ledger.remove_reservation(ptr);
+            state.ledger.remove_reservation(ptr);
             Ok(())
-        })();
-        self.log
-            .record(CallKind::AddressFree, size, started, result)
+        })
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
+        self.call(CallKind::Create, size, |state| {
             let ledger = &mut state.ledger;
             ledger.check_create(size)?;
             let memory = os::create_memory(size).map_err(|e| {
                 let mut err = os_failure(CallKind::Create, size, e);
                 if let VmmError::OutOfMemory { available, .. } = &mut err {
-                    *available = self.config.capacity.saturating_sub(ledger.used());
+                    *available = ledger.mem_info().free;
                 }
                 err
             })?;
             Ok(ledger.add_handle(size, memory))
-        })();
-        self.log.record(CallKind::Create, size, started, result)
+        })
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
         let started = Instant::now();
         let result = (|| {
-            let mut state = lock(&self.state);
-            let ledger = &mut state.ledger;
+            let ledger = &mut lock(&self.state).ledger;
             let size = ledger.live_handle(CallKind::Release, handle)?.size;
             // Dropping the memfd (if no mapping names it any more) closes it.
             let _freed = ledger.release(handle);
@@ -376,9 +359,7 @@ impl Vmm for HostVmm {
     }
 
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
+        self.call(CallKind::Map, size, |state| {
             let ledger = &mut state.ledger;
             let entry = ledger.check_map(ptr, size, handle, offset)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` lies inside one of our
@@ -387,94 +368,65 @@ impl Vmm for HostVmm {
             // `offset + size` is inside the memfd.
             unsafe { os::map_fixed(ptr, size, &entry.payload, offset) }
                 .map_err(|e| os_failure(CallKind::Map, size, e))?;
-            ledger.add_mapping(ptr, size, handle);
+            ledger.add_mapping(ptr, size, handle, offset);
             Ok(())
-        })();
-        self.log.record(CallKind::Map, size, started, result)
+        })
     }
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
-            let ledger = &mut state.ledger;
-            let starts = ledger.check_unmap(ptr, size)?;
+        self.call(CallKind::Unmap, size, |state| {
+            let starts = state.ledger.check_unmap(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly a run of
             // our mappings, all inside our reservations; no reference points
             // into it while we hold the lock.
             unsafe { os::reset_to_reserved(ptr, size) }
                 .map_err(|e| os_failure(CallKind::Unmap, size, e))?;
             // Memfds of released handles unmapped for the last time close here.
-            drop(ledger.remove_mappings(&starts));
+            drop(state.ledger.remove_mappings(&starts));
             Ok(())
-        })();
-        self.log.record(CallKind::Unmap, size, started, result)
+        })
     }
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let started = Instant::now();
-        let result = (|| {
-            let mut state = lock(&self.state);
-            let ledger = &mut state.ledger;
-            ledger.check_set_access(ptr, size)?;
+        self.call(CallKind::SetAccess, size, |state| {
+            state.ledger.check_set_access(ptr, size)?;
             // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
             // our memfd mappings.
             unsafe { os::protect_read_write(ptr, size) }
                 .map_err(|e| os_failure(CallKind::SetAccess, size, e))?;
-            ledger.mark_accessible(ptr, size);
+            state.ledger.mark_accessible(ptr, size);
             Ok(())
-        })();
-        self.log.record(CallKind::SetAccess, size, started, result)
+        })
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
-        let started = Instant::now();
-        let used = lock(&self.state).ledger.used();
-        let info = MemInfo {
-            total: self.config.capacity,
-            free: self.config.capacity.saturating_sub(used),
-        };
-        self.log.record(CallKind::MemInfo, 0, started, Ok(info))
+        self.call(CallKind::MemInfo, 0, |state| Ok(state.ledger.mem_info()))
     }
 
     fn event_record(&self, _stream: StreamId) -> Result<EventId> {
-        let started = Instant::now();
-        let mut book = lock(&self.events);
-        let id = book.next;
-        book.next += 1;
-        book.live.insert(id);
-        drop(book);
-        self.log
-            .record(CallKind::EventRecord, 0, started, Ok(EventId(id)))
+        self.event_call(CallKind::EventRecord, |book| Ok(book.record(())))
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
-        let started = Instant::now();
-        let result = self.check_event(CallKind::EventQuery, event).map(|()| true);
-        self.log.record(CallKind::EventQuery, 0, started, result)
+        self.event_call(CallKind::EventQuery, |book| {
+            book.get(CallKind::EventQuery, event).map(|_| true)
+        })
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        let started = Instant::now();
-        let result = if lock(&self.events).live.remove(&event.0) {
-            Ok(())
-        } else {
-            Err(Self::unknown_event(CallKind::EventDestroy, event))
-        };
-        self.log.record(CallKind::EventDestroy, 0, started, result)
+        self.event_call(CallKind::EventDestroy, |book| {
+            book.remove(CallKind::EventDestroy, event)
+        })
     }
 
     fn stream_wait_event(&self, _stream: StreamId, event: EventId) -> Result<()> {
-        let started = Instant::now();
-        let result = self.check_event(CallKind::StreamWaitEvent, event);
-        self.log
-            .record(CallKind::StreamWaitEvent, 0, started, result)
+        self.event_call(CallKind::StreamWaitEvent, |book| {
+            book.get(CallKind::StreamWaitEvent, event).map(drop)
+        })
     }
 
     fn stream_synchronize(&self, _stream: StreamId) -> Result<()> {
-        let started = Instant::now();
-        self.log
-            .record(CallKind::StreamSynchronize, 0, started, Ok(()))
+        self.log.time(CallKind::StreamSynchronize, 0, || Ok(()))
     }
 
     fn driver_stats(&self) -> DriverStats {
@@ -579,7 +531,10 @@ mod tests {
         vmm.release(h).unwrap();
         assert!(vmm.check_filled(ptr, g, 0x5a).unwrap());
         let live = vmm.leak_report();
-        assert_eq!((live.handles, live.released_but_mapped), (0, 1));
+        assert_eq!(
+            (live.unreleased_handles(), live.released_but_mapped),
+            (0, 1)
+        );
         assert!(matches!(
             vmm.release(h),
             Err(VmmError::InvalidArgument {
@@ -662,7 +617,14 @@ mod tests {
         vmm.map(ptr, g, h, 0).unwrap();
         let live = vmm.leak_report();
         assert!(!live.is_clean());
-        assert_eq!((live.handles, live.reservations, live.mappings), (1, 1, 1));
+        assert_eq!(
+            (
+                live.handles.len(),
+                live.reservations.len(),
+                live.mappings.len()
+            ),
+            (1, 1, 1)
+        );
         drop(vmm);
     }
 

@@ -1,29 +1,37 @@
-//! Bookkeeping shared by the real backends (host and CUDA): every rule of the
-//! [`crate::Vmm`] trait, checked *before* any system or driver call.
+//! The driver layer's rules and bookkeeping, shared by every backend (CUDA,
+//! host and simulated): every rule of the [`crate::Vmm`] trait, checked *before*
+//! any system or driver call.
 //!
-//! The real backends call `check_*` first, make the system or driver call only
-//! when it returns `Ok`, then commit the change with the matching `add_*` /
-//! `remove_*` method. Because bad input is stopped here, no address outside a
+//! A backend calls `check_*` first, makes the system or driver call only when
+//! it returns `Ok` (the simulated backend makes none), then commits the change
+//! with the matching `add_*` / `remove_*` / `mark_*` method. A failed check
+//! changes nothing. Because bad input is stopped here, no address outside a
 //! live reservation ever reaches `mmap`, `mprotect` or the driver: this is what
 //! makes the host backend's `unsafe` sound.
 //!
-//! Invariants (hold between any two calls):
-//! - reservations do not overlap one another;
-//! - every mapping lies inside exactly one reservation, and mappings do not overlap;
+//! Every look-up is a `BTreeMap` interval query: O(log n) per call, plus
+//! O(k log n) for an unmap or set-access covering k mappings.
+//!
+//! Invariants (hold between any two calls; [`Ledger::check_invariants`] checks them):
+//! - reservations are non-empty multiples of the granularity and do not overlap
+//!   one another; `reserved` is the sum of their sizes;
+//! - every mapping lies inside exactly one reservation, and mappings do not
+//!   overlap; `mapped` is the sum of their sizes;
 //! - every mapping names a handle present in `handles`, with
 //!   `offset + size <= handle.size`, and `handle.mappings` counts them exactly;
 //! - a handle is in `handles` while it is unreleased or still mapped; a released
 //!   handle with no mapping left is removed at once;
 //! - `used` is the sum of the sizes of the handles in `handles`, and never
-//!   exceeds `capacity` where there is one.
+//!   exceeds `capacity`.
 
 use std::collections::BTreeMap;
 
 use crate::error::{Result, VmmError};
-use crate::types::{CallKind, DevicePtr, PhysHandle};
+use crate::leak::LeakReport;
+use crate::types::{CallKind, DevicePtr, MemInfo, PhysHandle};
 
 /// One piece of physical memory, with the backend's own payload (the memfd on
-/// the host, the driver's handle on CUDA).
+/// the host, the driver's handle on CUDA, nothing on the simulated backend).
 #[derive(Debug)]
 pub(crate) struct HandleEntry<P> {
     /// Bytes of physical memory.
@@ -36,57 +44,69 @@ pub(crate) struct HandleEntry<P> {
     pub payload: P,
 }
 
-/// One mapping: `size` bytes of `handle`, at the key address.
+/// Which granules of a mapping `set_access` has covered.
+///
+/// Invariant: `Partial` holds one flag per granule of its mapping, at least
+/// one of them true and at least one false.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// No granule yet (a fresh mapping).
+    None,
+    /// Every granule (the common case: one set-access over whole mappings).
+    All,
+    /// Some granules, flagged one by one.
+    Partial(Vec<bool>),
+}
+
+impl Access {
+    /// Marks granules `first..last` of a mapping of `granules` granules.
+    fn mark(&mut self, first: usize, last: usize, granules: usize) {
+        if matches!(self, Access::All) || last <= first {
+            return;
+        }
+        if first == 0 && last >= granules {
+            *self = Access::All;
+            return;
+        }
+        if matches!(self, Access::None) {
+            *self = Access::Partial(vec![false; granules]);
+        }
+        if let Access::Partial(flags) = self {
+            for flag in &mut flags[first..last.min(granules)] {
+                *flag = true;
+            }
+            if flags.iter().all(|f| *f) {
+                *self = Access::All;
+            }
+        }
+    }
+
+    /// True when every granule of `first..last` is marked.
+    fn covers(&self, first: usize, last: usize) -> bool {
+        match self {
+            Access::None => last <= first,
+            Access::All => true,
+            Access::Partial(flags) => flags[first..last].iter().all(|f| *f),
+        }
+    }
+
+    /// True when any granule is marked.
+    pub fn any(&self) -> bool {
+        !matches!(self, Access::None)
+    }
+}
+
+/// One mapping: `size` bytes of `handle` from `offset`, at the key address.
 #[derive(Debug, Clone)]
 pub(crate) struct MappingEntry {
     /// Bytes mapped.
     pub size: u64,
     /// The handle mapped.
     pub handle: u64,
-    /// One flag per granule of the mapping: true once `set_access` covered it.
-    pub accessible: Vec<bool>,
-}
-
-/// What a real backend still holds: handles, reservations, mappings and
-/// events that were never given back. All zero ([`LeakReport::is_clean`]) once
-/// every `create` was released, every `reserve` freed, every `map` unmapped and
-/// every event destroyed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LeakReport {
-    /// Handles not yet released.
-    pub handles: usize,
-    /// Handles released but still mapped (their memory lives until the last unmap).
-    pub released_but_mapped: usize,
-    /// Address reservations not yet freed.
-    pub reservations: usize,
-    /// Mappings not yet unmapped.
-    pub mappings: usize,
-    /// Events not yet destroyed.
-    pub events: usize,
-    /// Bytes of physical memory behind the live handles.
-    pub bytes: u64,
-}
-
-impl LeakReport {
-    /// True when nothing is left alive.
-    pub fn is_clean(&self) -> bool {
-        *self == LeakReport::default()
-    }
-}
-
-impl std::fmt::Display for LeakReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} handle(s) ({} bytes, {} released but still mapped), {} reservation(s), {} mapping(s), {} event(s) alive",
-            self.handles + self.released_but_mapped,
-            self.bytes,
-            self.released_but_mapped,
-            self.reservations,
-            self.mappings,
-            self.events
-        )
-    }
+    /// Where in the handle the mapping starts.
+    pub offset: u64,
+    /// Which granules `set_access` has covered since the mapping was made.
+    pub access: Access,
 }
 
 /// Everything still alive, taken out of a ledger so its owner can tear it down.
@@ -103,15 +123,23 @@ pub(crate) struct Drained<P> {
 #[derive(Debug)]
 pub(crate) struct Ledger<P> {
     granularity: u64,
-    capacity: Option<u64>,
+    capacity: u64,
     used: u64,
+    reserved: u64,
+    mapped: u64,
     next_handle: u64,
     reservations: BTreeMap<DevicePtr, u64>,
     handles: BTreeMap<u64, HandleEntry<P>>,
     mappings: BTreeMap<DevicePtr, MappingEntry>,
 }
 
-fn invalid(call: CallKind, argument: &'static str, value: u64, rule: &'static str) -> VmmError {
+/// An `InvalidArgument` error.
+pub(crate) fn invalid(
+    call: CallKind,
+    argument: &'static str,
+    value: u64,
+    rule: &'static str,
+) -> VmmError {
     VmmError::InvalidArgument {
         call,
         argument,
@@ -122,12 +150,14 @@ fn invalid(call: CallKind, argument: &'static str, value: u64, rule: &'static st
 
 impl<P> Ledger<P> {
     /// An empty ledger. `granularity` must be a power of two (the backends check
-    /// it); `capacity` limits the bytes of live handles where it is `Some`.
-    pub fn new(granularity: u64, capacity: Option<u64>) -> Self {
+    /// it); `capacity` limits the bytes of live handles (`u64::MAX`: no limit).
+    pub fn new(granularity: u64, capacity: u64) -> Self {
         Ledger {
             granularity,
             capacity,
             used: 0,
+            reserved: 0,
+            mapped: 0,
             next_handle: 1,
             reservations: BTreeMap::new(),
             handles: BTreeMap::new(),
@@ -135,37 +165,56 @@ impl<P> Ledger<P> {
         }
     }
 
-    /// Bytes of physical memory behind live handles.
+    /// Bytes of physical memory behind live handles (unreleased, or released
+    /// but still mapped).
     pub fn used(&self) -> u64 {
         self.used
+    }
+
+    /// Bytes of address space in live reservations.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Bytes mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.mapped
+    }
+
+    /// The capacity as total, and what live handles leave of it as free.
+    pub fn mem_info(&self) -> MemInfo {
+        MemInfo {
+            total: self.capacity,
+            free: self.capacity.saturating_sub(self.used),
+        }
+    }
+
+    /// Live reservations as (start, size), by address.
+    pub fn reservations(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
+        self.reservations.iter().map(|(p, s)| (*p, *s))
     }
 
     fn aligned(&self, value: u64) -> bool {
         value.is_multiple_of(self.granularity)
     }
 
-    fn check_size(&self, call: CallKind, size: u64) -> Result<()> {
-        if size == 0 || !self.aligned(size) {
+    fn check_aligned(&self, call: CallKind, argument: &'static str, value: u64) -> Result<()> {
+        if !self.aligned(value) {
             return Err(invalid(
                 call,
-                "size",
-                size,
-                "must be a non-zero multiple of the granularity",
+                argument,
+                value,
+                "must be a multiple of the granularity",
             ));
         }
         Ok(())
     }
 
-    fn check_ptr(&self, call: CallKind, ptr: DevicePtr) -> Result<()> {
-        if !self.aligned(ptr) {
-            return Err(invalid(
-                call,
-                "ptr",
-                ptr,
-                "must be a multiple of the granularity",
-            ));
+    fn check_size(&self, call: CallKind, size: u64) -> Result<()> {
+        if size == 0 {
+            return Err(invalid(call, "size", size, "must be non-zero"));
         }
-        Ok(())
+        self.check_aligned(call, "size", size)
     }
 
     fn end_of(call: CallKind, ptr: DevicePtr, size: u64) -> Result<u64> {
@@ -174,20 +223,21 @@ impl<P> Ledger<P> {
     }
 
     /// The mapping that contains `addr`, if any, as (start, entry).
-    fn mapping_containing(&self, addr: DevicePtr) -> Option<(DevicePtr, &MappingEntry)> {
+    pub fn mapping_containing(&self, addr: DevicePtr) -> Option<(DevicePtr, &MappingEntry)> {
         self.mappings
             .range(..=addr)
             .next_back()
-            .filter(|(start, m)| addr < *start + m.size)
+            .filter(|(start, m)| addr < start.saturating_add(m.size))
             .map(|(start, m)| (*start, m))
     }
 
-    /// True when some mapping overlaps `[start, end)`.
+    /// True when some mapping overlaps `[start, end)`. Mappings never overlap,
+    /// so the last one starting before `end` is the only one that can reach in.
     fn overlaps_mapping(&self, start: DevicePtr, end: DevicePtr) -> bool {
         self.mappings
             .range(..end)
             .next_back()
-            .is_some_and(|(s, m)| s + m.size > start)
+            .is_some_and(|(s, m)| s.saturating_add(m.size) > start)
     }
 
     /// The reservation that wholly contains `[start, end)`, if any.
@@ -195,7 +245,7 @@ impl<P> Ledger<P> {
         self.reservations
             .range(..=start)
             .next_back()
-            .filter(|(s, size)| end <= *s + *size)
+            .filter(|(s, size)| end <= s.saturating_add(**size))
             .map(|(s, _)| *s)
     }
 
@@ -204,52 +254,53 @@ impl<P> Ledger<P> {
     /// Checks a `reserve(size, alignment)`; returns the effective alignment
     /// (the granularity when `alignment` is 0).
     pub fn check_reserve(&self, size: u64, alignment: u64) -> Result<u64> {
-        self.check_size(CallKind::Reserve, size)?;
+        let call = CallKind::Reserve;
+        self.check_size(call, size)?;
         let alignment = if alignment == 0 {
             self.granularity
         } else {
             alignment
         };
-        if !alignment.is_power_of_two() || !self.aligned(alignment) {
+        if !alignment.is_power_of_two() {
             return Err(invalid(
-                CallKind::Reserve,
+                call,
                 "alignment",
                 alignment,
-                "must be 0 or a power-of-two multiple of the granularity",
+                "must be 0 or a power of two",
             ));
         }
+        self.check_aligned(call, "alignment", alignment)?;
         Ok(alignment)
     }
 
     /// Records a reservation the backend has made.
     pub fn add_reservation(&mut self, ptr: DevicePtr, size: u64) {
-        self.reservations.insert(ptr, size);
+        if self.reservations.insert(ptr, size).is_none() {
+            self.reserved += size;
+        }
     }
 
     /// Checks an `address_free(ptr, size)`: a whole live reservation with no mapping left.
     pub fn check_address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let call = CallKind::AddressFree;
         let Some(&reserved) = self.reservations.get(&ptr) else {
-            return Err(VmmError::NotMapped {
-                call: CallKind::AddressFree,
-                ptr,
-                size,
-            });
+            return Err(VmmError::NotMapped { call, ptr, size });
         };
         if reserved != size {
             return Err(invalid(
-                CallKind::AddressFree,
+                call,
                 "size",
                 size,
                 "must equal the size of the reservation",
             ));
         }
-        let mappings = self.mappings.range(ptr..ptr + size).count();
-        if mappings > 0 {
+        let end = ptr.saturating_add(size);
+        if self.mappings.range(ptr..end).next().is_some() {
             return Err(VmmError::StillMapped {
-                call: CallKind::AddressFree,
+                call,
                 ptr,
                 size,
-                mappings,
+                mappings: self.mappings.range(ptr..end).count(),
             });
         }
         Ok(())
@@ -257,7 +308,9 @@ impl<P> Ledger<P> {
 
     /// Forgets a reservation the backend has freed.
     pub fn remove_reservation(&mut self, ptr: DevicePtr) {
-        self.reservations.remove(&ptr);
+        if let Some(size) = self.reservations.remove(&ptr) {
+            self.reserved -= size;
+        }
     }
 
     // ---- create / release ----
@@ -265,15 +318,13 @@ impl<P> Ledger<P> {
     /// Checks a `create(size)`: size rule, then capacity.
     pub fn check_create(&self, size: u64) -> Result<()> {
         self.check_size(CallKind::Create, size)?;
-        if let Some(capacity) = self.capacity {
-            let available = capacity.saturating_sub(self.used);
-            if size > available {
-                return Err(VmmError::OutOfMemory {
-                    call: CallKind::Create,
-                    requested: size,
-                    available,
-                });
-            }
+        let available = self.capacity.saturating_sub(self.used);
+        if size > available {
+            return Err(VmmError::OutOfMemory {
+                call: CallKind::Create,
+                requested: size,
+                available,
+            });
         }
         Ok(())
     }
@@ -295,15 +346,21 @@ impl<P> Ledger<P> {
         PhysHandle(id)
     }
 
-    /// The payload of a live (unreleased) handle.
+    /// The entry of a live (unreleased) handle.
     pub fn live_handle(&self, call: CallKind, handle: PhysHandle) -> Result<&HandleEntry<P>> {
         match self.handles.get(&handle.0) {
             Some(entry) if !entry.released => Ok(entry),
-            _ => Err(invalid(
+            Some(_) => Err(invalid(
                 call,
                 "handle",
                 handle.0,
-                "is not a live handle (never created, or already released)",
+                "was released already (its memory lives on while still mapped)",
+            )),
+            None => Err(invalid(
+                call,
+                "handle",
+                handle.0,
+                "is not a live handle (never created, or released and unmapped)",
             )),
         }
     }
@@ -341,16 +398,9 @@ impl<P> Ledger<P> {
         if ptr == 0 {
             return Err(invalid(call, "ptr", ptr, "must be non-zero"));
         }
-        self.check_ptr(call, ptr)?;
+        self.check_aligned(call, "ptr", ptr)?;
         self.check_size(call, size)?;
-        if !self.aligned(offset) {
-            return Err(invalid(
-                call,
-                "offset",
-                offset,
-                "must be a multiple of the granularity",
-            ));
-        }
+        self.check_aligned(call, "offset", offset)?;
         let end = Self::end_of(call, ptr, size)?;
         let entry = self.live_handle(call, handle)?;
         if offset.checked_add(size).is_none_or(|end| end > entry.size) {
@@ -376,17 +426,18 @@ impl<P> Ledger<P> {
     }
 
     /// Records a mapping the backend has made (checked by [`Ledger::check_map`]).
-    pub fn add_mapping(&mut self, ptr: DevicePtr, size: u64, handle: PhysHandle) {
+    pub fn add_mapping(&mut self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) {
         if let Some(entry) = self.handles.get_mut(&handle.0) {
             entry.mappings += 1;
         }
-        let granules = (size / self.granularity) as usize;
+        self.mapped += size;
         self.mappings.insert(
             ptr,
             MappingEntry {
                 size,
                 handle: handle.0,
-                accessible: vec![false; granules],
+                offset,
+                access: Access::None,
             },
         );
     }
@@ -395,7 +446,7 @@ impl<P> Ledger<P> {
     /// neighbouring mappings. Returns their start addresses.
     pub fn check_unmap(&self, ptr: DevicePtr, size: u64) -> Result<Vec<DevicePtr>> {
         let call = CallKind::Unmap;
-        self.check_ptr(call, ptr)?;
+        self.check_aligned(call, "ptr", ptr)?;
         self.check_size(call, size)?;
         let end = Self::end_of(call, ptr, size)?;
         if let Some((start, _)) = self.mapping_containing(ptr) {
@@ -404,27 +455,29 @@ impl<P> Ledger<P> {
                     call,
                     "ptr",
                     ptr,
-                    "must be the start of a mapping (unmap whole mappings only)",
+                    "the range starts inside a mapping; unmap must cover whole mappings",
                 ));
             }
         }
         let mut starts = Vec::new();
         let mut cursor = ptr;
-        while cursor < end {
-            let Some(m) = self.mappings.get(&cursor) else {
-                return Err(VmmError::NotMapped { call, ptr, size });
-            };
-            let next = cursor + m.size;
-            if next > end {
-                return Err(invalid(
-                    call,
-                    "size",
-                    size,
-                    "must end at the end of a mapping (unmap whole mappings only)",
-                ));
+        for (&start, m) in self.mappings.range(ptr..end) {
+            if start != cursor {
+                break;
             }
-            starts.push(cursor);
-            cursor = next;
+            starts.push(start);
+            cursor = start.saturating_add(m.size);
+        }
+        if cursor < end {
+            return Err(VmmError::NotMapped { call, ptr, size });
+        }
+        if cursor > end {
+            return Err(invalid(
+                call,
+                "size",
+                size,
+                "the range ends inside a mapping; unmap must cover whole mappings",
+            ));
         }
         Ok(starts)
     }
@@ -437,6 +490,7 @@ impl<P> Ledger<P> {
             let Some(m) = self.mappings.remove(start) else {
                 continue;
             };
+            self.mapped -= m.size;
             let last_of_released = match self.handles.get_mut(&m.handle) {
                 Some(entry) => {
                     entry.mappings = entry.mappings.saturating_sub(1);
@@ -455,15 +509,30 @@ impl<P> Ledger<P> {
 
     // ---- access ----
 
-    /// Walks `[ptr, end)` mapping by mapping; calls `visit` with each mapping's
-    /// start and the granule range of it that the walk covers. Fails with
+    /// The granules `first..last` of a mapping of `size` bytes at `start`
+    /// that `[from, to)` covers (the two overlap).
+    fn granules(
+        granularity: u64,
+        start: DevicePtr,
+        size: u64,
+        from: DevicePtr,
+        to: DevicePtr,
+    ) -> (usize, usize) {
+        let stop = to.min(start + size);
+        let first = (from.max(start) - start) / granularity;
+        let last = (stop - start).div_ceil(granularity);
+        (first as usize, last as usize)
+    }
+
+    /// Walks `[ptr, end)` mapping by mapping; calls `visit` with each mapping
+    /// and the granule range of it the walk covers. Fails with
     /// `NotMapped { call: hole_call }` at the first byte no mapping covers.
-    fn walk<'a>(
-        &'a self,
+    fn walk(
+        &self,
         hole_call: CallKind,
         ptr: DevicePtr,
         end: DevicePtr,
-        mut visit: impl FnMut(DevicePtr, &'a MappingEntry, usize, usize) -> Result<()>,
+        mut visit: impl FnMut(&MappingEntry, usize, usize) -> Result<()>,
     ) -> Result<()> {
         let mut cursor = ptr;
         while cursor < end {
@@ -474,11 +543,9 @@ impl<P> Ledger<P> {
                     size: end - ptr,
                 });
             };
-            let stop = end.min(start + m.size);
-            let first = ((cursor - start) / self.granularity) as usize;
-            let last = (stop - start).div_ceil(self.granularity) as usize;
-            visit(start, m, first, last)?;
-            cursor = stop;
+            let (first, last) = Self::granules(self.granularity, start, m.size, cursor, end);
+            visit(m, first, last)?;
+            cursor = end.min(start + m.size);
         }
         Ok(())
     }
@@ -486,26 +553,24 @@ impl<P> Ledger<P> {
     /// Checks a `set_access(ptr, size)`: aligned, non-empty, and wholly mapped.
     pub fn check_set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let call = CallKind::SetAccess;
-        self.check_ptr(call, ptr)?;
+        self.check_aligned(call, "ptr", ptr)?;
         self.check_size(call, size)?;
         let end = Self::end_of(call, ptr, size)?;
-        self.walk(call, ptr, end, |_, _, _, _| Ok(()))
+        self.walk(call, ptr, end, |_, _, _| Ok(()))
     }
 
     /// Marks `[ptr, ptr + size)` accessible (checked by [`Ledger::check_set_access`]).
     pub fn mark_accessible(&mut self, ptr: DevicePtr, size: u64) {
         let end = ptr.saturating_add(size);
-        let mut spans = Vec::new();
-        let _ = self.walk(CallKind::SetAccess, ptr, end, |start, _, first, last| {
-            spans.push((start, first, last));
-            Ok(())
-        });
-        for (start, first, last) in spans {
-            if let Some(m) = self.mappings.get_mut(&start) {
-                for flag in &mut m.accessible[first..last] {
-                    *flag = true;
-                }
+        let granularity = self.granularity;
+        // Backwards from the last mapping starting before `end`, down to the
+        // one containing `ptr`: one tree search for the whole walk.
+        for (&start, m) in self.mappings.range_mut(..end).rev() {
+            if start.saturating_add(m.size) <= ptr {
+                break;
             }
+            let (first, last) = Self::granules(granularity, start, m.size, ptr, end);
+            m.access.mark(first, last, (m.size / granularity) as usize);
         }
     }
 
@@ -524,8 +589,8 @@ impl<P> Ledger<P> {
                 "ptr + len overflows the address space",
             )
         })?;
-        self.walk(CallKind::Map, ptr, end, |_, m, first, last| {
-            if m.accessible[first..last].iter().all(|a| *a) {
+        self.walk(CallKind::Map, ptr, end, |m, first, last| {
+            if m.access.covers(first, last) {
                 Ok(())
             } else {
                 Err(invalid(
@@ -538,18 +603,106 @@ impl<P> Ledger<P> {
         })
     }
 
-    // ---- reports and teardown ----
+    // ---- reports, checks and teardown ----
 
-    /// Counts of what is alive now (`events` left at 0 for the backend to fill).
-    pub fn live_counts(&self) -> LeakReport {
+    /// Live handles (unreleased or still mapped), reservations and mappings.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (
+            self.handles.len(),
+            self.reservations.len(),
+            self.mappings.len(),
+        )
+    }
+
+    /// What is alive now (`events` left at 0 for the backend to fill).
+    pub fn leak_report(&self) -> LeakReport {
         LeakReport {
-            handles: self.handles.values().filter(|h| !h.released).count(),
+            handles: self
+                .handles
+                .iter()
+                .map(|(&id, h)| (PhysHandle(id), h.size))
+                .collect(),
             released_but_mapped: self.handles.values().filter(|h| h.released).count(),
-            reservations: self.reservations.len(),
-            mappings: self.mappings.len(),
+            reservations: self.reservations().collect(),
+            mappings: self.mappings.iter().map(|(&p, m)| (p, m.size)).collect(),
             events: 0,
-            bytes: self.used,
         }
+    }
+
+    /// Checks every invariant listed in the module documentation and says
+    /// which one broke (O(n) in what is alive: meant for tests).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut reserved = 0u64;
+        let mut last_end: Option<u64> = None;
+        for (start, size) in self.reservations() {
+            if size == 0 || !self.aligned(start) || !self.aligned(size) {
+                return Err(format!("reservation {start:#x}+{size:#x} misaligned"));
+            }
+            if last_end.is_some_and(|e| e > start) {
+                return Err(format!("reservation {start:#x} overlaps its predecessor"));
+            }
+            last_end = Some(start + size);
+            reserved += size;
+        }
+        if reserved != self.reserved {
+            return Err(format!("reserved {reserved} != counter {}", self.reserved));
+        }
+        let mut mapped = 0u64;
+        let mut per_handle: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut last_end: Option<u64> = None;
+        for (&start, m) in &self.mappings {
+            let end = start + m.size;
+            if last_end.is_some_and(|e| e > start) {
+                return Err(format!("mapping {start:#x} overlaps its predecessor"));
+            }
+            last_end = Some(end);
+            if self.reservation_containing(start, end).is_none() {
+                return Err(format!(
+                    "mapping {start:#x}+{:#x} outside every reservation",
+                    m.size
+                ));
+            }
+            match self.handles.get(&m.handle) {
+                Some(h) if m.offset + m.size <= h.size => {}
+                _ => {
+                    return Err(format!(
+                        "mapping {start:#x} names handle {} that is dead or too small",
+                        m.handle
+                    ))
+                }
+            }
+            if let Access::Partial(flags) = &m.access {
+                if flags.len() as u64 != m.size / self.granularity {
+                    return Err(format!("mapping {start:#x} has a wrong access map"));
+                }
+            }
+            *per_handle.entry(m.handle).or_default() += 1;
+            mapped += m.size;
+        }
+        if mapped != self.mapped {
+            return Err(format!("mapped {mapped} != counter {}", self.mapped));
+        }
+        let mut used = 0u64;
+        for (&id, h) in &self.handles {
+            let count = per_handle.get(&id).copied().unwrap_or(0);
+            if h.mappings != count {
+                return Err(format!(
+                    "handle {id} counts {} mappings, has {count}",
+                    h.mappings
+                ));
+            }
+            if h.released && count == 0 {
+                return Err(format!("handle {id} released and unmapped but still alive"));
+            }
+            used += h.size;
+        }
+        if used != self.used || used > self.capacity {
+            return Err(format!(
+                "physical {used} != counter {} (capacity {})",
+                self.used, self.capacity
+            ));
+        }
+        Ok(())
     }
 
     /// Takes everything out, leaving the ledger empty.
@@ -564,6 +717,8 @@ impl<P> Ledger<P> {
             .collect();
         let reservations = std::mem::take(&mut self.reservations).into_iter().collect();
         self.used = 0;
+        self.reserved = 0;
+        self.mapped = 0;
         Drained {
             mappings,
             handles,
@@ -579,9 +734,17 @@ mod tests {
     const G: u64 = 4096;
 
     fn ledger() -> Ledger<()> {
-        let mut l = Ledger::new(G, Some(16 * G));
+        let mut l = Ledger::new(G, 16 * G);
         l.add_reservation(16 * G, 8 * G);
         l
+    }
+
+    #[track_caller]
+    fn assert_invalid<T: std::fmt::Debug>(result: Result<T>, argument: &str) {
+        match result {
+            Err(VmmError::InvalidArgument { argument: a, .. }) if a == argument => {}
+            other => panic!("expected InvalidArgument {{ argument: {argument:?} }}, got {other:?}"),
+        }
     }
 
     #[test]
@@ -589,63 +752,28 @@ mod tests {
         let mut l = ledger();
         let h = l.add_handle(4 * G, ());
         assert!(l.check_map(16 * G, 2 * G, h, 0).is_ok());
-        assert!(matches!(
-            l.check_map(16 * G + 1, G, h, 0),
-            Err(VmmError::InvalidArgument {
-                argument: "ptr",
-                ..
-            })
-        ));
-        assert!(matches!(
-            l.check_map(16 * G, 0, h, 0),
-            Err(VmmError::InvalidArgument {
-                argument: "size",
-                ..
-            })
-        ));
-        assert!(matches!(
-            l.check_map(16 * G, G, h, 4 * G),
-            Err(VmmError::InvalidArgument {
-                argument: "offset",
-                ..
-            })
-        ));
-        assert!(matches!(
-            l.check_map(22 * G, 4 * G, h, 0),
-            Err(VmmError::InvalidArgument {
-                argument: "ptr",
-                ..
-            })
-        ));
-        l.add_mapping(16 * G, 2 * G, h);
+        assert_invalid(l.check_map(16 * G + 1, G, h, 0), "ptr");
+        assert_invalid(l.check_map(16 * G, 0, h, 0), "size");
+        assert_invalid(l.check_map(16 * G, G, h, 4 * G), "offset");
+        assert_invalid(l.check_map(22 * G, 4 * G, h, 0), "ptr");
+        l.add_mapping(16 * G, 2 * G, h, 0);
         assert!(matches!(
             l.check_map(17 * G, 2 * G, h, 0),
             Err(VmmError::AlreadyMapped { .. })
         ));
         assert!(l.check_map(18 * G, 2 * G, h, 0).is_ok());
+        l.check_invariants().unwrap();
     }
 
     #[test]
     fn unmap_needs_whole_neighbouring_mappings() {
         let mut l = ledger();
         let h = l.add_handle(4 * G, ());
-        l.add_mapping(16 * G, 2 * G, h);
-        l.add_mapping(18 * G, G, h);
+        l.add_mapping(16 * G, 2 * G, h, 0);
+        l.add_mapping(18 * G, G, h, 2 * G);
         assert_eq!(l.check_unmap(16 * G, 3 * G).unwrap(), vec![16 * G, 18 * G]);
-        assert!(matches!(
-            l.check_unmap(17 * G, G),
-            Err(VmmError::InvalidArgument {
-                argument: "ptr",
-                ..
-            })
-        ));
-        assert!(matches!(
-            l.check_unmap(16 * G, G),
-            Err(VmmError::InvalidArgument {
-                argument: "size",
-                ..
-            })
-        ));
+        assert_invalid(l.check_unmap(17 * G, G), "ptr");
+        assert_invalid(l.check_unmap(16 * G, G), "size");
         assert!(matches!(
             l.check_unmap(16 * G, 4 * G),
             Err(VmmError::NotMapped { .. })
@@ -654,33 +782,42 @@ mod tests {
             l.check_unmap(20 * G, G),
             Err(VmmError::NotMapped { .. })
         ));
+        assert_eq!(l.mapped_bytes(), 3 * G);
+        l.check_invariants().unwrap();
     }
 
     #[test]
     fn released_handle_lives_until_last_unmap() {
         let mut l = ledger();
         let h = l.add_handle(2 * G, ());
-        l.add_mapping(16 * G, G, h);
-        l.add_mapping(18 * G, G, h);
+        l.add_mapping(16 * G, G, h, 0);
+        l.add_mapping(18 * G, G, h, G);
         assert!(l.release(h).is_none());
         assert_eq!(l.used(), 2 * G);
-        assert!(l.live_handle(CallKind::Map, h).is_err());
+        assert_invalid(l.live_handle(CallKind::Map, h), "handle");
+        assert_eq!(l.leak_report().released_but_mapped, 1);
+        l.check_invariants().unwrap();
         assert!(l.remove_mappings(&[16 * G]).is_empty());
         assert_eq!(l.remove_mappings(&[18 * G]).len(), 1);
         assert_eq!(l.used(), 0);
-        let live = l.live_counts();
+        let live = l.leak_report();
         assert_eq!(
-            (live.handles, live.released_but_mapped, live.mappings),
+            (
+                live.handles.len(),
+                live.released_but_mapped,
+                live.mappings.len()
+            ),
             (0, 0, 0)
         );
-        assert_eq!(live.reservations, 1);
+        assert_eq!(live.reservations, vec![(16 * G, 8 * G)]);
+        l.check_invariants().unwrap();
     }
 
     #[test]
     fn access_is_tracked_per_granule() {
         let mut l = ledger();
         let h = l.add_handle(4 * G, ());
-        l.add_mapping(16 * G, 4 * G, h);
+        l.add_mapping(16 * G, 4 * G, h, 0);
         l.mark_accessible(17 * G, G);
         assert!(l.check_accessible(17 * G + 5, 100).is_ok());
         assert!(matches!(
@@ -694,12 +831,20 @@ mod tests {
             l.check_accessible(19 * G, 2 * G),
             Err(VmmError::InvalidArgument { .. })
         ));
+        assert!(l.mapping_containing(16 * G).unwrap().1.access.any());
+        l.check_invariants().unwrap();
         l.mark_accessible(16 * G, 4 * G);
+        assert_eq!(l.mapping_containing(16 * G).unwrap().1.access, Access::All);
         assert!(matches!(
             l.check_accessible(19 * G, 2 * G),
             Err(VmmError::NotMapped { .. })
         ));
         assert!(l.check_set_access(16 * G, 5 * G).is_err());
+        // Partial marks that add up to the whole mapping make it `All`.
+        l.add_mapping(21 * G, 2 * G, h, 0);
+        l.mark_accessible(21 * G, G);
+        l.mark_accessible(22 * G, G);
+        assert_eq!(l.mapping_containing(22 * G).unwrap().1.access, Access::All);
     }
 
     #[test]
@@ -714,21 +859,17 @@ mod tests {
             }) if requested == 17 * G && available == 16 * G
         ));
         let h = l.add_handle(G, ());
-        l.add_mapping(16 * G, G, h);
+        l.add_mapping(16 * G, G, h, 0);
         assert!(matches!(
             l.check_address_free(16 * G, 8 * G),
             Err(VmmError::StillMapped { mappings: 1, .. })
         ));
-        assert!(matches!(
-            l.check_address_free(16 * G, 4 * G),
-            Err(VmmError::InvalidArgument {
-                argument: "size",
-                ..
-            })
-        ));
+        assert_invalid(l.check_address_free(16 * G, 4 * G), "size");
         assert!(matches!(
             l.check_address_free(32 * G, 8 * G),
             Err(VmmError::NotMapped { .. })
         ));
+        assert_eq!(l.mem_info().free, 15 * G);
+        assert_eq!(l.reserved_bytes(), 8 * G);
     }
 }

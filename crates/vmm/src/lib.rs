@@ -12,9 +12,10 @@
 //! - [`sim::SimVmm`]: bookkeeping only, any capacity, a cost model, call
 //!   counters, fault injection and a leak report.
 //!
-//! The CUDA and host backends check every call against the same rules as the
-//! simulated one before the driver or the kernel sees it, so bad input gets
-//! the same typed error on all three; [`LeakReport`] says what they still hold.
+//! All three backends check every call with one shared piece of bookkeeping
+//! (the crate's ledger) before the driver or the kernel sees it, so bad input
+//! gets the same typed error on all three; [`LeakReport`], one type for all
+//! three, says what a backend still holds.
 //! [`latency`] times every driver call on any backend
 //! (`cargo run --release -p quilt-vmm --example driver_latency`).
 //!
@@ -24,13 +25,15 @@ mod call_log;
 pub mod cuda;
 pub mod driver;
 pub mod error;
+mod events;
 pub mod host;
 pub mod latency;
+mod leak;
 mod ledger;
 pub mod sim;
 pub mod types;
 
 pub use driver::Vmm;
 pub use error::{Result, VmmError};
-pub use ledger::LeakReport;
+pub use leak::LeakReport;
 pub use types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};

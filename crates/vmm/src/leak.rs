@@ -1,16 +1,22 @@
-//! What a simulated device still holds: the leak report.
+//! What a backend still holds: the leak report, one type for every backend.
 
 use std::fmt;
 
 use crate::types::{DevicePtr, PhysHandle};
 
-/// Everything still alive on a simulated device, sorted by handle id or address.
+/// Everything still alive on a backend (handles, reservations, mappings,
+/// events), each list sorted by handle id or address.
 ///
-/// After a caller has cleaned up, every list is empty and `events` is 0.
+/// After a caller has given everything back (every `create` released, every
+/// `reserve` freed, every `map` unmapped, every event destroyed), every list is
+/// empty and the counts are 0: [`LeakReport::is_empty`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeakReport {
     /// Live physical handles and their sizes: not released, or released but still mapped.
     pub handles: Vec<(PhysHandle, u64)>,
+    /// How many of `handles` were released already and live on only because
+    /// they are still mapped.
+    pub released_but_mapped: usize,
     /// Live address reservations (start, size).
     pub reservations: Vec<(DevicePtr, u64)>,
     /// Live mappings (start, size).
@@ -26,6 +32,16 @@ impl LeakReport {
             && self.reservations.is_empty()
             && self.mappings.is_empty()
             && self.events == 0
+    }
+
+    /// The same as [`LeakReport::is_empty`].
+    pub fn is_clean(&self) -> bool {
+        self.is_empty()
+    }
+
+    /// Handles not yet released.
+    pub fn unreleased_handles(&self) -> usize {
+        self.handles.len() - self.released_but_mapped
     }
 
     /// Bytes of physical memory held by the live handles.
@@ -65,6 +81,13 @@ impl fmt::Display for LeakReport {
         list(f, "handle(s)", &self.handles, |(h, s)| {
             format!("#{}({s:#x})", h.0)
         })?;
+        if self.released_but_mapped > 0 {
+            write!(
+                f,
+                " ({} released but still mapped)",
+                self.released_but_mapped
+            )?;
+        }
         list(f, "reservation(s)", &self.reservations, |(p, s)| {
             format!("{p:#x}+{s:#x}")
         })?;

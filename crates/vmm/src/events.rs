@@ -1,0 +1,74 @@
+//! Event ids, shared by every backend: ids count up from 1 and are never
+//! reused, and a call naming an event that was never recorded, or was
+//! destroyed, gets the same typed error everywhere.
+
+use std::collections::BTreeMap;
+
+use crate::error::{Result, VmmError};
+use crate::ledger::invalid;
+use crate::types::{CallKind, EventId};
+
+fn unknown(call: CallKind, event: EventId) -> VmmError {
+    invalid(
+        call,
+        "event",
+        event.0,
+        "is not a live event (never recorded, or already destroyed)",
+    )
+}
+
+/// The live events of one backend, each with the backend's own payload (the
+/// driver's event on CUDA, the stream and position on the simulated backend).
+///
+/// Invariant: every key is below `next`.
+#[derive(Debug)]
+pub(crate) struct EventBook<P> {
+    next: u64,
+    live: BTreeMap<u64, P>,
+}
+
+impl<P> Default for EventBook<P> {
+    fn default() -> Self {
+        EventBook {
+            next: 1,
+            live: BTreeMap::new(),
+        }
+    }
+}
+
+impl<P> EventBook<P> {
+    /// Records a new event; returns its id.
+    pub fn record(&mut self, payload: P) -> EventId {
+        let id = self.next;
+        self.next += 1;
+        self.live.insert(id, payload);
+        EventId(id)
+    }
+
+    /// The payload of a live event, or `InvalidArgument` naming `call`.
+    pub fn get(&self, call: CallKind, event: EventId) -> Result<&P> {
+        self.live.get(&event.0).ok_or_else(|| unknown(call, event))
+    }
+
+    /// Forgets a live event; returns its payload, or `InvalidArgument` naming `call`.
+    pub fn remove(&mut self, call: CallKind, event: EventId) -> Result<P> {
+        self.live
+            .remove(&event.0)
+            .ok_or_else(|| unknown(call, event))
+    }
+
+    /// Live events.
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Live events as (id, payload).
+    pub fn iter(&self) -> impl Iterator<Item = (EventId, &P)> {
+        self.live.iter().map(|(id, p)| (EventId(*id), p))
+    }
+
+    /// Takes every live event out, leaving the book empty (ids still never reused).
+    pub fn drain(&mut self) -> Vec<P> {
+        std::mem::take(&mut self.live).into_values().collect()
+    }
+}
