@@ -1,0 +1,738 @@
+//! Fault-injection sweep: every allocator the registry knows, on several
+//! workloads, with one VMM driver call failed at a time.
+//!
+//! For a workload and an allocator, a clean run first counts the VMM calls the
+//! run makes (allocator construction, the workload's events, freeing what is
+//! left, `empty_cache`; drop excluded). Then, for each chosen call index `k`, a
+//! fresh run arms `Fault::nth_overall(k)` (CUDA's error for that call: out of
+//! memory for create, invalid value for the others) and checks:
+//!
+//! - the operation that hit the fault either recovered by itself (`Ok`) or
+//!   returned a typed error (`AllocError::Driver` or `AllocError::OutOfMemory`),
+//!   with the allocated bytes unchanged;
+//! - the allocator's and the simulated driver's invariants hold at once;
+//! - retrying the failed operation once succeeds, and the rest of the run
+//!   completes (the device is sized well above the clean run's needs);
+//! - after everything is freed, `empty_cache` and drop, the simulated device's
+//!   leak report is empty.
+//!
+//! The default sweep tries an evenly spread sample of call indices (at least
+//! 500 over all workloads and allocators); the full sweep, every index, runs with
+//! `cargo test --release -p quilt-bench --test fault_sweep -- --ignored`.
+//!
+//! Also: partial failures inside one operation (the 5th map call of a stitched
+//! or paged allocation fails; a pool growth fails) leave nothing behind.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use quilt_alloc::{AllocError, DeviceAllocator};
+use quilt_bench::allocators::{self, RegistryError, ALLOCATOR_NAMES};
+use quilt_bench::trace::{load_trace, Event};
+use quilt_bench::workloads;
+use quilt_vmm::sim::{Fault, SimVmm};
+use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn traces_dir() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/converted"
+    ))
+}
+
+/// A workload of the sweep: events and a device size comfortably above what
+/// every allocator needs for it.
+struct Workload {
+    name: String,
+    events: Vec<Event>,
+    capacity: u64,
+}
+
+/// The first `max_events` events of `events` (every run frees what is left
+/// live at its end).
+fn prefix(events: Vec<Event>, max_events: usize) -> Vec<Event> {
+    events.into_iter().take(max_events).collect()
+}
+
+/// Peak of the live requested bytes of `events`.
+fn peak_live(events: &[Event]) -> u64 {
+    let mut live: HashMap<u64, u64> = HashMap::new();
+    let (mut now, mut peak) = (0u64, 0u64);
+    for e in events {
+        match *e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id, size);
+                now += size;
+                peak = peak.max(now);
+            }
+            Event::Free { id } => now -= live.remove(&id).unwrap_or(0),
+        }
+    }
+    peak
+}
+
+fn workload(name: &str, events: Vec<Event>) -> Workload {
+    // Twice the live peak plus slack for segment rounding, per-stream caches
+    // and the pool's growth margin; every clean run is checked to complete.
+    let capacity = (peak_live(&events) * 2 + 2 * GIB).next_multiple_of(2 * MIB);
+    Workload {
+        name: name.to_string(),
+        events,
+        capacity,
+    }
+}
+
+/// A real trace from the shared folder (a prefix of it), or `None` with a note.
+fn real_trace(stem: &str, max_events: usize) -> Option<Workload> {
+    let path = traces_dir().join(format!("{stem}.trace"));
+    if !path.exists() {
+        eprintln!(
+            "fault_sweep: {} is absent: skipping the real trace `{stem}`",
+            path.display()
+        );
+        return None;
+    }
+    let trace = load_trace(&path).unwrap();
+    Some(workload(
+        &format!("{stem}[..{max_events}]"),
+        prefix(trace.events, max_events),
+    ))
+}
+
+fn generated(name: &str, seed: u64, max_events: usize) -> Workload {
+    let w = workloads::find(name).unwrap();
+    let trace = (w.generate)(seed);
+    workload(
+        &format!("{name}(seed {seed})[..{max_events}]"),
+        prefix(trace.events, max_events),
+    )
+}
+
+/// Build `name` on `vmm`; `None` (with a note) when it is not in this build yet.
+fn build(name: &str, vmm: Arc<dyn Vmm>) -> Result<Option<Box<dyn DeviceAllocator>>, AllocError> {
+    match allocators::build(name, vmm) {
+        Ok(a) => Ok(Some(a)),
+        Err(RegistryError::Construct { source, .. }) => Err(source),
+        Err(other) => {
+            eprintln!("fault_sweep: {other}: skipped");
+            Ok(None)
+        }
+    }
+}
+
+/// The allocators of the registry that this build has.
+fn available_allocators() -> Vec<&'static str> {
+    let mut out = Vec::new();
+    for name in ALLOCATOR_NAMES {
+        let sim = Arc::new(SimVmm::with_capacity(GIB).unwrap());
+        match build(name, sim) {
+            Ok(Some(_)) => out.push(name),
+            Ok(None) => eprintln!("fault_sweep: allocator `{name}` is not in this build: skipped"),
+            Err(e) => panic!("building `{name}` on a clean device failed: {e}"),
+        }
+    }
+    assert!(!out.is_empty(), "no allocator available");
+    out
+}
+
+/// One operation of a run.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Alloc { id: u64, size: u64, stream: u64 },
+    Free { id: u64 },
+    EmptyCache,
+}
+
+/// What one run (clean or with a fault) came to.
+#[derive(Debug, Default)]
+struct RunReport {
+    /// VMM calls made before drop.
+    vmm_calls: u64,
+    /// The fault fired during construction, which failed with a typed error.
+    fired_in_construction: bool,
+    /// The operation the fault fired in, if any.
+    fired_in: Option<String>,
+    /// The operation recovered by itself (returned `Ok`).
+    recovered_internally: bool,
+    /// Kind of the call that was failed (from the driver's failure counters).
+    failed_kind: Option<CallKind>,
+}
+
+fn check_all(alloc: &dyn DeviceAllocator, sim: &SimVmm, ctx: &str) {
+    if let Err(v) = alloc.check_invariants() {
+        panic!("{ctx}: allocator invariant broken: {v}");
+    }
+    if let Err(v) = sim.check_invariants() {
+        panic!("{ctx}: simulated driver invariant broken: {v}");
+    }
+}
+
+fn typed_fault_error(e: &AllocError) -> bool {
+    matches!(e, AllocError::Driver(_) | AllocError::OutOfMemory(_))
+}
+
+/// Run `w` on `allocator` with `fault` armed before construction (`None`:
+/// clean). Every check of the module documentation is an assertion here.
+fn run(w: &Workload, allocator: &str, fault: Option<Fault>, check_every: usize) -> RunReport {
+    let sim = Arc::new(SimVmm::with_capacity(w.capacity).unwrap());
+    let ctx = format!("{} on {} with fault {:?}", allocator, w.name, fault);
+    if let Some(f) = &fault {
+        sim.inject(f.clone());
+    }
+    let mut report = RunReport::default();
+    let alloc = match build(allocator, sim.clone()) {
+        Ok(Some(a)) => a,
+        Ok(None) => unreachable!("only available allocators are swept"),
+        Err(e) => {
+            assert!(
+                fault.is_some() && sim.armed_faults() == 0,
+                "{ctx}: construction failed without a fault: {e}"
+            );
+            assert!(
+                typed_fault_error(&e),
+                "{ctx}: construction failed with {e:?}"
+            );
+            let leaks = sim.leak_report();
+            assert!(
+                leaks.is_empty(),
+                "{ctx}: failed construction leaked: {leaks}"
+            );
+            report.fired_in_construction = true;
+            report.failed_kind = failed_kind(&sim);
+            return report;
+        }
+    };
+    let mut live: BTreeMap<u64, DevicePtr> = BTreeMap::new();
+    let mut ops: Vec<Op> = w
+        .events
+        .iter()
+        .map(|e| match *e {
+            Event::Alloc { id, size, stream } => Op::Alloc { id, size, stream },
+            Event::Free { id } => Op::Free { id },
+        })
+        .collect();
+    // The tail: free what the workload left live, then empty the cache.
+    let mut live_ids: Vec<u64> = Vec::new();
+    {
+        let mut set = std::collections::BTreeSet::new();
+        for e in &w.events {
+            match *e {
+                Event::Alloc { id, .. } => {
+                    set.insert(id);
+                }
+                Event::Free { id } => {
+                    set.remove(&id);
+                }
+            }
+        }
+        live_ids.extend(set);
+    }
+    ops.extend(live_ids.iter().map(|&id| Op::Free { id }));
+    ops.push(Op::EmptyCache);
+
+    for (i, op) in ops.iter().enumerate() {
+        let armed_before = sim.armed_faults() > 0;
+        let allocated_before = alloc.stats().allocated_bytes.current;
+        let result = apply(alloc.as_ref(), &sim, &mut live, *op);
+        let fired_now = armed_before && sim.armed_faults() == 0;
+        if fired_now {
+            report.fired_in = Some(format!("op {i} {op:?}"));
+            report.failed_kind = failed_kind(&sim);
+            check_all(
+                alloc.as_ref(),
+                &sim,
+                &format!("{ctx}, right after op {i} {op:?}"),
+            );
+            match result {
+                Ok(()) => report.recovered_internally = true,
+                Err(e) => {
+                    assert!(
+                        typed_fault_error(&e),
+                        "{ctx}: op {i} {op:?} hit the fault and returned {e:?}"
+                    );
+                    assert_eq!(
+                        alloc.stats().allocated_bytes.current,
+                        allocated_before,
+                        "{ctx}: op {i} {op:?} failed but changed the allocated bytes"
+                    );
+                    if let Err(e) = apply(alloc.as_ref(), &sim, &mut live, *op) {
+                        panic!("{ctx}: retry of op {i} {op:?} after the fault failed: {e}");
+                    }
+                    check_all(
+                        alloc.as_ref(),
+                        &sim,
+                        &format!("{ctx}, after the retry of op {i}"),
+                    );
+                }
+            }
+        } else if let Err(e) = result {
+            panic!(
+                "{ctx}: op {i} {op:?} failed ({}): {e}",
+                if sim.armed_faults() == 0 && fault.is_some() {
+                    "after the fault"
+                } else {
+                    "before the fault"
+                }
+            );
+        }
+        if check_every > 0 && i % check_every == 0 {
+            check_all(alloc.as_ref(), &sim, &format!("{ctx}, after op {i}"));
+        }
+    }
+    check_all(alloc.as_ref(), &sim, &format!("{ctx}, at the end"));
+    let stats = alloc.stats();
+    assert_eq!(
+        stats.allocated_bytes.current, 0,
+        "{ctx}: bytes still allocated at the end"
+    );
+    assert_eq!(
+        stats.allocation.current, 0,
+        "{ctx}: allocations still counted at the end"
+    );
+    report.vmm_calls = sim.driver_stats().vmm_calls();
+    if fault.is_some() {
+        assert_eq!(
+            sim.armed_faults(),
+            0,
+            "{ctx}: the fault never fired ({} VMM calls made)",
+            report.vmm_calls
+        );
+    }
+    drop(alloc);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_empty(), "{ctx}: after drop: {leaks}");
+    report
+}
+
+fn failed_kind(sim: &SimVmm) -> Option<CallKind> {
+    let stats = sim.driver_stats();
+    CallKind::ALL
+        .into_iter()
+        .find(|k| stats.failed[k.index()] > 0)
+}
+
+fn apply(
+    alloc: &dyn DeviceAllocator,
+    sim: &SimVmm,
+    live: &mut BTreeMap<u64, DevicePtr>,
+    op: Op,
+) -> Result<(), AllocError> {
+    match op {
+        Op::Alloc { id, size, stream } => {
+            let a = alloc.allocate(size, StreamId(stream))?;
+            live.insert(id, a.ptr);
+        }
+        Op::Free { id } => {
+            let ptr = *live.get(&id).expect("the workload frees only live ids");
+            alloc.free(ptr)?;
+            live.remove(&id);
+            sim.complete_all();
+        }
+        Op::EmptyCache => alloc.empty_cache()?,
+    }
+    Ok(())
+}
+
+/// Up to `n` call indices spread evenly over `1..=calls`, always including both ends.
+fn spread(calls: u64, n: u64) -> Vec<u64> {
+    if calls == 0 {
+        return Vec::new();
+    }
+    if n >= calls {
+        return (1..=calls).collect();
+    }
+    let mut out: Vec<u64> = (0..n)
+        .map(|i| 1 + i * (calls - 1) / (n - 1).max(1))
+        .collect();
+    out.dedup();
+    out
+}
+
+/// VMM calls of `kind` made by a clean run (counted again: the clean run's
+/// driver statistics are gone with its device).
+fn clean_calls_by_kind(w: &Workload, allocator: &str) -> BTreeMap<CallKind, u64> {
+    let sim = Arc::new(SimVmm::with_capacity(w.capacity).unwrap());
+    let alloc = build(allocator, sim.clone()).unwrap().unwrap();
+    let mut live = BTreeMap::new();
+    for e in &w.events {
+        let op = match *e {
+            Event::Alloc { id, size, stream } => Op::Alloc { id, size, stream },
+            Event::Free { id } => Op::Free { id },
+        };
+        apply(alloc.as_ref(), &sim, &mut live, op).unwrap();
+    }
+    for (_, ptr) in std::mem::take(&mut live) {
+        alloc.free(ptr).unwrap();
+        sim.complete_all();
+    }
+    alloc.empty_cache().unwrap();
+    let stats = sim.driver_stats();
+    CallKind::ALL
+        .into_iter()
+        .filter(|k| k.is_vmm() && stats.count(*k) > 0)
+        .map(|k| (k, stats.count(k)))
+        .collect()
+}
+
+/// Totals of a sweep of one workload.
+#[derive(Default)]
+struct Tally {
+    tried: u64,
+    survived: u64,
+    recovered_internally: u64,
+    in_construction: u64,
+    by_kind: BTreeMap<String, u64>,
+}
+
+/// Sweep `w` over every available allocator with up to `points` fault indices
+/// of any kind each, plus up to `points / 8` indices of each kind of call the
+/// clean run makes (so that a rare kind, such as create, is never missed);
+/// `None`: every index. Prints the figures; returns the points tried.
+fn sweep(w: &Workload, points: Option<u64>) -> u64 {
+    let mut total = 0;
+    for name in available_allocators() {
+        let clean = run(w, name, None, 1);
+        let calls = clean.vmm_calls;
+        let mut faults: Vec<Fault> = match points {
+            Some(n) => spread(calls, n)
+                .into_iter()
+                .map(Fault::nth_overall)
+                .collect(),
+            None => (1..=calls).map(Fault::nth_overall).collect(),
+        };
+        if let Some(n) = points {
+            for (kind, count) in clean_calls_by_kind(w, name) {
+                faults.extend(
+                    spread(count, (n / 8).max(2))
+                        .into_iter()
+                        .map(|i| Fault::nth(kind, i)),
+                );
+            }
+        }
+        let mut tally = Tally::default();
+        for fault in faults {
+            let r = run(w, name, Some(fault), 0);
+            tally.tried += 1;
+            // `run` panics on any broken promise: reaching here is surviving.
+            tally.survived += 1;
+            tally.recovered_internally += u64::from(r.recovered_internally);
+            tally.in_construction += u64::from(r.fired_in_construction);
+            if let Some(kind) = r.failed_kind {
+                *tally
+                    .by_kind
+                    .entry(kind.driver_name().to_string())
+                    .or_default() += 1;
+            }
+        }
+        eprintln!(
+            "fault_sweep: {:<11} {:<44} events {:>5} clean VMM calls {:>5}: tried {:>5}, survived {:>5} \
+             (recovered inside the op {}, in construction {}); failed calls by kind {:?}",
+            name,
+            w.name,
+            w.events.len(),
+            calls,
+            tally.tried,
+            tally.survived,
+            tally.recovered_internally,
+            tally.in_construction,
+            tally.by_kind
+        );
+        total += tally.tried;
+    }
+    total
+}
+
+// ------------------------------------------------------------------ the sweeps
+
+/// Points per (workload, allocator) in the default sweep.
+const DEFAULT_POINTS: u64 = 48;
+
+fn sweep_workloads(full: bool) -> Vec<Workload> {
+    let mut out = Vec::new();
+    let real_len = if full { 4000 } else { 1500 };
+    out.extend(real_trace("cnn_counterfactual_eor", real_len));
+    out.extend(real_trace("opt_zo_fedlearn_finetune", real_len));
+    let gen_len = if full { 3000 } else { 1200 };
+    out.push(generated("train-varlen", 7, gen_len));
+    out.push(generated("llm-serving", 7, gen_len));
+    out
+}
+
+#[test]
+fn fault_sweep_real_cnn() {
+    let Some(w) = real_trace("cnn_counterfactual_eor", 1500) else {
+        return;
+    };
+    let tried = sweep(&w, Some(DEFAULT_POINTS));
+    assert!(tried > 0);
+}
+
+#[test]
+fn fault_sweep_real_opt_zo() {
+    let Some(w) = real_trace("opt_zo_fedlearn_finetune", 1500) else {
+        return;
+    };
+    let tried = sweep(&w, Some(DEFAULT_POINTS));
+    assert!(tried > 0);
+}
+
+#[test]
+fn fault_sweep_train_varlen() {
+    let w = generated("train-varlen", 7, 1200);
+    let tried = sweep(&w, Some(DEFAULT_POINTS));
+    assert!(tried > 0);
+}
+
+#[test]
+fn fault_sweep_llm_serving() {
+    let w = generated("llm-serving", 7, 1200);
+    let tried = sweep(&w, Some(DEFAULT_POINTS));
+    assert!(tried > 0);
+}
+
+/// Every call index of every workload and allocator (minutes in release).
+#[test]
+#[ignore]
+fn fault_sweep_full() {
+    let mut total = 0;
+    for w in sweep_workloads(true) {
+        total += sweep(&w, None);
+    }
+    eprintln!("fault_sweep_full: {total} fault points tried and survived");
+}
+
+// ------------------------------------------------- failures inside one operation
+
+/// A device big enough for every case below, with nothing alive.
+fn device() -> Arc<SimVmm> {
+    Arc::new(SimVmm::with_capacity(16 * GIB).unwrap())
+}
+
+/// Free `live`, empty the cache, drop `alloc`, and check the device is clean.
+fn tear_down(alloc: Box<dyn DeviceAllocator>, sim: &SimVmm, live: &[DevicePtr], ctx: &str) {
+    sim.clear_faults();
+    for &p in live {
+        alloc.free(p).unwrap();
+    }
+    sim.complete_all();
+    alloc.empty_cache().unwrap();
+    check_all(alloc.as_ref(), sim, ctx);
+    drop(alloc);
+    let leaks = sim.leak_report();
+    assert!(leaks.is_empty(), "{ctx}: after drop: {leaks}");
+}
+
+/// The 5th `cuMemMap` of one allocation fails: the maps before it are undone,
+/// the pages go back to the pool (or the handles to the driver), nothing is
+/// counted as allocated, and the same request succeeds on retry.
+#[test]
+fn fifth_map_of_one_allocation_fails_and_the_four_before_are_undone() {
+    use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    // 600 MiB: above GMLake's 512 MiB stitch threshold; 300 pages of 2 MiB.
+    const SIZE: u64 = 600 * MIB;
+    let mut fired = Vec::new();
+    let mut cases: Vec<(String, Arc<SimVmm>, Box<dyn DeviceAllocator>)> = Vec::new();
+    for name in available_allocators() {
+        let sim = device();
+        let a = build(name, sim.clone()).unwrap().unwrap();
+        cases.push((name.to_string(), sim, a));
+    }
+    {
+        let sim = device();
+        let cfg = QuiltConfig {
+            max_pages_per_map: 1,
+            ..QuiltConfig::default()
+        };
+        let a = QuiltAllocator::new(sim.clone(), cfg).unwrap();
+        cases.push(("quilt(1 page per map)".to_string(), sim, Box::new(a)));
+    }
+    for (name, sim, alloc) in cases {
+        let ctx = format!("{name}: 5th map fails");
+        // Something live first, so that "as before" is not "empty".
+        let keep = alloc.allocate(3 * MIB, StreamId(0)).unwrap();
+        let mapped = sim.mapped_bytes();
+        let allocated = alloc.stats().allocated_bytes.current;
+        let before = sim.driver_stats();
+        sim.inject(Fault::nth(CallKind::Map, 5));
+        let result = alloc.allocate(SIZE, StreamId(0));
+        let during = sim.driver_stats().since(&before);
+        check_all(alloc.as_ref(), &sim, &ctx);
+        let mut live = vec![keep.ptr];
+        match result {
+            Ok(a) => {
+                // Fewer than 5 map calls (one per segment or per run of
+                // neighbouring pages), or the allocator retried by itself.
+                assert!(
+                    sim.armed_faults() == 1 || during.failed[CallKind::Map.index()] == 1,
+                    "{ctx}: fault state unclear"
+                );
+                live.push(a.ptr);
+            }
+            Err(e) => {
+                assert!(typed_fault_error(&e), "{ctx}: {e:?}");
+                assert_eq!(
+                    sim.armed_faults(),
+                    0,
+                    "{ctx}: failed without the fault: {e}"
+                );
+                fired.push(name.clone());
+                let maps_ok = during.count(CallKind::Map) - 1;
+                assert!(
+                    maps_ok >= 4,
+                    "{ctx}: only {maps_ok} maps before the failure"
+                );
+                assert_eq!(
+                    sim.mapped_bytes(),
+                    mapped,
+                    "{ctx}: the {maps_ok} maps before the failure were not all undone"
+                );
+                assert!(
+                    during.count(CallKind::Unmap) >= maps_ok,
+                    "{ctx}: {} unmaps for {maps_ok} maps",
+                    during.count(CallKind::Unmap)
+                );
+                assert_eq!(alloc.stats().allocated_bytes.current, allocated, "{ctx}");
+                let physical = sim.physical_in_use();
+                let retry_start = sim.driver_stats();
+                let a = alloc.allocate(SIZE, StreamId(0)).unwrap_or_else(|e| {
+                    panic!("{ctx}: retry failed: {e}");
+                });
+                let retry = sim.driver_stats().since(&retry_start);
+                // The pages of the failed attempt are reused (no new create), or
+                // were given back to the driver.
+                assert!(
+                    retry.count(CallKind::Create) == 0 || physical <= sim.physical_in_use(),
+                    "{ctx}: retry made {} creates",
+                    retry.count(CallKind::Create)
+                );
+                eprintln!(
+                    "fault_sweep: {ctx}: {maps_ok} maps undone by {} unmaps; retry made {} creates",
+                    during.count(CallKind::Unmap),
+                    retry.count(CallKind::Create)
+                );
+                live.push(a.ptr);
+                check_all(alloc.as_ref(), &sim, &ctx);
+            }
+        }
+        tear_down(alloc, &sim, &live, &ctx);
+    }
+    eprintln!("fault_sweep: the 5th map failed inside one allocation for: {fired:?}");
+    for must in ["gmlake", "quilt(1 page per map)"] {
+        assert!(
+            fired.iter().any(|n| n == must),
+            "{must}: the 5th map never failed"
+        );
+    }
+}
+
+/// A pool growth whose `cuMemCreate` fails leaves the pool and the driver as
+/// they were; the retry succeeds.
+#[test]
+fn failed_growth_leaves_the_pool_as_it_was() {
+    for name in available_allocators() {
+        let sim = device();
+        let alloc = build(name, sim.clone()).unwrap().unwrap();
+        let ctx = format!("{name}: create fails during growth");
+        let keep = alloc.allocate(64 * MIB, StreamId(0)).unwrap();
+        let physical = sim.physical_in_use();
+        let counts = sim.live_counts();
+        let mapped = sim.mapped_bytes();
+        let reserved = alloc.stats().reserved_bytes.current;
+        let allocated = alloc.stats().allocated_bytes.current;
+        sim.inject(Fault::nth(CallKind::Create, 1));
+        let result = alloc.allocate(4 * GIB, StreamId(0));
+        check_all(alloc.as_ref(), &sim, &ctx);
+        let mut live = vec![keep.ptr];
+        match result {
+            Ok(a) => {
+                // It retried the growth (or needed none).
+                live.push(a.ptr);
+            }
+            Err(e) => {
+                assert!(typed_fault_error(&e), "{ctx}: {e:?}");
+                assert_eq!(
+                    sim.armed_faults(),
+                    0,
+                    "{ctx}: failed without the fault: {e}"
+                );
+                assert_eq!(sim.physical_in_use(), physical, "{ctx}: physical memory");
+                assert_eq!(
+                    sim.live_counts(),
+                    counts,
+                    "{ctx}: handles, reservations, mappings"
+                );
+                assert_eq!(sim.mapped_bytes(), mapped, "{ctx}: mapped bytes");
+                let stats = alloc.stats();
+                assert_eq!(
+                    stats.reserved_bytes.current, reserved,
+                    "{ctx}: reserved bytes"
+                );
+                assert_eq!(
+                    stats.allocated_bytes.current, allocated,
+                    "{ctx}: allocated bytes"
+                );
+                live.push(alloc.allocate(4 * GIB, StreamId(0)).unwrap().ptr);
+            }
+        }
+        tear_down(alloc, &sim, &live, &ctx);
+    }
+}
+
+/// Quilt's page pool itself: a failed growth leaves its page counts unchanged,
+/// and a failed stitch gives every page back.
+#[test]
+fn quilt_pool_counts_survive_failed_growth_and_failed_stitch() {
+    use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    for (label, cfg) in [
+        ("quilt", QuiltConfig::default()),
+        ("gmlake", QuiltConfig::gmlake()),
+    ] {
+        let sim = device();
+        let alloc = QuiltAllocator::new(sim.clone(), cfg).unwrap();
+        let keep = alloc.allocate(5 * MIB, StreamId(0)).unwrap();
+        let (total, free) = (alloc.pool().total_pages(), alloc.pool().free_pages());
+        // Every create fails (one failure alone, Quilt retries after reclaiming).
+        sim.inject(Fault::always(CallKind::Create));
+        let r = alloc.allocate(2 * GIB, StreamId(0));
+        sim.clear_faults();
+        assert!(r.is_err(), "{label}: growth should have failed");
+        assert_eq!(
+            alloc.pool().total_pages(),
+            total,
+            "{label}: pool pages after failed growth"
+        );
+        assert_eq!(
+            alloc.pool().free_pages(),
+            free,
+            "{label}: free pages after failed growth"
+        );
+        alloc.pool().check_invariants().unwrap();
+        alloc.check_invariants().unwrap();
+
+        // Now let growth succeed and the 5th map fail: pages come back to the pool.
+        sim.inject(Fault::nth(CallKind::Map, 5));
+        let cfg_one = alloc.config().max_pages_per_map;
+        let r = alloc.allocate(600 * MIB, StreamId(0));
+        if cfg_one == 1 {
+            assert!(r.is_err(), "{label}: the 5th map should have failed");
+            assert_eq!(
+                alloc.pool().free_pages(),
+                alloc.pool().total_pages() - (total - free),
+                "{label}: pages of the failed stitch not all back in the pool"
+            );
+        }
+        alloc.pool().check_invariants().unwrap();
+        alloc.check_invariants().unwrap();
+        sim.clear_faults();
+        let mut live = vec![keep.ptr];
+        if let Ok(a) = r {
+            live.push(a.ptr);
+        }
+        tear_down(Box::new(alloc), &sim, &live, label);
+    }
+}
