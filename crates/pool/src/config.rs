@@ -52,7 +52,7 @@ impl Default for GrowthPolicy {
         GrowthPolicy {
             min_chunk_bytes: 0,
             max_chunk_bytes: 1 << 30,
-            ahead_divisor: 128,
+            ahead_divisor: 256,
             max_handle_bytes: 0,
         }
     }
