@@ -6,9 +6,9 @@
 //! The design follows kvcached's `bench_vmm` (one thread, many 2 MiB pages,
 //! each call timed alone with a monotonic clock):
 //!
-//! 1. the page lifecycle, in batches of `batch` pages: reserve each page's
-//!    address range, create each page, map, set access, unmap, release,
-//!    address-free (every call on one page, `iters` pages in all);
+//! 1. the page lifecycle ([`PAGE_LIFECYCLE`]), in batches of `batch` pages:
+//!    reserve each page's address range, create each page, map, set access,
+//!    unmap, release, address-free (every call on one page, `iters` pages in all);
 //! 2. a large handle (`large_size`, 64 MiB by default), `large_iters` times:
 //!    create, map, set access, unmap, release, one call each on the whole handle.
 //!
@@ -23,6 +23,18 @@ use std::time::Instant;
 use crate::driver::Vmm;
 use crate::error::Result;
 use crate::types::{CallKind, DevicePtr, PhysHandle};
+
+/// The seven VMM calls of one page's life, in the order the page lifecycle
+/// makes them: reserve, create, map, set access, unmap, release, address-free.
+pub const PAGE_LIFECYCLE: [CallKind; 7] = [
+    CallKind::Reserve,
+    CallKind::Create,
+    CallKind::Map,
+    CallKind::SetAccess,
+    CallKind::Unmap,
+    CallKind::Release,
+    CallKind::AddressFree,
+];
 
 /// What to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -358,15 +370,7 @@ mod tests {
         let vmm = SimVmm::with_capacity(1 << 30).unwrap();
         let report = measure(&vmm, "test", &small()).unwrap();
         let page = 2 << 20;
-        for call in [
-            CallKind::Reserve,
-            CallKind::Create,
-            CallKind::Map,
-            CallKind::SetAccess,
-            CallKind::Unmap,
-            CallKind::Release,
-            CallKind::AddressFree,
-        ] {
+        for call in PAGE_LIFECYCLE {
             assert_eq!(
                 report.row(call, page).unwrap().samples_ns.len(),
                 30,

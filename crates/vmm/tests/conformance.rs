@@ -97,11 +97,12 @@ fn backends() -> Vec<Backend> {
     out
 }
 
-/// Runs `check` against every backend.
-fn each_backend(check: impl Fn(&Backend)) {
+/// Runs `check` against every backend, with the backend's trait object and
+/// granularity.
+fn each_backend(check: impl Fn(&Backend, &dyn Vmm, u64)) {
     for backend in backends() {
         eprintln!("conformance: {}", backend.name());
-        check(&backend);
+        check(&backend, &*backend.vmm, backend.vmm.granularity());
     }
 }
 
@@ -150,43 +151,89 @@ fn assert_already_mapped<T: Debug>(backend: &Backend, result: quilt_vmm::Result<
     }
 }
 
-fn free_bytes(b: &Backend) -> u64 {
-    b.vmm.mem_info().unwrap().free
+#[track_caller]
+fn assert_still_mapped(
+    backend: &Backend,
+    result: quilt_vmm::Result<()>,
+    va: DevicePtr,
+    size: u64,
+    mappings: usize,
+) {
+    match result {
+        Err(VmmError::StillMapped {
+            call: CallKind::AddressFree,
+            ptr,
+            size: s,
+            mappings: m,
+        }) if (ptr, s, m) == (va, size, mappings) => {}
+        other => panic!(
+            "{}: expected StillMapped {{ {va:#x}+{size:#x}, mappings: {mappings} }}, got {other:?}",
+            backend.name()
+        ),
+    }
 }
 
-/// Reserve, create and map `pages` granules at the start of a fresh
-/// reservation of `reserve_pages`; returns (reservation, handle).
-fn mapped(b: &Backend, reserve_pages: u64, pages: u64) -> (DevicePtr, PhysHandle) {
-    let g = b.vmm.granularity();
-    let va = b.vmm.reserve(reserve_pages * g, 0).unwrap();
-    let h = b.vmm.create(pages * g).unwrap();
-    b.vmm.map(va, pages * g, h, 0).unwrap();
+#[track_caller]
+fn assert_out_of_memory<T: Debug>(
+    backend: &str,
+    result: quilt_vmm::Result<T>,
+    call: CallKind,
+    requested: u64,
+    available: u64,
+) {
+    match result {
+        Err(VmmError::OutOfMemory {
+            call: c,
+            requested: r,
+            available: a,
+        }) => assert_eq!((c, r, a), (call, requested, available), "{backend}"),
+        other => panic!("{backend}: expected OutOfMemory from {call}, got {other:?}"),
+    }
+}
+
+fn free_bytes(v: &dyn Vmm) -> u64 {
+    v.mem_info().unwrap().free
+}
+
+/// Reserves `reserve` bytes and creates a handle of `size` bytes.
+fn reserve_and_create(v: &dyn Vmm, reserve: u64, size: u64) -> (DevicePtr, PhysHandle) {
+    (v.reserve(reserve, 0).unwrap(), v.create(size).unwrap())
+}
+
+/// Undoes [`reserve_and_create`] (with nothing left mapped).
+fn release_and_free(v: &dyn Vmm, va: DevicePtr, reserve: u64, h: PhysHandle) {
+    v.release(h).unwrap();
+    v.address_free(va, reserve).unwrap();
+}
+
+/// Reserves `reserve` bytes, creates `size` bytes and maps them at the start
+/// of the reservation; returns (reservation, handle).
+fn mapped(v: &dyn Vmm, reserve: u64, size: u64) -> (DevicePtr, PhysHandle) {
+    let (va, h) = reserve_and_create(v, reserve, size);
+    v.map(va, size, h, 0).unwrap();
     (va, h)
 }
 
-/// Undo [`mapped`].
-fn unmapped(b: &Backend, va: DevicePtr, reserve_pages: u64, h: PhysHandle, pages: u64) {
-    let g = b.vmm.granularity();
-    b.vmm.unmap(va, pages * g).unwrap();
-    b.vmm.release(h).unwrap();
-    b.vmm.address_free(va, reserve_pages * g).unwrap();
+/// Undoes [`mapped`]: unmaps `size` bytes at `va`, releases, frees.
+fn unmapped(v: &dyn Vmm, va: DevicePtr, reserve: u64, h: PhysHandle, size: u64) {
+    v.unmap(va, size).unwrap();
+    release_and_free(v, va, reserve, h);
 }
 
 // ---------------------------------------------------------------- properties
 
 #[test]
 fn granularity_is_a_power_of_two() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
+    each_backend(|b, v, g| {
         assert!(g.is_power_of_two(), "{}: granularity {g:#x}", b.name());
-        assert_eq!(b.vmm.granularity(), g, "{}: granularity is fixed", b.name());
+        assert_eq!(v.granularity(), g, "{}: granularity is fixed", b.name());
     });
 }
 
 #[test]
 fn mem_info_reports_capacity() {
-    each_backend(|b| {
-        let info = b.vmm.mem_info().unwrap();
+    each_backend(|b, v, _| {
+        let info = v.mem_info().unwrap();
         assert!(info.free <= info.total, "{}: {info:?}", b.name());
         assert!(info.total > 0, "{}: {info:?}", b.name());
         if let Some(capacity) = b.exhaustible {
@@ -200,9 +247,7 @@ fn mem_info_reports_capacity() {
 
 #[test]
 fn reserve_rejects_bad_sizes_and_alignments() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         assert_invalid(b, v.reserve(0, 0), CallKind::Reserve, "size");
         assert_invalid(b, v.reserve(g / 2, 0), CallKind::Reserve, "size");
         assert_invalid(b, v.reserve(g + 4096, 0), CallKind::Reserve, "size");
@@ -214,9 +259,7 @@ fn reserve_rejects_bad_sizes_and_alignments() {
 
 #[test]
 fn reservations_are_aligned_and_disjoint_and_free_whole() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         let a = v.reserve(4 * g, 0).unwrap();
         let c = v.reserve(2 * g, 8 * g).unwrap();
         let d = v.reserve(g, 0).unwrap();
@@ -249,36 +292,13 @@ fn reservations_are_aligned_and_disjoint_and_free_whole() {
 
 #[test]
 fn address_free_while_mapped_is_rejected() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(4 * g, 0).unwrap();
-        let h = v.create(2 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
         v.map(va, g, h, 0).unwrap();
         v.map(va + 2 * g, g, h, g).unwrap();
-        match v.address_free(va, 4 * g) {
-            Err(VmmError::StillMapped {
-                call: CallKind::AddressFree,
-                ptr,
-                size,
-                mappings: 2,
-            }) => {
-                assert_eq!((ptr, size), (va, 4 * g), "{}", b.name());
-            }
-            other => panic!(
-                "{}: expected StillMapped with 2 mappings, got {other:?}",
-                b.name()
-            ),
-        }
+        assert_still_mapped(b, v.address_free(va, 4 * g), va, 4 * g, 2);
         v.unmap(va, g).unwrap();
-        assert!(
-            matches!(
-                v.address_free(va, 4 * g),
-                Err(VmmError::StillMapped { mappings: 1, .. })
-            ),
-            "{}",
-            b.name()
-        );
+        assert_still_mapped(b, v.address_free(va, 4 * g), va, 4 * g, 1);
         v.unmap(va + 2 * g, g).unwrap();
         v.address_free(va, 4 * g).unwrap();
         v.release(h).unwrap();
@@ -289,19 +309,16 @@ fn address_free_while_mapped_is_rejected() {
 
 #[test]
 fn create_rejects_bad_sizes() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        assert_invalid(b, b.vmm.create(0), CallKind::Create, "size");
-        assert_invalid(b, b.vmm.create(g / 2), CallKind::Create, "size");
-        assert_invalid(b, b.vmm.create(3 * g + 512), CallKind::Create, "size");
+    each_backend(|b, v, g| {
+        assert_invalid(b, v.create(0), CallKind::Create, "size");
+        assert_invalid(b, v.create(g / 2), CallKind::Create, "size");
+        assert_invalid(b, v.create(3 * g + 512), CallKind::Create, "size");
     });
 }
 
 #[test]
 fn create_and_release_move_free_memory() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         let h1 = v.create(g).unwrap();
         let h2 = v.create(3 * g).unwrap();
         assert_ne!(h1, h2, "{}: handles are distinct", b.name());
@@ -311,13 +328,13 @@ fn create_and_release_move_free_memory() {
             assert_eq!(info.total - info.free, 4 * g, "{}", b.name());
             v.release(h2).unwrap();
             assert_eq!(
-                v.mem_info().unwrap().total - free_bytes(b),
+                v.mem_info().unwrap().total - free_bytes(v),
                 g,
                 "{}",
                 b.name()
             );
             v.release(h1).unwrap();
-            assert_eq!(free_bytes(b), info.total, "{}", b.name());
+            assert_eq!(free_bytes(v), info.total, "{}", b.name());
         } else {
             v.release(h2).unwrap();
             v.release(h1).unwrap();
@@ -335,43 +352,27 @@ fn create_and_release_move_free_memory() {
 
 #[test]
 fn exhausting_capacity_is_out_of_memory_with_the_size_asked() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         match b.exhaustible {
             Some(capacity) => {
                 let half = capacity / 2 / g * g;
                 let h1 = v.create(half).unwrap();
                 let h2 = v.create(capacity - half).unwrap();
-                assert_eq!(free_bytes(b), 0, "{}", b.name());
-                match v.create(2 * g) {
-                    Err(VmmError::OutOfMemory {
-                        call: CallKind::Create,
-                        requested,
-                        available,
-                    }) => {
-                        assert_eq!(requested, 2 * g, "{}", b.name());
-                        assert_eq!(available, 0, "{}", b.name());
-                    }
-                    other => panic!("{}: expected OutOfMemory, got {other:?}", b.name()),
-                }
+                assert_eq!(free_bytes(v), 0, "{}", b.name());
+                assert_out_of_memory(b.name(), v.create(2 * g), CallKind::Create, 2 * g, 0);
                 v.release(h1).unwrap();
-                match v.create(capacity) {
-                    Err(VmmError::OutOfMemory {
-                        requested,
-                        available,
-                        ..
-                    }) => {
-                        assert_eq!(requested, capacity, "{}", b.name());
-                        assert_eq!(available, half, "{}", b.name());
-                    }
-                    other => panic!("{}: expected OutOfMemory, got {other:?}", b.name()),
-                }
+                assert_out_of_memory(
+                    b.name(),
+                    v.create(capacity),
+                    CallKind::Create,
+                    capacity,
+                    half,
+                );
                 // The failure changed nothing: what is free can still be created.
                 let h3 = v.create(half).unwrap();
                 v.release(h3).unwrap();
                 v.release(h2).unwrap();
-                assert_eq!(free_bytes(b), capacity, "{}", b.name());
+                assert_eq!(free_bytes(v), capacity, "{}", b.name());
             }
             None => {
                 let total = v.mem_info().unwrap().total;
@@ -390,11 +391,8 @@ fn exhausting_capacity_is_out_of_memory_with_the_size_asked() {
 
 #[test]
 fn map_rejects_bad_arguments() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(4 * g, 0).unwrap();
-        let h = v.create(2 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
         assert_invalid(b, v.map(0, g, h, 0), CallKind::Map, "ptr");
         assert_invalid(b, v.map(va + 4096, g, h, 0), CallKind::Map, "ptr");
         assert_invalid(b, v.map(va, 0, h, 0), CallKind::Map, "size");
@@ -423,9 +421,7 @@ fn map_rejects_bad_arguments() {
         assert_invalid(b, v.map(va - g, 2 * g, h, 0), CallKind::Map, "ptr");
         // No failed map left anything behind: the whole range maps now.
         v.map(va, 2 * g, h, 0).unwrap();
-        v.unmap(va, 2 * g).unwrap();
-        v.release(h).unwrap();
-        v.address_free(va, 4 * g).unwrap();
+        unmapped(v, va, 4 * g, h, 2 * g);
         // Outside any reservation at all (the one just freed).
         let h = v.create(g).unwrap();
         assert_invalid(b, v.map(va, g, h, 0), CallKind::Map, "ptr");
@@ -435,11 +431,8 @@ fn map_rejects_bad_arguments() {
 
 #[test]
 fn map_over_a_mapping_is_already_mapped() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(8 * g, 0).unwrap();
-        let h = v.create(4 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
         v.map(va + 2 * g, 2 * g, h, 0).unwrap();
         assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 0));
         assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 2 * g));
@@ -453,16 +446,13 @@ fn map_over_a_mapping_is_already_mapped() {
         v.unmap(va + g, g).unwrap();
         v.unmap(va + 2 * g, 2 * g).unwrap();
         v.unmap(va + 4 * g, 2 * g).unwrap();
-        v.release(h).unwrap();
-        v.address_free(va, 8 * g).unwrap();
+        release_and_free(v, va, 8 * g, h);
     });
 }
 
 #[test]
 fn map_at_offsets_and_unmap_neighbours_together() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         let va = v.reserve(6 * g, 0).unwrap();
         let h1 = v.create(4 * g).unwrap();
         let h2 = v.create(2 * g).unwrap();
@@ -484,11 +474,8 @@ fn map_at_offsets_and_unmap_neighbours_together() {
 
 #[test]
 fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(8 * g, 0).unwrap();
-        let h = v.create(4 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
         v.map(va, 2 * g, h, 0).unwrap();
         v.map(va + 4 * g, 2 * g, h, 2 * g).unwrap();
 
@@ -505,19 +492,11 @@ fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
         assert_not_mapped(b, v.unmap(va, 3 * g), CallKind::Unmap);
         assert_not_mapped(b, v.unmap(va + 6 * g, 2 * g), CallKind::Unmap);
         // Nothing changed: both mappings still there.
-        assert!(
-            matches!(
-                v.address_free(va, 8 * g),
-                Err(VmmError::StillMapped { mappings: 2, .. })
-            ),
-            "{}",
-            b.name()
-        );
+        assert_still_mapped(b, v.address_free(va, 8 * g), va, 8 * g, 2);
         v.unmap(va, 2 * g).unwrap();
         v.unmap(va + 4 * g, 2 * g).unwrap();
         assert_not_mapped(b, v.unmap(va, 2 * g), CallKind::Unmap);
-        v.release(h).unwrap();
-        v.address_free(va, 8 * g).unwrap();
+        release_and_free(v, va, 8 * g, h);
     });
 }
 
@@ -525,11 +504,8 @@ fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
 
 #[test]
 fn set_access_needs_a_fully_mapped_range() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(8 * g, 0).unwrap();
-        let h = v.create(4 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
         assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
         v.map(va, 2 * g, h, 0).unwrap();
         v.map(va + 2 * g, g, h, 2 * g).unwrap();
@@ -547,8 +523,7 @@ fn set_access_needs_a_fully_mapped_range() {
         v.unmap(va, 3 * g).unwrap();
         v.unmap(va + 4 * g, g).unwrap();
         assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
-        v.release(h).unwrap();
-        v.address_free(va, 8 * g).unwrap();
+        release_and_free(v, va, 8 * g, h);
     });
 }
 
@@ -556,29 +531,26 @@ fn set_access_needs_a_fully_mapped_range() {
 
 #[test]
 fn release_while_mapped_keeps_memory_until_the_last_unmap() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
-        let va = v.reserve(4 * g, 0).unwrap();
-        let h = v.create(2 * g).unwrap();
+    each_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
         v.map(va, g, h, 0).unwrap();
         v.map(va + 2 * g, 2 * g, h, 0).unwrap();
-        let before = free_bytes(b);
+        let before = free_bytes(v);
         v.release(h).unwrap();
         if b.exhaustible.is_some() {
-            assert_eq!(free_bytes(b), before, "{}: still mapped twice", b.name());
+            assert_eq!(free_bytes(v), before, "{}: still mapped twice", b.name());
         }
         // A released handle cannot be mapped again, nor released again.
         assert_invalid(b, v.map(va + g, g, h, 0), CallKind::Map, "handle");
         assert_invalid(b, v.release(h), CallKind::Release, "handle");
         v.unmap(va, g).unwrap();
         if b.exhaustible.is_some() {
-            assert_eq!(free_bytes(b), before, "{}: still mapped once", b.name());
+            assert_eq!(free_bytes(v), before, "{}: still mapped once", b.name());
         }
         v.unmap(va + 2 * g, 2 * g).unwrap();
         if b.exhaustible.is_some() {
             assert_eq!(
-                free_bytes(b),
+                free_bytes(v),
                 before + 2 * g,
                 "{}: freed at last unmap",
                 b.name()
@@ -593,8 +565,7 @@ fn release_while_mapped_keeps_memory_until_the_last_unmap() {
 
 #[test]
 fn events_record_query_synchronize_destroy() {
-    each_backend(|b| {
-        let v = &b.vmm;
+    each_backend(|b, v, _| {
         let s = StreamId::DEFAULT;
         let e1 = v.event_record(s).unwrap();
         let e2 = v.event_record(s).unwrap();
@@ -620,8 +591,7 @@ fn events_record_query_synchronize_destroy() {
 
 #[test]
 fn events_reject_unknown_and_destroyed_events() {
-    each_backend(|b| {
-        let v = &b.vmm;
+    each_backend(|b, v, _| {
         let s = StreamId::DEFAULT;
         let e = v.event_record(s).unwrap();
         v.event_destroy(e).unwrap();
@@ -649,16 +619,14 @@ fn events_reject_unknown_and_destroyed_events() {
 
 #[test]
 fn every_call_is_counted_and_failures_apart() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
-        let v = &b.vmm;
+    each_backend(|b, v, g| {
         let before = v.driver_stats();
-        let (va, h) = mapped(b, 2, 1);
+        let (va, h) = mapped(v, 2 * g, g);
         v.set_access(va, g).unwrap();
         let _ = v.create(0);
         let _ = v.map(va, g, h, 0);
         let _ = v.mem_info();
-        unmapped(b, va, 2, h, 1);
+        unmapped(v, va, 2 * g, h, g);
         let d = v.driver_stats().since(&before);
         let expect = [
             (CallKind::Reserve, 1, 0),
@@ -688,15 +656,13 @@ fn every_call_is_counted_and_failures_apart() {
 
 #[test]
 fn threads_share_one_backend() {
-    each_backend(|b| {
-        let g = b.vmm.granularity();
+    each_backend(|b, v, g| {
         std::thread::scope(|scope| {
             for _ in 0..4 {
                 let v = Arc::clone(&b.vmm);
                 scope.spawn(move || {
                     for _ in 0..25 {
-                        let va = v.reserve(2 * g, 0).unwrap();
-                        let h = v.create(g).unwrap();
+                        let (va, h) = reserve_and_create(&*v, 2 * g, g);
                         v.map(va + g, g, h, 0).unwrap();
                         v.set_access(va + g, g).unwrap();
                         v.release(h).unwrap();
@@ -707,7 +673,7 @@ fn threads_share_one_backend() {
             }
         });
         if let Some(capacity) = b.exhaustible {
-            assert_eq!(free_bytes(b), capacity, "{}", b.name());
+            assert_eq!(free_bytes(v), capacity, "{}", b.name());
         }
     });
 }
@@ -1017,14 +983,13 @@ fn sim_reserve_requires_power_of_two_alignment_and_respects_va_limit() {
         })
     ));
     let a = v.reserve(6 * MIB, 0).unwrap();
-    match v.reserve(4 * MIB, 0) {
-        Err(VmmError::OutOfMemory {
-            call: CallKind::Reserve,
-            requested,
-            available,
-        }) => assert_eq!((requested, available), (4 * MIB, 2 * MIB)),
-        other => panic!("expected OutOfMemory, got {other:?}"),
-    }
+    assert_out_of_memory(
+        v.backend_name(),
+        v.reserve(4 * MIB, 0),
+        CallKind::Reserve,
+        4 * MIB,
+        2 * MIB,
+    );
     let b = v.reserve(2 * MIB, 0).unwrap();
     v.address_free(a, 6 * MIB).unwrap();
     let c = v.reserve(4 * MIB, 0).unwrap();
@@ -1050,8 +1015,7 @@ fn sim_leak_report_lists_what_is_alive_and_empties_after_cleanup() {
     let v = sim(GIB);
     assert!(v.leak_report().is_empty());
     assert_eq!(v.leak_report().to_string(), "nothing alive");
-    let va = v.reserve(8 * MIB, 0).unwrap();
-    let h = v.create(4 * MIB).unwrap();
+    let (va, h) = reserve_and_create(&v, 8 * MIB, 4 * MIB);
     let lonely = v.create(2 * MIB).unwrap();
     v.map(va, 4 * MIB, h, 0).unwrap();
     v.release(h).unwrap(); // still mapped: stays alive
@@ -1089,8 +1053,7 @@ fn sim_leak_report_lists_what_is_alive_and_empties_after_cleanup() {
 #[test]
 fn sim_tracks_access_per_mapping_and_translates() {
     let v = sim(GIB);
-    let va = v.reserve(8 * MIB, 0).unwrap();
-    let h = v.create(8 * MIB).unwrap();
+    let (va, h) = reserve_and_create(&v, 8 * MIB, 8 * MIB);
     v.map(va, 4 * MIB, h, 4 * MIB).unwrap();
     v.map(va + 4 * MIB, 2 * MIB, h, 0).unwrap();
     assert_eq!(v.access_set(va), Some(false));
@@ -1108,9 +1071,7 @@ fn sim_tracks_access_per_mapping_and_translates() {
     v.unmap(va, 4 * MIB).unwrap();
     v.map(va, 4 * MIB, h, 0).unwrap();
     assert_eq!(v.access_set(va), Some(false));
-    v.unmap(va, 6 * MIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 8 * MIB).unwrap();
+    unmapped(&v, va, 8 * MIB, h, 6 * MIB);
 }
 
 /// Everything observable about a simulated device except the counters.
@@ -1139,8 +1100,7 @@ fn assert_cuda_error<T: Debug>(r: quilt_vmm::Result<T>, kind: CallKind, code: u3
 #[test]
 fn sim_nth_fault_fails_exactly_that_call_and_changes_nothing() {
     let v = sim(GIB);
-    let va = v.reserve(8 * MIB, 0).unwrap();
-    let h = v.create(8 * MIB).unwrap();
+    let (va, h) = reserve_and_create(&v, 8 * MIB, 8 * MIB);
     v.inject(Fault::nth(CallKind::Map, 3));
     v.inject(Fault::nth(CallKind::Create, 1));
     assert_eq!(v.armed_faults(), 2);
@@ -1176,9 +1136,7 @@ fn sim_nth_fault_fails_exactly_that_call_and_changes_nothing() {
     assert_eq!(v.armed_faults(), 0);
     let h2 = v.create(2 * MIB).unwrap();
     v.release(h2).unwrap();
-    v.unmap(va, 6 * MIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 8 * MIB).unwrap();
+    unmapped(&v, va, 8 * MIB, h, 6 * MIB);
     assert!(v.leak_report().is_empty());
 }
 
@@ -1214,9 +1172,7 @@ fn sim_always_fault_fails_every_call_until_cleared() {
     assert_eq!(stats.failed[CallKind::SetAccess.index()], 2);
     v.clear_faults();
     assert_eq!(v.armed_faults(), 0);
-    v.unmap(va, 2 * MIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 2 * MIB).unwrap();
+    unmapped(&v, va, 2 * MIB, h, 2 * MIB);
 }
 
 /// A small workload of `SEQUENCE_CALLS` VMM calls (plus events, which are not
@@ -1234,15 +1190,8 @@ fn small_workload(v: &SimVmm) -> Result<(), VmmError> {
     Ok(())
 }
 const SEQUENCE_CALLS: u64 = 7;
-const SEQUENCE_KINDS: [CallKind; 7] = [
-    CallKind::Reserve,
-    CallKind::Create,
-    CallKind::Map,
-    CallKind::SetAccess,
-    CallKind::Unmap,
-    CallKind::Release,
-    CallKind::AddressFree,
-];
+/// The kinds of those calls, in order (a page's life).
+const SEQUENCE_KINDS: [CallKind; 7] = quilt_vmm::latency::PAGE_LIFECYCLE;
 
 #[test]
 fn sim_nth_overall_fault_fails_the_kth_vmm_call_with_cudas_error() {
@@ -1305,9 +1254,7 @@ fn sim_costs_and_counters_add_up() {
     let va = v.reserve(64 * MIB, 0).unwrap();
     v.map(va, 64 * MIB, h, 0).unwrap();
     v.set_access(va, 64 * MIB).unwrap();
-    v.unmap(va, 64 * MIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 64 * MIB).unwrap();
+    unmapped(&v, va, 64 * MIB, h, 64 * MIB);
     let _ = v.create(3 * GIB); // out of memory: costed flat
     let e = v.event_record(StreamId::DEFAULT).unwrap();
     v.event_query(e).unwrap();
@@ -1359,17 +1306,13 @@ fn sim_custom_costs_are_used() {
         s.modelled_flat_create_ns,
         7 + v.config().cost.reserve_ns + 3
     );
-    v.unmap(va, MIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, MIB).unwrap();
+    unmapped(&v, va, MIB, h, MIB);
 }
 
 #[test]
 fn sim_huge_capacity_costs_nothing() {
     let v = sim(200 * GIB);
-    let va = v.reserve(150 * GIB, 0).unwrap();
-    let h = v.create(150 * GIB).unwrap();
-    v.map(va, 150 * GIB, h, 0).unwrap();
+    let (va, h) = mapped(&v, 150 * GIB, 150 * GIB);
     v.set_access(va, 150 * GIB).unwrap();
     let info = v.mem_info().unwrap();
     assert_eq!((info.total, info.free), (200 * GIB, 50 * GIB));
@@ -1377,9 +1320,7 @@ fn sim_huge_capacity_costs_nothing() {
     assert!(v.create(51 * GIB).unwrap_err().is_out_of_memory());
     let h2 = v.create(50 * GIB).unwrap();
     v.release(h2).unwrap();
-    v.unmap(va, 150 * GIB).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 150 * GIB).unwrap();
+    unmapped(&v, va, 150 * GIB, h, 150 * GIB);
     assert!(v.leak_report().is_empty());
 }
 
@@ -1426,8 +1367,7 @@ fn sim_is_fast_enough_for_replays() {
     let v = sim(1 << 50);
     let n = 20_000u64;
     let started = std::time::Instant::now();
-    let va = v.reserve(n * 2 * MIB, 0).unwrap();
-    let h = v.create(n * 2 * MIB).unwrap();
+    let (va, h) = reserve_and_create(&v, n * 2 * MIB, n * 2 * MIB);
     for i in 0..n {
         v.map(va + i * 2 * MIB, 2 * MIB, h, i * 2 * MIB).unwrap();
     }
@@ -1436,8 +1376,7 @@ fn sim_is_fast_enough_for_replays() {
     }
     v.unmap(va, n * 2 * MIB).unwrap();
     assert_eq!(v.mapped_bytes(), 0);
-    v.release(h).unwrap();
-    v.address_free(va, n * 2 * MIB).unwrap();
+    release_and_free(&v, va, n * 2 * MIB, h);
     let calls = v.driver_stats().vmm_calls();
     assert_eq!(calls, 2 * n + 5);
     eprintln!(

@@ -5,8 +5,21 @@
 //! check data through stitched mappings with `cuMemcpyHtoD` / `cuMemcpyDtoH`,
 //! streams and events, and that nothing leaks. Each prints why it skipped.
 
+mod stitch;
+
 use quilt_vmm::cuda::CudaVmm;
-use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Vmm, VmmError};
+use quilt_vmm::{CallKind, DevicePtr, Vmm, VmmError};
+use stitch::DeviceBytes;
+
+impl DeviceBytes for CudaVmm {
+    fn write(&self, ptr: DevicePtr, data: &[u8]) -> quilt_vmm::Result<()> {
+        self.copy_to_device(ptr, data)
+    }
+
+    fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> quilt_vmm::Result<()> {
+        self.copy_from_device(ptr, out)
+    }
+}
 
 fn libcuda_present() -> bool {
     // SAFETY: only tries to load the library by name; calls no CUDA function.
@@ -22,12 +35,6 @@ fn gpu() -> Option<CudaVmm> {
             None
         }
     }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
 }
 
 #[test]
@@ -61,57 +68,22 @@ fn construction_without_a_driver_or_device_is_a_typed_error() {
 fn stitched_pages_hold_what_each_handle_holds() {
     let Some(v) = gpu() else { return };
     let g = v.granularity();
-    let handles: Vec<PhysHandle> = (0..3).map(|_| v.create(2 * g).unwrap()).collect();
-    let private: Vec<DevicePtr> = (0..3).map(|_| v.reserve(2 * g, 0).unwrap()).collect();
-    let contents: Vec<Vec<u8>> = (0..3).map(|i| pattern(2 * g as usize, 11 + i)).collect();
-    for i in 0..3 {
-        v.map(private[i], 2 * g, handles[i], 0).unwrap();
-        // Mapped but not accessible yet: the backend refuses the copy.
-        assert!(matches!(
-            v.copy_to_device(private[i], &contents[i]),
-            Err(VmmError::InvalidArgument {
-                call: CallKind::SetAccess,
-                ..
-            })
-        ));
-        v.set_access(private[i], 2 * g).unwrap();
-        v.copy_to_device(private[i], &contents[i]).unwrap();
-    }
-    let pieces = [(2usize, 1u64), (0, 0), (1, 1), (2, 0)];
-    let stitched = v.reserve(4 * g, 0).unwrap();
-    for (slot, (hi, page)) in pieces.iter().enumerate() {
-        v.map(stitched + slot as u64 * g, g, handles[*hi], page * g)
-            .unwrap();
-    }
-    v.set_access(stitched, 4 * g).unwrap();
-    let mut whole = vec![0u8; 4 * g as usize];
-    v.copy_from_device(stitched, &mut whole).unwrap();
-    for (slot, (hi, page)) in pieces.iter().enumerate() {
-        let got = &whole[slot * g as usize..(slot + 1) * g as usize];
-        let want = &contents[*hi][(*page * g) as usize..((*page + 1) * g) as usize];
-        assert!(got == want, "slot {slot} shows page {page} of handle {hi}");
-    }
-    // A write across a seam lands in two handles.
-    v.copy_to_device(stitched + g - 8, b"0123456789abcdef")
-        .unwrap();
-    let mut head = [0u8; 8];
-    v.copy_from_device(private[0], &mut head).unwrap();
-    assert_eq!(&head, b"89abcdef");
+    let scene = stitch::stitch_three_handles(&v, 11);
 
     // Release while mapped: memory stays until the last unmap.
-    for h in &handles {
+    for h in &scene.handles {
         v.release(*h).unwrap();
     }
     let mut again = vec![0u8; g as usize];
-    v.copy_from_device(stitched + g, &mut again).unwrap();
-    assert!(again[8..] == contents[0][8..g as usize]);
+    v.copy_from_device(scene.stitched + g, &mut again).unwrap();
+    assert!(again[8..] == scene.contents[0][8..g as usize]);
 
-    v.unmap(stitched, 4 * g).unwrap();
-    for p in &private {
+    v.unmap(scene.stitched, 4 * g).unwrap();
+    for p in &scene.private {
         v.unmap(*p, 2 * g).unwrap();
         v.address_free(*p, 2 * g).unwrap();
     }
-    v.address_free(stitched, 4 * g).unwrap();
+    v.address_free(scene.stitched, 4 * g).unwrap();
     assert!(v.leak_report().is_clean(), "{}", v.leak_report());
     let stats = v.driver_stats();
     assert_eq!(stats.count(CallKind::Create), 3);

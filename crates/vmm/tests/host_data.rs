@@ -5,9 +5,15 @@
 //! Each test makes its own backend; every test ends with a clean leak report.
 
 #![cfg(all(target_os = "linux", target_pointer_width = "64"))]
+// Test code: a failed expectation is a panic (clippy's test allowance covers
+// only `#[test]` functions, not the helpers here).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod stitch;
 
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Vmm, VmmError};
+use stitch::{pattern, DeviceBytes};
 
 const MIB: u64 = 1 << 20;
 
@@ -30,20 +36,44 @@ fn map_rw(
     v.set_access(ptr, size)
 }
 
-/// A byte pattern that differs at every position and per `seed`.
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
+impl DeviceBytes for HostVmm {
+    fn write(&self, ptr: DevicePtr, data: &[u8]) -> quilt_vmm::Result<()> {
+        self.write_bytes(ptr, data)
+    }
+
+    fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> quilt_vmm::Result<()> {
+        self.read_bytes(ptr, out)
+    }
+}
+
+/// Reserves `reserve` bytes, creates `size` bytes and maps them read-write at
+/// the start of the reservation; returns (reservation, handle).
+fn mapped_rw(v: &HostVmm, reserve: u64, size: u64) -> (DevicePtr, PhysHandle) {
+    let va = v.reserve(reserve, 0).unwrap();
+    let h = v.create(size).unwrap();
+    map_rw(v, va, size, h, 0).unwrap();
+    (va, h)
+}
+
+/// Unmaps `size` bytes at `va`, releases `h`, frees the reservation of
+/// `reserve` bytes, and checks that nothing is left alive.
+fn finish(v: &HostVmm, va: DevicePtr, reserve: u64, h: PhysHandle, size: u64) {
+    v.unmap(va, size).unwrap();
+    v.release(h).unwrap();
+    v.address_free(va, reserve).unwrap();
+    assert_clean(v);
+}
+
+#[track_caller]
+fn assert_clean(v: &HostVmm) {
+    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
 }
 
 #[test]
 fn bytes_written_read_back_through_a_mapping() {
     let v = backend().unwrap();
     let g = v.granularity();
-    let va = v.reserve(2 * g, 0).unwrap();
-    let h = v.create(2 * g).unwrap();
-    map_rw(&v, va, 2 * g, h, 0).unwrap();
+    let (va, h) = mapped_rw(&v, 2 * g, 2 * g);
 
     // A write across the page boundary, at an odd offset.
     let data = pattern(5000, 7);
@@ -68,10 +98,7 @@ fn bytes_written_read_back_through_a_mapping() {
     v.write_bytes(va + g, &[0]).unwrap();
     assert!(!v.check_filled(va, 2 * g, 0xa5).unwrap());
 
-    v.unmap(va, 2 * g).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 2 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    finish(&v, va, 2 * g, h, 2 * g);
 }
 
 #[test]
@@ -107,58 +134,27 @@ fn one_handle_mapped_at_two_addresses_shows_the_same_bytes() {
     v.unmap(b, g).unwrap();
     v.address_free(a, g).unwrap();
     v.address_free(b, g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    assert_clean(&v);
 }
 
 #[test]
 fn a_range_stitched_from_three_handles_reads_back_each_handle() {
     let v = backend().unwrap();
     let g = v.granularity();
-    // Three handles of two pages each; one private mapping of each to write through.
-    let handles: Vec<PhysHandle> = (0..3).map(|_| v.create(2 * g).unwrap()).collect();
-    let private: Vec<DevicePtr> = (0..3).map(|_| v.reserve(2 * g, 0).unwrap()).collect();
-    let contents: Vec<Vec<u8>> = (0..3).map(|i| pattern(2 * g as usize, 40 + i)).collect();
+    let scene = stitch::stitch_three_handles(&v, 40);
+
+    v.unmap(scene.stitched, 4 * g).unwrap(); // four neighbouring mappings in one call
+                                             // The handle the seam write did not touch still holds what was written.
+    let mut back = vec![0u8; 2 * g as usize];
+    v.read_bytes(scene.private[1], &mut back).unwrap();
+    assert!(back == scene.contents[1]);
     for i in 0..3 {
-        map_rw(&v, private[i], 2 * g, handles[i], 0).unwrap();
-        v.write_bytes(private[i], &contents[i]).unwrap();
+        v.unmap(scene.private[i], 2 * g).unwrap();
+        v.release(scene.handles[i]).unwrap();
+        v.address_free(scene.private[i], 2 * g).unwrap();
     }
-
-    // Stitch: page 1 of handle 2, page 0 of handle 0, page 1 of handle 1, page 0 of handle 2.
-    let pieces = [(2usize, 1u64), (0, 0), (1, 1), (2, 0)];
-    let stitched = v.reserve(4 * g, 0).unwrap();
-    for (slot, (hi, page)) in pieces.iter().enumerate() {
-        v.map(stitched + slot as u64 * g, g, handles[*hi], page * g)
-            .unwrap();
-    }
-    // One set-access over the whole stitched range, as PyTorch does.
-    v.set_access(stitched, 4 * g).unwrap();
-
-    let mut whole = vec![0u8; 4 * g as usize];
-    v.read_bytes(stitched, &mut whole).unwrap();
-    for (slot, (hi, page)) in pieces.iter().enumerate() {
-        let got = &whole[slot * g as usize..(slot + 1) * g as usize];
-        let want = &contents[*hi][(*page * g) as usize..((*page + 1) * g) as usize];
-        assert!(got == want, "slot {slot} shows page {page} of handle {hi}");
-    }
-
-    // A write across a seam of the stitched range lands in two handles.
-    let seam = stitched + g - 8;
-    v.write_bytes(seam, b"0123456789abcdef").unwrap();
-    let mut tail = [0u8; 8];
-    v.read_bytes(private[2] + 2 * g - 8, &mut tail).unwrap();
-    assert_eq!(&tail, b"01234567", "end of page 1 of handle 2");
-    let mut head = [0u8; 8];
-    v.read_bytes(private[0], &mut head).unwrap();
-    assert_eq!(&head, b"89abcdef", "start of page 0 of handle 0");
-
-    v.unmap(stitched, 4 * g).unwrap(); // four neighbouring mappings in one call
-    for i in 0..3 {
-        v.unmap(private[i], 2 * g).unwrap();
-        v.release(handles[i]).unwrap();
-        v.address_free(private[i], 2 * g).unwrap();
-    }
-    v.address_free(stitched, 4 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    v.address_free(scene.stitched, 4 * g).unwrap();
+    assert_clean(&v);
 }
 
 #[test]
@@ -188,7 +184,7 @@ fn unmapping_and_remapping_a_page_elsewhere_keeps_its_bytes() {
     v.release(h).unwrap();
     v.address_free(first, 3 * g).unwrap();
     v.address_free(second, 2 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    assert_clean(&v);
 }
 
 #[test]
@@ -250,19 +246,14 @@ fn writes_need_a_mapping_and_access() {
     v.write_bytes(0, &[]).unwrap();
     v.read_bytes(0, &mut []).unwrap();
 
-    v.unmap(va, 2 * g).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 4 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    finish(&v, va, 4 * g, h, 2 * g);
 }
 
 #[test]
 fn bad_input_returns_typed_errors_and_changes_nothing() {
     let v = backend().unwrap();
     let g = v.granularity();
-    let va = v.reserve(4 * g, 0).unwrap();
-    let h = v.create(2 * g).unwrap();
-    map_rw(&v, va, 2 * g, h, 0).unwrap();
+    let (va, h) = mapped_rw(&v, 4 * g, 2 * g);
     v.fill(va, 2 * g, 0x11).unwrap();
     let before = v.leak_report();
 
@@ -322,10 +313,7 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     assert!(v.check_filled(va, 2 * g, 0x11).unwrap());
     v.fill(va, 2 * g, 0x22).unwrap();
 
-    v.unmap(va, 2 * g).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 4 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    finish(&v, va, 4 * g, h, 2 * g);
 }
 
 #[test]
@@ -354,8 +342,5 @@ fn threads_write_their_own_mappings_of_one_handle() {
     for t in 0..4u64 {
         assert!(v.check_filled(va + t * g, g, 19 ^ t as u8).unwrap());
     }
-    v.unmap(va, 4 * g).unwrap();
-    v.release(h).unwrap();
-    v.address_free(va, 4 * g).unwrap();
-    assert!(v.leak_report().is_clean(), "{}", v.leak_report());
+    finish(&v, va, 4 * g, h, 4 * g);
 }
