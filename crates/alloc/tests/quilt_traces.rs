@@ -268,11 +268,15 @@ fn completes(events: &[Ev], capacity: u64, config: QuiltConfig) -> bool {
 
 /// The configuration to measure: the default, changed by `QUILT_AHEAD` (growth
 /// margin divisor), `QUILT_MAXCHUNK` (MiB), `QUILT_RECLAIM` (`full`, `always`, or
-/// an idle count), `QUILT_GMLAKE=1` (the GMLake preset).
+/// an idle count), `QUILT_SEPARATE=1` (separate small arenas), `QUILT_MAP_AHEAD=0`,
+/// `QUILT_GMLAKE=1` (the GMLake preset), `QUILT_CUDA_SAFE=1` (the CUDA-safe
+/// preset), `QUILT_BISECT=0` (skip the minimum-capacity search).
 fn config_from_env() -> QuiltConfig {
     use quilt_alloc::quilt::ReclaimPolicy;
     let mut c = if std::env::var("QUILT_GMLAKE").is_ok() {
         QuiltConfig::gmlake()
+    } else if std::env::var("QUILT_CUDA_SAFE").is_ok() {
+        QuiltConfig::cuda_safe()
     } else {
         QuiltConfig::default()
     };

@@ -58,6 +58,13 @@ pub struct QuiltConfig {
     /// Call `cuStreamSynchronize` on a stream before unmapping pages of its arena
     /// (as PyTorch's expandable segments do; safe on real GPUs, costs a sync).
     pub synchronize_before_unmap: bool,
+    /// Reclaim the cached pages of a mapping that also backs live blocks, by
+    /// unmapping it whole and mapping its live pages again (true), or never
+    /// touch such a mapping (false). The simulated and host backends allow the
+    /// brief gap; on a real GPU a kernel in flight on the live block would
+    /// fault, so use [`QuiltConfig::cuda_safe`] there: one page per mapping
+    /// keeps every cached page reclaimable without touching live ones.
+    pub remap_live_pages: bool,
 }
 
 impl Default for QuiltConfig {
@@ -77,6 +84,7 @@ impl Default for QuiltConfig {
             stitch_threshold: 0,
             reuse_limit: 0,
             synchronize_before_unmap: false,
+            remap_live_pages: true,
         }
     }
 }
@@ -100,6 +108,20 @@ impl QuiltConfig {
             reclaim: ReclaimPolicy::WhenFull,
             stitch_threshold: 512 << 20,
             reuse_limit: 10,
+            ..QuiltConfig::default()
+        }
+    }
+
+    /// The default policy made safe for a real GPU: every page is its own
+    /// mapping (one `cuMemMap` per page, still one `cuMemSetAccess` per newly
+    /// mapped range), so reclaiming cached pages never unmaps a page under a
+    /// live block, and the stream is synchronised before its pages are unmapped
+    /// (as PyTorch's expandable segments do).
+    pub fn cuda_safe() -> QuiltConfig {
+        QuiltConfig {
+            max_pages_per_map: 1,
+            remap_live_pages: false,
+            synchronize_before_unmap: true,
             ..QuiltConfig::default()
         }
     }

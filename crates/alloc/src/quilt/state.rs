@@ -115,6 +115,19 @@ impl State {
         self.arenas.iter().map(|a| a.cached_pages).sum()
     }
 
+    /// Cached pages that reclaiming can free under the policy: all of them, or
+    /// (without remapping live pages) those of mappings no block touches.
+    pub(crate) fn reclaimable_pages(&self, cfg: &QuiltConfig) -> u64 {
+        if cfg.remap_live_pages {
+            return self.cached_pages();
+        }
+        self.reclaim
+            .range((0, 0, 0, 0)..(1, 0, 0, 0))
+            .filter_map(|&(_, _, ai, start)| self.arenas[ai].mappings.get(&start))
+            .map(|m| m.untouched)
+            .sum()
+    }
+
     fn arena_for(
         &mut self,
         ctx: &Ctx<'_>,
@@ -364,7 +377,7 @@ impl State {
         }
         // The pool cannot grow by all that is missing: is there enough at all?
         let growable = ctx.pool.growable_pages().map_err(pool_err)?;
-        let cached = self.cached_pages();
+        let cached = self.reclaimable_pages(ctx.cfg);
         if cached + growable < missing(ctx.pool) {
             return Err(self.oom(ctx, size, n, growable));
         }
@@ -414,14 +427,15 @@ impl State {
         let mut gained = 0;
         let mut waited: Vec<StreamId> = Vec::new();
         while gained < target {
+            let classes = if ctx.cfg.remap_live_pages { 2u8 } else { 1 };
             let key = match idle_before {
-                Some(t) => (0u8..2).find_map(|c| {
+                Some(t) => (0u8..classes).find_map(|c| {
                     self.reclaim
                         .range((c, 0, 0, 0)..(c, t.saturating_add(1), 0, 0))
                         .next()
                         .copied()
                 }),
-                None => self.reclaim.iter().next().copied(),
+                None => self.reclaim.range(..(classes, 0, 0, 0)).next().copied(),
             };
             let Some((_, _, ai, start)) = key else {
                 break;
@@ -684,7 +698,7 @@ impl State {
         self.stats.num_ooms += 1;
         let page = ctx.page;
         let free = ctx.pool.free_pages();
-        let cached = self.cached_pages();
+        let cached = self.reclaimable_pages(ctx.cfg);
         let usable = free + cached + growable;
         let report = OomReport {
             allocator: ctx.name.to_string(),
