@@ -423,37 +423,45 @@ impl CudaVmm {
         result
     }
 
+    /// Runs the copy `op` once the ledger has confirmed that every byte of
+    /// `[ptr, ptr + len)` is mapped with access set, holding the ledger's
+    /// lock so that no unmap can race it. Nothing runs for `len == 0`.
+    fn copy_checked(
+        &self,
+        ptr: DevicePtr,
+        len: usize,
+        op: impl FnOnce() -> sys::CUresult,
+    ) -> Result<()> {
+        let ledger = lock(&self.ledger);
+        ledger.check_accessible(ptr, len as u64)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind(CallKind::StreamSynchronize)?;
+        check(CallKind::StreamSynchronize, op())
+    }
+
     /// `cuMemcpyHtoD`: copies `data` to `ptr`. The whole range must be mapped
     /// (else `NotMapped`) and access-set (else `InvalidArgument`), as on the
     /// host backend. Synchronous with respect to the host. Not counted in
     /// [`DriverStats`]; driver failures name [`CallKind::StreamSynchronize`].
     pub fn copy_to_device(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
-        let ledger = lock(&self.ledger);
-        ledger.check_accessible(ptr, data.len() as u64)?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        self.bind(CallKind::StreamSynchronize)?;
-        // SAFETY: `data` is valid for `data.len()` reads; the ledger confirmed
-        // the device range is mapped and accessible, and its lock keeps it so.
-        check(CallKind::StreamSynchronize, unsafe {
-            sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len())
+        self.copy_checked(ptr, data.len(), || {
+            // SAFETY: `data` is valid for `data.len()` reads; `copy_checked`
+            // confirmed the device range is mapped and accessible, and holds
+            // the ledger's lock that keeps it so.
+            unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len()) }
         })
     }
 
     /// `cuMemcpyDtoH`: copies `out.len()` bytes from `ptr` into `out`; same
     /// rules as [`CudaVmm::copy_to_device`].
     pub fn copy_from_device(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<()> {
-        let ledger = lock(&self.ledger);
-        ledger.check_accessible(ptr, out.len() as u64)?;
-        if out.is_empty() {
-            return Ok(());
-        }
-        self.bind(CallKind::StreamSynchronize)?;
-        // SAFETY: `out` is valid for `out.len()` writes; the device range is
-        // mapped and accessible (ledger), and the copy is synchronous.
-        check(CallKind::StreamSynchronize, unsafe {
-            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), ptr, out.len())
+        let len = out.len();
+        self.copy_checked(ptr, len, || {
+            // SAFETY: `out` is valid for `len` writes; the device range is
+            // mapped and accessible (`copy_checked`), and the copy is synchronous.
+            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), ptr, len) }
         })
     }
 }

@@ -197,57 +197,56 @@ impl HostVmm {
         self.config
     }
 
+    /// Runs `op` once the ledger has confirmed that every byte of
+    /// `[ptr, ptr + len)` is mapped with access set (so mapped READ|WRITE),
+    /// holding the ledger's lock so that no unmap can race it. For `len == 0`,
+    /// `op` is not run and `empty` is the answer.
+    fn with_accessible<T>(
+        &self,
+        ptr: DevicePtr,
+        len: u64,
+        empty: T,
+        op: impl FnOnce() -> T,
+    ) -> Result<T> {
+        let state = lock(&self.state);
+        state.ledger.check_accessible(ptr, len)?;
+        Ok(if len == 0 { empty } else { op() })
+    }
+
     /// Copies `data` to `ptr`. The whole range must be mapped (else `NotMapped`)
     /// and made accessible with `set_access` (else `InvalidArgument`); it may
     /// span several neighbouring mappings. Empty data always succeeds.
     pub fn write_bytes(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
-        let state = lock(&self.state);
-        let ledger = &state.ledger;
-        ledger.check_accessible(ptr, data.len() as u64)?;
-        if !data.is_empty() {
-            // SAFETY: the ledger confirmed every byte is inside mappings with
-            // access set (so mapped READ|WRITE), and holding its lock keeps any
-            // unmap from racing the copy.
-            unsafe { os::copy_in(ptr, data) };
-        }
-        Ok(())
+        self.with_accessible(ptr, data.len() as u64, (), || {
+            // SAFETY: `with_accessible` confirmed every byte is mapped
+            // READ|WRITE and holds the lock that keeps it so during the copy.
+            unsafe { os::copy_in(ptr, data) }
+        })
     }
 
     /// Copies `out.len()` bytes from `ptr` into `out`; same rules as [`HostVmm::write_bytes`].
     pub fn read_bytes(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<()> {
-        let state = lock(&self.state);
-        let ledger = &state.ledger;
-        ledger.check_accessible(ptr, out.len() as u64)?;
-        if !out.is_empty() {
+        self.with_accessible(ptr, out.len() as u64, (), || {
             // SAFETY: as in `write_bytes`, for reads.
-            unsafe { os::copy_out(ptr, out) };
-        }
-        Ok(())
+            unsafe { os::copy_out(ptr, out) }
+        })
     }
 
     /// Sets `len` bytes at `ptr` to `byte`; same rules as [`HostVmm::write_bytes`].
     pub fn fill(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<()> {
-        let state = lock(&self.state);
-        let ledger = &state.ledger;
-        ledger.check_accessible(ptr, len)?;
-        if len > 0 {
+        self.with_accessible(ptr, len, (), || {
             // SAFETY: as in `write_bytes`, for `len` bytes of writes.
-            unsafe { os::fill(ptr, len, byte) };
-        }
-        Ok(())
+            unsafe { os::fill(ptr, len, byte) }
+        })
     }
 
     /// True when all `len` bytes at `ptr` equal `byte`; same rules as [`HostVmm::write_bytes`].
     pub fn check_filled(&self, ptr: DevicePtr, len: u64, byte: u8) -> Result<bool> {
-        let state = lock(&self.state);
-        let ledger = &state.ledger;
-        ledger.check_accessible(ptr, len)?;
-        if len == 0 {
-            return Ok(true);
-        }
-        // SAFETY: as in `write_bytes`, for `len` bytes of reads; the lock keeps
-        // every writer out while the bytes are compared.
-        Ok(unsafe { os::all_equal(ptr, len, byte) })
+        self.with_accessible(ptr, len, true, || {
+            // SAFETY: as in `write_bytes`, for `len` bytes of reads; the lock
+            // keeps every writer out while the bytes are compared.
+            unsafe { os::all_equal(ptr, len, byte) }
+        })
     }
 
     /// Handles, reservations, mappings and events still alive.

@@ -746,8 +746,17 @@ fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Left
     let mut handles: Vec<(PhysHandle, bool)> = Vec::new();
     let mut maps: std::collections::BTreeMap<DevicePtr, u64> = Default::default();
     let mut out = Vec::new();
+    let pick = |n: usize, len: usize| if len == 0 { None } else { Some(n % len) };
+    // `pages` whole pages of reservation `r` from its page `at` (modulo its
+    // length), cut at its end, as (address, bytes).
+    let inside = |res: &[(DevicePtr, u64)], r: usize, at: u64, pages: u64| {
+        pick(r, res.len()).map(|r| {
+            let (start, size) = res[r];
+            let at = at % (size / g);
+            (start + at * g, pages.min(size / g - at) * g)
+        })
+    };
     for op in ops {
-        let pick = |n: usize, len: usize| if len == 0 { None } else { Some(n % len) };
         let o = match *op {
             Op::Reserve(pages) => {
                 let r = v.reserve(pages * g, 0);
@@ -801,27 +810,18 @@ fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Left
                 }
                 _ => "skip".into(),
             },
-            Op::Unmap(r, at, pages) => match pick(r, res.len()) {
-                Some(r) => {
-                    let (start, size) = res[r];
-                    let at = at % (size / g);
-                    let pages = pages.min(size / g - at);
-                    let ptr = start + at * g;
-                    let result = v.unmap(ptr, pages * g);
+            Op::Unmap(r, at, pages) => match inside(&res, r, at, pages) {
+                Some((ptr, len)) => {
+                    let result = v.unmap(ptr, len);
                     if result.is_ok() {
-                        maps.retain(|&p, _| p < ptr || p >= ptr + pages * g);
+                        maps.retain(|&p, _| p < ptr || p >= ptr + len);
                     }
                     outcome(&result)
                 }
                 None => "skip".into(),
             },
-            Op::Access(r, at, pages) => match pick(r, res.len()) {
-                Some(r) => {
-                    let (start, size) = res[r];
-                    let at = at % (size / g);
-                    let pages = pages.min(size / g - at);
-                    outcome(&v.set_access(start + at * g, pages * g))
-                }
+            Op::Access(r, at, pages) => match inside(&res, r, at, pages) {
+                Some((ptr, len)) => outcome(&v.set_access(ptr, len)),
                 None => "skip".into(),
             },
         };
