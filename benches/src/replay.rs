@@ -338,7 +338,7 @@ pub fn replay(
         stride: (expected / MAX_SERIES_POINTS as u64).max(1),
         series: Vec::new(),
         op_ns: Vec::with_capacity(if config.time_ops {
-            expected as usize
+            expected.min(1 << 22) as usize
         } else {
             0
         }),
