@@ -324,7 +324,8 @@ pub fn replay(
     let iterations = config.iterations.max(1);
     let pre_len = trace.preexisting.min(trace.events.len());
     let body_len = trace.events.len() - pre_len;
-    let expected = pre_len as u64 + body_len as u64 * u64::from(iterations);
+    let expected =
+        (pre_len as u64).saturating_add((body_len as u64).saturating_mul(u64::from(iterations)));
     let mut run = Run {
         trace,
         alloc,
