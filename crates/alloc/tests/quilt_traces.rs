@@ -193,7 +193,7 @@ fn training_loop_makes_no_driver_call_after_first_iteration(name: &str) {
             _ => None,
         })
         .collect();
-    let mut r = Replay::new(80 * GIB, QuiltConfig::default());
+    let mut r = Replay::new(80 * GIB, config_from_env());
     assert!(r.run(&prefix, false));
     assert!(r.run(&body, false));
     r.free_all_but(&keep);
@@ -286,6 +286,9 @@ fn config_from_env() -> QuiltConfig {
     if let Ok(v) = std::env::var("QUILT_MAXCHUNK") {
         c.pool.growth.max_chunk_bytes = v.parse::<u64>().unwrap() * MIB;
     }
+    if let Ok(v) = std::env::var("QUILT_PREFER_MAPPED") {
+        c.prefer_mapped_tries = v.parse().unwrap();
+    }
     if let Ok(v) = std::env::var("QUILT_SEPARATE") {
         c.separate_small_arena = v == "1";
     }
@@ -296,6 +299,7 @@ fn config_from_env() -> QuiltConfig {
         c.reclaim = match v.as_str() {
             "full" => ReclaimPolicy::WhenFull,
             "always" => ReclaimPolicy::Always,
+            v if v.starts_with("above") => ReclaimPolicy::CachedAbove(v[5..].parse().unwrap()),
             n => ReclaimPolicy::IdleFor(n.parse().unwrap()),
         };
     }

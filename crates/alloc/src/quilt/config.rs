@@ -18,6 +18,9 @@ pub enum ReclaimPolicy {
     /// Reclaim every cached page before growing: memory held tracks memory used
     /// as closely as possible, at the price of driver calls.
     Always,
+    /// Before growing, reclaim the oldest cached pages while the cache holds
+    /// more than this many thousandths of the pool: a bounded cache.
+    CachedAbove(u64),
 }
 
 /// Configuration of a [`super::QuiltAllocator`].
@@ -58,6 +61,10 @@ pub struct QuiltConfig {
     /// Call `cuStreamSynchronize` on a stream before unmapping pages of its arena
     /// (as PyTorch's expandable segments do; safe on real GPUs, costs a sync).
     pub synchronize_before_unmap: bool,
+    /// Placement prefers a gap whose pages are all mapped (cached), looking at
+    /// up to this many best-fitting candidates, before the best-fitting gap
+    /// regardless of mapping (0 = placement never looks at mappings).
+    pub prefer_mapped_tries: usize,
     /// Reclaim the cached pages of a mapping that also backs live blocks, by
     /// unmapping it whole and mapping its live pages again (true), or never
     /// touch such a mapping (false). The simulated and host backends allow the
@@ -85,6 +92,7 @@ impl Default for QuiltConfig {
             reuse_limit: 0,
             synchronize_before_unmap: false,
             remap_live_pages: true,
+            prefer_mapped_tries: 0,
         }
     }
 }

@@ -283,6 +283,12 @@ impl State {
         let a = &self.arenas[ai];
         let threshold = ctx.cfg.stitch_threshold;
         if threshold == 0 || kind == Kind::Small {
+            if ctx.cfg.prefer_mapped_tries > 0 {
+                if let Some(off) = a.best_fit_mapped(rounded, u64::MAX, ctx.cfg.prefer_mapped_tries)
+                {
+                    return Some(off);
+                }
+            }
             return a.best_fit(rounded);
         }
         let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
@@ -363,6 +369,14 @@ impl State {
             ReclaimPolicy::WhenFull => {}
             ReclaimPolicy::Always => {
                 self.reclaim(ctx, Some(stream), missing(ctx.pool), None)?;
+            }
+            ReclaimPolicy::CachedAbove(per_mille) => {
+                let allowed = ctx.pool.total_pages().saturating_mul(per_mille) / 1000;
+                let excess = self.cached_pages().saturating_sub(allowed);
+                let want = excess.min(missing(ctx.pool));
+                if want > 0 {
+                    self.reclaim(ctx, Some(stream), want, None)?;
+                }
             }
             ReclaimPolicy::IdleFor(k) => {
                 let before = self.tick.saturating_sub(k);
