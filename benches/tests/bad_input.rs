@@ -750,3 +750,27 @@ fn moderately_nested_pickles_are_typed_errors() {
     let m = snapshot_error(&nested_lists_pickle(1000));
     assert!(m.contains("top-level"), "{m}");
 }
+
+/// A pickle whose frozenset holds a NaN among other items (found by
+/// `fuzz/snapshot_import`): `serde-pickle` 1.2 collects the set into a
+/// `BTreeSet<HashableValue>`, sorting with an order that NaN breaks, and
+/// Rust's sort panics on such an order ("user-provided comparison function
+/// does not correctly implement a total order"). The importer must turn that into a
+/// typed error, not a panic.
+#[test]
+fn a_set_of_nans_in_a_pickle_is_a_typed_error() {
+    // 60 bytes, minimised by libFuzzer: MARK, a string, small ints, bytes, a
+    // NaN (BINFLOAT ff ff ff 94 ...), MEMOIZE, FROZENSET, STOP.
+    let bytes: [u8; 60] = [
+        0x28, 0x8c, 0x08, 0x71, 0x73, 0x01, 0x00, 0x03, 0x00, 0x00, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b,
+        0x4b, 0x4b, 0x4b, 0x43, 0x47, 0xff, 0xff, 0xff, 0x94, 0x94, 0x94, 0x94, 0x94, 0x4b, 0x4b,
+        0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x43, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b,
+        0x4b, 0x4b, 0x4b, 0x4b, 0x43, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x4b, 0x94, 0x91, 0x2e,
+    ];
+    let outcome = std::panic::catch_unwind(|| import_snapshot(&bytes, "nan-set", 0));
+    match outcome {
+        Ok(Err(TraceError::Snapshot(_))) => {}
+        Ok(other) => panic!("expected a snapshot error, got {other:?}"),
+        Err(_) => panic!("import_snapshot panicked on a pickle holding a set of NaNs"),
+    }
+}
