@@ -13,10 +13,21 @@ const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 
 fn setup(capacity: u64) -> (Arc<SimVmm>, QuiltAllocator) {
+    setup_with(capacity, QuiltConfig::default())
+}
+
+fn setup_with(capacity: u64, config: QuiltConfig) -> (Arc<SimVmm>, QuiltAllocator) {
     let sim = Arc::new(SimVmm::with_capacity(capacity).unwrap());
     let v: Arc<dyn Vmm> = sim.clone();
-    let a = QuiltAllocator::new(v, QuiltConfig::default()).unwrap();
+    let a = QuiltAllocator::new(v, config).unwrap();
     (sim, a)
+}
+
+fn per_stream() -> QuiltConfig {
+    QuiltConfig {
+        shared_arena: false,
+        ..QuiltConfig::default()
+    }
 }
 
 fn ok(a: &QuiltAllocator) {
@@ -162,8 +173,30 @@ fn record_stream_delays_reuse_until_event_completes() {
 }
 
 #[test]
+fn shared_arena_reuses_another_streams_block_after_a_wait() {
+    let (sim, a) = setup(256 * MIB);
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    let calls = sim.driver_stats().vmm_calls();
+    let y = a.allocate(40 * MIB, S1).unwrap();
+    assert_eq!(y.ptr, x.ptr, "the block freed on stream 0 serves stream 1");
+    assert_eq!(sim.driver_stats().vmm_calls(), calls, "no VMM call");
+    assert_eq!(
+        a.stats().num_stream_waits,
+        1,
+        "stream 1 waited for stream 0"
+    );
+    // Reuse on the freeing stream itself needs no wait.
+    a.free(y.ptr).unwrap();
+    let z = a.allocate(40 * MIB, S1).unwrap();
+    assert_eq!(a.stats().num_stream_waits, 1);
+    a.free(z.ptr).unwrap();
+    ok(&a);
+}
+
+#[test]
 fn cached_pages_move_to_another_stream_under_pressure() {
-    let (sim, a) = setup(64 * MIB);
+    let (sim, a) = setup_with(64 * MIB, per_stream());
     let x = a.allocate(60 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     // Stream 1 needs the pages cached by stream 0: it waits on stream 0's event.
@@ -221,8 +254,9 @@ fn driver_failures_leave_state_consistent() {
         drop(a);
         assert!(sim.leak_report().is_empty(), "{kind:?}");
     }
-    // A failing unmap during reclaim.
-    let (sim, a) = setup(32 * MIB);
+    // A failing unmap during reclaim (per-stream arenas: stream 1 must take
+    // stream 0's cached pages apart).
+    let (sim, a) = setup_with(32 * MIB, per_stream());
     let x = a.allocate(30 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     sim.inject(Fault::nth(CallKind::Unmap, 1));

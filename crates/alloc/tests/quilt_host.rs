@@ -90,8 +90,8 @@ fn stress(config: QuiltConfig, seed: u64) {
     a.check_invariants().unwrap();
     let st = a.stats();
     assert!(
-        st.num_alloc_retries > 0,
-        "the run never reclaimed cached pages"
+        st.driver.count(quilt_vmm::CallKind::Unmap) > 0,
+        "the run never took cached mappings apart"
     );
     eprintln!(
         "host stress: {ooms} OOMs, {} retries, {} stream waits, {} unmaps",
@@ -112,8 +112,9 @@ fn patterns_survive_reclaim_and_remap() {
 }
 
 #[test]
-fn patterns_survive_with_separate_small_arenas() {
+fn patterns_survive_with_per_stream_and_small_arenas() {
     let config = QuiltConfig {
+        shared_arena: false,
         separate_small_arena: true,
         ..QuiltConfig::default()
     };

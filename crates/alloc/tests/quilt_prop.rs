@@ -199,6 +199,12 @@ proptest! {
     }
 
     #[test]
+    fn central_promise_with_per_stream_arenas(ops in proptest::collection::vec(op(), 1..120)) {
+        let config = QuiltConfig { shared_arena: false, ..QuiltConfig::default() };
+        run(ops, 64 * MIB, config)?;
+    }
+
+    #[test]
     fn central_promise_with_the_cuda_safe_preset(ops in proptest::collection::vec(op(), 1..120)) {
         run(ops, 64 * MIB, QuiltConfig::cuda_safe())?;
     }

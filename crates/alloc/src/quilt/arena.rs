@@ -66,6 +66,10 @@ pub(crate) struct Arena {
     pub(crate) gaps: BTreeMap<u64, u64>,
     pub(crate) gaps_by_size: BTreeSet<(u64, u64)>,
     pub(crate) touch: Vec<u32>,
+    /// Per virtual page, the streams (as bits, see `State::stream_bit`) that
+    /// freed a block on it and whose later work a new user of the page must
+    /// wait for.
+    pub(crate) free_mask: Vec<u64>,
     pub(crate) mappings: BTreeMap<u64, Mapping>,
     pub(crate) cached_pages: u64,
     pub(crate) touched_pages: u64,
@@ -83,6 +87,7 @@ impl Arena {
             gaps: BTreeMap::new(),
             gaps_by_size: BTreeSet::new(),
             touch: Vec::new(),
+            free_mask: Vec::new(),
             mappings: BTreeMap::new(),
             cached_pages: 0,
             touched_pages: 0,
@@ -222,6 +227,7 @@ impl Arena {
         let need = last as usize + 1;
         if self.touch.len() < need {
             self.touch.resize(need, 0);
+            self.free_mask.resize(need, 0);
         }
     }
 
@@ -265,6 +271,47 @@ impl Arena {
             }
         }
         changed
+    }
+
+    /// Note that the stream with bit `bit` freed a block on pages `first ..= last`.
+    pub(crate) fn mark_freed(&mut self, first: u64, last: u64, bit: u64) {
+        self.ensure_touch_len(last);
+        for p in first..=last {
+            self.free_mask[p as usize] |= bit;
+        }
+    }
+
+    /// The streams that freed blocks on pages `first ..= last` (union of bits).
+    pub(crate) fn hazard(&self, first: u64, last: u64) -> u64 {
+        (first..=last)
+            .map(|p| self.free_mask.get(p as usize).copied().unwrap_or(0))
+            .fold(0, |a, b| a | b)
+    }
+
+    /// Forget the hazards of the pages lying wholly inside `off .. off + len`
+    /// (their new user has waited for those streams); a partly covered
+    /// boundary page keeps them for the bytes beside the block.
+    pub(crate) fn clear_hazard_inside(&mut self, off: u64, len: u64) {
+        let first = off.div_ceil(self.page);
+        let end = (off + len) / self.page;
+        for p in first..end {
+            if let Some(m) = self.free_mask.get_mut(p as usize) {
+                *m = 0;
+            }
+        }
+    }
+
+    /// Take the hazards of pages `first .. first + n` (they leave this
+    /// virtual range: unmapped), returning their union.
+    pub(crate) fn take_hazard(&mut self, first: u64, n: u64) -> u64 {
+        let mut out = 0;
+        for p in first..first + n {
+            if let Some(m) = self.free_mask.get_mut(p as usize) {
+                out |= *m;
+                *m = 0;
+            }
+        }
+        out
     }
 
     /// Touch count of page `p`.

@@ -51,10 +51,11 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
             address: a.base,
             total_size: a.size,
             mapped_size: a.mapped_pages * page,
-            stream,
-            kind: match kind {
-                Kind::Small => "small",
-                Kind::Large => "large",
+            stream: stream.unwrap_or_default(),
+            kind: match (stream, kind) {
+                (None, _) => "shared",
+                (_, Kind::Small) => "small",
+                (_, Kind::Large) => "large",
             },
             blocks,
         });

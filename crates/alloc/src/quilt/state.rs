@@ -54,8 +54,16 @@ const FREED_MEMORY: usize = 1 << 16;
 #[derive(Debug, Default)]
 pub(crate) struct State {
     pub(crate) arenas: Vec<Arena>,
-    pub(crate) arena_meta: Vec<(StreamId, Kind)>,
-    pub(crate) arena_index: HashMap<(StreamId, Kind), usize>,
+    /// The stream of each arena (`None`: shared by every stream) and its class.
+    pub(crate) arena_meta: Vec<(Option<StreamId>, Kind)>,
+    pub(crate) arena_index: HashMap<(Option<StreamId>, Kind), usize>,
+    /// Stream -> its hazard bit; streams past the 63rd share bit 63.
+    stream_bits: HashMap<StreamId, u32>,
+    /// Bit -> the streams it stands for.
+    bit_streams: Vec<Vec<StreamId>>,
+    /// Streams whose earlier work may still use free pages of the pool (pages
+    /// reclaimed from blocks they freed); a stream taking pool pages waits for them.
+    pub(crate) pool_hazard: u64,
     pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
     pub(crate) pending: Vec<DevicePtr>,
     freed_recent: HashSet<DevicePtr>,
@@ -128,20 +136,61 @@ impl State {
             .sum()
     }
 
+    /// The hazard bit of `stream`.
+    fn stream_bit(&mut self, stream: StreamId) -> u64 {
+        if let Some(&b) = self.stream_bits.get(&stream) {
+            return 1 << b;
+        }
+        let b = (self.stream_bits.len() as u32).min(63);
+        self.stream_bits.insert(stream, b);
+        if self.bit_streams.len() <= b as usize {
+            self.bit_streams.resize(b as usize + 1, Vec::new());
+        }
+        self.bit_streams[b as usize].push(stream);
+        1 << b
+    }
+
+    /// Make `stream` wait for the work of every other stream in `mask`.
+    fn wait_for(&mut self, ctx: &Ctx<'_>, stream: StreamId, mask: u64) -> Result<(), AllocError> {
+        let mut rest = mask;
+        while rest != 0 {
+            let b = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let others: Vec<StreamId> = self
+                .bit_streams
+                .get(b)
+                .map(|v| v.iter().copied().filter(|&s| s != stream).collect())
+                .unwrap_or_default();
+            for donor in others {
+                let ev = ctx.vmm.event_record(donor)?;
+                let waited = ctx.vmm.stream_wait_event(stream, ev);
+                let _ = ctx.vmm.event_destroy(ev);
+                waited?;
+                self.stats.num_stream_waits += 1;
+            }
+        }
+        Ok(())
+    }
+
     fn arena_for(
         &mut self,
         ctx: &Ctx<'_>,
         stream: StreamId,
         kind: Kind,
     ) -> Result<usize, AllocError> {
-        if let Some(&i) = self.arena_index.get(&(stream, kind)) {
+        let owner = if ctx.cfg.shared_arena {
+            None
+        } else {
+            Some(stream)
+        };
+        if let Some(&i) = self.arena_index.get(&(owner, kind)) {
             return Ok(i);
         }
         let base = ctx.vmm.reserve(ctx.arena_va, 0)?;
         let i = self.arenas.len();
         self.arenas.push(Arena::new(base, ctx.arena_va, ctx.page));
-        self.arena_meta.push((stream, kind));
-        self.arena_index.insert((stream, kind), i);
+        self.arena_meta.push((owner, kind));
+        self.arena_index.insert((owner, kind), i);
         Ok(i)
     }
 
@@ -201,6 +250,9 @@ impl State {
             return;
         };
         self.touch(b.arena, b.off, b.size, false);
+        let bit = self.stream_bit(b.stream);
+        let (first, last) = self.arenas[b.arena].page_span(b.off, b.size);
+        self.arenas[b.arena].mark_freed(first, last, bit);
         self.arenas[b.arena].vacate(b.off);
         self.stats.active_bytes.decrease(b.size);
         self.stats.active.decrease(1);
@@ -238,6 +290,15 @@ impl State {
         self.arenas[ai].occupy(off, rounded);
         self.touch(ai, off, rounded, true);
         let (first, last) = self.arenas[ai].page_span(off, rounded);
+        let hazard = self.arenas[ai].hazard(first, last);
+        if hazard != 0 {
+            if let Err(e) = self.wait_for(ctx, stream, hazard) {
+                self.touch(ai, off, rounded, false);
+                self.arenas[ai].vacate(off);
+                return Err(e);
+            }
+            self.arenas[ai].clear_hazard_inside(off, rounded);
+        }
         let runs = self.arenas[ai].unmapped_runs(first, last);
         let n: u64 = runs.iter().map(|r| r.1).sum();
         if n > 0 {
@@ -318,7 +379,7 @@ impl State {
         n: u64,
         last: u64,
     ) -> Result<(), AllocError> {
-        self.obtain_free_pages(ctx, stream, size, n)?;
+        self.obtain_free_pages(ctx, size, n)?;
         let mut n = n;
         if ctx.cfg.map_ahead {
             // Only behind a block whose last page is newly mapped, at the tail.
@@ -330,7 +391,14 @@ impl State {
                 }
             }
         }
+        if self.pool_hazard != 0 {
+            let h = self.pool_hazard;
+            self.wait_for(ctx, stream, h)?;
+        }
         let pruns = ctx.pool.take(n).map_err(pool_err)?;
+        if ctx.pool.free_pages() == 0 {
+            self.pool_hazard = 0;
+        }
         self.map_runs(ctx, ai, &runs, pruns)
     }
 
@@ -354,13 +422,7 @@ impl State {
 
     /// Make at least `n` pages free in the pool: by the reclaim policy, growth,
     /// and reclaiming cached pages when the pool cannot grow.
-    fn obtain_free_pages(
-        &mut self,
-        ctx: &Ctx<'_>,
-        stream: StreamId,
-        size: u64,
-        n: u64,
-    ) -> Result<(), AllocError> {
+    fn obtain_free_pages(&mut self, ctx: &Ctx<'_>, size: u64, n: u64) -> Result<(), AllocError> {
         let missing = |pool: &PagePool| n.saturating_sub(pool.free_pages());
         if missing(ctx.pool) == 0 {
             return Ok(());
@@ -368,19 +430,19 @@ impl State {
         match ctx.cfg.reclaim {
             ReclaimPolicy::WhenFull => {}
             ReclaimPolicy::Always => {
-                self.reclaim(ctx, Some(stream), missing(ctx.pool), None)?;
+                self.reclaim(ctx, missing(ctx.pool), None)?;
             }
             ReclaimPolicy::CachedAbove(per_mille) => {
                 let allowed = ctx.pool.total_pages().saturating_mul(per_mille) / 1000;
                 let excess = self.cached_pages().saturating_sub(allowed);
                 let want = excess.min(missing(ctx.pool));
                 if want > 0 {
-                    self.reclaim(ctx, Some(stream), want, None)?;
+                    self.reclaim(ctx, want, None)?;
                 }
             }
             ReclaimPolicy::IdleFor(k) => {
                 let before = self.tick.saturating_sub(k);
-                self.reclaim(ctx, Some(stream), missing(ctx.pool), Some(before))?;
+                self.reclaim(ctx, missing(ctx.pool), Some(before))?;
             }
         }
         if missing(ctx.pool) == 0 {
@@ -400,7 +462,7 @@ impl State {
             .saturating_sub(growable)
             .max(1)
             .min(cached);
-        self.reclaim(ctx, Some(stream), want, None)?;
+        self.reclaim(ctx, want, None)?;
         if missing(ctx.pool) == 0 {
             return Ok(());
         }
@@ -408,7 +470,7 @@ impl State {
             return Ok(());
         }
         // A last resort: everything cached.
-        self.reclaim(ctx, Some(stream), u64::MAX, None)?;
+        self.reclaim(ctx, u64::MAX, None)?;
         if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
@@ -434,12 +496,10 @@ impl State {
     pub(crate) fn reclaim(
         &mut self,
         ctx: &Ctx<'_>,
-        stream: Option<StreamId>,
         target: u64,
         idle_before: Option<u64>,
     ) -> Result<u64, AllocError> {
         let mut gained = 0;
-        let mut waited: Vec<StreamId> = Vec::new();
         while gained < target {
             let classes = if ctx.cfg.remap_live_pages { 2u8 } else { 1 };
             let key = match idle_before {
@@ -454,19 +514,14 @@ impl State {
             let Some((_, _, ai, start)) = key else {
                 break;
             };
-            let donor = self.arena_meta[ai].0;
-            if let Some(s) = stream {
-                if donor != s && !waited.contains(&donor) {
-                    let ev = ctx.vmm.event_record(donor)?;
-                    let waited_ok = ctx.vmm.stream_wait_event(s, ev);
-                    let _ = ctx.vmm.event_destroy(ev);
-                    waited_ok?;
-                    self.stats.num_stream_waits += 1;
-                    waited.push(donor);
-                }
-            }
             if ctx.cfg.synchronize_before_unmap {
-                ctx.vmm.stream_synchronize(donor)?;
+                let streams: Vec<StreamId> = match self.arena_meta[ai].0 {
+                    Some(s) => vec![s],
+                    None => self.stream_bits.keys().copied().collect(),
+                };
+                for s in streams {
+                    ctx.vmm.stream_synchronize(s)?;
+                }
             }
             gained += self.reclaim_mapping(ctx, ai, start)?;
         }
@@ -534,6 +589,12 @@ impl State {
                     tracing::error!(error = %e, "remapping pages of live blocks failed");
                     first_err.get_or_insert(e);
                 }
+            }
+        }
+        for (i, p) in (start..start + m.pages).enumerate() {
+            let _ = i;
+            if self.arenas[ai].touch_of(p) == 0 {
+                self.pool_hazard |= self.arenas[ai].take_hazard(p, 1);
             }
         }
         let freed: u64 = give.iter().map(|r| r.pages).sum();
@@ -699,7 +760,7 @@ impl State {
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
         self.tick += 1;
         self.poll_pending(ctx);
-        let r = self.reclaim(ctx, None, u64::MAX, None);
+        let r = self.reclaim(ctx, u64::MAX, None);
         let t = ctx.pool.trim(0).map_err(pool_err);
         self.sync_stats(ctx);
         r?;
