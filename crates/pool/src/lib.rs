@@ -27,6 +27,7 @@
 mod chunk;
 mod config;
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use quilt_vmm::{PhysHandle, Vmm, VmmError};
@@ -105,6 +106,9 @@ pub struct PoolStats {
 struct PoolState {
     chunks: Vec<Option<Chunk>>,
     free_slots: Vec<u32>,
+    /// (free pages, slot) of every held chunk with a free page.
+    by_free: BTreeSet<(u64, u32)>,
+    chunk_count: u64,
     total_pages: u64,
     free_pages: u64,
     peak_pages: u64,
@@ -120,6 +124,28 @@ pub struct PagePool {
     limit_pages: u64,
     config: PoolConfig,
     state: Mutex<PoolState>,
+}
+
+impl PoolState {
+    /// Mark pages of chunk `slot` used (or free), keeping the index and totals.
+    fn mark(&mut self, slot: u32, start: u64, n: u64, used: bool) {
+        let Some(Some(c)) = self.chunks.get_mut(slot as usize) else {
+            return;
+        };
+        let old = c.free_count;
+        if used {
+            c.mark_used(start, n);
+            self.free_pages -= n;
+        } else {
+            c.mark_free(start, n);
+            self.free_pages += n;
+        }
+        let new = c.free_count;
+        self.by_free.remove(&(old, slot));
+        if new > 0 {
+            self.by_free.insert((new, slot));
+        }
+    }
 }
 
 impl std::fmt::Debug for PoolState {
@@ -148,6 +174,8 @@ impl PagePool {
             state: Mutex::new(PoolState {
                 chunks: Vec::new(),
                 free_slots: Vec::new(),
+                by_free: BTreeSet::new(),
+                chunk_count: 0,
                 total_pages: 0,
                 free_pages: 0,
                 peak_pages: 0,
@@ -180,7 +208,7 @@ impl PagePool {
     pub fn stats(&self) -> PoolStats {
         match self.lock() {
             Ok(s) => PoolStats {
-                chunks: s.chunks.iter().flatten().count() as u64,
+                chunks: s.chunk_count,
                 total_pages: s.total_pages,
                 free_pages: s.free_pages,
                 held_bytes: s.total_pages * self.page_size,
@@ -224,51 +252,46 @@ impl PagePool {
                 free: s.free_pages,
             });
         }
-        // A chunk that holds one free run of n pages serves the request with one run.
+        // A chunk that holds one free run of n pages serves the request with
+        // one run: look at the chunks with the fewest free pages that could
+        // (at most 32 of them), for the smallest such run.
         let mut out = Vec::new();
-        let mut best: Option<(usize, u64, u64)> = None; // (slot, start, len) smallest run >= n
-        for (i, c) in s.chunks.iter().enumerate() {
-            let Some(c) = c else { continue };
-            if c.free_count < n {
+        let mut best: Option<(u32, u64, u64)> = None; // (slot, start, len)
+        for &(_, slot) in s.by_free.range((n, 0)..).take(32) {
+            let Some(Some(c)) = s.chunks.get(slot as usize) else {
                 continue;
-            }
+            };
             if let Some((start, len)) = c.smallest_run_at_least(n) {
                 if best.is_none_or(|b| len < b.2) {
-                    best = Some((i, start, len));
+                    best = Some((slot, start, len));
+                }
+                if len == n {
+                    break;
                 }
             }
         }
         if let Some((slot, start, _)) = best {
-            if let Some(Some(c)) = s.chunks.get_mut(slot) {
-                c.mark_used(start, n);
+            let handle = s.chunks[slot as usize].as_ref().map(|c| c.handle);
+            if let Some(handle) = handle {
+                s.mark(slot, start, n, true);
                 out.push(PageRun {
-                    chunk: ChunkId(slot as u32),
-                    handle: c.handle,
+                    chunk: ChunkId(slot),
+                    handle,
                     first_page: start,
                     pages: n,
                 });
             }
         } else {
             // Otherwise take the longest runs first, from the chunks with most free pages.
-            let mut order: Vec<(u64, usize)> = s
-                .chunks
-                .iter()
-                .enumerate()
-                .filter_map(|(i, c)| {
-                    c.as_ref()
-                        .filter(|c| c.free_count > 0)
-                        .map(|c| (c.free_count, i))
-                })
-                .collect();
-            order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
             let mut left = n;
-            for (_, slot) in order {
-                if left == 0 {
+            while left > 0 {
+                let Some(&(_, slot)) = s.by_free.iter().next_back() else {
                     break;
-                }
-                let Some(Some(c)) = s.chunks.get_mut(slot) else {
-                    continue;
                 };
+                let Some(Some(c)) = s.chunks.get(slot as usize) else {
+                    break;
+                };
+                let handle = c.handle;
                 let mut runs = c.free_runs();
                 runs.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
                 for (start, len) in runs {
@@ -276,10 +299,10 @@ impl PagePool {
                         break;
                     }
                     let k = len.min(left);
-                    c.mark_used(start, k);
+                    s.mark(slot, start, k, true);
                     out.push(PageRun {
-                        chunk: ChunkId(slot as u32),
-                        handle: c.handle,
+                        chunk: ChunkId(slot),
+                        handle,
                         first_page: start,
                         pages: k,
                     });
@@ -287,7 +310,6 @@ impl PagePool {
                 }
             }
         }
-        s.free_pages -= n;
         Ok(out)
     }
 
@@ -315,10 +337,7 @@ impl PagePool {
             }
         }
         for r in runs {
-            if let Some(Some(c)) = s.chunks.get_mut(r.chunk.0 as usize) {
-                c.mark_free(r.first_page, r.pages);
-            }
-            s.free_pages += r.pages;
+            s.mark(r.chunk.0, r.first_page, r.pages, false);
         }
         Ok(())
     }
@@ -364,11 +383,15 @@ impl PagePool {
         let mut pages = 0;
         for (handle, n) in created {
             let chunk = Chunk::new(handle, n);
-            if let Some(slot) = s.free_slots.pop() {
+            let slot = if let Some(slot) = s.free_slots.pop() {
                 s.chunks[slot as usize] = Some(chunk);
+                slot
             } else {
                 s.chunks.push(Some(chunk));
-            }
+                (s.chunks.len() - 1) as u32
+            };
+            s.by_free.insert((n, slot));
+            s.chunk_count += 1;
             s.total_pages += n;
             s.free_pages += n;
             s.created += 1;
@@ -435,6 +458,8 @@ impl PagePool {
             self.vmm.release(c.handle)?;
             s.chunks[slot] = None;
             s.free_slots.push(slot as u32);
+            s.by_free.remove(&(pages, slot as u32));
+            s.chunk_count -= 1;
             s.total_pages -= pages;
             s.free_pages -= pages;
             s.released += 1;
@@ -490,6 +515,22 @@ impl PagePool {
             } else if !s.free_slots.contains(&(i as u32)) {
                 return Err(format!("empty chunk slot {i} not in the free-slot list"));
             }
+        }
+        let indexed: BTreeSet<(u64, u32)> = s
+            .chunks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                c.as_ref()
+                    .filter(|c| c.free_count > 0)
+                    .map(|c| (c.free_count, i as u32))
+            })
+            .collect();
+        if indexed != s.by_free {
+            return Err("free-page index out of date".to_string());
+        }
+        if s.chunk_count != s.chunks.iter().flatten().count() as u64 {
+            return Err("chunk count out of date".to_string());
         }
         if total != s.total_pages || free != s.free_pages {
             return Err(format!(

@@ -236,7 +236,16 @@ impl Arena {
     /// caller can update the reclaim order.
     pub(crate) fn touch_range(&mut self, first: u64, last: u64, add: bool, tick: u64) -> Vec<u64> {
         self.ensure_touch_len(last);
-        let mut changed = Vec::new();
+        // The mappings overlapping the range, in order, with the count of
+        // their pages whose touch count crosses zero.
+        let from = self.mapping_of(first).unwrap_or(first);
+        let mut maps: Vec<(u64, u64, u64)> = self
+            .mappings
+            .range(from..=last)
+            .map(|(&s, m)| (s, s + m.pages, 0))
+            .collect();
+        let mut mi = 0;
+        let mut crossed = 0u64;
         for p in first..=last {
             let t = &mut self.touch[p as usize];
             let transition = if add {
@@ -249,25 +258,36 @@ impl Arena {
             if !transition {
                 continue;
             }
-            if add {
-                self.touched_pages += 1;
-            } else {
-                self.touched_pages -= 1;
+            crossed += 1;
+            while mi < maps.len() && maps[mi].1 <= p {
+                mi += 1;
             }
-            if let Some(ms) = self.mapping_of(p) {
-                if let Some(m) = self.mappings.get_mut(&ms) {
-                    if add {
-                        m.untouched -= 1;
-                        self.cached_pages -= 1;
-                    } else {
-                        m.untouched += 1;
-                        self.cached_pages += 1;
-                    }
-                    m.tick = tick;
-                    if changed.last() != Some(&ms) {
-                        changed.push(ms);
-                    }
+            if let Some(m) = maps.get_mut(mi) {
+                if m.0 <= p {
+                    m.2 += 1;
                 }
+            }
+        }
+        if add {
+            self.touched_pages += crossed;
+        } else {
+            self.touched_pages -= crossed;
+        }
+        let mut changed = Vec::new();
+        for (start, _, n) in maps {
+            if n == 0 {
+                continue;
+            }
+            if let Some(m) = self.mappings.get_mut(&start) {
+                if add {
+                    m.untouched -= n;
+                    self.cached_pages -= n;
+                } else {
+                    m.untouched += n;
+                    self.cached_pages += n;
+                }
+                m.tick = tick;
+                changed.push(start);
             }
         }
         changed
