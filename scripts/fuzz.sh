@@ -4,6 +4,10 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]     default: 180 s, every target
 #
+# libFuzzer runs in fork mode with -ignore_crashes=1, so a run goes on for its
+# whole time after a finding; every crash is kept in fuzz/artifacts/<target>/
+# and the final line gives executions and crash counts.
+#
 # Targets: trace_parser, snapshot_import, alloc_ops. Seeds are written to
 # fuzz/corpus/<target>/ when the corpus is empty; findings land in
 # fuzz/artifacts/<target>/. Built without a sanitizer (`-s none`): the code under
@@ -65,7 +69,13 @@ PY
 for target in "${targets[@]}"; do
     seed "$target"
     echo "== $target for ${seconds}s"
+    mkdir -p artifacts
+    log="artifacts/$target.log"
     cargo +nightly fuzz run -s none -O "$target" -- \
-        -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 2>&1 \
-        | grep -E '^(#[0-9]+.*DONE|stat::|==|INFO: |SUMMARY|.*panicked|Done )' | tail -n 25
+        -max_total_time="$seconds" -max_len=4096 -fork=1 -ignore_crashes=1 \
+        -artifact_prefix="artifacts/$target/" > "$log" 2>&1 || true
+    grep -E 'panicked at' "$log" | sort | uniq -c | sort -rn | head -n 8 || true
+    grep -E '^#[0-9]+: ' "$log" | tail -n 1
+    echo "crashes kept: $(ls "artifacts/$target" 2>/dev/null | grep -c '^crash-' || true)"
+    echo "full log: fuzz/$log"
 done

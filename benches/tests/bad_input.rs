@@ -774,3 +774,20 @@ fn a_set_of_nans_in_a_pickle_is_a_typed_error() {
         Err(_) => panic!("import_snapshot panicked on a pickle holding a set of NaNs"),
     }
 }
+
+/// Lists nested 2000 deep (a 4 KB pickle; `DEPTH=n` to change). Ignored
+/// because it fails by aborting: `serde-pickle` recurses once per level and
+/// overflows a test thread's 2 MiB stack ("fatal runtime error: stack
+/// overflow"), which kills the whole test binary instead of failing one test
+/// (open bug B3 of docs/reliability.md; 1500 levels pass). Run it alone with
+/// `cargo test --release -p quilt-bench --test bad_input -- --ignored deeply`.
+#[test]
+#[ignore]
+fn deeply_nested_pickles_do_not_overflow_the_stack() {
+    let depth = std::env::var("DEPTH")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(2000);
+    let m = snapshot_error(&nested_lists_pickle(depth));
+    assert!(m.contains("top-level"), "{m}");
+}
