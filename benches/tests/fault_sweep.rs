@@ -1006,3 +1006,34 @@ fn faults_during_drop_are_measured() {
         );
     }
 }
+
+/// Found by `fuzz/alloc_ops` (bug B4 of docs/reliability.md): on a 256 MiB
+/// device, a block of 10 599 936 bytes on stream 0, one of 233 472 bytes on
+/// stream 3, the first freed, then `empty_cache` with the first set-access call
+/// failing. `empty_cache` may fail with the injected error, but the invariants
+/// must hold and nothing may stay mapped behind the allocator's back.
+#[test]
+fn empty_cache_with_a_failing_set_access() {
+    for name in available_allocators() {
+        let sim = Arc::new(SimVmm::with_capacity(256 * MIB).unwrap());
+        let alloc = build(name, sim.clone()).unwrap().unwrap();
+        let ctx = format!("{name}: empty_cache, 1st set-access fails");
+        let a = alloc.allocate(10_599_936, StreamId(0)).unwrap();
+        let b = alloc.allocate(233_472, StreamId(3)).unwrap();
+        alloc.free(a.ptr).unwrap();
+        check_all(alloc.as_ref(), &sim, &ctx);
+        sim.inject(Fault::nth(CallKind::SetAccess, 1));
+        if let Err(e) = alloc.empty_cache() {
+            assert!(typed_fault_error(&e), "{ctx}: {e:?}");
+        }
+        check_all(alloc.as_ref(), &sim, &format!("{ctx}, after empty_cache"));
+        sim.clear_faults();
+        alloc.empty_cache().unwrap();
+        check_all(
+            alloc.as_ref(),
+            &sim,
+            &format!("{ctx}, after a second empty_cache"),
+        );
+        tear_down(alloc, &sim, &[b.ptr], &ctx);
+    }
+}
