@@ -158,7 +158,12 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
             st.reclaim.len()
         ));
     }
-    // 4. pool pages versus mapped pages.
+    // 4. pool pages versus mapped pages (and pages kept after a failed remap).
+    for r in &st.lost_runs {
+        for i in 0..r.pages {
+            backing.push((r.chunk, r.first_page + i));
+        }
+    }
     let mut seen = HashSet::with_capacity(backing.len());
     for &b in &backing {
         if !seen.insert(b) {

@@ -204,7 +204,7 @@ impl Drop for QuiltAllocator {
                 let _ = self.vmm.event_destroy(*e);
             }
         }
-        let mut give = Vec::new();
+        let mut give = std::mem::take(&mut state.lost_runs);
         for a in &state.arenas {
             for (&start, m) in &a.mappings {
                 match self.vmm.unmap(a.page_addr(start), m.pages * page) {

@@ -73,6 +73,9 @@ pub(crate) struct State {
     pub(crate) reclaim: BTreeSet<(u8, u64, usize, u64)>,
     pub(crate) tick: u64,
     pub(crate) stats: AllocatorStats,
+    /// Pool pages that backed live blocks and could not be mapped again after
+    /// a reclaim (a driver failure three times over); returned at drop.
+    pub(crate) lost_runs: Vec<PageRun>,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -560,36 +563,49 @@ impl State {
             i = j;
         }
         let mut first_err = None;
+        let mut lost: Vec<PageRun> = Vec::new();
         for (p, run) in keep {
             let addr = self.arenas[ai].page_addr(p);
-            let mut res = Err(VmmError::Unavailable {
+            let len = run.pages * ctx.page;
+            // Map again (a failure is retried), then set access (likewise);
+            // a run mapped is recorded as mapped whatever set-access says, so
+            // the bookkeeping always matches the device.
+            let mut mapped = Err(VmmError::Unavailable {
                 reason: String::new(),
             });
             for _ in 0..3 {
-                res = ctx
+                mapped = ctx
                     .vmm
-                    .map(
-                        addr,
-                        run.pages * ctx.page,
-                        run.handle,
-                        run.first_page * ctx.page,
-                    )
-                    .and_then(|_| ctx.vmm.set_access(addr, run.pages * ctx.page));
-                if res.is_ok() {
+                    .map(addr, len, run.handle, run.first_page * ctx.page);
+                if mapped.is_ok() {
                     break;
                 }
             }
-            match res {
-                Ok(()) => {
-                    let tick = self.tick;
-                    self.arenas[ai].add_mapping(p, run, tick);
-                    self.resync(ai, p);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "remapping pages of live blocks failed");
-                    first_err.get_or_insert(e);
+            if let Err(e) = mapped {
+                tracing::error!(error = %e, "remapping pages of live blocks failed");
+                first_err.get_or_insert(e);
+                lost.push(run);
+                continue;
+            }
+            let tick = self.tick;
+            self.arenas[ai].add_mapping(p, run, tick);
+            self.resync(ai, p);
+            let mut access = Ok(());
+            for _ in 0..3 {
+                access = ctx.vmm.set_access(addr, len);
+                if access.is_ok() {
+                    break;
                 }
             }
+            if let Err(e) = access {
+                tracing::error!(error = %e, "restoring access to live pages failed");
+                first_err.get_or_insert(e);
+            }
+        }
+        if !lost.is_empty() {
+            // The live pages could not be mapped again: their pool pages stay
+            // handed out (the data lives there) and are returned at drop.
+            self.lost_runs.extend(lost);
         }
         for (i, p) in (start..start + m.pages).enumerate() {
             let _ = i;
