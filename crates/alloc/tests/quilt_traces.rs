@@ -223,6 +223,13 @@ fn training_loop_cs336_fwd_amp_no_driver_calls_after_first_iteration() {
 }
 
 #[test]
+fn training_loop_every_trace_no_driver_calls_after_first_iteration() {
+    for name in trace_names() {
+        training_loop_makes_no_driver_call_after_first_iteration(&name);
+    }
+}
+
+#[test]
 fn replay_small_trace_with_invariants_after_every_step() {
     let Some(events) = load("cnn_counterfactual_eor") else {
         return;
