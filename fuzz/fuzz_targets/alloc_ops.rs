@@ -8,6 +8,9 @@
 //! be one the contract allows for that operation; at the end everything is
 //! freed, the cache emptied and the allocator dropped, and the simulated
 //! device must hold nothing.
+//!
+//! `QUILT_FUZZ_SKIP=quilt,gmlake` leaves the named allocators out (to look past
+//! a known finding).
 #![no_main]
 
 use std::collections::HashSet;
@@ -68,6 +71,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let name = ALLOCATOR_NAMES[usize::from(data[0]) % ALLOCATOR_NAMES.len()];
+    // QUILT_FUZZ_SKIP=quilt,gmlake: leave out allocators with a known finding.
+    if std::env::var("QUILT_FUZZ_SKIP").is_ok_and(|s| s.split(',').any(|n| n == name)) {
+        return;
+    }
     let capacity = [16 * MIB, 64 * MIB, 256 * MIB][usize::from(data[1]) % 3];
     let sim = Arc::new(SimVmm::with_capacity(capacity).expect("a simulated device"));
     let alloc = match allocators::build(name, sim.clone()) {
