@@ -60,8 +60,41 @@ pub fn load_snapshot(path: &Path) -> Result<Trace, TraceError> {
     import_snapshot(&bytes, &name, 0)
 }
 
+/// Stack reserved for the thread that decodes a pickle. `serde-pickle` builds and
+/// drops nested values recursively, about 1 KiB of stack per level, so the 2 MiB
+/// of an ordinary thread overflow (and abort the process) at a few thousand
+/// levels. This reserve is virtual memory, touched only as deep as the input
+/// nests: it takes about half a million levels, far beyond any real snapshot.
+const DECODE_STACK_BYTES: usize = 512 << 20;
+
 /// Import the pickled snapshot `bytes` for device `device` as a trace named `name`.
+///
+/// The import runs on its own thread with [`DECODE_STACK_BYTES`] of stack, and a
+/// panic inside `serde-pickle` (it panics on some malformed input, such as a set
+/// holding NaN) becomes a [`TraceError::Snapshot`]: bad input never takes the
+/// caller down.
 pub fn import_snapshot(bytes: &[u8], name: &str, device: usize) -> Result<Trace, TraceError> {
+    std::thread::scope(|scope| {
+        let decoder = std::thread::Builder::new()
+            .name("snapshot-import".into())
+            .stack_size(DECODE_STACK_BYTES)
+            .spawn_scoped(scope, || import_snapshot_here(bytes, name, device))
+            .map_err(|e| snap(format!("cannot start the decoding thread: {e}")))?;
+        decoder.join().unwrap_or_else(|payload| {
+            let why = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown cause".into());
+            Err(snap(format!(
+                "not a readable pickle: the decoder panicked: {why}"
+            )))
+        })
+    })
+}
+
+/// [`import_snapshot`] on the calling thread.
+fn import_snapshot_here(bytes: &[u8], name: &str, device: usize) -> Result<Trace, TraceError> {
     let value = serde_pickle::value_from_slice(
         bytes,
         DeOptions::new()
