@@ -51,6 +51,35 @@ struct Workload {
     name: String,
     events: Vec<Event>,
     capacity: u64,
+    /// `empty_cache` after every this many events (0: only at the end), so
+    /// that faults land in the reclaim paths while blocks are live.
+    empty_cache_every: usize,
+}
+
+/// The operations of a run of `w`: its events (with `empty_cache` every
+/// `w.empty_cache_every` events), then frees of what it left live, then
+/// `empty_cache`.
+fn ops_of(w: &Workload) -> Vec<Op> {
+    let mut ops = Vec::with_capacity(w.events.len() * 2);
+    let mut live = std::collections::BTreeSet::new();
+    for (i, e) in w.events.iter().enumerate() {
+        match *e {
+            Event::Alloc { id, size, stream } => {
+                live.insert(id);
+                ops.push(Op::Alloc { id, size, stream });
+            }
+            Event::Free { id } => {
+                live.remove(&id);
+                ops.push(Op::Free { id });
+            }
+        }
+        if w.empty_cache_every > 0 && (i + 1) % w.empty_cache_every == 0 {
+            ops.push(Op::EmptyCache);
+        }
+    }
+    ops.extend(live.into_iter().map(|id| Op::Free { id }));
+    ops.push(Op::EmptyCache);
+    ops
 }
 
 /// The first `max_events` events of `events` (every run frees what is left
@@ -84,6 +113,7 @@ fn workload(name: &str, events: Vec<Event>) -> Workload {
         name: name.to_string(),
         events,
         capacity,
+        empty_cache_every: 0,
     }
 }
 
@@ -252,32 +282,7 @@ fn run_at(
         }
     };
     let mut live: BTreeMap<u64, DevicePtr> = BTreeMap::new();
-    let mut ops: Vec<Op> = w
-        .events
-        .iter()
-        .map(|e| match *e {
-            Event::Alloc { id, size, stream } => Op::Alloc { id, size, stream },
-            Event::Free { id } => Op::Free { id },
-        })
-        .collect();
-    // The tail: free what the workload left live, then empty the cache.
-    let mut live_ids: Vec<u64> = Vec::new();
-    {
-        let mut set = std::collections::BTreeSet::new();
-        for e in &w.events {
-            match *e {
-                Event::Alloc { id, .. } => {
-                    set.insert(id);
-                }
-                Event::Free { id } => {
-                    set.remove(&id);
-                }
-            }
-        }
-        live_ids.extend(set);
-    }
-    ops.extend(live_ids.iter().map(|&id| Op::Free { id }));
-    ops.push(Op::EmptyCache);
+    let ops = ops_of(w);
 
     for (i, op) in ops.iter().enumerate() {
         let armed_before = sim.armed_faults() > 0;
@@ -459,18 +464,9 @@ fn clean_calls_by_kind(w: &Workload, allocator: &str, capacity: u64) -> BTreeMap
     let sim = Arc::new(SimVmm::with_capacity(capacity).unwrap());
     let alloc = build(allocator, sim.clone()).unwrap().unwrap();
     let mut live = BTreeMap::new();
-    for e in &w.events {
-        let op = match *e {
-            Event::Alloc { id, size, stream } => Op::Alloc { id, size, stream },
-            Event::Free { id } => Op::Free { id },
-        };
+    for op in ops_of(w) {
         apply(alloc.as_ref(), &sim, &mut live, op).unwrap();
     }
-    for (_, ptr) in std::mem::take(&mut live) {
-        alloc.free(ptr).unwrap();
-        sim.complete_all();
-    }
-    alloc.empty_cache().unwrap();
     let stats = sim.driver_stats();
     CallKind::ALL
         .into_iter()
@@ -495,6 +491,8 @@ struct Tally {
 /// `None`: every index. Prints the figures; returns the points tried.
 fn sweep(w: &Workload, points: Option<u64>) -> u64 {
     let mut total = 0;
+    let mut failed = 0u64;
+    let mut failures: Vec<String> = Vec::new();
     for name in available_allocators() {
         let clean = run(w, name, None, 1);
         let calls = clean.vmm_calls;
@@ -510,9 +508,22 @@ fn sweep(w: &Workload, points: Option<u64>) -> u64 {
         let faults = fault_points(w, name, w.capacity, calls, points);
         let mut tally = Tally::default();
         for fault in faults {
-            let r = run(w, name, Some(fault), 0);
             tally.tried += 1;
-            // `run` panics on any broken promise: reaching here is surviving.
+            // `run` panics on any broken promise: a run that returns survived.
+            let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run(w, name, Some(fault.clone()), 0)
+            }));
+            let r = match attempt {
+                Ok(r) => r,
+                Err(p) => {
+                    let msg = panic_message(&p);
+                    if failures.len() < 10 {
+                        failures.push(format!("{name} on {} with {fault:?}: {msg}", w.name));
+                    }
+                    failed += 1;
+                    continue;
+                }
+            };
             tally.survived += 1;
             tally.recovered_internally += u64::from(r.recovered_internally);
             tally.in_construction += u64::from(r.fired_in_construction);
@@ -538,7 +549,24 @@ fn sweep(w: &Workload, points: Option<u64>) -> u64 {
         );
         total += tally.tried;
     }
+    assert!(
+        failures.is_empty(),
+        "{failed} fault point(s) broke a promise on {}; the first ones:\n{}",
+        w.name,
+        failures.join("\n")
+    );
     total
+}
+
+/// The message of a caught panic.
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else {
+        "(a panic without a message)".to_string()
+    }
 }
 
 // ------------------------------------------------------------------ the sweeps
@@ -573,6 +601,22 @@ fn fault_sweep_real_opt_zo() {
     };
     let tried = sweep(&w, Some(DEFAULT_POINTS));
     assert!(tried > 0);
+}
+
+/// The sampled sweep with `empty_cache` every 100 events, so that faults land
+/// in releasing cached memory while blocks are live (Quilt: unmapping cached
+/// mappings and remapping the pages that live blocks still touch).
+#[test]
+fn fault_sweep_with_empty_cache_midway() {
+    let mut ws = Vec::new();
+    ws.extend(real_trace("cnn_counterfactual_eor", 1500));
+    ws.extend(real_trace("opt_zo_fedlearn_finetune", 1500));
+    ws.push(generated("llm-serving", 5, 600));
+    for mut w in ws {
+        w.empty_cache_every = 100;
+        w.name = format!("{} + empty_cache/100", w.name);
+        assert!(sweep(&w, Some(32)) > 0);
+    }
 }
 
 #[test]
