@@ -77,9 +77,13 @@ pub struct QuiltConfig {
     /// Reclaim the cached pages of a mapping that also backs live blocks, by
     /// unmapping it whole and mapping its live pages again (true), or never
     /// touch such a mapping (false). The simulated and host backends allow the
-    /// brief gap; on a real GPU a kernel in flight on the live block would
-    /// fault, so use [`QuiltConfig::cuda_safe`] there: one page per mapping
-    /// keeps every cached page reclaimable without touching live ones.
+    /// brief gap. On a real GPU the default also sets
+    /// `synchronize_before_unmap`, so no work queued on the allocator's streams is
+    /// in flight while the live pages are remapped (same physical pages, same
+    /// addresses); work launched from another host thread during that very call
+    /// would still fault, so a program that launches from several threads at
+    /// once uses [`QuiltConfig::cuda_safe`]: one page per mapping keeps every
+    /// cached page reclaimable without touching live ones.
     pub remap_live_pages: bool,
 }
 
@@ -100,7 +104,7 @@ impl Default for QuiltConfig {
             reclaim: ReclaimPolicy::CachedAbove(50),
             stitch_threshold: 0,
             reuse_limit: 0,
-            synchronize_before_unmap: false,
+            synchronize_before_unmap: true,
             remap_live_pages: true,
             prefer_mapped_tries: 0,
         }
