@@ -368,7 +368,10 @@ fn with_watchdog<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + '
             Err(p) => std::panic::resume_unwind(p),
         },
         Err(mpsc::RecvTimeoutError::Timeout) => {
-            panic!("{what}: not finished after {DEADLINE:?}: deadlock or livelock")
+            panic!(
+                "{what}: not finished after {DEADLINE:?}: a deadlock, or a worker that \
+                 panicked (see above) while the others wait at a barrier"
+            )
         }
     }
 }
