@@ -12,15 +12,12 @@
 
 use std::sync::Arc;
 
-use quilt_vmm::{DevicePtr, StreamId, Vmm};
+use quilt_vmm::Vmm;
 
 use super::caching::config::RoundupPower2Divisions;
 use super::caching::CachingEngine;
 use super::classic::ClassicConfig;
-use crate::api::{Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
-use crate::snapshot::MemorySnapshot;
-use crate::stats::AllocatorStats;
+use crate::error::AllocError;
 
 /// Settings of [`ExpandableAllocator`]; `Default` is PyTorch's default
 /// configuration with `expandable_segments:True`.
@@ -73,32 +70,4 @@ impl ExpandableAllocator {
     }
 }
 
-impl DeviceAllocator for ExpandableAllocator {
-    fn name(&self) -> &str {
-        self.engine.name()
-    }
-    fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
-        self.engine.allocate(size, stream)
-    }
-    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.engine.free(ptr)
-    }
-    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        self.engine.record_stream(ptr, stream)
-    }
-    fn empty_cache(&self) -> Result<(), AllocError> {
-        self.engine.empty_cache()
-    }
-    fn stats(&self) -> AllocatorStats {
-        self.engine.stats()
-    }
-    fn snapshot(&self) -> MemorySnapshot {
-        self.engine.snapshot()
-    }
-    fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.engine.check_invariants()
-    }
-    fn vmm(&self) -> &Arc<dyn Vmm> {
-        self.engine.vmm()
-    }
-}
+super::caching::delegate_to_engine!(ExpandableAllocator);

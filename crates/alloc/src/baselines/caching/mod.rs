@@ -33,6 +33,52 @@ use crate::stats::{AllocatorStats, Stat};
 use block::{size_key, Block, BlockId, BlockPool, Segment, SegmentKind, Slab};
 use config::{allocation_size, round_size, CachingSettings, PoolKind};
 
+/// Implements [`crate::DeviceAllocator`] for a baseline that is a thin wrapper
+/// around a [`CachingEngine`] in its field `engine` (classic and expandable are
+/// one engine with a switch, as in PyTorch).
+macro_rules! delegate_to_engine {
+    ($wrapper:ty) => {
+        impl $crate::api::DeviceAllocator for $wrapper {
+            fn name(&self) -> &str {
+                self.engine.name()
+            }
+            fn allocate(
+                &self,
+                size: u64,
+                stream: quilt_vmm::StreamId,
+            ) -> Result<$crate::api::Allocation, $crate::error::AllocError> {
+                self.engine.allocate(size, stream)
+            }
+            fn free(&self, ptr: quilt_vmm::DevicePtr) -> Result<(), $crate::error::AllocError> {
+                self.engine.free(ptr)
+            }
+            fn record_stream(
+                &self,
+                ptr: quilt_vmm::DevicePtr,
+                stream: quilt_vmm::StreamId,
+            ) -> Result<(), $crate::error::AllocError> {
+                self.engine.record_stream(ptr, stream)
+            }
+            fn empty_cache(&self) -> Result<(), $crate::error::AllocError> {
+                self.engine.empty_cache()
+            }
+            fn stats(&self) -> $crate::stats::AllocatorStats {
+                self.engine.stats()
+            }
+            fn snapshot(&self) -> $crate::snapshot::MemorySnapshot {
+                self.engine.snapshot()
+            }
+            fn check_invariants(&self) -> Result<(), $crate::error::InvariantViolation> {
+                self.engine.check_invariants()
+            }
+            fn vmm(&self) -> &std::sync::Arc<dyn quilt_vmm::Vmm> {
+                self.engine.vmm()
+            }
+        }
+    };
+}
+pub(crate) use delegate_to_engine;
+
 /// Mutable state of the engine, behind one lock (PyTorch's per-device mutex).
 #[derive(Debug, Default)]
 pub(crate) struct State {
