@@ -752,7 +752,8 @@ fn moderately_nested_pickles_are_typed_errors() {
 }
 
 /// A pickle whose frozenset holds a NaN among other items (found by
-/// `fuzz/snapshot_import`): `serde-pickle` 1.2 collects the set into a
+/// `fuzz/snapshot_import`, bug B1, fixed in `3184bab`): `serde-pickle` 1.2
+/// collects the set into a
 /// `BTreeSet<HashableValue>`, sorting with an order that NaN breaks, and
 /// Rust's sort panics on such an order ("user-provided comparison function
 /// does not correctly implement a total order"). The importer must turn that into a
@@ -775,19 +776,17 @@ fn a_set_of_nans_in_a_pickle_is_a_typed_error() {
     }
 }
 
-/// Lists nested 2000 deep (a 4 KB pickle; `DEPTH=n` to change). Ignored
-/// because it fails by aborting: `serde-pickle` recurses once per level and
-/// overflows a test thread's 2 MiB stack ("fatal runtime error: stack
-/// overflow"), which kills the whole test binary instead of failing one test
-/// (open bug B3 of docs/reliability.md; 1500 levels pass). Run it alone with
-/// `cargo test --release -p quilt-bench --test bad_input -- --ignored deeply`.
+/// Lists nested 20 000 deep (a 40 KB pickle; `DEPTH=n` to change it).
+/// `serde-pickle` recurses once per level: before `3184bab` the importer
+/// overflowed a test thread's 2 MiB stack at 2000 levels and aborted the
+/// process (bug B3 of docs/reliability.md); it now decodes on a thread with a
+/// large stack.
 #[test]
-#[ignore]
 fn deeply_nested_pickles_do_not_overflow_the_stack() {
     let depth = std::env::var("DEPTH")
         .ok()
         .and_then(|d| d.parse().ok())
-        .unwrap_or(2000);
+        .unwrap_or(20_000);
     let m = snapshot_error(&nested_lists_pickle(depth));
     assert!(m.contains("top-level"), "{m}");
 }
