@@ -88,26 +88,10 @@ pub struct QuiltConfig {
 }
 
 impl Default for QuiltConfig {
+    /// The safe policy, [`QuiltConfig::cuda_safe`]: no page under a live block is
+    /// ever unmapped, so it is correct on a real GPU whatever threads launch work.
     fn default() -> Self {
-        QuiltConfig {
-            pool: PoolConfig {
-                growth: GrowthPolicy::default(),
-                limit: MemoryLimit::Device,
-            },
-            small_size: 1 << 20,
-            shared_arena: true,
-            separate_small_arena: false,
-            map_ahead: true,
-            arena_va_factor: 2,
-            max_pages_per_map: 0,
-            access_per_map: false,
-            reclaim: ReclaimPolicy::CachedAbove(50),
-            stitch_threshold: 0,
-            reuse_limit: 0,
-            synchronize_before_unmap: true,
-            remap_live_pages: true,
-            prefer_mapped_tries: 0,
-        }
+        QuiltConfig::cuda_safe()
     }
 }
 
@@ -131,21 +115,51 @@ impl QuiltConfig {
             reclaim: ReclaimPolicy::WhenFull,
             stitch_threshold: 512 << 20,
             reuse_limit: 10,
-            ..QuiltConfig::default()
+            ..QuiltConfig::remap_live()
         }
     }
 
-    /// The default policy made safe for a real GPU: every page is its own
-    /// mapping (one `cuMemMap` per page, still one `cuMemSetAccess` per newly
-    /// mapped range), so reclaiming cached pages never unmaps a page under a
-    /// live block, and the stream is synchronised before its pages are unmapped
-    /// (as PyTorch's expandable segments do).
+    /// The default policy: safe on a real GPU. Every page is its own mapping
+    /// (one `cuMemMap` per page, still one `cuMemSetAccess` per newly mapped
+    /// range), so reclaiming cached pages never unmaps a page under a live
+    /// block, and the streams are synchronised before pages are unmapped (as
+    /// PyTorch's expandable segments do). The central promise holds.
     pub fn cuda_safe() -> QuiltConfig {
         QuiltConfig {
             max_pages_per_map: 1,
             remap_live_pages: false,
             synchronize_before_unmap: true,
-            ..QuiltConfig::default()
+            ..QuiltConfig::remap_live()
+        }
+    }
+
+    /// Fewer driver calls, for programs that launch GPU work from one host
+    /// thread: a whole run of neighbouring pages inside a chunk is one
+    /// `cuMemMap`, and under memory pressure the cached pages of a mapping that
+    /// also backs live blocks are reclaimed by unmapping it whole and mapping
+    /// its live pages again (same physical pages, same addresses) after every
+    /// stream is synchronised. Work launched from another host thread during
+    /// that allocator call would fault on the briefly unmapped pages (the host
+    /// backend's multi-threaded stress test shows it), hence not the default.
+    pub fn remap_live() -> QuiltConfig {
+        QuiltConfig {
+            pool: PoolConfig {
+                growth: GrowthPolicy::default(),
+                limit: MemoryLimit::Device,
+            },
+            small_size: 1 << 20,
+            shared_arena: true,
+            separate_small_arena: false,
+            map_ahead: true,
+            arena_va_factor: 2,
+            max_pages_per_map: 0,
+            access_per_map: false,
+            reclaim: ReclaimPolicy::CachedAbove(50),
+            stitch_threshold: 0,
+            reuse_limit: 0,
+            synchronize_before_unmap: true,
+            remap_live_pages: true,
+            prefer_mapped_tries: 0,
         }
     }
 
