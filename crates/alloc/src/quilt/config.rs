@@ -76,14 +76,10 @@ pub struct QuiltConfig {
     pub prefer_mapped_tries: usize,
     /// Reclaim the cached pages of a mapping that also backs live blocks, by
     /// unmapping it whole and mapping its live pages again (true), or never
-    /// touch such a mapping (false). The simulated and host backends allow the
-    /// brief gap. On a real GPU the default also sets
-    /// `synchronize_before_unmap`, so no work queued on the allocator's streams is
-    /// in flight while the live pages are remapped (same physical pages, same
-    /// addresses); work launched from another host thread during that very call
-    /// would still fault, so a program that launches from several threads at
-    /// once uses [`QuiltConfig::cuda_safe`]: one page per mapping keeps every
-    /// cached page reclaimable without touching live ones.
+    /// touch such a mapping (false). The remap is unsafe on a GPU while other
+    /// host threads launch work on those blocks (see
+    /// [`QuiltConfig::remap_live`]); the default is false, with one page per
+    /// mapping so that every cached page stays reclaimable.
     pub remap_live_pages: bool,
 }
 
