@@ -391,3 +391,44 @@ fn gmlake_preset_survives_pressure() {
     ok(&a);
     assert_eq!(a.stats().reserved_bytes.current, 0);
 }
+
+#[test]
+fn single_owner_runs_map_whole_runs_and_split_cached_ones() {
+    let cfg = QuiltConfig::default().with_limit(MemoryLimit::Bytes(16 * MIB));
+    assert!(cfg.single_owner_runs && !cfg.remap_live_pages);
+    let (sim, a) = setup_with(1 << 30, cfg);
+    // A page-aligned 8 MiB block: its four pages in one map call.
+    let maps = sim.driver_stats().count(CallKind::Map);
+    let big = a.allocate(8 * MIB, S0).unwrap();
+    ok(&a);
+    let big_maps = sim.driver_stats().count(CallKind::Map) - maps;
+    assert!(
+        big_maps <= 2,
+        "{big_maps} map calls for one run (and map-ahead)"
+    );
+    a.free(big.ptr).unwrap();
+    ok(&a);
+    // Blocks that cover the cached run in part split it; every step keeps
+    // every multi-page mapping single-owner (checked by check_invariants).
+    let mut live = Vec::new();
+    for size in [3 * MIB, MIB + MIB / 2, 5 * MIB, 512 * 1024, 2 * MIB] {
+        live.push(a.allocate(size, S0).unwrap().ptr);
+        ok(&a);
+    }
+    // Free every other block, then fill the limit: all cached pages must be
+    // reclaimable without touching the live ones.
+    for p in live.iter().step_by(2) {
+        a.free(*p).unwrap();
+        ok(&a);
+    }
+    let fill = 16 * MIB - a.touched_bytes() - 2 * MIB;
+    let f = a.allocate(fill, S0).unwrap();
+    ok(&a);
+    a.free(f.ptr).unwrap();
+    for p in live.iter().skip(1).step_by(2) {
+        a.free(*p).unwrap();
+        ok(&a);
+    }
+    drop(a);
+    assert!(sim.leak_report().is_empty());
+}

@@ -81,6 +81,14 @@ pub struct QuiltConfig {
     /// [`QuiltConfig::remap_live`]); the default is false, with one page per
     /// mapping so that every cached page stays reclaimable.
     pub remap_live_pages: bool,
+    /// Keep every mapping of more than one page single-owner: all its pages lie
+    /// wholly inside one occupied block, or no block touches any of them. A
+    /// block's partly covered first and last pages are one-page mappings; a
+    /// cached multi-page mapping that a new block would cover only in part is
+    /// unmapped (no block touches it) and mapped again as pieces aligned to the
+    /// block. Every cached page then stays reclaimable without ever unmapping a
+    /// page under a live block, with whole runs mapped in one call.
+    pub single_owner_runs: bool,
 }
 
 impl Default for QuiltConfig {
@@ -115,15 +123,20 @@ impl QuiltConfig {
         }
     }
 
-    /// The default policy: safe on a real GPU. Every page is its own mapping
-    /// (one `cuMemMap` per page, still one `cuMemSetAccess` per newly mapped
-    /// range), so reclaiming cached pages never unmaps a page under a live
-    /// block, and the streams are synchronised before pages are unmapped (as
-    /// PyTorch's expandable segments do). The central promise holds.
+    /// The default policy: safe on a real GPU. Runs of pages are mapped in one
+    /// `cuMemMap`, but every mapping of more than one page is single-owner
+    /// ([`QuiltConfig::single_owner_runs`]): a block's partly covered first and
+    /// last pages are one-page mappings, and a cached multi-page mapping is
+    /// split (unmapped, mapped again in pieces) before a block covers part of
+    /// it. So reclaiming cached pages never unmaps a page under a live block,
+    /// every cached page is reclaimable, and the streams are synchronised
+    /// before pages are unmapped (as PyTorch's expandable segments do). The
+    /// central promise holds.
     pub fn cuda_safe() -> QuiltConfig {
         QuiltConfig {
-            max_pages_per_map: 1,
+            max_pages_per_map: 0,
             remap_live_pages: false,
+            single_owner_runs: true,
             synchronize_before_unmap: true,
             ..QuiltConfig::remap_live()
         }
@@ -155,6 +168,7 @@ impl QuiltConfig {
             reuse_limit: 0,
             synchronize_before_unmap: true,
             remap_live_pages: true,
+            single_owner_runs: false,
             prefer_mapped_tries: 0,
         }
     }

@@ -26,7 +26,16 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 ///    physical page backs two different blocks only when they share that very
 ///    virtual page (VA neighbours on a boundary page).
 /// 5. Every statistic equals what it counts.
-pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), InvariantViolation> {
+/// 6. With `single_owner` (the `single_owner_runs` policy): every mapping of
+///    more than one page lies wholly inside the pages one occupied block covers
+///    entirely, or no block touches any of its pages; so no mapping mixes
+///    cached pages with pages under a block, or pages of two blocks.
+pub(crate) fn check(
+    st: &State,
+    pool: &PagePool,
+    page: u64,
+    single_owner: bool,
+) -> Result<(), InvariantViolation> {
     pool.check_invariants().map_err(InvariantViolation)?;
     let mut occupied_total = 0usize;
     let mut backing: Vec<(ChunkId, u64)> = Vec::new();
@@ -133,6 +142,17 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
                     ));
                 }
                 reclaim_listed += 1;
+            }
+            if single_owner && m.pages > 1 && untouched != m.pages {
+                // 6. all its pages inside one block's wholly covered pages.
+                let (lo, hi) = (s * page, (s + m.pages) * page);
+                let owner = a.occupied.range(..hi).next_back();
+                if !owner.is_some_and(|(&bs, &be)| bs <= lo && be >= hi) {
+                    return fail(format!(
+                        "arena {ai}: mapping at page {s} ({} pages) is not single-owner",
+                        m.pages
+                    ));
+                }
             }
             for i in 0..m.pages {
                 backing.push((m.run.chunk, m.run.first_page + i));

@@ -173,7 +173,7 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
-        invariants::check(&st, &self.pool, self.page)
+        invariants::check(&st, &self.pool, self.page, self.config.single_owner_runs)
     }
 
     fn vmm(&self) -> &Arc<dyn Vmm> {

@@ -291,6 +291,13 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
         self.arenas[ai].occupy(off, rounded);
+        if ctx.cfg.single_owner_runs {
+            if let Err(e) = self.split_for_block(ctx, ai, off, rounded) {
+                self.arenas[ai].vacate(off);
+                self.sync_stats(ctx);
+                return Err(e);
+            }
+        }
         self.touch(ai, off, rounded, true);
         let (first, last) = self.arenas[ai].page_span(off, rounded);
         let hazard = self.arenas[ai].hazard(first, last);
@@ -305,7 +312,12 @@ impl State {
         let runs = self.arenas[ai].unmapped_runs(first, last);
         let n: u64 = runs.iter().map(|r| r.1).sum();
         if n > 0 {
-            if let Err(e) = self.back_pages(ctx, ai, stream, size, runs, n, last) {
+            let cuts = if ctx.cfg.single_owner_runs {
+                block_cuts(off, rounded, ctx.page)
+            } else {
+                Vec::new()
+            };
+            if let Err(e) = self.back_pages(ctx, ai, stream, size, runs, n, last, &cuts) {
                 self.touch(ai, off, rounded, false);
                 self.arenas[ai].vacate(off);
                 self.sync_stats(ctx);
@@ -381,6 +393,7 @@ impl State {
         mut runs: Vec<(u64, u64)>,
         n: u64,
         last: u64,
+        cuts: &[u64],
     ) -> Result<(), AllocError> {
         self.obtain_free_pages(ctx, size, n)?;
         let mut n = n;
@@ -402,7 +415,7 @@ impl State {
         if ctx.pool.free_pages() == 0 {
             self.pool_hazard = 0;
         }
-        self.map_runs(ctx, ai, &runs, pruns)
+        self.map_runs(ctx, ai, &runs, pruns, cuts)
     }
 
     /// Pages to map ahead of demand behind a block whose last page is `last`:
@@ -517,18 +530,119 @@ impl State {
             let Some((_, _, ai, start)) = key else {
                 break;
             };
-            if ctx.cfg.synchronize_before_unmap {
-                let streams: Vec<StreamId> = match self.arena_meta[ai].0 {
-                    Some(s) => vec![s],
-                    None => self.stream_bits.keys().copied().collect(),
-                };
-                for s in streams {
-                    ctx.vmm.stream_synchronize(s)?;
-                }
-            }
+            self.sync_before_unmap(ctx, ai)?;
             gained += self.reclaim_mapping(ctx, ai, start)?;
         }
         Ok(gained)
+    }
+
+    /// Synchronise the streams that may use arena `ai` before unmapping pages
+    /// of it, if the policy says so.
+    fn sync_before_unmap(&self, ctx: &Ctx<'_>, ai: usize) -> Result<(), AllocError> {
+        if ctx.cfg.synchronize_before_unmap {
+            let streams: Vec<StreamId> = match self.arena_meta[ai].0 {
+                Some(s) => vec![s],
+                None => self.stream_bits.keys().copied().collect(),
+            };
+            for s in streams {
+                ctx.vmm.stream_synchronize(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keep mappings single-owner for a block about to occupy `off .. off +
+    /// len` of arena `ai` (not yet touched): every multi-page mapping over the
+    /// block's pages that does not lie wholly inside the pages the block fully
+    /// covers is untouched (single-owner invariant), so it is unmapped and
+    /// mapped again as pieces cut at the block's boundaries.
+    fn split_for_block(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        off: u64,
+        len: u64,
+    ) -> Result<(), AllocError> {
+        let page = ctx.page;
+        let (first, last) = self.arenas[ai].page_span(off, len);
+        let (inner_first, inner_end) = (off.div_ceil(page), (off + len) / page);
+        let from = self.arenas[ai].mapping_of(first).unwrap_or(first);
+        let split: Vec<u64> = self.arenas[ai]
+            .mappings
+            .range(from..=last)
+            .filter(|(&s, m)| m.pages > 1 && !(s >= inner_first && s + m.pages <= inner_end))
+            .map(|(&s, _)| s)
+            .collect();
+        if split.is_empty() {
+            return Ok(());
+        }
+        self.sync_before_unmap(ctx, ai)?;
+        let cuts = block_cuts(off, len, page);
+        for start in split {
+            let Some(m) = self.arenas[ai].mappings.get(&start).copied() else {
+                continue;
+            };
+            debug_assert_eq!(m.untouched, m.pages);
+            ctx.vmm
+                .unmap(self.arenas[ai].page_addr(start), m.pages * page)?;
+            self.forget_mapping(ai, start);
+            // Pieces of the mapping between consecutive cuts.
+            let mut pieces = Vec::new();
+            let mut p = start;
+            let end = start + m.pages;
+            while p < end {
+                let q = cuts
+                    .iter()
+                    .copied()
+                    .find(|&c| c > p)
+                    .unwrap_or(end)
+                    .min(end);
+                pieces.push((
+                    p,
+                    PageRun {
+                        chunk: m.run.chunk,
+                        handle: m.run.handle,
+                        first_page: m.run.first_page + (p - start),
+                        pages: q - p,
+                    },
+                ));
+                p = q;
+            }
+            let mut failed: Option<VmmError> = None;
+            let mut give = Vec::new();
+            for (p, run) in pieces {
+                if failed.is_some() {
+                    give.push((p, run));
+                    continue;
+                }
+                let addr = self.arenas[ai].page_addr(p);
+                let bytes = run.pages * page;
+                if let Err(e) = ctx.vmm.map(addr, bytes, run.handle, run.first_page * page) {
+                    failed = Some(e);
+                    give.push((p, run));
+                    continue;
+                }
+                let tick = self.tick;
+                self.arenas[ai].add_mapping(p, run, tick);
+                self.resync(ai, p);
+                if let Err(e) = ctx.vmm.set_access(addr, bytes) {
+                    // Recorded as mapped (it is); cached, reclaimable later.
+                    failed = Some(e);
+                }
+            }
+            if let Some(e) = failed {
+                // Pages not mapped again go back to the pool, with the
+                // hazards of the virtual pages they left.
+                let mut runs = Vec::new();
+                for (p, run) in give {
+                    self.pool_hazard |= self.arenas[ai].take_hazard(p, run.pages);
+                    runs.push(run);
+                }
+                ctx.pool.give_back(&runs).map_err(pool_err)?;
+                return Err(e.into());
+            }
+        }
+        Ok(())
     }
 
     /// Take the cached pages of one mapping back into the pool: unmap it, and
@@ -631,6 +745,7 @@ impl State {
         ai: usize,
         runs: &[(u64, u64)],
         pruns: Vec<PageRun>,
+        cuts: &[u64],
     ) -> Result<(), AllocError> {
         let page = ctx.page;
         let mut done: Vec<(u64, PageRun)> = Vec::new();
@@ -647,6 +762,9 @@ impl State {
                 let mut k = (pr.pages - poff).min(end - p);
                 if ctx.cfg.max_pages_per_map > 0 {
                     k = k.min(ctx.cfg.max_pages_per_map);
+                }
+                if let Some(&c) = cuts.iter().find(|&&c| c > p) {
+                    k = k.min(c - p);
                 }
                 let piece = PageRun {
                     chunk: pr.chunk,
@@ -810,6 +928,20 @@ impl State {
         tracing::debug!(%report, "quilt out of memory");
         AllocError::OutOfMemory(Box::new(report))
     }
+}
+
+/// The page boundaries at which a single-owner mapping must be cut around a
+/// block at `off .. off + len`: its first page, the start and end of the pages
+/// it covers wholly, the page past its last (sorted, deduplicated).
+fn block_cuts(off: u64, len: u64, page: u64) -> Vec<u64> {
+    let mut cuts = vec![
+        off / page,
+        off.div_ceil(page),
+        (off + len) / page,
+        (off + len - 1) / page + 1,
+    ];
+    cuts.dedup();
+    cuts
 }
 
 /// `all` minus the pages listed in `kept` (each `kept` run lies inside one `all` run).
