@@ -130,13 +130,16 @@ impl QuiltConfig {
     /// split (unmapped, mapped again in pieces) before a block covers part of
     /// it. So reclaiming cached pages never unmaps a page under a live block,
     /// every cached page is reclaimable, and the streams are synchronised
-    /// before pages are unmapped (as PyTorch's expandable segments do). The
-    /// central promise holds.
+    /// before pages are unmapped (as PyTorch's expandable segments do). No
+    /// map-ahead: pages mapped ahead would form cached runs that the next
+    /// blocks split again (an unmap and more maps), which measured costlier
+    /// than mapping each block's own pages. The central promise holds.
     pub fn cuda_safe() -> QuiltConfig {
         QuiltConfig {
             max_pages_per_map: 0,
             remap_live_pages: false,
             single_owner_runs: true,
+            map_ahead: false,
             synchronize_before_unmap: true,
             ..QuiltConfig::remap_live()
         }

@@ -610,6 +610,7 @@ impl State {
             }
             let mut failed: Option<VmmError> = None;
             let mut give = Vec::new();
+            let mut mapped_end = start;
             for (p, run) in pieces {
                 if failed.is_some() {
                     give.push((p, run));
@@ -625,9 +626,14 @@ impl State {
                 let tick = self.tick;
                 self.arenas[ai].add_mapping(p, run, tick);
                 self.resync(ai, p);
-                if let Err(e) = ctx.vmm.set_access(addr, bytes) {
-                    // Recorded as mapped (it is); cached, reclaimable later.
-                    failed = Some(e);
+                mapped_end = p + run.pages;
+            }
+            // One set-access over the pieces mapped again (a contiguous prefix).
+            if mapped_end > start {
+                let addr = self.arenas[ai].page_addr(start);
+                if let Err(e) = ctx.vmm.set_access(addr, (mapped_end - start) * page) {
+                    // Recorded as mapped (they are); cached, reclaimable later.
+                    failed.get_or_insert(e);
                 }
             }
             if let Some(e) = failed {
