@@ -78,8 +78,8 @@ pub struct QuiltConfig {
     /// unmapping it whole and mapping its live pages again (true), or never
     /// touch such a mapping (false). The remap is unsafe on a GPU while other
     /// host threads launch work on those blocks (see
-    /// [`QuiltConfig::remap_live`]); the default is false, with one page per
-    /// mapping so that every cached page stays reclaimable.
+    /// [`QuiltConfig::remap_live`]); the default is false, with single-owner
+    /// runs so that every cached page stays reclaimable.
     pub remap_live_pages: bool,
     /// Keep every mapping of more than one page single-owner: all its pages lie
     /// wholly inside one occupied block, or no block touches any of them. A
