@@ -135,6 +135,35 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// A free block with no neighbours, no events and no recorded streams: the
+    /// one shape every new block takes (callers set `prev`/`next` with struct
+    /// update syntax where it has neighbours).
+    pub fn free(
+        ptr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        pool: PoolKind,
+        segment: SegId,
+        mapped: bool,
+    ) -> Block {
+        Block {
+            ptr,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            segment,
+            allocated: false,
+            mapped,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            prev: None,
+            next: None,
+            gc_count_base: 0,
+            handed_out: false,
+        }
+    }
+
     /// A block that shares its segment with a neighbour.
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()

@@ -111,22 +111,9 @@ impl CachingEngine {
                 handles: Vec::new(),
             },
         });
-        let bid = st.blocks.insert(Block {
-            ptr: base,
-            size: va,
-            requested: 0,
-            stream: p.stream,
-            pool: p.pool,
-            segment: seg,
-            allocated: false,
-            mapped: false,
-            event_count: 0,
-            stream_uses: Vec::new(),
-            prev: None,
-            next: None,
-            gc_count_base: 0,
-            handed_out: false,
-        });
+        let bid = st
+            .blocks
+            .insert(Block::free(base, va, p.stream, p.pool, seg, false));
         st.by_addr.insert(base, bid);
         st.pools[p.pool.index()]
             .unmapped
@@ -212,20 +199,9 @@ impl CachingEngine {
         if mapped < old_size {
             b.size = mapped;
             let rest = st.blocks.insert(Block {
-                ptr: ptr + mapped,
-                size: old_size - mapped,
-                requested: 0,
-                stream,
-                pool,
-                segment: seg_id,
-                allocated: false,
-                mapped: false,
-                event_count: 0,
-                stream_uses: Vec::new(),
                 prev: Some(bid),
                 next,
-                gc_count_base: 0,
-                handed_out: false,
+                ..Block::free(ptr + mapped, old_size - mapped, stream, pool, seg_id, false)
             });
             if let Some(nx) = next {
                 st.blocks[nx].prev = Some(rest);
@@ -312,20 +288,9 @@ impl CachingEngine {
         st.by_addr.remove(&ptr);
         let free_piece = |st: &mut State, p: DevicePtr, s: u64, pv, nx| {
             let id = st.blocks.insert(Block {
-                ptr: p,
-                size: s,
-                requested: 0,
-                stream,
-                pool,
-                segment: seg,
-                allocated: false,
-                mapped: true,
-                event_count: 0,
-                stream_uses: Vec::new(),
                 prev: pv,
                 next: nx,
-                gc_count_base: 0,
-                handed_out: false,
+                ..Block::free(p, s, stream, pool, seg, true)
             });
             st.by_addr.insert(p, id);
             id

@@ -314,22 +314,9 @@ impl CachingEngine {
             pool: p.pool,
             kind: SegmentKind::Classic { handle, phys_size },
         });
-        let bid = st.blocks.insert(Block {
-            ptr: base,
-            size: p.alloc_size,
-            requested: 0,
-            stream: p.stream,
-            pool: p.pool,
-            segment: seg,
-            allocated: false,
-            mapped: true,
-            event_count: 0,
-            stream_uses: Vec::new(),
-            prev: None,
-            next: None,
-            gc_count_base: 0,
-            handed_out: false,
-        });
+        let bid = st
+            .blocks
+            .insert(Block::free(base, p.alloc_size, p.stream, p.pool, seg, true));
         st.by_addr.insert(base, bid);
         st.total_allocated_memory += p.alloc_size;
         st.stats.segment.increase(1);
@@ -396,20 +383,9 @@ impl CachingEngine {
                 (r.ptr, r.prev, r.stream, r.pool, r.segment)
             };
             let front = st.blocks.insert(Block {
-                ptr,
-                size: p.size,
-                requested: 0,
-                stream,
-                pool,
-                segment,
-                allocated: false,
-                mapped: true,
-                event_count: 0,
-                stream_uses: Vec::new(),
                 prev,
                 next: Some(rem),
-                gc_count_base: 0,
-                handed_out: false,
+                ..Block::free(ptr, p.size, stream, pool, segment, true)
             });
             if let Some(pv) = prev {
                 st.blocks[pv].next = Some(front);
