@@ -1,4 +1,4 @@
-//! The pool's policies: growth ahead of demand and the memory limit.
+//! The pool's policies: page size, growth ahead of demand and the memory limit.
 
 /// How much the pool holds at most.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,72 +25,82 @@ impl MemoryLimit {
     }
 }
 
-/// How big a chunk the pool creates when it must grow by `needed` pages.
+/// The size of one page: one `cuMemCreate` handle, mapped whole at offset 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageSize {
+    /// The driver's allocation granularity (2 MiB on current GPUs).
+    Granularity,
+    /// This many bytes: a multiple of the granularity (e.g. 20 MiB, the large
+    /// page of PyTorch's expandable segments), for experiments.
+    Bytes(u64),
+}
+
+impl PageSize {
+    /// The page size in bytes at `granularity`, or `None` when it is not a
+    /// non-zero multiple of the granularity.
+    pub fn resolve(self, granularity: u64) -> Option<u64> {
+        match self {
+            PageSize::Granularity => (granularity > 0).then_some(granularity),
+            PageSize::Bytes(b) => {
+                (granularity > 0 && b > 0 && b.is_multiple_of(granularity)).then_some(b)
+            }
+        }
+    }
+}
+
+/// How many pages the pool creates when it must grow by `needed` pages.
 ///
-/// A chunk holds `needed` pages plus a margin ahead of demand of
-/// `held / ahead_divisor` pages (0 = no margin), at least `min_chunk_bytes` and
-/// at most `max_chunk_bytes` in all (the maximum never cuts below `needed`).
-/// The margin is proportional to what the pool holds, so the memory it wastes is
-/// a bounded fraction of the total while the number of `cuMemCreate` calls grows
-/// only logarithmically with the peak.
+/// A growth creates `needed` pages plus a margin ahead of demand of
+/// `held / ahead_divisor` pages (0 = no margin), the margin capped at
+/// `max_margin_bytes`. The margin is proportional to what the pool holds, so
+/// the memory it can waste is a bounded fraction of the total while the number
+/// of growths grows only logarithmically with the peak. When the device
+/// cannot create the margin, the pool creates exactly `needed`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GrowthPolicy {
-    /// The smallest chunk in bytes (0 = one page).
-    pub min_chunk_bytes: u64,
-    /// The largest chunk in bytes, unless a single request needs more.
-    pub max_chunk_bytes: u64,
     /// Margin ahead of demand: `held / ahead_divisor` pages; 0 disables it.
     pub ahead_divisor: u64,
-    /// The largest single handle in bytes (0 = no limit): a growth larger than
-    /// this creates several handles (GMLake and PyTorch's expandable segments
-    /// create one handle per page).
-    pub max_handle_bytes: u64,
+    /// The largest margin in bytes.
+    pub max_margin_bytes: u64,
 }
 
 impl Default for GrowthPolicy {
+    /// A margin of 1/256 of what the pool holds (0.4 %), at most 1 GiB.
     fn default() -> Self {
         GrowthPolicy {
-            min_chunk_bytes: 0,
-            max_chunk_bytes: 1 << 30,
             ahead_divisor: 256,
-            max_handle_bytes: 0,
+            max_margin_bytes: 1 << 30,
         }
     }
 }
 
 impl GrowthPolicy {
-    /// Exactly what is needed, one handle per page (GMLake: one 2 MiB
-    /// `cuMemCreate` per page).
-    pub fn page_per_chunk() -> GrowthPolicy {
+    /// Exactly what is needed, never ahead (GMLake: one `cuMemCreate` per
+    /// page, when a request needs it).
+    pub fn exact() -> GrowthPolicy {
         GrowthPolicy {
-            min_chunk_bytes: 0,
-            max_chunk_bytes: 0,
             ahead_divisor: 0,
-            max_handle_bytes: 1,
+            max_margin_bytes: 0,
         }
     }
 
-    /// Pages per handle (at least 1) when handles are limited, else `None`.
-    pub fn handle_pages(&self, page_size: u64) -> Option<u64> {
-        (self.max_handle_bytes > 0).then(|| (self.max_handle_bytes / page_size.max(1)).max(1))
-    }
-
-    /// Pages of the chunk to create when `needed` pages are missing and the pool
-    /// holds `held` pages of `page_size` bytes.
-    pub fn chunk_pages(&self, needed: u64, held: u64, page_size: u64) -> u64 {
-        let page = page_size.max(1);
-        let margin = held.checked_div(self.ahead_divisor).unwrap_or(0);
-        let want = needed
-            .saturating_add(margin)
-            .max(self.min_chunk_bytes / page);
-        want.min((self.max_chunk_bytes / page).max(needed))
+    /// Pages to create when `needed` pages are missing and the pool holds
+    /// `held` pages of `page_size` bytes.
+    pub fn pages_to_create(&self, needed: u64, held: u64, page_size: u64) -> u64 {
+        let margin = held
+            .checked_div(self.ahead_divisor)
+            .unwrap_or(0)
+            .min(self.max_margin_bytes / page_size.max(1));
+        needed.saturating_add(margin)
     }
 }
 
 /// The pool's configuration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PoolConfig {
-    /// Chunk sizes when growing.
+    /// The size of a page (one handle).
+    pub page_size: PageSize,
+    /// How much to create when growing.
     pub growth: GrowthPolicy,
     /// The most the pool holds.
     pub limit: MemoryLimit,
@@ -99,6 +109,7 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
+            page_size: PageSize::Granularity,
             growth: GrowthPolicy::default(),
             limit: MemoryLimit::Device,
         }

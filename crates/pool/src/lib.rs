@@ -1,57 +1,54 @@
 //! # quilt-pool: the page-granularity physical pool
 //!
-//! Physical memory is created in **chunks** (one [`Vmm::create`] handle holding
-//! many pages of the driver's granularity) and handed out **page by page** as
-//! [`PageRun`]s: runs of neighbouring pages inside one chunk, each of which the
-//! caller maps with one `cuMemMap` at an offset inside the chunk's handle.
+//! Physical memory is created **one handle per page** (one `cuMemCreate` of
+//! the page size, the driver's granularity by default) and handed out page by
+//! page. The caller maps each page whole, at offset 0, with its own
+//! `cuMemMap`, as CUDA's reference requires ("offset currently must be
+//! zero") and as every production VMM allocator does: any page can later be
+//! unmapped alone without touching its neighbours.
 //!
-//! - [`PagePool::take`] hands out `n` free pages, preferring long runs inside one
-//!   chunk; it never needs them to be contiguous.
-//! - [`PagePool::give_back`] returns pages.
-//! - [`PagePool::grow`] creates a chunk (or one handle per page, by policy) ahead of demand by the [`GrowthPolicy`],
-//!   falling back to exactly the missing pages when the device cannot create the
-//!   larger chunk. A failed growth leaves the pool exactly as it was.
-//! - [`PagePool::trim`] releases chunks whose pages are all free, down to a threshold.
-//! - A [`MemoryLimit`] caps the bytes the pool may hold.
+//! - [`PagePool::take`] hands out `n` free pages; they never need to be
+//!   contiguous in any sense.
+//! - [`PagePool::give_back`] returns pages (validated first: a page not handed
+//!   out, or named twice, changes nothing).
+//! - [`PagePool::grow`] creates `needed` pages plus the [`GrowthPolicy`]'s
+//!   margin ahead of demand, falling back to exactly `needed` when the device
+//!   cannot create the margin. All or nothing: a failed growth releases what it
+//!   created and leaves the pool as it was.
+//! - [`PagePool::trim`] releases free pages down to a threshold.
+//! - A [`MemoryLimit`] caps the bytes the pool may hold; the check and the
+//!   commit of a growth happen under one lock.
 //!
-//! Invariants (checked by [`PagePool::check_invariants`]): every page of every held
-//! chunk is either free (its bit set in the chunk's free map) or handed out, never
-//! both; each chunk's `free_count` equals the number of set bits in its map; the
-//! pool's page totals equal the sums over chunks; held bytes never exceed the limit.
+//! Invariants (checked by [`PagePool::check_invariants`]): every held page is
+//! either free (its bit set and its id on the free stack, once) or handed out,
+//! never both; the totals equal what they count; held bytes never exceed the
+//! limit.
 //!
-//! The pool is `Send + Sync`. Its state sits behind one mutex: the pool is touched
-//! only when pages are mapped or unmapped (a driver call follows anyway), never on
-//! an allocator's cache-hit path, so the lock does not serialise the hot path.
+//! The pool is `Send + Sync`; its state sits behind one mutex, taken only when
+//! pages change hands (a driver call follows anyway), never on an allocator's
+//! cache-hit path.
 #![forbid(unsafe_code)]
 
-mod chunk;
 mod config;
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use bitvec::prelude::*;
 use quilt_vmm::{PhysHandle, Vmm, VmmError};
 
-use chunk::Chunk;
-pub use config::{GrowthPolicy, MemoryLimit, PoolConfig};
+pub use config::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 
-/// Identifies a chunk of the pool for as long as the chunk is held.
+/// Identifies a page of the pool for as long as the pool holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ChunkId(pub u32);
+pub struct PageId(pub u32);
 
-/// A run of neighbouring pages inside one chunk: pages `first_page ..
-/// first_page + pages` of the chunk, i.e. bytes `first_page * page_size ..` of
-/// its handle.
+/// One page: its id in the pool and the driver handle to map (whole, at offset 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PageRun {
-    /// The chunk.
-    pub chunk: ChunkId,
-    /// The chunk's driver handle (to pass to `cuMemMap`).
+pub struct Page {
+    /// The page's id.
+    pub id: PageId,
+    /// The page's driver handle (to pass to `cuMemMap`).
     pub handle: PhysHandle,
-    /// Index of the first page inside the chunk.
-    pub first_page: u64,
-    /// Number of pages (at least 1).
-    pub pages: u64,
 }
 
 /// Errors of the pool.
@@ -65,17 +62,25 @@ pub enum PoolError {
         /// Pages free.
         free: u64,
     },
-    /// Growth would exceed the memory limit or the device.
+    /// Growth would exceed the memory limit.
     #[error("cannot grow by {requested} pages: limit allows {allowed} more")]
     LimitReached {
         /// Pages asked for.
         requested: u64,
-        /// Pages the limit and the device still allow.
+        /// Pages the limit still allows.
         allowed: u64,
     },
-    /// A run handed back that the pool did not hand out.
-    #[error("invalid page run {0:?}: not handed out by this pool")]
-    InvalidRun(PageRun),
+    /// A page handed back that the pool did not hand out (or named twice).
+    #[error("invalid page {0:?}: not handed out by this pool")]
+    InvalidPage(Page),
+    /// The configured page size is not a multiple of the driver's granularity.
+    #[error("page size {page_size:?} is not a non-zero multiple of the granularity {granularity}")]
+    InvalidPageSize {
+        /// The configured page size.
+        page_size: PageSize,
+        /// The driver's granularity.
+        granularity: u64,
+    },
     /// The driver failed.
     #[error("driver: {0}")]
     Driver(#[from] VmmError),
@@ -87,9 +92,7 @@ pub enum PoolError {
 /// Figures of the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Chunks held.
-    pub chunks: u64,
-    /// Pages held (free or handed out).
+    /// Pages held (free or handed out): one handle each.
     pub total_pages: u64,
     /// Pages free.
     pub free_pages: u64,
@@ -97,23 +100,70 @@ pub struct PoolStats {
     pub held_bytes: u64,
     /// Highest `held_bytes` so far.
     pub peak_held_bytes: u64,
-    /// Chunks created so far.
-    pub chunks_created: u64,
-    /// Chunks released so far.
-    pub chunks_released: u64,
+    /// Handles created so far.
+    pub handles_created: u64,
+    /// Handles released so far.
+    pub handles_released: u64,
 }
 
 struct PoolState {
-    chunks: Vec<Option<Chunk>>,
-    free_slots: Vec<u32>,
-    /// (free pages, slot) of every held chunk with a free page.
-    by_free: BTreeSet<(u64, u32)>,
-    chunk_count: u64,
+    /// The handle of each held page, by id; `None` for a vacant id.
+    slots: Vec<Option<PhysHandle>>,
+    /// One bit per id: set when the page is held and free.
+    free: BitVec<u64, Lsb0>,
+    /// The free pages' ids (each once), taken from the top.
+    free_stack: Vec<u32>,
+    /// Vacant ids, reused by growth.
+    vacant: Vec<u32>,
     total_pages: u64,
-    free_pages: u64,
     peak_pages: u64,
     created: u64,
     released: u64,
+}
+
+impl PoolState {
+    fn handle(&self, id: PageId) -> Option<PhysHandle> {
+        self.slots.get(id.0 as usize).copied().flatten()
+    }
+
+    fn is_free(&self, id: PageId) -> bool {
+        self.free.get(id.0 as usize).is_some_and(|b| *b)
+    }
+
+    fn set_free(&mut self, id: u32, free: bool) {
+        if let Some(mut b) = self.free.get_mut(id as usize) {
+            *b = free;
+        }
+    }
+
+    /// Hold a new page with `handle`, free; returns its id.
+    fn add(&mut self, handle: PhysHandle) -> u32 {
+        let id = match self.vacant.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(handle);
+                id
+            }
+            None => {
+                self.slots.push(Some(handle));
+                self.free.push(false);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.set_free(id, true);
+        self.free_stack.push(id);
+        self.total_pages += 1;
+        self.created += 1;
+        id
+    }
+}
+
+impl std::fmt::Debug for PoolState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolState")
+            .field("total_pages", &self.total_pages)
+            .field("free_pages", &self.free_stack.len())
+            .finish()
+    }
 }
 
 /// The physical page pool of one device. See the crate documentation.
@@ -126,58 +176,32 @@ pub struct PagePool {
     state: Mutex<PoolState>,
 }
 
-impl PoolState {
-    /// Mark pages of chunk `slot` used (or free), keeping the index and totals.
-    fn mark(&mut self, slot: u32, start: u64, n: u64, used: bool) {
-        let Some(Some(c)) = self.chunks.get_mut(slot as usize) else {
-            return;
-        };
-        let old = c.free_count;
-        if used {
-            c.mark_used(start, n);
-            self.free_pages -= n;
-        } else {
-            c.mark_free(start, n);
-            self.free_pages += n;
-        }
-        let new = c.free_count;
-        self.by_free.remove(&(old, slot));
-        if new > 0 {
-            self.by_free.insert((new, slot));
-        }
-    }
-}
-
-impl std::fmt::Debug for PoolState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolState")
-            .field("chunks", &self.chunks.iter().flatten().count())
-            .field("total_pages", &self.total_pages)
-            .field("free_pages", &self.free_pages)
-            .finish()
-    }
-}
-
 impl PagePool {
     /// A pool over `vmm` with no memory held yet. Queries the device's total
     /// memory once to resolve a fractional limit.
     pub fn new(vmm: Arc<dyn Vmm>, config: PoolConfig) -> Result<PagePool, PoolError> {
-        let page_size = vmm.granularity();
+        let granularity = vmm.granularity();
+        let page_size =
+            config
+                .page_size
+                .resolve(granularity)
+                .ok_or(PoolError::InvalidPageSize {
+                    page_size: config.page_size,
+                    granularity,
+                })?;
         let total = vmm.mem_info()?.total;
-        let limit_bytes = config.limit.resolve(total);
-        let limit_pages = limit_bytes / page_size.max(1);
+        let limit_pages = config.limit.resolve(total) / page_size;
         Ok(PagePool {
             vmm,
             page_size,
             limit_pages,
             config,
             state: Mutex::new(PoolState {
-                chunks: Vec::new(),
-                free_slots: Vec::new(),
-                by_free: BTreeSet::new(),
-                chunk_count: 0,
+                slots: Vec::new(),
+                free: BitVec::new(),
+                free_stack: Vec::new(),
+                vacant: Vec::new(),
                 total_pages: 0,
-                free_pages: 0,
                 peak_pages: 0,
                 created: 0,
                 released: 0,
@@ -189,7 +213,7 @@ impl PagePool {
         self.state.lock().map_err(|_| PoolError::Poisoned)
     }
 
-    /// The page size (the driver's granularity) in bytes.
+    /// The page size in bytes (the size of every handle).
     pub fn page_size(&self) -> u64 {
         self.page_size
     }
@@ -208,13 +232,12 @@ impl PagePool {
     pub fn stats(&self) -> PoolStats {
         match self.lock() {
             Ok(s) => PoolStats {
-                chunks: s.chunk_count,
                 total_pages: s.total_pages,
-                free_pages: s.free_pages,
+                free_pages: s.free_stack.len() as u64,
                 held_bytes: s.total_pages * self.page_size,
                 peak_held_bytes: s.peak_pages * self.page_size,
-                chunks_created: s.created,
-                chunks_released: s.released,
+                handles_created: s.created,
+                handles_released: s.released,
             },
             Err(_) => PoolStats::default(),
         }
@@ -222,7 +245,7 @@ impl PagePool {
 
     /// Pages free now.
     pub fn free_pages(&self) -> u64 {
-        self.lock().map(|s| s.free_pages).unwrap_or(0)
+        self.lock().map(|s| s.free_stack.len() as u64).unwrap_or(0)
     }
 
     /// Pages held now (free or handed out).
@@ -235,123 +258,62 @@ impl PagePool {
     pub fn growable_pages(&self) -> Result<u64, PoolError> {
         let held = self.total_pages();
         let by_limit = self.limit_pages.saturating_sub(held);
-        let device_free = self.vmm.mem_info()?.free / self.page_size.max(1);
+        let device_free = self.vmm.mem_info()?.free / self.page_size;
         Ok(by_limit.min(device_free))
     }
 
-    /// Hand out `n` free pages as runs, preferring long runs inside one chunk.
-    /// Fails (changing nothing) when fewer than `n` pages are free.
-    pub fn take(&self, n: u64) -> Result<Vec<PageRun>, PoolError> {
+    /// Hand out `n` free pages. Fails (changing nothing) when fewer than `n`
+    /// pages are free.
+    pub fn take(&self, n: u64) -> Result<Vec<Page>, PoolError> {
         let mut s = self.lock()?;
-        if n == 0 {
-            return Ok(Vec::new());
+        let free = s.free_stack.len() as u64;
+        if free < n {
+            return Err(PoolError::NotEnoughFreePages { requested: n, free });
         }
-        if s.free_pages < n {
-            return Err(PoolError::NotEnoughFreePages {
-                requested: n,
-                free: s.free_pages,
-            });
-        }
-        // A chunk that holds one free run of n pages serves the request with
-        // one run: look at the chunks with the fewest free pages that could
-        // (at most 32 of them), for the smallest such run.
-        let mut out = Vec::new();
-        let mut best: Option<(u32, u64, u64)> = None; // (slot, start, len)
-        for &(_, slot) in s.by_free.range((n, 0)..).take(32) {
-            let Some(Some(c)) = s.chunks.get(slot as usize) else {
-                continue;
-            };
-            if let Some((start, len)) = c.smallest_run_at_least(n) {
-                if best.is_none_or(|b| len < b.2) {
-                    best = Some((slot, start, len));
-                }
-                if len == n {
-                    break;
-                }
-            }
-        }
-        if let Some((slot, start, _)) = best {
-            let handle = s.chunks[slot as usize].as_ref().map(|c| c.handle);
-            if let Some(handle) = handle {
-                s.mark(slot, start, n, true);
-                out.push(PageRun {
-                    chunk: ChunkId(slot),
+        let at = s.free_stack.len() - n as usize;
+        let ids: Vec<u32> = s.free_stack.split_off(at);
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            s.set_free(id, false);
+            if let Some(handle) = s.handle(PageId(id)) {
+                out.push(Page {
+                    id: PageId(id),
                     handle,
-                    first_page: start,
-                    pages: n,
                 });
-            }
-        } else {
-            // Otherwise take the longest runs first, from the chunks with most free pages.
-            let mut left = n;
-            while left > 0 {
-                let Some(&(_, slot)) = s.by_free.iter().next_back() else {
-                    break;
-                };
-                let Some(Some(c)) = s.chunks.get(slot as usize) else {
-                    break;
-                };
-                let handle = c.handle;
-                let mut runs = c.free_runs();
-                runs.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-                for (start, len) in runs {
-                    if left == 0 {
-                        break;
-                    }
-                    let k = len.min(left);
-                    s.mark(slot, start, k, true);
-                    out.push(PageRun {
-                        chunk: ChunkId(slot),
-                        handle,
-                        first_page: start,
-                        pages: k,
-                    });
-                    left -= k;
-                }
             }
         }
         Ok(out)
     }
 
-    /// Return runs handed out by [`PagePool::take`]. Every run is validated
+    /// Return pages handed out by [`PagePool::take`]. Every page is validated
     /// first; on error nothing changes.
-    pub fn give_back(&self, runs: &[PageRun]) -> Result<(), PoolError> {
+    pub fn give_back(&self, pages: &[Page]) -> Result<(), PoolError> {
         let mut s = self.lock()?;
-        for r in runs {
-            let ok = match s.chunks.get(r.chunk.0 as usize) {
-                Some(Some(c)) => {
-                    c.handle == r.handle && r.pages > 0 && c.all_used(r.first_page, r.pages)
+        for (i, p) in pages.iter().enumerate() {
+            if s.handle(p.id) != Some(p.handle) || s.is_free(p.id) {
+                // Undo the marks made for the pages before this one.
+                for q in &pages[..i] {
+                    s.set_free(q.id.0, false);
                 }
-                _ => false,
-            };
-            if !ok {
-                return Err(PoolError::InvalidRun(*r));
+                return Err(PoolError::InvalidPage(*p));
             }
+            // Marked now so that a page named twice is caught.
+            s.set_free(p.id.0, true);
         }
-        // Validate against overlaps among the runs themselves.
-        let mut sorted: Vec<&PageRun> = runs.iter().collect();
-        sorted.sort_unstable_by_key(|r| (r.chunk, r.first_page));
-        for w in sorted.windows(2) {
-            if w[0].chunk == w[1].chunk && w[0].first_page + w[0].pages > w[1].first_page {
-                return Err(PoolError::InvalidRun(*w[1]));
-            }
-        }
-        for r in runs {
-            s.mark(r.chunk.0, r.first_page, r.pages, false);
-        }
+        s.free_stack.extend(pages.iter().map(|p| p.id.0));
         Ok(())
     }
 
-    /// Grow the pool so that at least `needed` more pages are free: one chunk of
-    /// `needed` pages plus the growth policy's margin, or exactly `needed` when
-    /// the larger chunk cannot be created. Returns the pages added. On error the
+    /// Grow the pool so that at least `needed` more pages are free: `needed`
+    /// pages plus the growth policy's margin, or exactly `needed` when the
+    /// device cannot create the margin. Returns the pages added. On error the
     /// pool is exactly as it was.
     pub fn grow(&self, needed: u64) -> Result<u64, PoolError> {
         if needed == 0 {
             return Ok(0);
         }
-        let held = self.total_pages();
-        let by_limit = self.limit_pages.saturating_sub(held);
+        let mut s = self.lock()?;
+        let by_limit = self.limit_pages.saturating_sub(s.total_pages);
         if needed > by_limit {
             return Err(PoolError::LimitReached {
                 requested: needed,
@@ -361,9 +323,8 @@ impl PagePool {
         let want = self
             .config
             .growth
-            .chunk_pages(needed, held, self.page_size)
-            .min(by_limit)
-            .max(needed);
+            .pages_to_create(needed, s.total_pages, self.page_size)
+            .min(by_limit);
         let created = match self.create_handles(want) {
             Ok(c) => c,
             Err(PoolError::Driver(e)) if e.is_out_of_memory() && want > needed => {
@@ -371,177 +332,127 @@ impl PagePool {
             }
             Err(e) => return Err(e),
         };
-        let mut s = match self.lock() {
-            Ok(s) => s,
-            Err(e) => {
-                for (h, _) in created {
-                    let _ = self.vmm.release(h);
-                }
-                return Err(e);
-            }
-        };
-        let mut pages = 0;
-        for (handle, n) in created {
-            let chunk = Chunk::new(handle, n);
-            let slot = if let Some(slot) = s.free_slots.pop() {
-                s.chunks[slot as usize] = Some(chunk);
-                slot
-            } else {
-                s.chunks.push(Some(chunk));
-                (s.chunks.len() - 1) as u32
-            };
-            s.by_free.insert((n, slot));
-            s.chunk_count += 1;
-            s.total_pages += n;
-            s.free_pages += n;
-            s.created += 1;
-            pages += n;
+        let pages = created.len() as u64;
+        for h in created {
+            s.add(h);
         }
         s.peak_pages = s.peak_pages.max(s.total_pages);
         tracing::debug!(pages, "pool grew");
         Ok(pages)
     }
 
-    /// Create `pages` pages as one handle, or as several when the growth policy
-    /// limits the handle size. All or nothing: on error, the handles created
-    /// so far are released.
-    fn create_handles(&self, pages: u64) -> Result<Vec<(PhysHandle, u64)>, PoolError> {
-        let per = self
-            .config
-            .growth
-            .handle_pages(self.page_size)
-            .unwrap_or(pages)
-            .max(1);
-        let mut out = Vec::new();
-        let mut left = pages;
-        while left > 0 {
-            let n = left.min(per);
-            match self.vmm.create(n * self.page_size) {
-                Ok(h) => out.push((h, n)),
+    /// Create `pages` handles of one page each. All or nothing: on error, the
+    /// handles created so far are released.
+    fn create_handles(&self, pages: u64) -> Result<Vec<PhysHandle>, PoolError> {
+        let mut out = Vec::with_capacity(pages as usize);
+        for _ in 0..pages {
+            match self.vmm.create(self.page_size) {
+                Ok(h) => out.push(h),
                 Err(e) => {
-                    for (h, _) in out {
-                        let _ = self.vmm.release(h);
+                    for h in out {
+                        if let Err(r) = self.vmm.release(h) {
+                            tracing::warn!(error = %r, "releasing a page after a failed growth failed");
+                        }
                     }
                     return Err(e.into());
                 }
             }
-            left -= n;
         }
         Ok(out)
     }
 
-    /// Release chunks whose pages are all free, largest first, while the pool
-    /// holds more than `keep_bytes`. Returns the bytes released. A failing
-    /// release keeps that chunk (and stops).
+    /// Release free pages while the pool holds more than `keep_bytes`.
+    /// Returns the bytes released. A failing release keeps that page (free)
+    /// and returns the error.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64, PoolError> {
         let mut s = self.lock()?;
-        let keep_pages = keep_bytes / self.page_size.max(1);
-        let mut candidates: Vec<(u64, usize)> = s
-            .chunks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| {
-                c.as_ref()
-                    .filter(|c| c.free_count == c.pages)
-                    .map(|c| (c.pages, i))
-            })
-            .collect();
-        candidates.sort_unstable_by(|a, b| b.cmp(a));
+        let keep_pages = keep_bytes / self.page_size;
         let mut released = 0;
-        for (pages, slot) in candidates {
-            if s.total_pages <= keep_pages {
+        while s.total_pages > keep_pages {
+            let Some(id) = s.free_stack.pop() else {
                 break;
-            }
-            let Some(Some(c)) = s.chunks.get(slot) else {
+            };
+            let Some(handle) = s.handle(PageId(id)) else {
                 continue;
             };
-            self.vmm.release(c.handle)?;
-            s.chunks[slot] = None;
-            s.free_slots.push(slot as u32);
-            s.by_free.remove(&(pages, slot as u32));
-            s.chunk_count -= 1;
-            s.total_pages -= pages;
-            s.free_pages -= pages;
+            if let Err(e) = self.vmm.release(handle) {
+                s.free_stack.push(id);
+                return Err(e.into());
+            }
+            s.slots[id as usize] = None;
+            s.set_free(id, false);
+            s.vacant.push(id);
+            s.total_pages -= 1;
             s.released += 1;
-            released += pages * self.page_size;
+            released += self.page_size;
         }
         Ok(released)
     }
 
-    /// True when page `page` of chunk `chunk` is held and handed out.
-    pub fn is_in_use(&self, chunk: ChunkId, page: u64) -> bool {
+    /// True when page `id` is held and handed out.
+    pub fn is_in_use(&self, id: PageId) -> bool {
         match self.lock() {
-            Ok(s) => match s.chunks.get(chunk.0 as usize) {
-                Some(Some(c)) => page < c.pages && !c.is_free(page),
-                _ => false,
-            },
+            Ok(s) => s.handle(id).is_some() && !s.is_free(id),
             Err(_) => false,
         }
     }
 
-    /// Every page handed out now, as (chunk, page index), in order.
-    pub fn pages_in_use(&self) -> Vec<(ChunkId, u64)> {
-        let mut out = Vec::new();
-        if let Ok(s) = self.lock() {
-            for (i, c) in s.chunks.iter().enumerate() {
-                if let Some(c) = c {
-                    for p in 0..c.pages {
-                        if !c.is_free(p) {
-                            out.push((ChunkId(i as u32), p));
-                        }
-                    }
-                }
-            }
-        }
-        out
+    /// Every page handed out now, in id order.
+    pub fn pages_in_use(&self) -> Vec<PageId> {
+        let Ok(s) = self.lock() else {
+            return Vec::new();
+        };
+        (0..s.slots.len() as u32)
+            .map(PageId)
+            .filter(|&id| s.handle(id).is_some() && !s.is_free(id))
+            .collect()
     }
 
     /// Check the pool's invariants (see the crate documentation).
     pub fn check_invariants(&self) -> Result<(), String> {
         let s = self.lock().map_err(|e| e.to_string())?;
-        let mut total = 0;
-        let mut free = 0;
-        for (i, c) in s.chunks.iter().enumerate() {
-            if let Some(c) = c {
-                let bits = c.count_free();
-                if bits != c.free_count {
-                    return Err(format!(
-                        "chunk {i}: free_count {} but {bits} free bits",
-                        c.free_count
-                    ));
-                }
-                total += c.pages;
-                free += c.free_count;
-            } else if !s.free_slots.contains(&(i as u32)) {
-                return Err(format!("empty chunk slot {i} not in the free-slot list"));
+        let held = s.slots.iter().flatten().count() as u64;
+        if held != s.total_pages {
+            return Err(format!(
+                "pool counts {} pages, holds {held}",
+                s.total_pages
+            ));
+        }
+        if s.free.len() != s.slots.len() {
+            return Err("free map and slots differ in length".to_string());
+        }
+        let mut seen = bitvec![u64, Lsb0; 0; s.slots.len()];
+        for &id in &s.free_stack {
+            let i = id as usize;
+            if i >= s.slots.len() || s.slots[i].is_none() {
+                return Err(format!("free stack names page {id}, which is not held"));
+            }
+            if seen[i] {
+                return Err(format!("page {id} is on the free stack twice"));
+            }
+            seen.set(i, true);
+        }
+        if seen != s.free {
+            return Err("free map and free stack disagree".to_string());
+        }
+        for &id in &s.vacant {
+            if s.slots.get(id as usize).is_none_or(|h| h.is_some()) {
+                return Err(format!("vacant id {id} holds a page"));
             }
         }
-        let indexed: BTreeSet<(u64, u32)> = s
-            .chunks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| {
-                c.as_ref()
-                    .filter(|c| c.free_count > 0)
-                    .map(|c| (c.free_count, i as u32))
-            })
-            .collect();
-        if indexed != s.by_free {
-            return Err("free-page index out of date".to_string());
-        }
-        if s.chunk_count != s.chunks.iter().flatten().count() as u64 {
-            return Err("chunk count out of date".to_string());
-        }
-        if total != s.total_pages || free != s.free_pages {
-            return Err(format!(
-                "pool totals {} / {} free, chunks sum to {total} / {free}",
-                s.total_pages, s.free_pages
-            ));
+        if s.vacant.len() as u64 + held != s.slots.len() as u64 {
+            return Err("vacant ids out of date".to_string());
         }
         if s.total_pages > self.limit_pages {
             return Err(format!(
                 "pool holds {} pages over its limit {}",
                 s.total_pages, self.limit_pages
+            ));
+        }
+        if s.created - s.released != s.total_pages {
+            return Err(format!(
+                "created {} - released {} != held {}",
+                s.created, s.released, s.total_pages
             ));
         }
         Ok(())
@@ -554,22 +465,20 @@ impl Drop for PagePool {
             Ok(s) => s,
             Err(p) => p.into_inner(),
         };
-        let in_use = state.total_pages - state.free_pages;
+        let in_use = state.total_pages - state.free_stack.len() as u64;
         if in_use > 0 {
             tracing::warn!(
                 pages = in_use,
                 "page pool dropped with pages still handed out"
             );
         }
-        for c in state.chunks.iter_mut() {
-            if let Some(c) = c.take() {
-                if let Err(e) = self.vmm.release(c.handle) {
-                    tracing::warn!(error = %e, "releasing a chunk at drop failed");
-                }
+        for h in state.slots.iter_mut().filter_map(Option::take) {
+            if let Err(e) = self.vmm.release(h) {
+                tracing::warn!(error = %e, "releasing a page at drop failed");
             }
         }
         state.total_pages = 0;
-        state.free_pages = 0;
+        state.free_stack.clear();
     }
 }
 

@@ -15,7 +15,15 @@ fn sim(cap: u64) -> Arc<SimVmm> {
 
 fn pool(vmm: &Arc<SimVmm>, growth: GrowthPolicy, limit: MemoryLimit) -> PagePool {
     let v: Arc<dyn Vmm> = vmm.clone();
-    PagePool::new(v, PoolConfig { growth, limit }).unwrap()
+    PagePool::new(
+        v,
+        PoolConfig {
+            page_size: PageSize::Granularity,
+            growth,
+            limit,
+        },
+    )
+    .unwrap()
 }
 
 #[test]
@@ -24,38 +32,51 @@ fn grow_take_give_back_trim() {
     let p = pool(&vmm, GrowthPolicy::default(), MemoryLimit::Device);
     assert_eq!(p.page_size(), 2 * MIB);
     assert_eq!(p.grow(4).unwrap(), 4);
+    assert_eq!(vmm.driver_stats().count(CallKind::Create), 4, "one handle per page");
     assert_eq!(p.free_pages(), 4);
-    let runs = p.take(3).unwrap();
-    assert_eq!(runs.len(), 1, "one chunk serves three pages as one run");
-    assert_eq!(runs[0].pages, 3);
+    let pages = p.take(3).unwrap();
+    assert_eq!(pages.len(), 3);
     p.check_invariants().unwrap();
     assert!(p.take(2).is_err());
     assert_eq!(p.free_pages(), 1);
-    assert_eq!(p.trim(0).unwrap(), 0, "a chunk with pages in use is kept");
-    p.give_back(&runs).unwrap();
-    assert!(p.give_back(&runs).is_err(), "double give-back rejected");
+    assert_eq!(p.trim(0).unwrap(), 2 * MIB, "only the free page is released");
+    assert!(p.is_in_use(pages[0].id));
+    p.give_back(&pages).unwrap();
+    assert!(p.give_back(&pages).is_err(), "double give-back rejected");
+    assert!(
+        p.give_back(&[pages[0], pages[0]]).is_err(),
+        "a page named twice is rejected"
+    );
     p.check_invariants().unwrap();
-    assert_eq!(p.trim(0).unwrap(), 8 * MIB);
+    assert_eq!(p.trim(0).unwrap(), 6 * MIB);
     assert_eq!(p.total_pages(), 0);
     drop(p);
     assert!(vmm.leak_report().is_empty());
 }
 
 #[test]
-fn take_spans_chunks_without_contiguity() {
+fn every_page_is_one_whole_handle() {
     let vmm = sim(64 * MIB);
-    let p = pool(&vmm, GrowthPolicy::page_per_chunk(), MemoryLimit::Device);
-    for _ in 0..5 {
-        p.grow(1).unwrap();
+    let p = pool(&vmm, GrowthPolicy::exact(), MemoryLimit::Device);
+    p.grow(5).unwrap();
+    let pages = p.take(5).unwrap();
+    let mut handles: Vec<_> = pages.iter().map(|p| p.handle).collect();
+    handles.sort();
+    handles.dedup();
+    assert_eq!(handles.len(), 5, "five pages, five handles");
+    // Each maps whole at offset 0 under CUDA's rule.
+    let va = vmm.reserve(10 * MIB, 0).unwrap();
+    for (i, pg) in pages.iter().enumerate() {
+        vmm.map(va + i as u64 * 2 * MIB, 2 * MIB, pg.handle, 0)
+            .unwrap();
     }
-    let a = p.take(2).unwrap();
-    assert_eq!(a.len(), 2);
-    let b = p.take(3).unwrap();
-    assert_eq!(b.iter().map(|r| r.pages).sum::<u64>(), 3);
-    p.give_back(&a).unwrap();
-    p.give_back(&b).unwrap();
-    p.check_invariants().unwrap();
-    assert_eq!(vmm.driver_stats().count(CallKind::Create), 5);
+    for i in 0..5u64 {
+        vmm.unmap(va + i * 2 * MIB, 2 * MIB).unwrap();
+    }
+    vmm.address_free(va, 10 * MIB).unwrap();
+    p.give_back(&pages).unwrap();
+    drop(p);
+    assert!(vmm.leak_report().is_empty());
 }
 
 #[test]
@@ -64,10 +85,8 @@ fn growth_margin_and_limit() {
     let p = pool(
         &vmm,
         GrowthPolicy {
-            min_chunk_bytes: 0,
-            max_chunk_bytes: 1 << 30,
             ahead_divisor: 4,
-            max_handle_bytes: 0,
+            max_margin_bytes: 1 << 30,
         },
         MemoryLimit::Bytes(40 * MIB),
     );
@@ -85,19 +104,16 @@ fn failed_growth_leaves_pool_unchanged_and_falls_back_to_exact() {
     let p = pool(
         &vmm,
         GrowthPolicy {
-            min_chunk_bytes: 64 * MIB,
-            max_chunk_bytes: 64 * MIB,
-            ahead_divisor: 0,
-            max_handle_bytes: 0,
+            ahead_divisor: 1,
+            max_margin_bytes: 1 << 30,
         },
         MemoryLimit::Device,
     );
-    // The limit clips the chunk to the device.
-    assert_eq!(p.grow(2).unwrap(), 8);
-    assert_eq!(p.trim(0).unwrap(), 16 * MIB);
-    // When the larger chunk cannot be created, the pool falls back to exactly 2 pages.
-    vmm.inject(Fault::nth(CallKind::Create, 1));
     assert_eq!(p.grow(2).unwrap(), 2);
+    // The margin (2 pages) cannot all be created: exactly the 2 needed are.
+    vmm.inject(Fault::nth(CallKind::Create, 4));
+    assert_eq!(p.grow(2).unwrap(), 2);
+    assert_eq!(p.total_pages(), 4);
     vmm.inject(Fault::always(CallKind::Create));
     let before = p.stats();
     assert!(p.grow(1).is_err());
@@ -109,11 +125,11 @@ fn failed_growth_leaves_pool_unchanged_and_falls_back_to_exact() {
 }
 
 #[test]
-fn one_handle_per_page_is_all_or_nothing() {
+fn growth_is_all_or_nothing() {
     let vmm = sim(64 * MIB);
-    let p = pool(&vmm, GrowthPolicy::page_per_chunk(), MemoryLimit::Device);
+    let p = pool(&vmm, GrowthPolicy::exact(), MemoryLimit::Device);
     assert_eq!(p.grow(3).unwrap(), 3);
-    assert_eq!(p.stats().chunks, 3);
+    assert_eq!(p.stats().handles_created, 3);
     vmm.inject(Fault::nth(CallKind::Create, 2));
     let before = p.stats();
     assert!(p.grow(4).is_err());
@@ -125,6 +141,28 @@ fn one_handle_per_page_is_all_or_nothing() {
     p.check_invariants().unwrap();
     drop(p);
     assert!(vmm.leak_report().is_empty());
+}
+
+#[test]
+fn page_size_is_a_multiple_of_the_granularity() {
+    let vmm = sim(200 * MIB);
+    let v: Arc<dyn Vmm> = vmm.clone();
+    let cfg = |page_size| PoolConfig {
+        page_size,
+        ..PoolConfig::default()
+    };
+    let p = PagePool::new(v.clone(), cfg(PageSize::Bytes(20 * MIB))).unwrap();
+    assert_eq!(p.page_size(), 20 * MIB);
+    assert_eq!(p.limit_pages(), 10);
+    p.grow(1).unwrap();
+    assert_eq!(vmm.physical_in_use(), 20 * MIB);
+    drop(p);
+    for bad in [PageSize::Bytes(3 * MIB), PageSize::Bytes(0)] {
+        assert!(matches!(
+            PagePool::new(v.clone(), cfg(bad)),
+            Err(PoolError::InvalidPageSize { .. })
+        ));
+    }
 }
 
 #[test]
@@ -151,20 +189,20 @@ mod prop {
         #[test]
         fn random_take_give(ops in proptest::collection::vec((0u8..4, 1u64..6), 1..60)) {
             let vmm = sim(64 * MIB);
-            let p = pool(&vmm, GrowthPolicy { min_chunk_bytes: 0, max_chunk_bytes: 8 * MIB, ahead_divisor: 2, max_handle_bytes: 0 }, MemoryLimit::Device);
-            let mut held: Vec<Vec<PageRun>> = Vec::new();
+            let p = pool(&vmm, GrowthPolicy { ahead_divisor: 2, max_margin_bytes: 8 * MIB }, MemoryLimit::Device);
+            let mut held: Vec<Vec<Page>> = Vec::new();
             for (op, n) in ops {
                 match op {
                     0 => { let _ = p.grow(n); }
                     1 => if let Ok(r) = p.take(n) {
-                        prop_assert_eq!(r.iter().map(|x| x.pages).sum::<u64>(), n);
+                        prop_assert_eq!(r.len() as u64, n);
                         held.push(r);
                     },
                     2 => if let Some(r) = held.pop() { p.give_back(&r).unwrap(); },
                     _ => { p.trim(0).unwrap(); }
                 }
                 p.check_invariants().unwrap();
-                let in_use: u64 = held.iter().flatten().map(|r| r.pages).sum();
+                let in_use = held.iter().flatten().count() as u64;
                 prop_assert_eq!(p.total_pages() - p.free_pages(), in_use);
                 prop_assert_eq!(p.pages_in_use().len() as u64, in_use);
             }
