@@ -12,20 +12,11 @@ use quilt_vmm::Vmm;
 /// The allocators every comparison runs by default, in report order.
 pub const ALLOCATOR_NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
 
-/// Variants run only when named: `quilt-remap` is Quilt's
-/// [`QuiltConfig::remap_live`] policy (fewer driver calls; unsafe when several
-/// host threads launch work).
-pub const EXTRA_ALLOCATOR_NAMES: [&str; 1] = ["quilt-remap"];
-
 /// Why an allocator could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     /// No allocator has this name.
-    #[error(
-        "unknown allocator `{name}` (known: {}, {})",
-        ALLOCATOR_NAMES.join(", "),
-        EXTRA_ALLOCATOR_NAMES.join(", ")
-    )]
+    #[error("unknown allocator `{name}` (known: {})", ALLOCATOR_NAMES.join(", "))]
     Unknown {
         /// The name asked for.
         name: String,
@@ -42,7 +33,7 @@ pub enum RegistryError {
 
 /// Check that `name` is a known allocator, without building one.
 pub fn check_name(name: &str) -> Result<(), RegistryError> {
-    if ALLOCATOR_NAMES.contains(&name) || EXTRA_ALLOCATOR_NAMES.contains(&name) {
+    if ALLOCATOR_NAMES.contains(&name) {
         Ok(())
     } else {
         Err(RegistryError::Unknown {
@@ -66,9 +57,6 @@ pub fn build(name: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, 
         )),
         "quilt" => Ok(Box::new(
             QuiltAllocator::new(vmm, QuiltConfig::default()).map_err(wrap)?,
-        )),
-        "quilt-remap" => Ok(Box::new(
-            QuiltAllocator::new(vmm, QuiltConfig::remap_live()).map_err(wrap)?,
         )),
         "gmlake" => Ok(Box::new(
             QuiltAllocator::new(vmm, QuiltConfig::gmlake()).map_err(wrap)?,

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
-use quilt_alloc::{AllocError, BlockState, DeviceAllocator, OomVerdict};
+use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig, ReclaimPolicy};
+use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{StreamId, Vmm};
 
@@ -44,16 +44,14 @@ struct Model {
     live: BTreeMap<u64, (u64, BTreeSet<u64>)>,
     /// The stream each live block was allocated on.
     owner: BTreeMap<u64, u64>,
-    /// Freed blocks still waiting: ptr -> (size, streams not yet completed).
-    pending: BTreeMap<u64, (u64, BTreeSet<u64>)>,
 }
 
 impl Model {
-    /// Pages touched by live or pending blocks (distinct virtual pages; every
-    /// arena is page aligned, so these are distinct physical pages too).
+    /// Pages touched by live blocks (distinct virtual pages; every arena is
+    /// page aligned, so these are distinct physical pages too).
     fn touched_pages(&self) -> u64 {
         let mut pages = BTreeSet::new();
-        for (&p, (s, _)) in self.live.iter().chain(self.pending.iter()) {
+        for (&p, (s, _)) in self.live.iter() {
             for pg in p / PAGE..=(p + s - 1) / PAGE {
                 pages.insert(pg);
             }
@@ -69,7 +67,6 @@ fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseE
     let mut m = Model {
         live: BTreeMap::new(),
         owner: BTreeMap::new(),
-        pending: BTreeMap::new(),
     };
     for op in ops {
         match op {
@@ -102,11 +99,8 @@ fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseE
                 }
                 let ptr = *m.live.keys().nth(pick % m.live.len()).unwrap();
                 a.free(ptr).unwrap();
-                let (size, rec) = m.live.remove(&ptr).unwrap();
+                m.live.remove(&ptr).unwrap();
                 m.owner.remove(&ptr);
-                if !rec.is_empty() {
-                    m.pending.insert(ptr, (size, rec));
-                }
                 let again = matches!(a.free(ptr), Err(AllocError::DoubleFree { .. }));
                 prop_assert!(again, "double free not reported");
             }
@@ -123,48 +117,32 @@ fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseE
             }
             Op::Complete { stream } => {
                 sim.complete_stream(StreamId(stream));
-                for (_, (_, rec)) in m.pending.iter_mut() {
-                    rec.remove(&stream);
-                }
-                m.pending.retain(|_, (_, rec)| !rec.is_empty());
-                // Completed frees are noticed at the next operation (stats polls).
-                let _ = a.stats();
             }
             Op::Sync => {
                 sim.complete_all();
-                m.pending.clear();
-                let _ = a.stats();
             }
             Op::EmptyCache => {
                 a.empty_cache().unwrap();
                 prop_assert_eq!(a.cached_bytes(), 0);
             }
         }
-        // A stream that waited on another stream's event (when cached pages
-        // moved across) or was synchronised before an unmap completes that
-        // work too: the allocator may see more frees completed than the model.
-        // Take those from the snapshot, checking that the allocator never keeps
-        // pending what the model has completed.
-        let still: BTreeSet<u64> = a
-            .snapshot()
-            .segments
-            .iter()
-            .flat_map(|s| s.blocks.iter())
-            .filter(|b| b.state == BlockState::PendingFree)
-            .map(|b| b.address)
-            .collect();
-        for p in &still {
-            prop_assert!(
-                m.pending.contains_key(p),
-                "{:#x} pending in the allocator only",
-                p
-            );
-        }
-        m.pending.retain(|p, _| still.contains(p));
         a.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(a.touched_bytes(), m.touched_pages() * PAGE);
         prop_assert!(a.stats().reserved_bytes.current <= capacity);
+        // No page under a live block is ever unmapped: every page of every
+        // live block translates to a physical page, each one a whole handle.
+        for (&p, &(s, _)) in &m.live {
+            for pg in p / PAGE..=(p + s - 1) / PAGE {
+                let t = sim.translate(pg * PAGE);
+                prop_assert!(
+                    t.is_some(),
+                    "page {:#x} of live block {:#x} unmapped",
+                    pg * PAGE,
+                    p
+                );
+            }
+        }
     }
     for &ptr in m.live.keys() {
         a.free(ptr).unwrap();
@@ -205,15 +183,24 @@ proptest! {
     }
 
     #[test]
-    fn central_promise_with_the_cuda_safe_preset(ops in proptest::collection::vec(op(), 1..120)) {
-        run(ops, 64 * MIB, QuiltConfig::cuda_safe())?;
+    fn central_promise_with_every_reclaim_policy(
+        ops in proptest::collection::vec(op(), 1..120),
+        policy in prop_oneof![
+            Just(ReclaimPolicy::WhenFull),
+            Just(ReclaimPolicy::Always),
+            (0u64..200).prop_map(ReclaimPolicy::CachedAbove),
+            (0u64..50).prop_map(ReclaimPolicy::IdleFor),
+        ],
+        candidates in 1usize..10,
+    ) {
+        let config = QuiltConfig { reclaim: policy, placement_candidates: candidates, ..QuiltConfig::default() };
+        run(ops, 64 * MIB, config)?;
     }
 
     #[test]
-    fn invariants_with_a_large_growth_margin_mapped_ahead(ops in proptest::collection::vec(op(), 1..120)) {
+    fn invariants_with_a_large_growth_margin(ops in proptest::collection::vec(op(), 1..120)) {
         let mut config = QuiltConfig::default();
         config.pool.growth.ahead_divisor = 2;
-        config.pool.growth.min_chunk_bytes = 8 * MIB;
         run(ops, 96 * MIB, config)?;
     }
 }

@@ -1,56 +1,64 @@
-//! One virtual arena: a reserved address range of one stream and one size class,
-//! carved into blocks at 512-byte granularity, with the page table behind it.
+//! One virtual arena: a reserved address range carved into blocks at 512-byte
+//! granularity, with the page table behind it.
 //!
 //! Pure bookkeeping: no driver call is made here.
 //!
 //! Offsets are relative to the arena's base. The arena keeps:
-//! - `occupied`: blocks that hold their range (live, or freed but waiting on
-//!   other streams' events), start -> end, never overlapping;
+//! - `occupied`: blocks that hold their range, start -> end, never overlapping;
 //! - `gaps`: the maximal free ranges between them (the exact complement of
 //!   `occupied` inside the arena, coalesced), indexed by start and by
 //!   (length, start) for best fit;
-//! - `touch[p]`: how many occupied blocks overlap virtual page `p`;
-//! - `mappings`: the driver mappings, start page -> [`Mapping`] (one `cuMemMap`
-//!   each: a run of neighbouring pages of one pool chunk), never overlapping.
+//! - `pages[p]`: virtual page `p`: how many blocks touch it, the pool page
+//!   mapped there (one handle, mapped whole at offset 0), and which streams
+//!   freed blocks on it since it was mapped, and when;
+//! - `hazards`: freed byte ranges whose streams' work may still use them,
+//!   start -> [`Hazard`], disjoint and never overlapping an occupied block.
 //!
-//! Invariants: every page with `touch > 0` lies inside a mapping (a block's pages
-//! are always backed); a mapping's `untouched` equals the number of its pages
-//! with `touch == 0` (its cached pages); `cached_pages` is their sum and
-//! `touched_pages` the number of pages with `touch > 0`.
+//! Invariants: every page with `touch > 0` is mapped (a block's pages are
+//! always backed); `cached_pages` counts the mapped pages with `touch == 0`,
+//! `touched_pages` those with `touch > 0`, `mapped_pages` the mapped ones.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use quilt_pool::PageRun;
+use quilt_pool::Page;
 
-/// One driver mapping inside an arena.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Mapping {
-    /// Number of pages mapped.
-    pub(crate) pages: u64,
-    /// The pool pages behind it (`run.pages == pages`).
-    pub(crate) run: PageRun,
-    /// Pages of this mapping that no occupied block touches (cached pages).
-    pub(crate) untouched: u64,
-    /// Tick of the last change of `untouched` (the reclaim order's age).
-    pub(crate) tick: u64,
-    /// The key under which this mapping is listed in the reclaim order now.
-    pub(crate) listed: Option<(u8, u64)>,
+/// The shortest hazard list worth pruning.
+const PRUNE_MIN: usize = 256;
+
+/// One virtual page of an arena.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PageSlot {
+    /// Blocks overlapping this page.
+    pub(crate) touch: u32,
+    /// The pool page mapped here.
+    pub(crate) phys: Option<Page>,
+    /// Streams (as bits, see `Streams::bit`) that freed a block on this page
+    /// since it was mapped: their work may still use it.
+    pub(crate) freed_by: u64,
+    /// The allocator tick of the last free on this page.
+    pub(crate) freed_at: u64,
+    /// The tick at which the page last became cached (mapped, untouched): its
+    /// entry in the reclaim queue is valid while this matches.
+    pub(crate) cached_at: u64,
 }
 
-impl Mapping {
-    /// The key of this mapping in the reclaim order, if it has cached pages:
-    /// fully cached mappings first (class 0, one unmap frees them), then partly
-    /// cached ones (class 1, need an unmap and a remap of their used pages); the
-    /// oldest first within a class.
-    pub(crate) fn reclaim_class(&self) -> Option<u8> {
-        if self.untouched == 0 {
-            None
-        } else if self.untouched == self.pages {
-            Some(0)
-        } else {
-            Some(1)
-        }
+impl PageSlot {
+    /// Mapped and touched by no block.
+    pub(crate) fn is_cached(&self) -> bool {
+        self.phys.is_some() && self.touch == 0
     }
+}
+
+/// A freed byte range whose streams' work may still read or write it: a new
+/// block over it on another stream must wait for that work first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Hazard {
+    /// End of the range (exclusive).
+    pub(crate) end: u64,
+    /// The streams that used it (bits, see `Streams::bit`).
+    pub(crate) streams: u64,
+    /// The allocator tick of the free.
+    pub(crate) tick: u64,
 }
 
 /// One arena. See the module documentation.
@@ -65,12 +73,10 @@ pub(crate) struct Arena {
     pub(crate) occupied: BTreeMap<u64, u64>,
     pub(crate) gaps: BTreeMap<u64, u64>,
     pub(crate) gaps_by_size: BTreeSet<(u64, u64)>,
-    pub(crate) touch: Vec<u32>,
-    /// Per virtual page, the streams (as bits, see `State::stream_bit`) that
-    /// freed a block on it and whose later work a new user of the page must
-    /// wait for.
-    pub(crate) free_mask: Vec<u64>,
-    pub(crate) mappings: BTreeMap<u64, Mapping>,
+    pub(crate) pages: Vec<PageSlot>,
+    pub(crate) hazards: BTreeMap<u64, Hazard>,
+    /// Prune `hazards` when it reaches this length.
+    prune_at: usize,
     pub(crate) cached_pages: u64,
     pub(crate) touched_pages: u64,
     pub(crate) mapped_pages: u64,
@@ -86,9 +92,9 @@ impl Arena {
             occupied: BTreeMap::new(),
             gaps: BTreeMap::new(),
             gaps_by_size: BTreeSet::new(),
-            touch: Vec::new(),
-            free_mask: Vec::new(),
-            mappings: BTreeMap::new(),
+            pages: Vec::new(),
+            hazards: BTreeMap::new(),
+            prune_at: PRUNE_MIN,
             cached_pages: 0,
             touched_pages: 0,
             mapped_pages: 0,
@@ -115,13 +121,13 @@ impl Arena {
         (off / self.page, (off + len - 1) / self.page)
     }
 
-    /// The best-fit gap for `len` bytes: the smallest gap that holds it
-    /// (lowest address among equals); the block goes at the gap's start, next to
-    /// the block before it, so they share their boundary page.
-    pub(crate) fn best_fit(&self, len: u64) -> Option<u64> {
+    /// The starts of up to `n` gaps that hold `len` bytes, best fit first
+    /// (smallest gap, lowest address among equals). A block goes at its gap's
+    /// start, next to the block before it, so they share their boundary page.
+    pub(crate) fn fitting_gaps(&self, len: u64, n: usize) -> impl Iterator<Item = u64> + '_ {
         self.gaps_by_size
             .range((len, 0)..)
-            .next()
+            .take(n)
             .map(|&(_, start)| start)
     }
 
@@ -134,10 +140,7 @@ impl Arena {
             .take(tries)
             .take_while(|&&(l, _)| l <= max_len)
             .map(|&(_, start)| start)
-            .find(|&start| {
-                let (f, l) = self.page_span(start, len);
-                self.unmapped_runs(f, l).is_empty()
-            })
+            .find(|&start| self.unmapped_pages(start, len) == 0)
     }
 
     /// A page-aligned offset for `len` bytes past everything mapped or
@@ -145,10 +148,10 @@ impl Arena {
     pub(crate) fn fresh_tail(&self, len: u64) -> Option<u64> {
         let (&gs, &ge) = self.gaps.iter().next_back()?;
         let mapped_end = self
-            .mappings
+            .pages
             .iter()
-            .next_back()
-            .map(|(&s, m)| (s + m.pages) * self.page)
+            .rposition(|s| s.phys.is_some())
+            .map(|p| (p as u64 + 1) * self.page)
             .unwrap_or(0);
         let start = gs.max(mapped_end).div_ceil(self.page) * self.page;
         (ge >= start && ge - start >= len).then_some(start)
@@ -194,176 +197,169 @@ impl Arena {
         Some(end)
     }
 
-    /// The mapping containing page `p`, as its start page.
-    pub(crate) fn mapping_of(&self, p: u64) -> Option<u64> {
-        self.mappings
-            .range(..=p)
-            .next_back()
-            .filter(|(&s, m)| s + m.pages > p)
-            .map(|(&s, _)| s)
+    /// The slot of page `p` (a default, unmapped slot past the table).
+    pub(crate) fn slot(&self, p: u64) -> PageSlot {
+        self.pages.get(p as usize).copied().unwrap_or_default()
     }
 
-    /// Runs of unmapped pages among pages `first ..= last`, as (start, len).
-    pub(crate) fn unmapped_runs(&self, first: u64, last: u64) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        let mut p = first;
-        let from = self.mapping_of(first).unwrap_or(first);
-        for (&s, m) in self.mappings.range(from..) {
-            if p > last || s > last {
-                break;
-            }
-            if s > p {
-                out.push((p, s - p));
-            }
-            p = p.max(s + m.pages);
-        }
-        if p <= last {
-            out.push((p, last + 1 - p));
-        }
-        out
-    }
-
-    fn ensure_touch_len(&mut self, last: u64) {
+    fn ensure_len(&mut self, last: u64) {
         let need = last as usize + 1;
-        if self.touch.len() < need {
-            self.touch.resize(need, 0);
-            self.free_mask.resize(need, 0);
+        if self.pages.len() < need {
+            self.pages.resize(need, PageSlot::default());
         }
     }
 
-    /// Add `delta` (+1 or -1) to the touch count of pages `first ..= last`.
-    /// Returns the mappings whose `untouched` changed (start pages), so that the
-    /// caller can update the reclaim order.
-    pub(crate) fn touch_range(&mut self, first: u64, last: u64, add: bool, tick: u64) -> Vec<u64> {
-        self.ensure_touch_len(last);
-        // The mappings overlapping the range, in order, with the count of
-        // their pages whose touch count crosses zero.
-        let from = self.mapping_of(first).unwrap_or(first);
-        let mut maps: Vec<(u64, u64, u64)> = self
-            .mappings
-            .range(from..=last)
-            .map(|(&s, m)| (s, s + m.pages, 0))
-            .collect();
-        let mut mi = 0;
-        let mut crossed = 0u64;
-        for p in first..=last {
-            let t = &mut self.touch[p as usize];
-            let transition = if add {
-                *t += 1;
-                *t == 1
-            } else {
-                *t = t.saturating_sub(1);
-                *t == 0
-            };
-            if !transition {
-                continue;
-            }
-            crossed += 1;
-            while mi < maps.len() && maps[mi].1 <= p {
-                mi += 1;
-            }
-            if let Some(m) = maps.get_mut(mi) {
-                if m.0 <= p {
-                    m.2 += 1;
-                }
-            }
-        }
-        if add {
-            self.touched_pages += crossed;
-        } else {
-            self.touched_pages -= crossed;
-        }
-        let mut changed = Vec::new();
-        for (start, _, n) in maps {
-            if n == 0 {
-                continue;
-            }
-            if let Some(m) = self.mappings.get_mut(&start) {
-                if add {
-                    m.untouched -= n;
-                    self.cached_pages -= n;
-                } else {
-                    m.untouched += n;
-                    self.cached_pages += n;
-                }
-                m.tick = tick;
-                changed.push(start);
-            }
-        }
-        changed
-    }
-
-    /// Note that the stream with bit `bit` freed a block on pages `first ..= last`.
-    pub(crate) fn mark_freed(&mut self, first: u64, last: u64, bit: u64) {
-        self.ensure_touch_len(last);
-        for p in first..=last {
-            self.free_mask[p as usize] |= bit;
-        }
-    }
-
-    /// The streams that freed blocks on pages `first ..= last` (union of bits).
-    pub(crate) fn hazard(&self, first: u64, last: u64) -> u64 {
+    /// Pages among `off .. off + len` that are not mapped.
+    pub(crate) fn unmapped_pages(&self, off: u64, len: u64) -> u64 {
+        let (first, last) = self.page_span(off, len);
         (first..=last)
-            .map(|p| self.free_mask.get(p as usize).copied().unwrap_or(0))
-            .fold(0, |a, b| a | b)
+            .filter(|&p| self.slot(p).phys.is_none())
+            .count() as u64
     }
 
-    /// Forget the hazards of the pages lying wholly inside `off .. off + len`
-    /// (their new user has waited for those streams); a partly covered
-    /// boundary page keeps them for the bytes beside the block.
-    pub(crate) fn clear_hazard_inside(&mut self, off: u64, len: u64) {
-        let first = off.div_ceil(self.page);
-        let end = (off + len) / self.page;
-        for p in first..end {
-            if let Some(m) = self.free_mask.get_mut(p as usize) {
-                *m = 0;
+    /// Pages `first ..= last` that are not mapped, in order.
+    pub(crate) fn unmapped_in(&self, first: u64, last: u64) -> Vec<u64> {
+        (first..=last)
+            .filter(|&p| self.slot(p).phys.is_none())
+            .collect()
+    }
+
+    /// A block now covers `off .. off + len`: add one to the touch count of
+    /// its pages.
+    pub(crate) fn touch(&mut self, off: u64, len: u64) {
+        let (first, last) = self.page_span(off, len);
+        self.ensure_len(last);
+        for s in &mut self.pages[first as usize..=last as usize] {
+            s.touch += 1;
+            if s.touch == 1 {
+                self.touched_pages += 1;
+                if s.phys.is_some() {
+                    self.cached_pages -= 1;
+                }
             }
         }
     }
 
-    /// Take the hazards of pages `first .. first + n` (they leave this
-    /// virtual range: unmapped), returning their union.
-    pub(crate) fn take_hazard(&mut self, first: u64, n: u64) -> u64 {
-        let mut out = 0;
-        for p in first..first + n {
-            if let Some(m) = self.free_mask.get_mut(p as usize) {
-                out |= *m;
-                *m = 0;
+    /// A block over `off .. off + len` is gone: take one from the touch
+    /// count of its pages. With `freed`, the block was freed by the streams
+    /// `streams` at `tick` (not rolled back), which the pages remember.
+    /// Calls `cached(page)` for every page that becomes cached.
+    pub(crate) fn untouch(
+        &mut self,
+        off: u64,
+        len: u64,
+        freed: Option<(u64, u64)>,
+        tick: u64,
+        mut cached: impl FnMut(u64),
+    ) {
+        let (first, last) = self.page_span(off, len);
+        self.ensure_len(last);
+        for (i, s) in self.pages[first as usize..=last as usize]
+            .iter_mut()
+            .enumerate()
+        {
+            s.touch = s.touch.saturating_sub(1);
+            if let Some((streams, at)) = freed {
+                s.freed_by |= streams;
+                s.freed_at = s.freed_at.max(at);
+            }
+            if s.touch == 0 {
+                self.touched_pages -= 1;
+                if s.phys.is_some() {
+                    self.cached_pages += 1;
+                    s.cached_at = tick;
+                    cached(first + i as u64);
+                }
             }
         }
-        out
     }
 
-    /// Touch count of page `p`.
-    pub(crate) fn touch_of(&self, p: u64) -> u32 {
-        self.touch.get(p as usize).copied().unwrap_or(0)
+    /// Record that `page` is mapped at virtual page `p` (which must be
+    /// unmapped). Returns true when the page is cached (no block touches it).
+    pub(crate) fn set_mapped(&mut self, p: u64, page: Page, tick: u64) -> bool {
+        self.ensure_len(p);
+        let s = &mut self.pages[p as usize];
+        s.phys = Some(page);
+        s.freed_by = 0;
+        s.freed_at = 0;
+        self.mapped_pages += 1;
+        if s.touch == 0 {
+            s.cached_at = tick;
+            self.cached_pages += 1;
+            true
+        } else {
+            false
+        }
     }
 
-    /// Record a new mapping of `run` at page `start`.
-    pub(crate) fn add_mapping(&mut self, start: u64, run: PageRun, tick: u64) {
-        let untouched = (start..start + run.pages)
-            .filter(|&p| self.touch_of(p) == 0)
-            .count() as u64;
-        self.cached_pages += untouched;
-        self.mapped_pages += run.pages;
-        self.mappings.insert(
-            start,
-            Mapping {
-                pages: run.pages,
-                run,
-                untouched,
+    /// Record that virtual page `p` is unmapped; returns the pool page that
+    /// was there.
+    pub(crate) fn set_unmapped(&mut self, p: u64) -> Option<Page> {
+        let s = self.pages.get_mut(p as usize)?;
+        let page = s.phys.take()?;
+        s.freed_by = 0;
+        s.freed_at = 0;
+        self.mapped_pages -= 1;
+        if s.touch == 0 {
+            self.cached_pages -= 1;
+        }
+        Some(page)
+    }
+
+    /// Note a freed range `off .. off + len` whose `streams` may still use it.
+    pub(crate) fn add_hazard(&mut self, off: u64, len: u64, streams: u64, tick: u64) {
+        self.hazards.insert(
+            off,
+            Hazard {
+                end: off + len,
+                streams,
                 tick,
-                listed: None,
             },
         );
     }
 
-    /// Forget the mapping at page `start`.
-    pub(crate) fn remove_mapping(&mut self, start: u64) -> Option<Mapping> {
-        let m = self.mappings.remove(&start)?;
-        self.cached_pages -= m.untouched;
-        self.mapped_pages -= m.pages;
-        Some(m)
+    /// The hazards overlapping `off .. off + len`, as (start, hazard).
+    pub(crate) fn hazards_over(
+        &self,
+        off: u64,
+        len: u64,
+    ) -> impl Iterator<Item = (u64, Hazard)> + '_ {
+        let end = off + len;
+        let from = self
+            .hazards
+            .range(..=off)
+            .next_back()
+            .filter(|(_, h)| h.end > off)
+            .map(|(&s, _)| s)
+            .unwrap_or(off);
+        self.hazards.range(from..end).map(|(&s, &h)| (s, h))
+    }
+
+    /// Forget the hazards over `off .. off + len` (a block now covers it and
+    /// its stream is ordered after them), keeping the parts beside it.
+    pub(crate) fn clear_hazards(&mut self, off: u64, len: u64) {
+        let end = off + len;
+        let over: Vec<(u64, Hazard)> = self.hazards_over(off, len).collect();
+        for (s, h) in over {
+            self.hazards.remove(&s);
+            if s < off {
+                self.hazards.insert(s, Hazard { end: off, ..h });
+            }
+            if h.end > end {
+                self.hazards.insert(end, h);
+            }
+        }
+    }
+
+    /// Forget the hazards whose work is known complete (`done(h)` is true),
+    /// once the list has doubled since the last time: amortised O(1) per
+    /// hazard added.
+    pub(crate) fn prune_hazards(&mut self, mut done: impl FnMut(&Hazard) -> bool) {
+        if self.hazards.len() < self.prune_at {
+            return;
+        }
+        self.hazards.retain(|_, h| !done(h));
+        self.prune_at = (2 * self.hazards.len()).max(PRUNE_MIN);
     }
 
     /// The virtual address of page `p`.

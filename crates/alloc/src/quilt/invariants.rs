@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use quilt_pool::{ChunkId, PagePool};
+use quilt_pool::{PageId, PagePool};
 
 use super::state::State;
 use crate::error::InvariantViolation;
@@ -19,27 +19,20 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 /// 2. Every block record matches an occupied range, and vice versa; so no two
 ///    live blocks overlap in virtual memory.
 /// 3. Touch counts equal the number of blocks overlapping each page; every
-///    touched page is mapped; mappings do not overlap; cached-page counts and the
-///    reclaim order match.
-/// 4. Every mapped virtual page is backed by exactly one pool page handed out,
-///    and every pool page handed out backs exactly one mapped virtual page; so a
-///    physical page backs two different blocks only when they share that very
-///    virtual page (VA neighbours on a boundary page).
-/// 5. Every statistic equals what it counts.
-/// 6. With `single_owner` (the `single_owner_runs` policy): every mapping of
-///    more than one page lies wholly inside the pages one occupied block covers
-///    entirely, or no block touches any of its pages; so no mapping mixes
-///    cached pages with pages under a block, or pages of two blocks.
-pub(crate) fn check(
-    st: &State,
-    pool: &PagePool,
-    page: u64,
-    single_owner: bool,
-) -> Result<(), InvariantViolation> {
+///    touched page is mapped; the cached, touched and mapped counts are right.
+/// 4. Every mapped virtual page is one pool page handed out, and every pool
+///    page handed out is mapped at exactly one virtual page; so a physical
+///    page backs two different blocks only when they share that very virtual
+///    page (neighbours on a boundary page).
+/// 5. Hazards are disjoint, inside their arena, and never under a block.
+/// 6. Every cached page has exactly one valid entry in the reclaim queue, so
+///    reclaim can find every one of them.
+/// 7. Every statistic equals what it counts.
+pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), InvariantViolation> {
     pool.check_invariants().map_err(InvariantViolation)?;
     let mut occupied_total = 0usize;
-    let mut backing: Vec<(ChunkId, u64)> = Vec::new();
-    let mut reclaim_listed = 0usize;
+    let mut backing: Vec<PageId> = Vec::new();
+    let mut cached_slots: Vec<(usize, u64, u64)> = Vec::new();
     for (ai, a) in st.arenas.iter().enumerate() {
         // 1. occupied and gaps tile the arena.
         let mut pos = 0u64;
@@ -86,104 +79,98 @@ pub(crate) fn check(
         }
         occupied_total += a.occupied.len();
         // 3. touch counts.
-        let mut touch = vec![0u32; a.touch.len()];
+        let mut touch = vec![0u32; a.pages.len()];
         for (&s, &e) in &a.occupied {
             let (f, l) = a.page_span(s, e - s);
             if l as usize >= touch.len() {
-                return fail(format!("arena {ai}: block {s:#x} beyond the touch table"));
+                return fail(format!("arena {ai}: block {s:#x} beyond the page table"));
             }
             for p in f..=l {
                 touch[p as usize] += 1;
             }
         }
-        if touch != a.touch {
-            return fail(format!("arena {ai}: touch counts differ from the blocks"));
+        let (mut touched, mut cached, mut mapped) = (0u64, 0u64, 0u64);
+        for (p, slot) in a.pages.iter().enumerate() {
+            if slot.touch != touch[p] {
+                return fail(format!(
+                    "arena {ai}: page {p} touched {} times, blocks touch it {}",
+                    slot.touch, touch[p]
+                ));
+            }
+            if slot.touch > 0 {
+                touched += 1;
+                if slot.phys.is_none() {
+                    return fail(format!(
+                        "arena {ai}: page {p} is touched by a block but not mapped"
+                    ));
+                }
+            }
+            if let Some(pg) = slot.phys {
+                mapped += 1;
+                backing.push(pg.id);
+                if (p as u64 + 1) * page > a.size {
+                    return fail(format!("arena {ai}: page {p} mapped beyond the arena"));
+                }
+                if slot.touch == 0 {
+                    cached += 1;
+                    cached_slots.push((ai, p as u64, slot.cached_at));
+                }
+            }
         }
-        let touched = touch.iter().filter(|&&t| t > 0).count() as u64;
-        if touched != a.touched_pages {
+        if (touched, cached, mapped) != (a.touched_pages, a.cached_pages, a.mapped_pages) {
             return fail(format!(
-                "arena {ai}: touched_pages {} but {touched} pages touched",
-                a.touched_pages
+                "arena {ai}: touched/cached/mapped {}/{}/{} but pages say {touched}/{cached}/{mapped}",
+                a.touched_pages, a.cached_pages, a.mapped_pages
             ));
         }
+        // 5. hazards.
         let mut prev_end = 0u64;
-        let mut mapped = 0u64;
-        let mut cached = 0u64;
-        for (&s, m) in &a.mappings {
-            if s < prev_end || m.pages == 0 || m.run.pages != m.pages {
+        for (&s, h) in &a.hazards {
+            if s < prev_end || h.end <= s || h.end > a.size {
                 return fail(format!(
-                    "arena {ai}: mapping at page {s} overlaps or is malformed"
+                    "arena {ai}: hazard at {s:#x} overlaps or is malformed"
                 ));
             }
-            if (s + m.pages) * page > a.size {
-                return fail(format!("arena {ai}: mapping at page {s} beyond the arena"));
-            }
-            prev_end = s + m.pages;
-            mapped += m.pages;
-            let untouched = (s..s + m.pages).filter(|&p| a.touch_of(p) == 0).count() as u64;
-            if untouched != m.untouched {
-                return fail(format!(
-                    "arena {ai}: mapping at page {s} counts {} cached pages, has {untouched}",
-                    m.untouched
-                ));
-            }
-            cached += untouched;
-            let want = m.reclaim_class().map(|c| (c, m.tick));
-            if m.listed != want {
-                return fail(format!(
-                    "arena {ai}: mapping at page {s} listed as {:?}, should be {want:?}",
-                    m.listed
-                ));
-            }
-            if let Some((c, t)) = want {
-                if !st.reclaim.contains(&(c, t, ai, s)) {
-                    return fail(format!(
-                        "arena {ai}: mapping at page {s} missing from the reclaim order"
-                    ));
-                }
-                reclaim_listed += 1;
-            }
-            if single_owner && m.pages > 1 && untouched != m.pages {
-                // 6. all its pages inside one block's wholly covered pages.
-                let (lo, hi) = (s * page, (s + m.pages) * page);
-                let owner = a.occupied.range(..hi).next_back();
-                if !owner.is_some_and(|(&bs, &be)| bs <= lo && be >= hi) {
-                    return fail(format!(
-                        "arena {ai}: mapping at page {s} ({} pages) is not single-owner",
-                        m.pages
-                    ));
-                }
-            }
-            for i in 0..m.pages {
-                backing.push((m.run.chunk, m.run.first_page + i));
-            }
-        }
-        if mapped != a.mapped_pages || cached != a.cached_pages {
-            return fail(format!(
-                "arena {ai}: mapped/cached pages {}/{} but mappings hold {mapped}/{cached}",
-                a.mapped_pages, a.cached_pages
-            ));
-        }
-        for (p, &t) in touch.iter().enumerate() {
-            if t > 0 && a.mapping_of(p as u64).is_none() {
-                return fail(format!(
-                    "arena {ai}: page {p} is touched by a block but not mapped"
-                ));
+            prev_end = h.end;
+            if a.occupied
+                .range(..h.end)
+                .next_back()
+                .is_some_and(|(_, &be)| be > s)
+            {
+                return fail(format!("arena {ai}: hazard at {s:#x} lies under a block"));
             }
         }
     }
-    if reclaim_listed != st.reclaim.len() {
+    // 6. the reclaim queue.
+    let valid: HashSet<(usize, u64, u64)> = st
+        .reclaim_queue
+        .iter()
+        .copied()
+        .filter(|&(ai, p, stamp)| {
+            st.arenas.get(ai).is_some_and(|a| {
+                let s = a.slot(p);
+                s.is_cached() && s.cached_at == stamp
+            })
+        })
+        .collect();
+    let listed = st
+        .reclaim_queue
+        .iter()
+        .filter(|e| valid.contains(e))
+        .count();
+    if listed != valid.len() || valid.len() != cached_slots.len() {
         return fail(format!(
-            "reclaim order lists {} mappings, {reclaim_listed} expected",
-            st.reclaim.len()
+            "reclaim queue holds {listed} valid entries ({} distinct) for {} cached pages",
+            valid.len(),
+            cached_slots.len()
         ));
     }
-    // 4. pool pages versus mapped pages (and pages kept after a failed remap).
-    for r in &st.lost_runs {
-        for i in 0..r.pages {
-            backing.push((r.chunk, r.first_page + i));
-        }
+    if let Some(missing) = cached_slots.iter().find(|c| !valid.contains(c)) {
+        return fail(format!(
+            "cached page {missing:?} is missing from the reclaim queue"
+        ));
     }
+    // 4. pool pages versus mapped pages.
     let mut seen = HashSet::with_capacity(backing.len());
     for &b in &backing {
         if !seen.insert(b) {
@@ -191,7 +178,7 @@ pub(crate) fn check(
         }
     }
     backing.sort_unstable();
-    let in_use = pool.pages_in_use();
+    let in_use: Vec<PageId> = pool.pages_in_use();
     if in_use != backing {
         return fail(format!(
             "pool hands out {} pages but {} are mapped",
@@ -206,7 +193,7 @@ pub(crate) fn check(
             st.blocks.len()
         ));
     }
-    let (mut alloc_bytes, mut alloc_n, mut active_bytes, mut requested) = (0u64, 0u64, 0u64, 0u64);
+    let (mut alloc_bytes, mut requested) = (0u64, 0u64);
     for (&ptr, b) in &st.blocks {
         let Some(a) = st.arenas.get(b.arena) else {
             return fail(format!("block {ptr:#x} names a missing arena"));
@@ -214,32 +201,24 @@ pub(crate) fn check(
         if a.base + b.off != ptr || a.occupied.get(&b.off) != Some(&(b.off + b.size)) {
             return fail(format!("block {ptr:#x} does not match its occupied range"));
         }
-        if b.pending.is_none() {
-            alloc_bytes += b.size;
-            alloc_n += 1;
-        }
-        active_bytes += b.size;
+        alloc_bytes += b.size;
         requested += b.requested;
     }
-    for &p in &st.pending {
-        if st.blocks.get(&p).and_then(|b| b.pending.as_ref()).is_none() {
-            return fail(format!("pending list names {p:#x}, which is not pending"));
-        }
-    }
-    // 5. statistics.
+    // 7. statistics.
     let s = &st.stats;
+    let n = st.blocks.len() as u64;
     let checks = [
         ("allocated_bytes", s.allocated_bytes.current, alloc_bytes),
-        ("allocation", s.allocation.current, alloc_n),
-        ("active_bytes", s.active_bytes.current, active_bytes),
-        ("active", s.active.current, st.blocks.len() as u64),
+        ("allocation", s.allocation.current, n),
+        ("active_bytes", s.active_bytes.current, alloc_bytes),
+        ("active", s.active.current, n),
         ("requested_bytes", s.requested_bytes.current, requested),
         (
             "reserved_bytes",
             s.reserved_bytes.current,
             pool.total_pages() * page,
         ),
-        ("segment", s.segment.current, pool.stats().chunks),
+        ("segment", s.segment.current, pool.total_pages()),
     ];
     for (name, have, want) in checks {
         if have != want {

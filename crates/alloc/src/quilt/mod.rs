@@ -1,24 +1,28 @@
 //! # Quilt: the stitching allocator
 //!
-//! Every stream has two virtual arenas (small requests of at most 1 MiB, and
-//! large ones), each a generous reservation of address space carved at
-//! 512-byte granularity. A block goes into the best-fitting free gap of its
-//! arena, at the gap's start, next to the block before it: neighbours share
-//! their boundary pages, so a run of 2.25 MiB tensors packs at 2.25 MiB each.
-//! The pages behind a block come from the physical page pool (`quilt-pool`),
-//! from wherever it has them: one map call per run of neighbouring pages of one
-//! chunk, one set-access call per newly mapped range.
+//! Virtual arenas (one shared by every stream by default), each a generous
+//! reservation of address space carved at 512-byte granularity. A block goes
+//! into one of the best-fitting free gaps of its arena, at the gap's start,
+//! next to the block before it: neighbours share their boundary pages, so a
+//! run of 2.25 MiB tensors packs at 2.25 MiB each. The pages behind a block
+//! come from the physical page pool (`quilt-pool`), from wherever it has them:
+//! every page is one driver handle, mapped whole at offset 0 with its own
+//! `cuMemMap`; one `cuMemSetAccess` covers each newly mapped contiguous range.
 //!
 //! A freed block's pages stay mapped (cached): the next block placed over them
-//! costs no driver call. Placement looks only at where blocks are, not at what
-//! is mapped, so a repeated sequence of sizes lays out the same way every pass
-//! and, after the first pass, finds every page it needs mapped already.
+//! costs no driver call. Since every mapping is one page, any cached page can
+//! be unmapped alone, and no page under a live block is ever unmapped.
 //!
-//! When the pool cannot grow, cached pages (mapped, touched by no block) are
-//! unmapped and remapped where they are needed, in any arena, after the
-//! receiving stream waits for the donor stream's work. A request of `N` new
-//! pages fails only when fewer than `N` pages are free, cached or creatable:
-//! the out-of-memory is capacity, never fragmentation.
+//! Streams: a block freed on one stream may be reused on another once the
+//! freeing stream's work is known complete (an event it recorded has
+//! completed), or after the new stream waits for that work (one
+//! `cuStreamWaitEvent`, at most once per pair of streams for any span of
+//! frees). Placement prefers ranges that need no wait and no new page.
+//!
+//! When the pool cannot grow, cached pages are unmapped and returned to the
+//! pool, after synchronising only the streams whose work may still use them.
+//! A request of `N` new pages fails only when fewer than `N` pages are free,
+//! cached or creatable: the out-of-memory is capacity, never fragmentation.
 //!
 //! See `docs/design.md` for the data structures, the invariants and the figures.
 
@@ -27,6 +31,7 @@ mod config;
 mod invariants;
 mod snapshot;
 mod state;
+mod streams;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -34,7 +39,7 @@ use quilt_pool::PagePool;
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
 pub use config::{QuiltConfig, ReclaimPolicy};
-pub use quilt_pool::{GrowthPolicy, MemoryLimit, PoolConfig};
+pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 
 use crate::api::{Allocation, DeviceAllocator};
 use crate::error::{AllocError, InvariantViolation};
@@ -59,11 +64,6 @@ impl QuiltAllocator {
     pub fn new(vmm: Arc<dyn Vmm>, config: QuiltConfig) -> Result<QuiltAllocator, AllocError> {
         let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
         let page = pool.page_size();
-        if page == 0 || !page.is_power_of_two() {
-            return Err(AllocError::Driver(quilt_vmm::VmmError::Unavailable {
-                reason: format!("granularity {page} is not a power of two"),
-            }));
-        }
         let limit = pool.limit_pages().max(1) * page;
         let arena_va = limit.saturating_mul(config.arena_va_factor.max(1));
         let name = if config.stitch_threshold > 0 {
@@ -114,8 +114,8 @@ impl QuiltAllocator {
             .unwrap_or(0)
     }
 
-    /// Pages touched by at least one block (live, or freed and waiting on
-    /// events), over all arenas, in bytes: the physical memory blocks hold.
+    /// Pages touched by at least one live block, over all arenas, in bytes:
+    /// the physical memory blocks hold.
     pub fn touched_bytes(&self) -> u64 {
         self.lock()
             .map(|s| s.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * self.page)
@@ -151,7 +151,6 @@ impl DeviceAllocator for QuiltAllocator {
         let ctx = self.ctx();
         let mut s = match self.lock() {
             Ok(mut st) => {
-                st.poll_pending(&ctx);
                 st.sync_stats(&ctx);
                 st.stats.clone()
             }
@@ -173,7 +172,7 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
-        invariants::check(&st, &self.pool, self.page, self.config.single_owner_runs)
+        invariants::check(&st, &self.pool, self.page)
     }
 
     fn vmm(&self) -> &Arc<dyn Vmm> {
@@ -188,27 +187,21 @@ impl Drop for QuiltAllocator {
             Ok(s) => s,
             Err(p) => p.into_inner(),
         };
-        let live = state
-            .blocks
-            .values()
-            .filter(|b| b.pending.is_none())
-            .count();
-        if live > 0 {
+        if !state.blocks.is_empty() {
             tracing::warn!(
-                live,
+                live = state.blocks.len(),
                 "quilt allocator dropped with live allocations; releasing their memory"
             );
         }
-        for b in state.blocks.values() {
-            for e in b.pending.iter().flatten() {
-                let _ = self.vmm.event_destroy(*e);
-            }
-        }
-        let mut give = std::mem::take(&mut state.lost_runs);
-        for a in &state.arenas {
-            for (&start, m) in &a.mappings {
-                match self.vmm.unmap(a.page_addr(start), m.pages * page) {
-                    Ok(()) => give.push(m.run),
+        state.streams.destroy_events(self.vmm.as_ref());
+        let mut give = Vec::new();
+        for a in &mut state.arenas {
+            for p in 0..a.pages.len() as u64 {
+                if a.slot(p).phys.is_none() {
+                    continue;
+                }
+                match self.vmm.unmap(a.page_addr(p), page) {
+                    Ok(()) => give.extend(a.set_unmapped(p)),
                     Err(e) => tracing::warn!(error = %e, "unmap at drop failed"),
                 }
             }
@@ -220,7 +213,7 @@ impl Drop for QuiltAllocator {
             tracing::warn!(error = %e, "returning pages to the pool at drop failed");
         }
         if let Err(e) = self.pool.trim(0) {
-            tracing::warn!(error = %e, "releasing chunks at drop failed");
+            tracing::warn!(error = %e, "releasing pages at drop failed");
         }
     }
 }

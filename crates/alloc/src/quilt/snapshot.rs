@@ -11,10 +11,10 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
     for (ai, a) in st.arenas.iter().enumerate() {
         let (stream, kind) = st.arena_meta[ai];
         let high = a
-            .mappings
+            .pages
             .iter()
-            .next_back()
-            .map(|(&s, m)| (s + m.pages) * page)
+            .rposition(|s| s.phys.is_some())
+            .map(|p| (p as u64 + 1) * page)
             .unwrap_or(0)
             .max(a.occupied.iter().next_back().map(|(_, &e)| e).unwrap_or(0));
         let mut blocks = Vec::new();
@@ -24,17 +24,13 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
                 address: a.base + s,
                 size: e - s,
                 requested: b.map(|b| b.requested).unwrap_or(0),
-                state: if b.is_some_and(|b| b.pending.is_some()) {
-                    BlockState::PendingFree
-                } else {
-                    BlockState::Active
-                },
+                state: BlockState::Active,
             });
         }
         for (&s, &e) in a.gaps.range(..high) {
             let e = e.min(high);
             let (f, l) = a.page_span(s, e - s);
-            let mapped = (f..=l).any(|p| a.mapping_of(p).is_some());
+            let mapped = (f..=l).any(|p| a.slot(p).phys.is_some());
             blocks.push(BlockInfo {
                 address: a.base + s,
                 size: e - s,

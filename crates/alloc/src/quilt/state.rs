@@ -1,15 +1,16 @@
 //! The allocator's state and its algorithms: placement, backing blocks with
-//! pages, reclaiming cached pages, freeing, stream events.
+//! pages, ordering streams, reclaiming cached pages, freeing.
 //!
 //! Everything here runs under the allocator's one lock.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
-use quilt_pool::{PagePool, PageRun, PoolError};
-use quilt_vmm::{DevicePtr, EventId, StreamId, VmmError};
+use quilt_pool::{Page, PagePool, PoolError};
+use quilt_vmm::{DevicePtr, StreamId, VmmError};
 
 use super::arena::Arena;
 use super::config::{QuiltConfig, ReclaimPolicy};
+use super::streams::Streams;
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
@@ -33,22 +34,33 @@ pub(crate) struct Ctx<'a> {
     pub(crate) name: &'a str,
 }
 
-/// One block that holds its virtual range: live, or freed and waiting on events.
+/// One live block.
 #[derive(Clone, Debug)]
 pub(crate) struct BlockRec {
     pub(crate) arena: usize,
     pub(crate) off: u64,
     pub(crate) size: u64,
     pub(crate) requested: u64,
-    pub(crate) stream: StreamId,
-    pub(crate) recorded: Vec<StreamId>,
-    /// `Some(events)` once freed while recorded on other streams: the range is
-    /// reusable when every event has completed.
-    pub(crate) pending: Option<Vec<EventId>>,
+    /// The streams that use it: its own and those named by `record_stream` (bits).
+    pub(crate) streams: u64,
+}
+
+/// Which cached pages a reclaim may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reclaim {
+    /// Only pages whose freeing streams' work is known complete, cached
+    /// at or before this tick: no stream is synchronised.
+    KnownComplete { cached_before: u64 },
+    /// Any cached page, synchronising the streams whose work may still use it.
+    Synchronise,
 }
 
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
 const FREED_MEMORY: usize = 1 << 16;
+
+/// How many not-yet-complete pages a reclaim that never synchronises passes
+/// over before it stops looking.
+const RECLAIM_SKIP: usize = 64;
 
 /// The allocator's state.
 #[derive(Debug, Default)]
@@ -56,26 +68,18 @@ pub(crate) struct State {
     pub(crate) arenas: Vec<Arena>,
     /// The stream of each arena (`None`: shared by every stream) and its class.
     pub(crate) arena_meta: Vec<(Option<StreamId>, Kind)>,
-    pub(crate) arena_index: HashMap<(Option<StreamId>, Kind), usize>,
-    /// Stream -> its hazard bit; streams past the 63rd share bit 63.
-    stream_bits: HashMap<StreamId, u32>,
-    /// Bit -> the streams it stands for.
-    bit_streams: Vec<Vec<StreamId>>,
-    /// Streams whose earlier work may still use free pages of the pool (pages
-    /// reclaimed from blocks they freed); a stream taking pool pages waits for them.
-    pub(crate) pool_hazard: u64,
+    arena_index: HashMap<(Option<StreamId>, Kind), usize>,
+    pub(crate) streams: Streams,
     pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
-    pub(crate) pending: Vec<DevicePtr>,
     freed_recent: HashSet<DevicePtr>,
     freed_order: VecDeque<DevicePtr>,
-    /// Mappings with cached pages: (class, tick, arena, start page). See
-    /// [`super::arena::Mapping::reclaim_class`].
-    pub(crate) reclaim: BTreeSet<(u8, u64, usize, u64)>,
+    /// Pages that became cached, oldest first, as (arena, page, tick it became
+    /// cached); an entry whose page has since been touched or unmapped (its
+    /// `cached_at` differs) is stale and skipped.
+    pub(crate) reclaim_queue: VecDeque<(usize, u64, u64)>,
+    /// One tick per allocator operation.
     pub(crate) tick: u64,
     pub(crate) stats: AllocatorStats,
-    /// Pool pages that backed live blocks and could not be mapped again after
-    /// a reclaim (a driver failure three times over); returned at drop.
-    pub(crate) lost_runs: Vec<PageRun>,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -87,92 +91,28 @@ fn set_stat(stat: &mut Stat, value: u64) {
 }
 
 impl State {
-    /// Bring the listing of mapping `start` of arena `ai` in the reclaim order up to date.
-    pub(crate) fn resync(&mut self, ai: usize, start: u64) {
-        let Some(m) = self.arenas[ai].mappings.get_mut(&start) else {
-            return;
-        };
-        let want = m.reclaim_class().map(|c| (c, m.tick));
-        if m.listed == want {
-            return;
-        }
-        if let Some((c, t)) = m.listed {
-            self.reclaim.remove(&(c, t, ai, start));
-        }
-        if let Some((c, t)) = want {
-            self.reclaim.insert((c, t, ai, start));
-        }
-        m.listed = want;
-    }
-
-    fn forget_mapping(&mut self, ai: usize, start: u64) -> Option<super::arena::Mapping> {
-        let m = self.arenas[ai].remove_mapping(start)?;
-        if let Some((c, t)) = m.listed {
-            self.reclaim.remove(&(c, t, ai, start));
-        }
-        Some(m)
-    }
-
-    fn touch(&mut self, ai: usize, off: u64, len: u64, add: bool) {
-        let (first, last) = self.arenas[ai].page_span(off, len);
-        let tick = self.tick;
-        for start in self.arenas[ai].touch_range(first, last, add, tick) {
-            self.resync(ai, start);
-        }
-    }
-
-    /// Cached pages in every arena (mapped, touched by no block).
+    /// Cached pages in every arena (mapped, touched by no block): all of them
+    /// can be reclaimed, each being one handle mapped alone.
     pub(crate) fn cached_pages(&self) -> u64 {
         self.arenas.iter().map(|a| a.cached_pages).sum()
     }
 
-    /// Cached pages that reclaiming can free under the policy: all of them, or
-    /// (without remapping live pages) those of mappings no block touches.
-    pub(crate) fn reclaimable_pages(&self, cfg: &QuiltConfig) -> u64 {
-        if cfg.remap_live_pages {
-            return self.cached_pages();
-        }
-        self.reclaim
-            .range((0, 0, 0, 0)..(1, 0, 0, 0))
-            .filter_map(|&(_, _, ai, start)| self.arenas[ai].mappings.get(&start))
-            .map(|m| m.untouched)
-            .sum()
-    }
-
-    /// The hazard bit of `stream`.
-    fn stream_bit(&mut self, stream: StreamId) -> u64 {
-        if let Some(&b) = self.stream_bits.get(&stream) {
-            return 1 << b;
-        }
-        let b = (self.stream_bits.len() as u32).min(63);
-        self.stream_bits.insert(stream, b);
-        if self.bit_streams.len() <= b as usize {
-            self.bit_streams.resize(b as usize + 1, Vec::new());
-        }
-        self.bit_streams[b as usize].push(stream);
-        1 << b
-    }
-
-    /// Make `stream` wait for the work of every other stream in `mask`.
-    fn wait_for(&mut self, ctx: &Ctx<'_>, stream: StreamId, mask: u64) -> Result<(), AllocError> {
-        let mut rest = mask;
-        while rest != 0 {
-            let b = rest.trailing_zeros() as usize;
-            rest &= rest - 1;
-            let others: Vec<StreamId> = self
-                .bit_streams
-                .get(b)
-                .map(|v| v.iter().copied().filter(|&s| s != stream).collect())
-                .unwrap_or_default();
-            for donor in others {
-                let ev = ctx.vmm.event_record(donor)?;
-                let waited = ctx.vmm.stream_wait_event(stream, ev);
-                let _ = ctx.vmm.event_destroy(ev);
-                waited?;
-                self.stats.num_stream_waits += 1;
+    /// Register `stream`, returning its index. When a second stream appears,
+    /// every free range so far becomes a hazard of the first stream's work: it
+    /// was freed without one, since no other stream could reuse it then.
+    fn stream_index(&mut self, stream: StreamId) -> u32 {
+        let (i, new) = self.streams.index(stream);
+        if new && self.streams.len() == 2 {
+            let bit = Streams::bit(0);
+            let tick = self.tick;
+            for a in &mut self.arenas {
+                let gaps: Vec<(u64, u64)> = a.gaps.iter().map(|(&s, &e)| (s, e)).collect();
+                for (s, e) in gaps {
+                    a.add_hazard(s, e - s, bit, tick);
+                }
             }
         }
-        Ok(())
+        i
     }
 
     fn arena_for(
@@ -197,11 +137,11 @@ impl State {
         Ok(i)
     }
 
-    /// Refresh the statistics derived from the pool and the arenas.
+    /// Refresh the statistics derived from the pool, the arenas and the streams.
     pub(crate) fn sync_stats(&mut self, ctx: &Ctx<'_>) {
         let ps = ctx.pool.stats();
         set_stat(&mut self.stats.reserved_bytes, ps.held_bytes);
-        set_stat(&mut self.stats.segment, ps.chunks);
+        set_stat(&mut self.stats.segment, ps.total_pages);
         let touched: u64 = self.arenas.iter().map(|a| a.touched_pages).sum();
         let split = (touched * ctx.page).saturating_sub(self.stats.active_bytes.current);
         set_stat(&mut self.stats.inactive_split_bytes, split);
@@ -211,6 +151,7 @@ impl State {
             .map(|a| (a.gaps.len() as u64).saturating_sub(1))
             .sum();
         set_stat(&mut self.stats.inactive_split, holes);
+        self.stats.num_stream_waits = self.streams.waits;
     }
 
     fn remember_freed(&mut self, ptr: DevicePtr) {
@@ -224,43 +165,13 @@ impl State {
         }
     }
 
-    /// Complete the frees whose events have all completed.
-    pub(crate) fn poll_pending(&mut self, ctx: &Ctx<'_>) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let pending = std::mem::take(&mut self.pending);
-        for ptr in pending {
-            let done = match self.blocks.get(&ptr).and_then(|b| b.pending.as_ref()) {
-                Some(evs) => evs.iter().all(|&e| ctx.vmm.event_query(e).unwrap_or(false)),
-                None => continue,
-            };
-            if done {
-                if let Some(evs) = self.blocks.get(&ptr).and_then(|b| b.pending.clone()) {
-                    for e in evs {
-                        let _ = ctx.vmm.event_destroy(e);
-                    }
-                }
-                self.finish_free(ptr);
-            } else {
-                self.pending.push(ptr);
-            }
-        }
-    }
-
-    fn finish_free(&mut self, ptr: DevicePtr) {
-        let Some(b) = self.blocks.remove(&ptr) else {
-            return;
-        };
-        self.touch(b.arena, b.off, b.size, false);
-        let bit = self.stream_bit(b.stream);
-        let (first, last) = self.arenas[b.arena].page_span(b.off, b.size);
-        self.arenas[b.arena].mark_freed(first, last, bit);
-        self.arenas[b.arena].vacate(b.off);
-        self.stats.active_bytes.decrease(b.size);
-        self.stats.active.decrease(1);
-        self.stats.requested_bytes.decrease(b.requested);
-        self.remember_freed(ptr);
+    /// Take a block off `off .. off + len` of arena `ai` again (a failed
+    /// allocation): its pages lose the touch, nothing is remembered as freed.
+    fn undo_occupy(&mut self, ai: usize, off: u64, len: u64) {
+        let tick = self.tick;
+        let queue = &mut self.reclaim_queue;
+        self.arenas[ai].untouch(off, len, None, tick, |p| queue.push_back((ai, p, tick)));
+        self.arenas[ai].vacate(off);
     }
 
     /// Allocate `size` bytes on `stream`.
@@ -276,7 +187,7 @@ impl State {
             reason: "size overflows when rounded",
         })?;
         self.tick += 1;
-        self.poll_pending(ctx);
+        let si = self.stream_index(stream);
         let kind = if ctx.cfg.separate_small_arena && size <= ctx.cfg.small_size {
             Kind::Small
         } else {
@@ -287,39 +198,21 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
-        let Some(off) = self.place(ctx, ai, kind, size, rounded) else {
+        let Some(off) = self.place(ctx, ai, kind, size, rounded, si) else {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
         self.arenas[ai].occupy(off, rounded);
-        if ctx.cfg.single_owner_runs {
-            if let Err(e) = self.split_for_block(ctx, ai, off, rounded) {
-                self.arenas[ai].vacate(off);
-                self.sync_stats(ctx);
-                return Err(e);
-            }
+        self.arenas[ai].touch(off, rounded);
+        if let Err(e) = self.order_after_hazards(ctx, ai, off, rounded, si) {
+            self.undo_occupy(ai, off, rounded);
+            return Err(e);
         }
-        self.touch(ai, off, rounded, true);
+        self.arenas[ai].clear_hazards(off, rounded);
         let (first, last) = self.arenas[ai].page_span(off, rounded);
-        let hazard = self.arenas[ai].hazard(first, last);
-        if hazard != 0 {
-            if let Err(e) = self.wait_for(ctx, stream, hazard) {
-                self.touch(ai, off, rounded, false);
-                self.arenas[ai].vacate(off);
-                return Err(e);
-            }
-            self.arenas[ai].clear_hazard_inside(off, rounded);
-        }
-        let runs = self.arenas[ai].unmapped_runs(first, last);
-        let n: u64 = runs.iter().map(|r| r.1).sum();
-        if n > 0 {
-            let cuts = if ctx.cfg.single_owner_runs {
-                block_cuts(off, rounded, ctx.page)
-            } else {
-                Vec::new()
-            };
-            if let Err(e) = self.back_pages(ctx, ai, stream, size, runs, n, last, &cuts) {
-                self.touch(ai, off, rounded, false);
-                self.arenas[ai].vacate(off);
+        let need = self.arenas[ai].unmapped_in(first, last);
+        if !need.is_empty() {
+            if let Err(e) = self.back_pages(ctx, ai, size, &need) {
+                self.undo_occupy(ai, off, rounded);
                 self.sync_stats(ctx);
                 return Err(e);
             }
@@ -332,9 +225,7 @@ impl State {
                 off,
                 size: rounded,
                 requested: size,
-                stream,
-                recorded: Vec::new(),
-                pending: None,
+                streams: Streams::bit(si),
             },
         );
         self.freed_recent.remove(&ptr);
@@ -347,93 +238,192 @@ impl State {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Where a block of `rounded` bytes (asked for as `size`) goes in arena `ai`.
-    ///
-    /// Quilt's default (stitch threshold 0): the best-fitting gap, at its start.
-    /// With a stitch threshold (GMLake), a large request below it is served
-    /// from a cached range whose pages are all mapped, else from fresh,
-    /// page-aligned virtual space past the arena's mapped tail (new pages, no
-    /// stitching); a request at or above it reuses a cached range of at most
-    /// `reuse_limit` times its size, else is stitched like any Quilt block.
-    fn place(&self, ctx: &Ctx<'_>, ai: usize, kind: Kind, size: u64, rounded: u64) -> Option<u64> {
-        let a = &self.arenas[ai];
-        let threshold = ctx.cfg.stitch_threshold;
-        if threshold == 0 || kind == Kind::Small {
-            if ctx.cfg.prefer_mapped_tries > 0 {
-                if let Some(off) = a.best_fit_mapped(rounded, u64::MAX, ctx.cfg.prefer_mapped_tries)
-                {
-                    return Some(off);
+    /// True when a block on stream `t` over `off .. off + len` of arena `ai`
+    /// would have to wait for another stream's work.
+    fn needs_wait(&mut self, ctx: &Ctx<'_>, ai: usize, off: u64, len: u64, t: u32) -> bool {
+        if self.streams.len() < 2 {
+            return false;
+        }
+        let tick = self.tick;
+        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
+        for (_, h) in hazards {
+            for s in self.streams.in_mask(h.streams) {
+                if s == t || self.streams.waited(t, s) >= h.tick {
+                    continue;
+                }
+                self.streams.poll(ctx.vmm, s, tick);
+                if !self.streams.is_done(s, h.tick) {
+                    return true;
                 }
             }
-            return a.best_fit(rounded);
         }
-        let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
-            rounded.saturating_mul(ctx.cfg.reuse_limit)
-        } else {
-            u64::MAX
-        };
-        if let Some(off) = a.best_fit_mapped(rounded, limit, 64) {
-            return Some(off);
-        }
-        if size >= threshold {
-            return a.best_fit(rounded);
-        }
-        a.fresh_tail(rounded)
+        false
     }
 
-    /// Back the unmapped page runs `runs` of arena `ai` (n pages in all, the
-    /// block's last page being `last`) with pool pages.
-    #[allow(clippy::too_many_arguments)]
+    /// Order stream `t` after every other stream's work that may still use
+    /// `off .. off + len` of arena `ai`.
+    fn order_after_hazards(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        off: u64,
+        len: u64,
+        t: u32,
+    ) -> Result<(), AllocError> {
+        if self.streams.len() < 2 {
+            return Ok(());
+        }
+        let tick = self.tick;
+        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
+        for (_, h) in hazards {
+            for s in self.streams.in_mask(h.streams) {
+                self.streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a block of `rounded` bytes (asked for as `size`) on stream `t`
+    /// goes in arena `ai`.
+    ///
+    /// Quilt's default (stitch threshold 0): among the best-fitting gaps, the
+    /// first whose pages are all mapped and need no wait for another stream,
+    /// then one whose pages are all mapped (a wait costs less than new pages),
+    /// then the one needing the fewest new pages; the block goes at the gap's
+    /// start. With a stitch threshold (GMLake), a large request below it is
+    /// served from a cached range whose pages are all mapped, else from
+    /// fresh, page-aligned virtual space past the arena's mapped tail (new
+    /// pages, no stitching); a request at or above it reuses a cached range of
+    /// at most `reuse_limit` times its size, else is stitched like any Quilt
+    /// block.
+    fn place(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        kind: Kind,
+        size: u64,
+        rounded: u64,
+        t: u32,
+    ) -> Option<u64> {
+        let threshold = ctx.cfg.stitch_threshold;
+        if threshold > 0 && kind == Kind::Large {
+            let a = &self.arenas[ai];
+            let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
+                rounded.saturating_mul(ctx.cfg.reuse_limit)
+            } else {
+                u64::MAX
+            };
+            if let Some(off) = a.best_fit_mapped(rounded, limit, 64) {
+                return Some(off);
+            }
+            if size >= threshold {
+                return a.fitting_gaps(rounded, 1).next();
+            }
+            return a.fresh_tail(rounded);
+        }
+        let n = ctx.cfg.placement_candidates.max(1);
+        let candidates: Vec<u64> = self.arenas[ai].fitting_gaps(rounded, n).collect();
+        if candidates.len() <= 1 {
+            return candidates.first().copied();
+        }
+        // (needs new pages, waits though mapped, new pages, waits), lowest wins.
+        let mut best: Option<((bool, bool, u64, bool), u64)> = None;
+        for start in candidates {
+            let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
+            let wait = self.needs_wait(ctx, ai, start, rounded, t);
+            let score = (unmapped > 0, unmapped == 0 && wait, unmapped, wait);
+            if score == (false, false, 0, false) {
+                return Some(start);
+            }
+            if best.is_none_or(|(b, _)| score < b) {
+                best = Some((score, start));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+
+    /// Back the unmapped virtual pages `need` of arena `ai` (a block's) with
+    /// pool pages: one map per page, one set-access per contiguous range.
     fn back_pages(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
-        stream: StreamId,
         size: u64,
-        mut runs: Vec<(u64, u64)>,
-        n: u64,
-        last: u64,
-        cuts: &[u64],
+        need: &[u64],
     ) -> Result<(), AllocError> {
+        let n = need.len() as u64;
         self.obtain_free_pages(ctx, size, n)?;
-        let mut n = n;
-        if ctx.cfg.map_ahead {
-            // Only behind a block whose last page is newly mapped, at the tail.
-            if runs.last().is_some_and(|r| r.0 + r.1 == last + 1) {
-                let extra = self.map_ahead_pages(ctx, ai, last, n);
-                if let Some(r) = runs.last_mut() {
-                    r.1 += extra;
-                    n += extra;
+        let pages = ctx.pool.take(n).map_err(pool_err)?;
+        self.map_pages(ctx, ai, need, pages)
+    }
+
+    /// Map `pages` (each one whole handle, at offset 0) at the virtual pages
+    /// `at` of arena `ai`, and set access. On error, unmaps what it mapped
+    /// and hands the pages back.
+    fn map_pages(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        at: &[u64],
+        pages: Vec<Page>,
+    ) -> Result<(), AllocError> {
+        let page = ctx.page;
+        let mut mapped = 0usize;
+        let mut result: Result<(), VmmError> = Ok(());
+        for (&p, pg) in at.iter().zip(&pages) {
+            let addr = self.arenas[ai].page_addr(p);
+            if let Err(e) = ctx.vmm.map(addr, page, pg.handle, 0) {
+                result = Err(e);
+                break;
+            }
+            mapped += 1;
+            if ctx.cfg.access_per_map {
+                if let Err(e) = ctx.vmm.set_access(addr, page) {
+                    result = Err(e);
+                    break;
                 }
             }
         }
-        if self.pool_hazard != 0 {
-            let h = self.pool_hazard;
-            self.wait_for(ctx, stream, h)?;
+        if result.is_ok() && !ctx.cfg.access_per_map {
+            let mut i = 0;
+            while i < at.len() {
+                let mut j = i + 1;
+                while j < at.len() && at[j] == at[j - 1] + 1 {
+                    j += 1;
+                }
+                let addr = self.arenas[ai].page_addr(at[i]);
+                if let Err(e) = ctx.vmm.set_access(addr, (j - i) as u64 * page) {
+                    result = Err(e);
+                    break;
+                }
+                i = j;
+            }
         }
-        let pruns = ctx.pool.take(n).map_err(pool_err)?;
-        if ctx.pool.free_pages() == 0 {
-            self.pool_hazard = 0;
+        let tick = self.tick;
+        match result {
+            Ok(()) => {
+                for (&p, &pg) in at.iter().zip(&pages) {
+                    self.arenas[ai].set_mapped(p, pg, tick);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // Undo: unmap what was mapped; a page that cannot be unmapped
+                // stays recorded as mapped (cached once the block is undone,
+                // reclaimable later).
+                let mut give = Vec::with_capacity(pages.len());
+                for (i, (&p, &pg)) in at.iter().zip(&pages).enumerate() {
+                    let addr = self.arenas[ai].page_addr(p);
+                    if i < mapped && ctx.vmm.unmap(addr, page).is_err() {
+                        self.arenas[ai].set_mapped(p, pg, tick);
+                    } else {
+                        give.push(pg);
+                    }
+                }
+                ctx.pool.give_back(&give).map_err(pool_err)?;
+                Err(e.into())
+            }
         }
-        self.map_runs(ctx, ai, &runs, pruns, cuts)
-    }
-
-    /// Pages to map ahead of demand behind a block whose last page is `last`:
-    /// only when the block extends the arena's mapped tail, only from pages
-    /// already free in the pool (its growth margin), at most the margin.
-    fn map_ahead_pages(&self, ctx: &Ctx<'_>, ai: usize, last: u64, n: u64) -> u64 {
-        let a = &self.arenas[ai];
-        if a.mappings.range(last + 1..).next().is_some() {
-            return 0;
-        }
-        let spare = ctx.pool.free_pages().saturating_sub(n);
-        let growth = ctx.cfg.pool.growth;
-        let held = ctx.pool.total_pages();
-        let cap = growth
-            .chunk_pages(0, held, ctx.page)
-            .min(growth.max_chunk_bytes / ctx.page);
-        let room = (a.size / ctx.page).saturating_sub(last + 1);
-        spare.min(cap).min(room)
     }
 
     /// Make at least `n` pages free in the pool: by the reclaim policy, growth,
@@ -443,33 +433,30 @@ impl State {
         if missing(ctx.pool) == 0 {
             return Ok(());
         }
-        match ctx.cfg.reclaim {
-            ReclaimPolicy::WhenFull => {}
-            ReclaimPolicy::Always => {
-                self.reclaim(ctx, missing(ctx.pool), None)?;
-            }
+        // A driver call follows: learn how far every stream got.
+        self.streams.refresh(ctx.vmm, self.tick);
+        let (want, cached_before) = match ctx.cfg.reclaim {
+            ReclaimPolicy::WhenFull => (0, self.tick),
+            ReclaimPolicy::Always => (missing(ctx.pool), self.tick),
             ReclaimPolicy::CachedAbove(per_mille) => {
                 let allowed = ctx.pool.total_pages().saturating_mul(per_mille) / 1000;
                 let excess = self.cached_pages().saturating_sub(allowed);
-                let want = excess.min(missing(ctx.pool));
-                if want > 0 {
-                    self.reclaim(ctx, want, None)?;
-                }
+                (excess.min(missing(ctx.pool)), self.tick)
             }
-            ReclaimPolicy::IdleFor(k) => {
-                let before = self.tick.saturating_sub(k);
-                self.reclaim(ctx, missing(ctx.pool), Some(before))?;
+            ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
+        };
+        if want > 0 {
+            self.reclaim(ctx, want, Reclaim::KnownComplete { cached_before })?;
+            if missing(ctx.pool) == 0 {
+                return Ok(());
             }
-        }
-        if missing(ctx.pool) == 0 {
-            return Ok(());
         }
         if self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
         // The pool cannot grow by all that is missing: is there enough at all?
         let growable = ctx.pool.growable_pages().map_err(pool_err)?;
-        let cached = self.reclaimable_pages(ctx.cfg);
+        let cached = self.cached_pages();
         if cached + growable < missing(ctx.pool) {
             return Err(self.oom(ctx, size, n, growable));
         }
@@ -478,15 +465,12 @@ impl State {
             .saturating_sub(growable)
             .max(1)
             .min(cached);
-        self.reclaim(ctx, want, None)?;
-        if missing(ctx.pool) == 0 {
-            return Ok(());
-        }
-        if self.try_grow(ctx, missing(ctx.pool))? {
+        self.reclaim(ctx, want, Reclaim::Synchronise)?;
+        if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
         // A last resort: everything cached.
-        self.reclaim(ctx, u64::MAX, None)?;
+        self.reclaim(ctx, u64::MAX, Reclaim::Synchronise)?;
         if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
@@ -504,403 +488,163 @@ impl State {
         }
     }
 
-    /// Reclaim cached pages into the pool until `target` pages are gained or
-    /// nothing (eligible) is left; with `idle_before`, only mappings whose
-    /// cached pages have not changed since that tick. Pages of another stream's arena are
-    /// taken only after `stream` waits for that stream's work. Returns the
-    /// pages gained.
-    pub(crate) fn reclaim(
-        &mut self,
-        ctx: &Ctx<'_>,
-        target: u64,
-        idle_before: Option<u64>,
-    ) -> Result<u64, AllocError> {
-        let mut gained = 0;
-        while gained < target {
-            let classes = if ctx.cfg.remap_live_pages { 2u8 } else { 1 };
-            let key = match idle_before {
-                Some(t) => (0u8..classes).find_map(|c| {
-                    self.reclaim
-                        .range((c, 0, 0, 0)..(c, t.saturating_add(1), 0, 0))
-                        .next()
-                        .copied()
-                }),
-                None => self.reclaim.range(..(classes, 0, 0, 0)).next().copied(),
-            };
-            let Some((_, _, ai, start)) = key else {
+    /// Unmap up to `target` cached pages, oldest first, and return them to
+    /// the pool; `mode` says which pages may be taken and whether streams
+    /// may be synchronised for them. Returns the pages gained.
+    fn reclaim(&mut self, ctx: &Ctx<'_>, target: u64, mode: Reclaim) -> Result<u64, AllocError> {
+        let tick = self.tick;
+        let mut chosen: Vec<(usize, u64)> = Vec::new();
+        let mut skipped: Vec<(usize, u64, u64)> = Vec::new();
+        // Per stream, the latest free on a chosen page.
+        let mut wait_for: Vec<(u32, u64)> = Vec::new();
+        while (chosen.len() as u64) < target {
+            let Some(entry) = self.reclaim_queue.pop_front() else {
                 break;
             };
-            self.sync_before_unmap(ctx, ai)?;
-            gained += self.reclaim_mapping(ctx, ai, start)?;
-        }
-        Ok(gained)
-    }
-
-    /// Synchronise the streams that may use arena `ai` before unmapping pages
-    /// of it, if the policy says so.
-    fn sync_before_unmap(&self, ctx: &Ctx<'_>, ai: usize) -> Result<(), AllocError> {
-        if ctx.cfg.synchronize_before_unmap {
-            let streams: Vec<StreamId> = match self.arena_meta[ai].0 {
-                Some(s) => vec![s],
-                None => self.stream_bits.keys().copied().collect(),
-            };
-            for s in streams {
-                ctx.vmm.stream_synchronize(s)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Keep mappings single-owner for a block about to occupy `off .. off +
-    /// len` of arena `ai` (not yet touched): every multi-page mapping over the
-    /// block's pages that does not lie wholly inside the pages the block fully
-    /// covers is untouched (single-owner invariant), so it is unmapped and
-    /// mapped again as pieces cut at the block's boundaries.
-    fn split_for_block(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        off: u64,
-        len: u64,
-    ) -> Result<(), AllocError> {
-        let page = ctx.page;
-        let (first, last) = self.arenas[ai].page_span(off, len);
-        let (inner_first, inner_end) = (off.div_ceil(page), (off + len) / page);
-        let from = self.arenas[ai].mapping_of(first).unwrap_or(first);
-        let split: Vec<u64> = self.arenas[ai]
-            .mappings
-            .range(from..=last)
-            .filter(|(&s, m)| m.pages > 1 && !(s >= inner_first && s + m.pages <= inner_end))
-            .map(|(&s, _)| s)
-            .collect();
-        if split.is_empty() {
-            return Ok(());
-        }
-        self.sync_before_unmap(ctx, ai)?;
-        let cuts = block_cuts(off, len, page);
-        for start in split {
-            let Some(m) = self.arenas[ai].mappings.get(&start).copied() else {
+            let (ai, p, stamp) = entry;
+            let slot = self.arenas[ai].slot(p);
+            if !slot.is_cached() || slot.cached_at != stamp {
                 continue;
-            };
-            debug_assert_eq!(m.untouched, m.pages);
-            ctx.vmm
-                .unmap(self.arenas[ai].page_addr(start), m.pages * page)?;
-            self.forget_mapping(ai, start);
-            // Pieces of the mapping between consecutive cuts.
-            let mut pieces = Vec::new();
-            let mut p = start;
-            let end = start + m.pages;
-            while p < end {
-                let q = cuts
-                    .iter()
-                    .copied()
-                    .find(|&c| c > p)
-                    .unwrap_or(end)
-                    .min(end);
-                pieces.push((
-                    p,
-                    PageRun {
-                        chunk: m.run.chunk,
-                        handle: m.run.handle,
-                        first_page: m.run.first_page + (p - start),
-                        pages: q - p,
-                    },
-                ));
-                p = q;
             }
-            let mut failed: Option<VmmError> = None;
-            let mut give = Vec::new();
-            let mut mapped_end = start;
-            for (p, run) in pieces {
-                if failed.is_some() {
-                    give.push((p, run));
+            let streams = self.streams.in_mask(slot.freed_by);
+            if let Reclaim::KnownComplete { cached_before } = mode {
+                if stamp > cached_before {
+                    skipped.push(entry);
+                    break;
+                }
+                let mut done = true;
+                for &s in &streams {
+                    self.streams.poll(ctx.vmm, s, tick);
+                    done &= self.streams.is_done(s, slot.freed_at);
+                }
+                if !done {
+                    skipped.push(entry);
+                    if skipped.len() >= RECLAIM_SKIP {
+                        break;
+                    }
                     continue;
                 }
-                let addr = self.arenas[ai].page_addr(p);
-                let bytes = run.pages * page;
-                if let Err(e) = ctx.vmm.map(addr, bytes, run.handle, run.first_page * page) {
-                    failed = Some(e);
-                    give.push((p, run));
-                    continue;
-                }
-                let tick = self.tick;
-                self.arenas[ai].add_mapping(p, run, tick);
-                self.resync(ai, p);
-                mapped_end = p + run.pages;
-            }
-            // One set-access over the pieces mapped again (a contiguous prefix).
-            if mapped_end > start {
-                let addr = self.arenas[ai].page_addr(start);
-                if let Err(e) = ctx.vmm.set_access(addr, (mapped_end - start) * page) {
-                    // Recorded as mapped (they are); cached, reclaimable later.
-                    failed.get_or_insert(e);
-                }
-            }
-            if let Some(e) = failed {
-                // Pages not mapped again go back to the pool, with the
-                // hazards of the virtual pages they left.
-                let mut runs = Vec::new();
-                for (p, run) in give {
-                    self.pool_hazard |= self.arenas[ai].take_hazard(p, run.pages);
-                    runs.push(run);
-                }
-                ctx.pool.give_back(&runs).map_err(pool_err)?;
-                return Err(e.into());
-            }
-        }
-        Ok(())
-    }
-
-    /// Take the cached pages of one mapping back into the pool: unmap it, and
-    /// map again the runs of it that blocks still touch. Returns the pages freed.
-    fn reclaim_mapping(&mut self, ctx: &Ctx<'_>, ai: usize, start: u64) -> Result<u64, AllocError> {
-        let Some(m) = self.arenas[ai].mappings.get(&start).copied() else {
-            return Ok(0);
-        };
-        let va = self.arenas[ai].page_addr(start);
-        ctx.vmm.unmap(va, m.pages * ctx.page)?;
-        self.forget_mapping(ai, start);
-        let mut give = Vec::new();
-        let mut keep = Vec::new();
-        let mut i = 0;
-        while i < m.pages {
-            let used = self.arenas[ai].touch_of(start + i) > 0;
-            let mut j = i + 1;
-            while j < m.pages && (self.arenas[ai].touch_of(start + j) > 0) == used {
-                j += 1;
-            }
-            let run = PageRun {
-                chunk: m.run.chunk,
-                handle: m.run.handle,
-                first_page: m.run.first_page + i,
-                pages: j - i,
-            };
-            if used {
-                keep.push((start + i, run));
             } else {
-                give.push(run);
-            }
-            i = j;
-        }
-        let mut first_err = None;
-        let mut lost: Vec<PageRun> = Vec::new();
-        for (p, run) in keep {
-            let addr = self.arenas[ai].page_addr(p);
-            let len = run.pages * ctx.page;
-            // Map again (a failure is retried), then set access (likewise);
-            // a run mapped is recorded as mapped whatever set-access says, so
-            // the bookkeeping always matches the device.
-            let mut mapped = Err(VmmError::Unavailable {
-                reason: String::new(),
-            });
-            for _ in 0..3 {
-                mapped = ctx
-                    .vmm
-                    .map(addr, len, run.handle, run.first_page * ctx.page);
-                if mapped.is_ok() {
-                    break;
+                for s in streams {
+                    match wait_for.iter_mut().find(|w| w.0 == s) {
+                        Some(w) => w.1 = w.1.max(slot.freed_at),
+                        None => wait_for.push((s, slot.freed_at)),
+                    }
                 }
             }
-            if let Err(e) = mapped {
-                tracing::error!(error = %e, "remapping pages of live blocks failed");
-                first_err.get_or_insert(e);
-                lost.push(run);
-                continue;
+            chosen.push((ai, p));
+        }
+        for entry in skipped.into_iter().rev() {
+            self.reclaim_queue.push_front(entry);
+        }
+        let mut result: Result<(), AllocError> = Ok(());
+        for (s, k) in wait_for {
+            if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
+                result = Err(e.into());
+                break;
             }
-            let tick = self.tick;
-            self.arenas[ai].add_mapping(p, run, tick);
-            self.resync(ai, p);
-            let mut access = Ok(());
-            for _ in 0..3 {
-                access = ctx.vmm.set_access(addr, len);
-                if access.is_ok() {
-                    break;
+        }
+        let mut give = Vec::with_capacity(chosen.len());
+        for &(ai, p) in &chosen {
+            if result.is_ok() {
+                if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                    result = Err(e.into());
                 }
             }
-            if let Err(e) = access {
-                tracing::error!(error = %e, "restoring access to live pages failed");
-                first_err.get_or_insert(e);
+            if result.is_ok() {
+                give.extend(self.arenas[ai].set_unmapped(p));
+            } else {
+                // Still mapped and cached: back in the queue.
+                let stamp = self.arenas[ai].slot(p).cached_at;
+                self.reclaim_queue.push_front((ai, p, stamp));
             }
         }
-        if !lost.is_empty() {
-            // The live pages could not be mapped again: their pool pages stay
-            // handed out (the data lives there) and are returned at drop.
-            self.lost_runs.extend(lost);
-        }
-        for (i, p) in (start..start + m.pages).enumerate() {
-            let _ = i;
-            if self.arenas[ai].touch_of(p) == 0 {
-                self.pool_hazard |= self.arenas[ai].take_hazard(p, 1);
-            }
-        }
-        let freed: u64 = give.iter().map(|r| r.pages).sum();
+        let gained = give.len() as u64;
         ctx.pool.give_back(&give).map_err(pool_err)?;
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(freed),
-        }
+        self.compact_reclaim_queue();
+        result.map(|()| gained)
     }
 
-    /// Map pool runs `pruns` behind the unmapped virtual page runs `runs` of
-    /// arena `ai`: one map call per piece that is neighbouring pages of one
-    /// chunk, one set-access per newly mapped range. On error, undoes what it
-    /// did and hands the pages back.
-    fn map_runs(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        runs: &[(u64, u64)],
-        pruns: Vec<PageRun>,
-        cuts: &[u64],
-    ) -> Result<(), AllocError> {
-        let page = ctx.page;
-        let mut done: Vec<(u64, PageRun)> = Vec::new();
-        let mut pi = 0usize;
-        let mut poff = 0u64;
-        let mut result: Result<(), VmmError> = Ok(());
-        'outer: for &(vs, vl) in runs {
-            let mut p = vs;
-            let end = vs + vl;
-            while p < end {
-                let Some(pr) = pruns.get(pi).copied() else {
-                    break 'outer;
-                };
-                let mut k = (pr.pages - poff).min(end - p);
-                if ctx.cfg.max_pages_per_map > 0 {
-                    k = k.min(ctx.cfg.max_pages_per_map);
-                }
-                if let Some(&c) = cuts.iter().find(|&&c| c > p) {
-                    k = k.min(c - p);
-                }
-                let piece = PageRun {
-                    chunk: pr.chunk,
-                    handle: pr.handle,
-                    first_page: pr.first_page + poff,
-                    pages: k,
-                };
-                let addr = self.arenas[ai].page_addr(p);
-                if let Err(e) = ctx
-                    .vmm
-                    .map(addr, k * page, pr.handle, piece.first_page * page)
-                {
-                    result = Err(e);
-                    break 'outer;
-                }
-                done.push((p, piece));
-                if ctx.cfg.access_per_map {
-                    if let Err(e) = ctx.vmm.set_access(addr, k * page) {
-                        result = Err(e);
-                        break 'outer;
-                    }
-                }
-                p += k;
-                poff += k;
-                if poff == pr.pages {
-                    pi += 1;
-                    poff = 0;
-                }
-            }
-            if !ctx.cfg.access_per_map {
-                let addr = self.arenas[ai].page_addr(vs);
-                if let Err(e) = ctx.vmm.set_access(addr, vl * page) {
-                    result = Err(e);
-                    break 'outer;
-                }
-            }
-        }
-        let tick = self.tick;
-        match result {
-            Ok(()) => {
-                for (p, piece) in done {
-                    self.arenas[ai].add_mapping(p, piece, tick);
-                    self.resync(ai, p);
-                }
-                Ok(())
-            }
-            Err(e) => {
-                // Undo: unmap what was mapped; a piece that cannot be unmapped
-                // stays recorded as a mapping (cached, reclaimable later).
-                let mut kept: Vec<PageRun> = Vec::new();
-                for (p, piece) in done {
-                    let addr = self.arenas[ai].page_addr(p);
-                    if ctx.vmm.unmap(addr, piece.pages * page).is_err() {
-                        self.arenas[ai].add_mapping(p, piece, tick);
-                        self.resync(ai, p);
-                        kept.push(piece);
-                    }
-                }
-                let give: Vec<PageRun> = subtract_runs(&pruns, &kept);
-                ctx.pool.give_back(&give).map_err(pool_err)?;
-                Err(e.into())
-            }
+    /// Drop stale entries from the reclaim queue once they outnumber the
+    /// valid ones (amortised O(1) per entry pushed).
+    fn compact_reclaim_queue(&mut self) {
+        let cached = self.cached_pages() as usize;
+        if self.reclaim_queue.len() > 2 * cached + 1024 {
+            let arenas = &self.arenas;
+            self.reclaim_queue.retain(|&(ai, p, stamp)| {
+                let s = arenas[ai].slot(p);
+                s.is_cached() && s.cached_at == stamp
+            });
         }
     }
 
     /// Free the block at `ptr`.
     pub(crate) fn free(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.tick += 1;
-        let Some(b) = self.blocks.get(&ptr) else {
+        let Some(b) = self.blocks.remove(&ptr) else {
             return Err(if self.freed_recent.contains(&ptr) {
                 AllocError::DoubleFree { ptr }
             } else {
                 AllocError::UnknownPointer { ptr }
             });
         };
-        if b.pending.is_some() {
-            return Err(AllocError::DoubleFree { ptr });
+        self.tick += 1;
+        let tick = self.tick;
+        let track = self.streams.len() > 1;
+        let queue = &mut self.reclaim_queue;
+        let a = &mut self.arenas[b.arena];
+        let ai = b.arena;
+        a.untouch(b.off, b.size, Some((b.streams, tick)), tick, |p| {
+            queue.push_back((ai, p, tick))
+        });
+        if track {
+            a.add_hazard(b.off, b.size, b.streams, tick);
         }
-        let size = b.size;
-        let recorded = b.recorded.clone();
-        if !recorded.is_empty() {
-            let mut evs = Vec::new();
-            for s in recorded {
-                match ctx.vmm.event_record(s) {
-                    Ok(e) => evs.push(e),
-                    Err(err) => {
-                        for e in evs {
-                            let _ = ctx.vmm.event_destroy(e);
-                        }
-                        return Err(err.into());
-                    }
-                }
-            }
-            if let Some(b) = self.blocks.get_mut(&ptr) {
-                b.pending = Some(evs);
-            }
-            self.pending.push(ptr);
-            self.stats.allocated_bytes.decrease(size);
-            self.stats.allocation.decrease(1);
-        } else {
-            self.stats.allocated_bytes.decrease(size);
-            self.stats.allocation.decrease(1);
-            self.finish_free(ptr);
+        a.vacate(b.off);
+        for s in self.streams.in_mask(b.streams) {
+            self.streams.note_free(ctx.vmm, s, tick, track);
         }
+        if track {
+            let streams = &self.streams;
+            self.arenas[ai].prune_hazards(|h| {
+                streams
+                    .in_mask(h.streams)
+                    .into_iter()
+                    .all(|s| streams.is_done(s, h.tick))
+            });
+        }
+        self.stats.allocated_bytes.decrease(b.size);
+        self.stats.allocation.decrease(1);
+        self.stats.active_bytes.decrease(b.size);
+        self.stats.active.decrease(1);
+        self.stats.requested_bytes.decrease(b.requested);
+        self.remember_freed(ptr);
+        self.compact_reclaim_queue();
         self.sync_stats(ctx);
         Ok(())
     }
 
-    /// Note that the block at `ptr` is used on `stream` too.
+    /// Note that the block at `ptr` is used on `stream` too: its free will
+    /// wait for that stream's work as well.
     pub(crate) fn record_stream(
         &mut self,
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        match self.blocks.get_mut(&ptr) {
-            Some(b) if b.pending.is_none() => {
-                if b.stream != stream && !b.recorded.contains(&stream) {
-                    b.recorded.push(stream);
-                }
-                Ok(())
-            }
-            _ => Err(AllocError::UnknownPointer { ptr }),
+        if !self.blocks.contains_key(&ptr) {
+            return Err(AllocError::UnknownPointer { ptr });
         }
+        let si = self.stream_index(stream);
+        if let Some(b) = self.blocks.get_mut(&ptr) {
+            b.streams |= Streams::bit(si);
+        }
+        Ok(())
     }
 
-    /// Release every cached page and every wholly free chunk.
+    /// Release every cached page (synchronising the streams whose work may
+    /// still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
         self.tick += 1;
-        self.poll_pending(ctx);
-        let r = self.reclaim(ctx, u64::MAX, None);
+        let r = self.reclaim(ctx, u64::MAX, Reclaim::Synchronise);
         let t = ctx.pool.trim(0).map_err(pool_err);
         self.sync_stats(ctx);
         r?;
@@ -913,7 +657,7 @@ impl State {
         self.stats.num_ooms += 1;
         let page = ctx.page;
         let free = ctx.pool.free_pages();
-        let cached = self.reclaimable_pages(ctx.cfg);
+        let cached = self.cached_pages();
         let usable = free + cached + growable;
         let report = OomReport {
             allocator: ctx.name.to_string(),
@@ -934,51 +678,6 @@ impl State {
         tracing::debug!(%report, "quilt out of memory");
         AllocError::OutOfMemory(Box::new(report))
     }
-}
-
-/// The page boundaries at which a single-owner mapping must be cut around a
-/// block at `off .. off + len`: its first page, the start and end of the pages
-/// it covers wholly, the page past its last (sorted, deduplicated).
-fn block_cuts(off: u64, len: u64, page: u64) -> Vec<u64> {
-    let mut cuts = vec![
-        off / page,
-        off.div_ceil(page),
-        (off + len) / page,
-        (off + len - 1) / page + 1,
-    ];
-    cuts.dedup();
-    cuts
-}
-
-/// `all` minus the pages listed in `kept` (each `kept` run lies inside one `all` run).
-fn subtract_runs(all: &[PageRun], kept: &[PageRun]) -> Vec<PageRun> {
-    let mut out: Vec<PageRun> = all.to_vec();
-    for k in kept {
-        let mut next = Vec::with_capacity(out.len() + 1);
-        for r in out {
-            let (rs, re) = (r.first_page, r.first_page + r.pages);
-            let (ks, ke) = (k.first_page, k.first_page + k.pages);
-            if r.chunk != k.chunk || ke <= rs || ks >= re {
-                next.push(r);
-                continue;
-            }
-            if ks > rs {
-                next.push(PageRun {
-                    pages: ks - rs,
-                    ..r
-                });
-            }
-            if ke < re {
-                next.push(PageRun {
-                    first_page: ke,
-                    pages: re - ke,
-                    ..r
-                });
-            }
-        }
-        out = next;
-    }
-    out
 }
 
 /// A pool error as an allocator error.

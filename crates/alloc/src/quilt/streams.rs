@@ -1,0 +1,266 @@
+//! What the allocator knows of each stream's progress on the device: the
+//! events it recorded there, how far the stream's work is known complete, and
+//! how far every other stream has been made to wait for it.
+//!
+//! A tick is one allocator operation. An event recorded on a stream at tick
+//! `t` covers all work enqueued there up to that operation; a block freed at
+//! tick `k` is safe for another stream once an event of its stream with
+//! `t >= k` has completed, or once that other stream waited on such an event.
+//!
+//! Costs: events of a stream complete in order, so only the oldest one is ever
+//! queried, and at most once per operation; a stream records a progress event
+//! at a free only when it has none outstanding, so events are batched per
+//! stream rather than one per free; a wait is made at most once per pair of
+//! streams for any span of frees.
+
+use std::collections::{HashMap, VecDeque};
+
+use quilt_vmm::{EventId, StreamId, Vmm, VmmError};
+
+/// One stream's progress.
+#[derive(Debug)]
+struct StreamState {
+    id: StreamId,
+    /// Events recorded and not yet known complete, oldest first: (tick, event).
+    events: VecDeque<(u64, EventId)>,
+    /// Work enqueued up to this tick is known complete.
+    done: u64,
+    /// Tick of the latest free on this stream.
+    last_free: u64,
+    /// Tick of the last query of the oldest event (at most one per operation).
+    polled_at: u64,
+    /// `waited[s]`: this stream has waited for stream `s`'s work up to this tick.
+    waited: Vec<u64>,
+}
+
+/// Every stream seen, by dense index. See the module documentation.
+#[derive(Debug, Default)]
+pub(crate) struct Streams {
+    index: HashMap<StreamId, u32>,
+    states: Vec<StreamState>,
+    /// Events recorded over the allocator's life (for tests and reports).
+    pub(crate) recorded: u64,
+    /// Cross-stream waits made.
+    pub(crate) waits: u64,
+    /// Stream synchronisations made.
+    pub(crate) syncs: u64,
+}
+
+impl Streams {
+    /// The index of `id`, registering it on first sight; the second value is
+    /// true when it is new.
+    pub(crate) fn index(&mut self, id: StreamId) -> (u32, bool) {
+        if let Some(&i) = self.index.get(&id) {
+            return (i, false);
+        }
+        let i = self.states.len() as u32;
+        self.index.insert(id, i);
+        self.states.push(StreamState {
+            id,
+            events: VecDeque::new(),
+            done: 0,
+            last_free: 0,
+            polled_at: 0,
+            waited: Vec::new(),
+        });
+        (i, true)
+    }
+
+    /// Streams seen so far.
+    pub(crate) fn len(&self) -> usize {
+        self.states.len()
+    }
+
+    /// The stream at index `i`.
+    pub(crate) fn id(&self, i: u32) -> StreamId {
+        self.states
+            .get(i as usize)
+            .map(|s| s.id)
+            .unwrap_or_default()
+    }
+
+    /// The hazard bit of stream `i`: streams past the 63rd share bit 63.
+    pub(crate) fn bit(i: u32) -> u64 {
+        1 << i.min(63)
+    }
+
+    /// The indices of the streams in `mask`.
+    pub(crate) fn in_mask(&self, mask: u64) -> Vec<u32> {
+        let n = self.states.len() as u32;
+        let mut out: Vec<u32> = (0..n.min(63)).filter(|&i| mask & (1 << i) != 0).collect();
+        if mask & (1 << 63) != 0 {
+            out.extend(63..n);
+        }
+        out
+    }
+
+    /// True when stream `i`'s work up to tick `k` is known complete.
+    pub(crate) fn is_done(&self, i: u32, k: u64) -> bool {
+        self.states.get(i as usize).is_none_or(|s| s.done >= k)
+    }
+
+    /// Learn whether stream `i`'s oldest events completed (one query at most
+    /// per operation `tick`). Completed events are destroyed.
+    pub(crate) fn poll(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return;
+        };
+        if s.polled_at == tick {
+            return;
+        }
+        s.polled_at = tick;
+        while let Some(&(t, e)) = s.events.front() {
+            match vmm.event_query(e) {
+                Ok(true) => {
+                    s.events.pop_front();
+                    s.done = s.done.max(t);
+                    if let Err(err) = vmm.event_destroy(e) {
+                        tracing::warn!(error = %err, "destroying a completed event failed");
+                    }
+                }
+                Ok(false) => break,
+                Err(err) => {
+                    tracing::warn!(error = %err, "querying an event failed");
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Stream `i` freed a block at `tick`. With `track`, record a progress
+    /// event there unless one is outstanding, so that other streams (and
+    /// reclaim) can later learn without waiting that the free is complete.
+    pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, track: bool) {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return;
+        };
+        s.last_free = tick;
+        if !track {
+            return;
+        }
+        self.poll(vmm, i, tick);
+        self.record_progress(vmm, i, tick);
+    }
+
+    /// Record a progress event on stream `i` if it has frees no event covers
+    /// and no event outstanding. A failed record is only logged: progress
+    /// events are an optimisation, waits record their own.
+    fn record_progress(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return;
+        };
+        let covered = s.events.back().map_or(s.done, |&(t, _)| t);
+        if s.events.is_empty() && s.last_free > covered {
+            match vmm.event_record(s.id) {
+                Ok(e) => {
+                    s.events.push_back((tick, e));
+                    self.recorded += 1;
+                }
+                Err(err) => tracing::warn!(error = %err, "recording a progress event failed"),
+            }
+        }
+    }
+
+    /// On the growth path (a driver call follows anyway): learn every
+    /// stream's progress and record progress events where frees are uncovered.
+    pub(crate) fn refresh(&mut self, vmm: &dyn Vmm, tick: u64) {
+        for i in 0..self.states.len() as u32 {
+            self.poll(vmm, i, tick);
+            self.record_progress(vmm, i, tick);
+        }
+    }
+
+    /// Order stream `t`'s later work after stream `s`'s work up to tick `k`:
+    /// nothing when `s` is `t`, when that work is known complete, or when `t`
+    /// already waited past it; else one `cuStreamWaitEvent` on the oldest
+    /// event of `s` that covers `k` (recorded now if there is none).
+    /// Returns true when a wait was made.
+    pub(crate) fn order_after(
+        &mut self,
+        vmm: &dyn Vmm,
+        t: u32,
+        s: u32,
+        k: u64,
+        tick: u64,
+    ) -> Result<bool, VmmError> {
+        if s == t || self.is_done(s, k) || self.waited(t, s) >= k {
+            return Ok(false);
+        }
+        self.poll(vmm, s, tick);
+        if self.is_done(s, k) {
+            return Ok(false);
+        }
+        let (et, e) = {
+            let Some(st) = self.states.get_mut(s as usize) else {
+                return Ok(false);
+            };
+            match st.events.iter().find(|&&(et, _)| et >= k) {
+                Some(&found) => found,
+                None => {
+                    let e = vmm.event_record(st.id)?;
+                    st.events.push_back((tick, e));
+                    self.recorded += 1;
+                    (tick, e)
+                }
+            }
+        };
+        let waiter = self.id(t);
+        vmm.stream_wait_event(waiter, e)?;
+        self.waits += 1;
+        if let Some(ts) = self.states.get_mut(t as usize) {
+            if ts.waited.len() <= s as usize {
+                ts.waited.resize(s as usize + 1, 0);
+            }
+            ts.waited[s as usize] = et;
+        }
+        Ok(true)
+    }
+
+    /// How far stream `t` has waited for stream `s`.
+    pub(crate) fn waited(&self, t: u32, s: u32) -> u64 {
+        self.states
+            .get(t as usize)
+            .and_then(|st| st.waited.get(s as usize))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Make stream `i`'s work up to `k` complete: poll, and synchronise the
+    /// stream if it is still running. Returns true when it synchronised.
+    pub(crate) fn complete(
+        &mut self,
+        vmm: &dyn Vmm,
+        i: u32,
+        k: u64,
+        tick: u64,
+    ) -> Result<bool, VmmError> {
+        if self.is_done(i, k) {
+            return Ok(false);
+        }
+        self.poll(vmm, i, tick);
+        if self.is_done(i, k) {
+            return Ok(false);
+        }
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return Ok(false);
+        };
+        vmm.stream_synchronize(s.id)?;
+        self.syncs += 1;
+        s.done = tick;
+        for (_, e) in s.events.drain(..) {
+            if let Err(err) = vmm.event_destroy(e) {
+                tracing::warn!(error = %err, "destroying an event after a sync failed");
+            }
+        }
+        Ok(true)
+    }
+
+    /// Destroy every outstanding event (at the allocator's drop).
+    pub(crate) fn destroy_events(&mut self, vmm: &dyn Vmm) {
+        for s in &mut self.states {
+            for (_, e) in s.events.drain(..) {
+                let _ = vmm.event_destroy(e);
+            }
+        }
+    }
+}
