@@ -413,10 +413,7 @@ impl PagePool {
         let s = self.lock().map_err(|e| e.to_string())?;
         let held = s.slots.iter().flatten().count() as u64;
         if held != s.total_pages {
-            return Err(format!(
-                "pool counts {} pages, holds {held}",
-                s.total_pages
-            ));
+            return Err(format!("pool counts {} pages, holds {held}", s.total_pages));
         }
         if s.free.len() != s.slots.len() {
             return Err("free map and slots differ in length".to_string());

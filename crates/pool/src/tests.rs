@@ -32,14 +32,22 @@ fn grow_take_give_back_trim() {
     let p = pool(&vmm, GrowthPolicy::default(), MemoryLimit::Device);
     assert_eq!(p.page_size(), 2 * MIB);
     assert_eq!(p.grow(4).unwrap(), 4);
-    assert_eq!(vmm.driver_stats().count(CallKind::Create), 4, "one handle per page");
+    assert_eq!(
+        vmm.driver_stats().count(CallKind::Create),
+        4,
+        "one handle per page"
+    );
     assert_eq!(p.free_pages(), 4);
     let pages = p.take(3).unwrap();
     assert_eq!(pages.len(), 3);
     p.check_invariants().unwrap();
     assert!(p.take(2).is_err());
     assert_eq!(p.free_pages(), 1);
-    assert_eq!(p.trim(0).unwrap(), 2 * MIB, "only the free page is released");
+    assert_eq!(
+        p.trim(0).unwrap(),
+        2 * MIB,
+        "only the free page is released"
+    );
     assert!(p.is_in_use(pages[0].id));
     p.give_back(&pages).unwrap();
     assert!(p.give_back(&pages).is_err(), "double give-back rejected");
