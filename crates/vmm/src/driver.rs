@@ -59,13 +59,16 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// `cuMemGetInfo`: total and free device memory.
     fn mem_info(&self) -> Result<MemInfo>;
 
-    /// Record an event on `stream` (`cuEventCreate` + `cuEventRecord`).
+    /// Record an event on `stream` (`cuEventRecord`, on a driver event the
+    /// backend creates with `cuEventCreate` or reuses from its pool).
     fn event_record(&self, stream: StreamId) -> Result<EventId>;
 
     /// `cuEventQuery`: true once the work before the event has completed.
     fn event_query(&self, event: EventId) -> Result<bool>;
 
-    /// `cuEventDestroy`.
+    /// `cuEventDestroy`: the id is dead afterwards (the CUDA backend may keep
+    /// the driver's event for a later record). An event whose destroy fails
+    /// stays live.
     fn event_destroy(&self, event: EventId) -> Result<()>;
 
     /// `cuStreamWaitEvent`: later work on `stream` waits for `event`.

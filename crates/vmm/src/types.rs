@@ -97,7 +97,7 @@ pub enum CallKind {
     SetAccess,
     /// `cuMemGetInfo`.
     MemInfo,
-    /// `cuEventCreate` + `cuEventRecord`.
+    /// `cuEventRecord` (with a `cuEventCreate` when no pooled event is free).
     EventRecord,
     /// `cuEventQuery`.
     EventQuery,
