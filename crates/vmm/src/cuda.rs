@@ -6,8 +6,12 @@
 //!   [`VmmError::Unavailable`] where there is no driver, no device of that
 //!   ordinal, or no virtual memory management on it.
 //! - It retains the device's primary context (released at drop) and makes it
-//!   current on the calling thread before every driver call, since allocators
-//!   call from many threads.
+//!   current on the calling thread for each driver call, since allocators call
+//!   from many threads, but keeps the thread's own context: when the primary
+//!   context is current already nothing changes; when no context or another
+//!   one is current, the primary context is pushed (`cuCtxPushCurrent`) for
+//!   the call and popped after it (`cuCtxPopCurrent`), so the caller finds
+//!   the context it had.
 //! - The granularity is queried (`cuMemGetAllocationGranularity`, minimum), not assumed.
 //! - Every call is checked against the same ledger as the host backend before
 //!   the driver sees it, so bad input gets the same typed errors on every
@@ -20,14 +24,31 @@
 //!   confused with a released one. [`StreamId`] values are raw `CUstream`
 //!   pointers made by [`CudaVmm::create_stream`]; `StreamId(0)` is the legacy
 //!   default stream.
+//! - `map` follows CUDA's documented rule ([`MapRule::WholeHandle`], always:
+//!   the offset "currently must be zero", and a mapping covers its handle
+//!   whole); the ledger refuses anything else before the driver sees it.
 //! - An unmap of several neighbouring mappings is made one `cuMemUnmap` per
 //!   mapping (the driver unmaps whole mappings only) and counted as one call.
-//! - At drop, whatever is still alive (events, streams, mappings, handles,
-//!   reservations) is given back to the driver, and the leak is logged.
+//! - Events are pooled: [`Vmm::event_destroy`] puts the driver's event on a
+//!   free list (up to [`EVENT_POOL_MAX`] of them) and [`Vmm::event_record`]
+//!   re-records one from it, so a steady state creates and destroys no driver
+//!   event (re-recording is safe: a `cuStreamWaitEvent` already made waits for
+//!   the record it saw). Past the cap `cuEventDestroy` runs; an event whose
+//!   destroy fails stays live in the book (the error is returned, and drop
+//!   tries again). Pooled events are destroyed at drop.
+//! - [`CudaVmm::copy_to_device`] synchronises the legacy default stream after
+//!   `cuMemcpyHtoD`: from pageable memory the copy returns once the bytes are
+//!   staged, before the DMA has landed (CUDA's "API synchronization
+//!   behavior").
+//! - At drop, the context is synchronised (`cuCtxSynchronize`: no queued work
+//!   may still touch the memory), then whatever is still alive (events,
+//!   streams, mappings, handles, reservations) is given back to the driver,
+//!   and the leak is logged.
 
 use std::collections::BTreeSet;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -40,7 +61,13 @@ use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
-use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+use crate::types::{
+    CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
+};
+
+/// Most driver events kept for reuse after [`Vmm::event_destroy`]; beyond it
+/// `cuEventDestroy` runs.
+pub const EVENT_POOL_MAX: usize = 1024;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -60,29 +87,41 @@ fn describe(r: sys::CUresult) -> (String, String) {
     (name, text)
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else [`VmmError::Driver`] naming `call`.
-fn check(call: CallKind, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
+/// [`VmmError::Driver`] for the failed `CUresult` `r` of a call of kind `call`.
+fn driver_error(call: CallKind, r: sys::CUresult) -> VmmError {
     let (name, text) = describe(r);
-    Err(VmmError::Driver {
+    VmmError::Driver {
         call,
         code: r as u32,
         name,
         text,
-    })
+    }
+}
+
+/// `Ok` for `CUDA_SUCCESS`, else [`VmmError::Driver`] naming `call`.
+fn check(call: CallKind, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_error(call, r))
+    }
+}
+
+/// [`VmmError::Unavailable`] saying which setup step failed with `r`.
+fn setup_error(step: &str, r: sys::CUresult) -> VmmError {
+    let (name, text) = describe(r);
+    VmmError::Unavailable {
+        reason: format!("{step} failed: {name} ({}): {text}", r as u32),
+    }
 }
 
 /// `Ok` for `CUDA_SUCCESS`, else [`VmmError::Unavailable`] saying which step failed.
 fn check_setup(step: &str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
+        Ok(())
+    } else {
+        Err(setup_error(step, r))
     }
-    let (name, text) = describe(r);
-    Err(VmmError::Unavailable {
-        reason: format!("{step} failed: {name} ({}): {text}", r as u32),
-    })
 }
 
 fn to_usize(call: CallKind, argument: &'static str, value: u64) -> Result<usize> {
@@ -108,6 +147,68 @@ impl PrimaryContext {
     }
 }
 
+/// The primary context made current on the calling thread for as long as the
+/// guard lives, with the thread's previous context (or none) current again
+/// after it. Not `Send`: a thread's context stack is its own.
+#[must_use = "the context is current only while the guard lives"]
+struct CurrentContext {
+    /// True when this guard pushed the context and pops it when dropped;
+    /// false when the context was current already.
+    pushed: bool,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl CurrentContext {
+    /// Makes `context` current on this thread unless it is already; on
+    /// failure, the driver's `CUresult`.
+    fn enter(context: sys::CUcontext) -> std::result::Result<CurrentContext, sys::CUresult> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `current` is a valid, writable `CUcontext`; the call only
+        // reads this thread's context stack.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(r);
+        }
+        if current == context {
+            return Ok(CurrentContext {
+                pushed: false,
+                _thread_bound: PhantomData,
+            });
+        }
+        // SAFETY: `context` is a retained, live primary context (the caller
+        // owns the retain for longer than this guard lives). Pushing keeps
+        // the thread's previous context under it, restored by the pop in `drop`.
+        let r = unsafe { sys::cuCtxPushCurrent_v2(context) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(r);
+        }
+        Ok(CurrentContext {
+            pushed: true,
+            _thread_bound: PhantomData,
+        })
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        if !self.pushed {
+            return;
+        }
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: this guard pushed the context on this thread (it is not
+        // `Send`) and every guard is dropped in reverse order of creation,
+        // so the top of the stack is the context it pushed; `popped` is a
+        // valid out-pointer.
+        let r = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(
+                code = r as u32,
+                "cuCtxPopCurrent failed: the thread's previous context was not restored"
+            );
+        }
+    }
+}
+
 impl Drop for PrimaryContext {
     fn drop(&mut self) {
         // SAFETY: `device` is the device this context was retained on, once;
@@ -120,12 +221,18 @@ impl Drop for PrimaryContext {
 }
 
 /// Streams and events alive on this backend.
+///
+/// Invariant: a raw event is either in `events` (live, named by an id) or in
+/// `pooled` (destroyed by its user, kept for reuse), never both; `pooled`
+/// holds at most [`EVENT_POOL_MAX`] events.
 #[derive(Debug, Default)]
 struct SyncBook {
     /// Raw `CUstream` addresses made by `create_stream`.
     streams: BTreeSet<u64>,
     /// Live events, each with its raw `CUevent` address.
     events: EventBook<usize>,
+    /// Raw `CUevent` addresses ready to be recorded again.
+    pooled: Vec<usize>,
 }
 
 impl SyncBook {
@@ -148,7 +255,8 @@ impl SyncBook {
 }
 
 /// The CUDA backend for one device. `Send + Sync`: driver objects are kept as
-/// integers behind mutexes, and every call binds the primary context first.
+/// integers behind mutexes, and every call makes the primary context current
+/// for its length (keeping the calling thread's own context).
 pub struct CudaVmm {
     ordinal: usize,
     name: String,
@@ -275,10 +383,10 @@ impl CudaVmm {
             device,
             context: raw_context as usize,
         };
-        // SAFETY: the context was just retained and is live.
-        check_setup("cuCtxSetCurrent", unsafe {
-            sys::cuCtxSetCurrent(context.as_raw())
-        })?;
+        // Current for the rest of `new` only; the thread's own context (if
+        // any) is back when `_current` drops, before `context` would.
+        let _current = CurrentContext::enter(context.as_raw())
+            .map_err(|r| setup_error("cuCtxPushCurrent", r))?;
         let prop = allocation_prop(ordinal_c);
         let mut granularity: usize = 0;
         // SAFETY: valid out-pointer and a fully initialised `prop` that lives
@@ -338,15 +446,21 @@ impl CudaVmm {
         }
     }
 
+    /// Driver events destroyed by their users and kept for reuse (at most
+    /// [`EVENT_POOL_MAX`]).
+    pub fn pooled_events(&self) -> usize {
+        lock(&self.sync).pooled.len()
+    }
+
     fn ordinal_c(&self) -> c_int {
         // The ordinal was checked to fit a c_int in `new`.
         c_int::try_from(self.ordinal).unwrap_or(0)
     }
 
-    /// Makes the primary context current on the calling thread.
-    fn bind(&self, call: CallKind) -> Result<()> {
-        // SAFETY: the context is retained for this backend's whole life.
-        check(call, unsafe { sys::cuCtxSetCurrent(self.context.as_raw()) })
+    /// Makes the primary context current on the calling thread until the
+    /// returned guard drops (which restores the thread's previous context).
+    fn bind(&self, call: CallKind) -> Result<CurrentContext> {
+        CurrentContext::enter(self.context.as_raw()).map_err(|r| driver_error(call, r))
     }
 
     /// `cuMemGetInfo` without counting it (for out-of-memory figures).
@@ -366,7 +480,7 @@ impl CudaVmm {
     pub fn create_stream(&self) -> Result<StreamId> {
         let started = Instant::now();
         let mut book = lock(&self.sync);
-        self.bind(CallKind::StreamSynchronize)?;
+        let _context = self.bind(CallKind::StreamSynchronize)?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current.
         let r = unsafe {
@@ -404,7 +518,7 @@ impl CudaVmm {
                 rule: "is not a live stream made by create_stream",
             });
         }
-        self.bind(call)?;
+        let _context = self.bind(call)?;
         // SAFETY: the stream was made by `cuStreamCreate` on this context and
         // not destroyed yet (it is in the book, which we hold locked).
         let result = check(call, unsafe {
@@ -437,20 +551,34 @@ impl CudaVmm {
         if len == 0 {
             return Ok(());
         }
-        self.bind(CallKind::StreamSynchronize)?;
+        let _context = self.bind(CallKind::StreamSynchronize)?;
         check(CallKind::StreamSynchronize, op())
     }
 
     /// `cuMemcpyHtoD`: copies `data` to `ptr`. The whole range must be mapped
     /// (else `NotMapped`) and access-set (else `InvalidArgument`), as on the
-    /// host backend. Synchronous with respect to the host. Not counted in
-    /// [`DriverStats`]; driver failures name [`CallKind::StreamSynchronize`].
+    /// host backend. Not counted in [`DriverStats`]; driver failures name
+    /// [`CallKind::StreamSynchronize`].
+    ///
+    /// The bytes have landed when it returns: `data` is pageable memory, from
+    /// which `cuMemcpyHtoD` returns once the bytes are staged for the DMA,
+    /// "but the DMA to final destination may not have completed" (CUDA's API
+    /// synchronization behavior), so the copy is followed by a
+    /// `cuStreamSynchronize` of the legacy default stream it was issued on.
     pub fn copy_to_device(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
         self.copy_checked(ptr, data.len(), || {
             // SAFETY: `data` is valid for `data.len()` reads; `copy_checked`
             // confirmed the device range is mapped and accessible, and holds
             // the ledger's lock that keeps it so.
-            unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len()) }
+            let r =
+                unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len()) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return r;
+            }
+            // SAFETY: the null stream is the legacy default stream of the
+            // current context (made current by `copy_checked`), always valid;
+            // waiting on it finishes the copy just queued there.
+            unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
         })
     }
 
@@ -482,7 +610,7 @@ impl Vmm for CudaVmm {
             let alignment = ledger.check_reserve(size, alignment)?;
             let size_u = to_usize(call, "size", size)?;
             let alignment_u = to_usize(call, "alignment", alignment)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             let mut ptr: sys::CUdeviceptr = 0;
             // SAFETY: valid out-pointer; no fixed address is asked for (0), so
             // the driver picks a fresh range; flags must be 0.
@@ -505,7 +633,7 @@ impl Vmm for CudaVmm {
         self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             ledger.check_address_free(ptr, size)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: the ledger confirmed this is exactly a live reservation
             // of ours with no mapping left.
             check(call, unsafe { sys::cuMemAddressFree(ptr, size as usize) })?;
@@ -520,7 +648,7 @@ impl Vmm for CudaVmm {
             let mut ledger = lock(&self.ledger);
             ledger.check_create(size)?;
             let size_u = to_usize(call, "size", size)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             if size > self.total_memory {
                 // Larger than the device: out of memory whatever is free, and
                 // not worth a driver call (whose error for it is not documented).
@@ -556,7 +684,7 @@ impl Vmm for CudaVmm {
             let mut ledger = lock(&self.ledger);
             let entry = ledger.live_handle(call, handle)?;
             let (raw, size) = (entry.payload, entry.size);
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: `raw` came from `cuMemCreate` and was not released yet
             // (the ledger marks it released right after). The driver keeps the
             // memory alive while mappings of it remain.
@@ -573,7 +701,7 @@ impl Vmm for CudaVmm {
         self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             let raw = ledger.check_map(ptr, size, handle, offset)?.payload;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: the ledger confirmed the range lies in one live
             // reservation with no mapping, aligned, and `offset + size` inside
             // the live handle `raw`; flags must be 0.
@@ -590,7 +718,7 @@ impl Vmm for CudaVmm {
         self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             let starts = ledger.check_unmap(ptr, size)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             let mut done = Vec::with_capacity(starts.len());
             let mut outcome = Ok(());
             for start in &starts {
@@ -620,7 +748,7 @@ impl Vmm for CudaVmm {
         self.log.time(call, size, || {
             let mut ledger = lock(&self.ledger);
             ledger.check_set_access(ptr, size)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             let desc = sys::CUmemAccessDesc {
                 location: sys::CUmemLocation {
                     type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -641,7 +769,7 @@ impl Vmm for CudaVmm {
     fn mem_info(&self) -> Result<MemInfo> {
         let started = Instant::now();
         let call = CallKind::MemInfo;
-        let result = self.bind(call).and_then(|()| self.raw_mem_info(call));
+        let result = self.bind(call).and_then(|_context| self.raw_mem_info(call));
         self.log.record(call, 0, started, result)
     }
 
@@ -650,21 +778,32 @@ impl Vmm for CudaVmm {
         self.log.time(call, 0, || {
             let mut book = lock(&self.sync);
             let raw_stream = book.stream(call, stream)?;
-            self.bind(call)?;
-            let mut event: sys::CUevent = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the context is current.
-            check(call, unsafe {
-                sys::cuEventCreate(
-                    &mut event,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint,
-                )
-            })?;
-            // SAFETY: `event` was just created; `raw_stream` is the default
-            // stream or a live stream of ours (checked in the book we hold).
+            let _context = self.bind(call)?;
+            // A pooled event if there is one, else a new one.
+            let event = match book.pooled.pop() {
+                Some(raw) => raw as sys::CUevent,
+                None => {
+                    let mut event: sys::CUevent = std::ptr::null_mut();
+                    // SAFETY: valid out-pointer; the context is current.
+                    check(call, unsafe {
+                        sys::cuEventCreate(
+                            &mut event,
+                            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint,
+                        )
+                    })?;
+                    event
+                }
+            };
+            // SAFETY: `event` is a live event of this context, owned by no
+            // id (fresh, or taken from the pool under the book's lock);
+            // `raw_stream` is the default stream or a live stream of ours
+            // (checked in the book we hold). Recording a pooled event again
+            // overwrites its state; waits made on its earlier record keep
+            // waiting for that one.
             let recorded = check(call, unsafe { sys::cuEventRecord(event, raw_stream) });
             if let Err(e) = recorded {
-                // SAFETY: the event was created above and is not used again.
-                let _ = unsafe { sys::cuEventDestroy_v2(event) };
+                // Still a valid event: back to the pool (destroyed at drop).
+                book.pooled.push(event as usize);
                 return Err(e);
             }
             Ok(book.events.record(event as usize))
@@ -676,7 +815,7 @@ impl Vmm for CudaVmm {
         self.log.time(call, 0, || {
             let book = lock(&self.sync);
             let raw = book.event(call, event)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: `raw` is a live event (in the book, which we hold locked
             // so no destroy can race).
             match unsafe { sys::cuEventQuery(raw) } {
@@ -691,12 +830,19 @@ impl Vmm for CudaVmm {
         let call = CallKind::EventDestroy;
         self.log.time(call, 0, || {
             let mut book = lock(&self.sync);
-            let raw = book.event(call, event)?;
-            self.bind(call)?;
-            book.events.remove(call, event)?;
-            // SAFETY: `raw` was live and is now out of the book, so it is
-            // destroyed exactly once.
-            check(call, unsafe { sys::cuEventDestroy_v2(raw) })
+            let raw = *book.events.get(call, event)?;
+            if book.pooled.len() < EVENT_POOL_MAX {
+                // Kept for the next record: no driver call.
+                book.events.remove(call, event)?;
+                book.pooled.push(raw);
+                return Ok(());
+            }
+            let _context = self.bind(call)?;
+            // SAFETY: `raw` is a live event of ours (in the book, which we
+            // hold locked), destroyed once: it leaves the book only if the
+            // destroy succeeds, and is otherwise still live and named by `event`.
+            check(call, unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) })?;
+            book.events.remove(call, event).map(drop)
         })
     }
 
@@ -706,7 +852,7 @@ impl Vmm for CudaVmm {
             let book = lock(&self.sync);
             let raw_stream = book.stream(call, stream)?;
             let raw_event = book.event(call, event)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: both are live objects of this context (checked in the
             // book, held locked); flags must be 0.
             check(call, unsafe {
@@ -719,7 +865,7 @@ impl Vmm for CudaVmm {
         let call = CallKind::StreamSynchronize;
         self.log.time(call, 0, || {
             let raw_stream = lock(&self.sync).stream(call, stream)?;
-            self.bind(call)?;
+            let _context = self.bind(call)?;
             // SAFETY: the default stream or a live stream of ours. The book's
             // lock is not held while waiting, so a concurrent destroy_stream
             // of the same stream is the caller's race, as with the driver.
@@ -730,6 +876,11 @@ impl Vmm for CudaVmm {
     fn driver_stats(&self) -> DriverStats {
         self.log.stats()
     }
+
+    fn map_rule(&self) -> MapRule {
+        // Always CUDA's documented rule: the ledger was built with it.
+        MapRule::WholeHandle
+    }
 }
 
 impl Drop for CudaVmm {
@@ -738,12 +889,24 @@ impl Drop for CudaVmm {
         if !report.is_clean() {
             tracing::warn!(%report, "CUDA backend dropped with memory still held; giving it back");
         }
-        if self.bind(CallKind::Release).is_err() {
+        // Current until the end of `drop`, before `self.context` is released.
+        let Ok(_context) = self.bind(CallKind::Release) else {
+            tracing::warn!(
+                "CUDA backend dropped without its context; driver objects left as they are"
+            );
             return;
+        };
+        // No queued work may still read or write memory that is unmapped below.
+        // SAFETY: the context is current; the call takes no arguments.
+        let synced = unsafe { sys::cuCtxSynchronize() };
+        if synced != sys::CUresult::CUDA_SUCCESS {
+            let (name, _) = describe(synced);
+            tracing::warn!(code = synced as u32, %name, "cuCtxSynchronize failed at drop; unmapping anyway");
         }
         let mut book = std::mem::take(&mut *lock(&self.sync));
-        for raw in book.events.drain() {
-            // SAFETY: each event is live and destroyed once, here.
+        for raw in book.events.drain().into_iter().chain(book.pooled) {
+            // SAFETY: each event is live and owned here once: the live ones
+            // from the book and the pooled ones are disjoint (the book's invariant).
             let _ = unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) };
         }
         for raw in book.streams {
@@ -752,7 +915,8 @@ impl Drop for CudaVmm {
         }
         let drained = lock(&self.ledger).drain();
         for (ptr, size) in drained.mappings {
-            // SAFETY: a whole live mapping of ours.
+            // SAFETY: a whole live mapping of ours; the context was
+            // synchronised above, so no queued work still uses it.
             let _ = unsafe { sys::cuMemUnmap(ptr, size as usize) };
         }
         for (released, raw) in drained.handles {
@@ -765,7 +929,8 @@ impl Drop for CudaVmm {
             // SAFETY: a whole reservation of ours, now without mappings.
             let _ = unsafe { sys::cuMemAddressFree(ptr, size as usize) };
         }
-        // `self.context` drops next and releases the primary context.
+        // `_context` pops here (restoring the thread's own context), then
+        // `self.context` drops and releases the primary context.
     }
 }
 

@@ -1,7 +1,7 @@
 //! The driver trait: the VMM calls every layer above talks to.
 
 use crate::error::Result;
-use crate::types::{DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+use crate::types::{DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId};
 
 /// CUDA's virtual memory management API for one device, as one trait.
 ///
@@ -16,7 +16,11 @@ use crate::types::{DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamI
 /// - `create` sizes are non-zero multiples of the granularity.
 /// - `map(ptr, size, handle, offset)`: `ptr`, `size` and `offset` are multiples of
 ///   the granularity, `size > 0`, `offset + size` lies inside the handle, the range
-///   lies inside one live reservation and overlaps no existing mapping.
+///   lies inside one live reservation and overlaps no existing mapping. Under
+///   the default [`MapRule::WholeHandle`] (CUDA's reference for `cuMemMap`: the
+///   offset "currently must be zero") the mapping also covers its handle whole:
+///   `offset == 0` and `size` equals the handle's size; a backend built with
+///   [`MapRule::AnyOffset`] (an experiment) accepts any part. See [`Vmm::map_rule`].
 /// - `unmap(ptr, size)` must cover whole mappings exactly (one or several
 ///   neighbouring ones); a hole in the range is an error.
 /// - `release(handle)` may be called while the handle is still mapped: the
@@ -42,7 +46,8 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// `cuMemRelease`: release a handle; its memory is freed at its last unmap.
     fn release(&self, handle: PhysHandle) -> Result<()>;
 
-    /// `cuMemMap`: map `size` bytes of `handle` starting at `offset` at `ptr`.
+    /// `cuMemMap`: map `size` bytes of `handle` starting at `offset` at `ptr`
+    /// (under [`MapRule::WholeHandle`]: the whole handle, `offset` 0).
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()>;
 
     /// `cuMemUnmap`: unmap the mappings that exactly cover `ptr..ptr+size`.
@@ -54,13 +59,16 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// `cuMemGetInfo`: total and free device memory.
     fn mem_info(&self) -> Result<MemInfo>;
 
-    /// Record an event on `stream` (`cuEventCreate` + `cuEventRecord`).
+    /// Record an event on `stream` (`cuEventRecord`, on a driver event the
+    /// backend creates with `cuEventCreate` or reuses from its pool).
     fn event_record(&self, stream: StreamId) -> Result<EventId>;
 
     /// `cuEventQuery`: true once the work before the event has completed.
     fn event_query(&self, event: EventId) -> Result<bool>;
 
-    /// `cuEventDestroy`.
+    /// `cuEventDestroy`: the id is dead afterwards (the CUDA backend may keep
+    /// the driver's event for a later record). An event whose destroy fails
+    /// stays live.
     fn event_destroy(&self, event: EventId) -> Result<()>;
 
     /// `cuStreamWaitEvent`: later work on `stream` waits for `event`.
@@ -71,4 +79,12 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
 
     /// Calls made through this backend so far, by kind, and their time.
     fn driver_stats(&self) -> DriverStats;
+
+    /// The map rule this backend enforces. The default, and always on CUDA, is
+    /// [`MapRule::WholeHandle`]; a result obtained on a backend that answers
+    /// [`MapRule::AnyOffset`] depends on a rule CUDA does not document, and a
+    /// report should say so.
+    fn map_rule(&self) -> MapRule {
+        MapRule::WholeHandle
+    }
 }

@@ -34,6 +34,12 @@
 //! or `munmap`, and bytes are only read or written where a mapping with access
 //! set covers them, under the ledger's lock (no unmap can race a copy).
 //!
+//! Map rule: [`HostVmm::new`] enforces CUDA's documented rule
+//! ([`MapRule::WholeHandle`]: a mapping covers its handle whole, at offset 0);
+//! [`HostVmm::with_map_rule`] with [`MapRule::AnyOffset`] maps any
+//! granule-aligned part of a memfd instead, for what-if experiments (reported
+//! by [`Vmm::map_rule`]).
+//!
 //! Events: the host is synchronous, so an event is complete when recorded;
 //! event ids are still checked. Streams are not tracked: any [`StreamId`] is accepted.
 
@@ -49,7 +55,9 @@ use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
-use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+use crate::types::{
+    CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
+};
 
 use os::OsError;
 
@@ -109,6 +117,7 @@ impl fmt::Debug for HostVmm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostVmm")
             .field("config", &self.config)
+            .field("map_rule", &self.map_rule())
             .field("arena_base", &self.arena_base)
             .field("arena_size", &self.arena_size)
             .field("live", &self.leak_report())
@@ -138,12 +147,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl HostVmm {
-    /// A host backend with `config`.
+    /// A host backend with `config`, under CUDA's documented map rule
+    /// ([`MapRule::WholeHandle`]).
     ///
     /// Errors: `Unavailable` off 64-bit Linux or when the address arena cannot
     /// be had; `InvalidArgument` when the granularity is not a power of two at
     /// least the OS page size.
     pub fn new(config: HostConfig) -> Result<HostVmm> {
+        HostVmm::with_map_rule(config, MapRule::WholeHandle)
+    }
+
+    /// A host backend with `config` and the map rule `map_rule`
+    /// ([`MapRule::AnyOffset`]: an experiment that maps any granule-aligned
+    /// part of a handle). Errors as [`HostVmm::new`].
+    pub fn with_map_rule(config: HostConfig, map_rule: MapRule) -> Result<HostVmm> {
         if !os::SUPPORTED {
             return Err(VmmError::Unavailable {
                 reason: "the host backend needs 64-bit Linux (memfd and mmap)".to_owned(),
@@ -179,12 +196,14 @@ impl HostVmm {
                 Err(_) => arena_size = (arena_size / 2).next_multiple_of(config.granularity),
             }
         };
+        let mut ledger = Ledger::new(config.granularity, config.capacity);
+        ledger.set_map_rule(map_rule);
         Ok(HostVmm {
             config,
             arena_base,
             arena_size,
             state: Mutex::new(HostState {
-                ledger: Ledger::new(config.granularity, config.capacity),
+                ledger,
                 next_va: arena_base,
             }),
             events: Mutex::new(EventBook::default()),
@@ -430,6 +449,10 @@ impl Vmm for HostVmm {
 
     fn driver_stats(&self) -> DriverStats {
         self.log.stats()
+    }
+
+    fn map_rule(&self) -> MapRule {
+        lock(&self.state).ledger.map_rule()
     }
 }
 

@@ -9,6 +9,12 @@
 //! live reservation ever reaches `mmap`, `mprotect` or the driver: this is what
 //! makes the host backend's `unsafe` sound.
 //!
+//! The map rule ([`MapRule`], [`Ledger::set_map_rule`]) is the ledger's one
+//! setting: by default ([`MapRule::WholeHandle`], CUDA's documented rule) a
+//! `map` must name offset 0 and the handle's whole size; [`MapRule::AnyOffset`]
+//! accepts any granule-aligned part of a handle, for what-if experiments on the
+//! simulated and host backends. The CUDA backend never relaxes it.
+//!
 //! Every look-up is a `BTreeMap` interval query: O(log n) per call, plus
 //! O(k log n) for an unmap or set-access covering k mappings.
 //!
@@ -18,7 +24,8 @@
 //! - every mapping lies inside exactly one reservation, and mappings do not
 //!   overlap; `mapped` is the sum of their sizes;
 //! - every mapping names a handle present in `handles`, with
-//!   `offset + size <= handle.size`, and `handle.mappings` counts them exactly;
+//!   `offset + size <= handle.size` (under [`MapRule::WholeHandle`]: `offset == 0`
+//!   and `size == handle.size`), and `handle.mappings` counts them exactly;
 //! - a handle is in `handles` while it is unreleased or still mapped; a released
 //!   handle with no mapping left is removed at once;
 //! - `used` is the sum of the sizes of the handles in `handles`, and never
@@ -28,7 +35,17 @@ use std::collections::BTreeMap;
 
 use crate::error::{Result, VmmError};
 use crate::leak::LeakReport;
-use crate::types::{CallKind, DevicePtr, MemInfo, PhysHandle};
+use crate::types::{CallKind, DevicePtr, MapRule, MemInfo, PhysHandle};
+
+/// The rule a non-zero `offset` breaks under [`MapRule::WholeHandle`].
+pub(crate) const OFFSET_MUST_BE_ZERO: &str = "must be zero: cuMemMap's offset \"currently must be zero\" \
+     (CUDA driver API reference; map rule whole-handle, MapRule::AnyOffset relaxes it for experiments)";
+
+/// The rule a partial mapping breaks under [`MapRule::WholeHandle`].
+pub(crate) const SIZE_MUST_BE_WHOLE_HANDLE: &str =
+    "must equal the handle's size: a mapping covers its \
+     handle whole, at offset 0 (map rule whole-handle, CUDA's documented rule; \
+     MapRule::AnyOffset relaxes it for experiments)";
 
 /// One piece of physical memory, with the backend's own payload (the memfd on
 /// the host, the driver's handle on CUDA, nothing on the simulated backend).
@@ -123,6 +140,7 @@ pub(crate) struct Drained<P> {
 #[derive(Debug)]
 pub(crate) struct Ledger<P> {
     granularity: u64,
+    map_rule: MapRule,
     capacity: u64,
     used: u64,
     reserved: u64,
@@ -149,11 +167,13 @@ pub(crate) fn invalid(
 }
 
 impl<P> Ledger<P> {
-    /// An empty ledger. `granularity` must be a power of two (the backends check
-    /// it); `capacity` limits the bytes of live handles (`u64::MAX`: no limit).
+    /// An empty ledger under [`MapRule::WholeHandle`]. `granularity` must be a
+    /// power of two (the backends check it); `capacity` limits the bytes of
+    /// live handles (`u64::MAX`: no limit).
     pub fn new(granularity: u64, capacity: u64) -> Self {
         Ledger {
             granularity,
+            map_rule: MapRule::WholeHandle,
             capacity,
             used: 0,
             reserved: 0,
@@ -163,6 +183,17 @@ impl<P> Ledger<P> {
             handles: BTreeMap::new(),
             mappings: BTreeMap::new(),
         }
+    }
+
+    /// Sets the map rule. Backends call it once, before the first `map`
+    /// (mappings made under a looser rule would break the stricter invariant).
+    pub fn set_map_rule(&mut self, rule: MapRule) {
+        self.map_rule = rule;
+    }
+
+    /// The map rule in force.
+    pub fn map_rule(&self) -> MapRule {
+        self.map_rule
     }
 
     /// Bytes of physical memory behind live handles (unreleased, or released
@@ -387,6 +418,12 @@ impl<P> Ledger<P> {
     // ---- map / unmap ----
 
     /// Checks a `map(ptr, size, handle, offset)` against every rule; returns the handle's entry.
+    ///
+    /// In order: `ptr` non-zero and aligned, `size` non-zero and aligned,
+    /// `offset` aligned, a live handle, `offset + size` inside it (argument
+    /// `offset`), then the map rule (under [`MapRule::WholeHandle`]: `offset`
+    /// zero, then `size` equal to the handle's), then one live reservation
+    /// holding the range (`ptr`), then no overlap (`AlreadyMapped`).
     pub fn check_map(
         &self,
         ptr: DevicePtr,
@@ -410,6 +447,14 @@ impl<P> Ledger<P> {
                 offset,
                 "offset + size must lie inside the handle",
             ));
+        }
+        if self.map_rule == MapRule::WholeHandle {
+            if offset != 0 {
+                return Err(invalid(call, "offset", offset, OFFSET_MUST_BE_ZERO));
+            }
+            if size != entry.size {
+                return Err(invalid(call, "size", size, SIZE_MUST_BE_WHOLE_HANDLE));
+            }
         }
         if self.reservation_containing(ptr, end).is_none() {
             return Err(invalid(
@@ -663,7 +708,14 @@ impl<P> Ledger<P> {
                 ));
             }
             match self.handles.get(&m.handle) {
-                Some(h) if m.offset + m.size <= h.size => {}
+                Some(h) if m.offset + m.size <= h.size => {
+                    if self.map_rule == MapRule::WholeHandle && (m.offset, m.size) != (0, h.size) {
+                        return Err(format!(
+                            "mapping {start:#x} covers part of handle {} under the whole-handle rule",
+                            m.handle
+                        ));
+                    }
+                }
                 _ => {
                     return Err(format!(
                         "mapping {start:#x} names handle {} that is dead or too small",
@@ -733,9 +785,18 @@ mod tests {
 
     const G: u64 = 4096;
 
+    /// A ledger of 16 granules with one reservation of 8 at `16 * G`, under
+    /// CUDA's rule.
     fn ledger() -> Ledger<()> {
         let mut l = Ledger::new(G, 16 * G);
         l.add_reservation(16 * G, 8 * G);
+        l
+    }
+
+    /// The same under the relaxed rule.
+    fn relaxed() -> Ledger<()> {
+        let mut l = ledger();
+        l.set_map_rule(MapRule::AnyOffset);
         l
     }
 
@@ -748,8 +809,62 @@ mod tests {
     }
 
     #[test]
-    fn map_rules_in_order() {
+    fn whole_handle_rule_is_the_default_and_names_itself() {
         let mut l = ledger();
+        assert_eq!(l.map_rule(), MapRule::WholeHandle);
+        let h = l.add_handle(2 * G, ());
+        // One granule in: the offset rule, quoting CUDA's reference.
+        match l.check_map(16 * G, G, h, G) {
+            Err(VmmError::InvalidArgument {
+                call: CallKind::Map,
+                argument: "offset",
+                value,
+                rule,
+            }) => {
+                assert_eq!(value, G);
+                assert!(rule.contains("currently must be zero"), "{rule}");
+            }
+            other => panic!("expected the offset rule, got {other:?}"),
+        }
+        // A prefix: the whole-handle rule.
+        match l.check_map(16 * G, G, h, 0) {
+            Err(VmmError::InvalidArgument {
+                call: CallKind::Map,
+                argument: "size",
+                value,
+                rule,
+            }) => {
+                assert_eq!(value, G);
+                assert!(rule.contains("covers its handle whole"), "{rule}");
+            }
+            other => panic!("expected the whole-handle rule, got {other:?}"),
+        }
+        // Past the handle's end is still the general rule (argument `offset`).
+        assert_invalid(l.check_map(16 * G, 3 * G, h, 0), "offset");
+        assert!(l.check_map(16 * G, 2 * G, h, 0).is_ok());
+        l.add_mapping(16 * G, 2 * G, h, 0);
+        l.check_invariants().unwrap();
+        // A mapping that only the relaxed rule allows breaks the strict invariant.
+        l.add_mapping(20 * G, G, h, G);
+        assert!(l.check_invariants().unwrap_err().contains("whole-handle"));
+    }
+
+    #[test]
+    fn any_offset_rule_maps_parts_of_a_handle() {
+        let mut l = relaxed();
+        assert_eq!(l.map_rule(), MapRule::AnyOffset);
+        let h = l.add_handle(2 * G, ());
+        assert!(l.check_map(16 * G, G, h, G).is_ok());
+        assert!(l.check_map(16 * G, G, h, 0).is_ok());
+        assert_invalid(l.check_map(16 * G, 2 * G, h, G), "offset");
+        l.add_mapping(16 * G, G, h, G);
+        l.add_mapping(17 * G, G, h, 0);
+        l.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn map_rules_in_order() {
+        let mut l = relaxed();
         let h = l.add_handle(4 * G, ());
         assert!(l.check_map(16 * G, 2 * G, h, 0).is_ok());
         assert_invalid(l.check_map(16 * G + 1, G, h, 0), "ptr");
@@ -763,14 +878,28 @@ mod tests {
         ));
         assert!(l.check_map(18 * G, 2 * G, h, 0).is_ok());
         l.check_invariants().unwrap();
+        // The same order under the whole-handle rule, with a whole handle.
+        let mut l = ledger();
+        let h = l.add_handle(4 * G, ());
+        assert_invalid(l.check_map(16 * G + 1, 4 * G, h, 0), "ptr");
+        assert_invalid(l.check_map(16 * G, 0, h, 0), "size");
+        assert_invalid(l.check_map(22 * G, 4 * G, h, 0), "ptr");
+        l.add_mapping(16 * G, 4 * G, h, 0);
+        assert!(matches!(
+            l.check_map(18 * G, 4 * G, h, 0),
+            Err(VmmError::AlreadyMapped { .. })
+        ));
+        assert!(l.check_map(20 * G, 4 * G, h, 0).is_ok());
+        l.check_invariants().unwrap();
     }
 
     #[test]
     fn unmap_needs_whole_neighbouring_mappings() {
         let mut l = ledger();
-        let h = l.add_handle(4 * G, ());
-        l.add_mapping(16 * G, 2 * G, h, 0);
-        l.add_mapping(18 * G, G, h, 2 * G);
+        let h1 = l.add_handle(2 * G, ());
+        let h2 = l.add_handle(G, ());
+        l.add_mapping(16 * G, 2 * G, h1, 0);
+        l.add_mapping(18 * G, G, h2, 0);
         assert_eq!(l.check_unmap(16 * G, 3 * G).unwrap(), vec![16 * G, 18 * G]);
         assert_invalid(l.check_unmap(17 * G, G), "ptr");
         assert_invalid(l.check_unmap(16 * G, G), "size");
@@ -789,11 +918,12 @@ mod tests {
     #[test]
     fn released_handle_lives_until_last_unmap() {
         let mut l = ledger();
-        let h = l.add_handle(2 * G, ());
+        let h = l.add_handle(G, ());
+        // One handle at two addresses.
         l.add_mapping(16 * G, G, h, 0);
-        l.add_mapping(18 * G, G, h, G);
+        l.add_mapping(18 * G, G, h, 0);
         assert!(l.release(h).is_none());
-        assert_eq!(l.used(), 2 * G);
+        assert_eq!(l.used(), G);
         assert_invalid(l.live_handle(CallKind::Map, h), "handle");
         assert_eq!(l.leak_report().released_but_mapped, 1);
         l.check_invariants().unwrap();
@@ -841,10 +971,12 @@ mod tests {
         ));
         assert!(l.check_set_access(16 * G, 5 * G).is_err());
         // Partial marks that add up to the whole mapping make it `All`.
-        l.add_mapping(21 * G, 2 * G, h, 0);
+        let h2 = l.add_handle(2 * G, ());
+        l.add_mapping(21 * G, 2 * G, h2, 0);
         l.mark_accessible(21 * G, G);
         l.mark_accessible(22 * G, G);
         assert_eq!(l.mapping_containing(22 * G).unwrap().1.access, Access::All);
+        l.check_invariants().unwrap();
     }
 
     #[test]

@@ -16,6 +16,19 @@
 //! (the crate's ledger) before the driver or the kernel sees it, so bad input
 //! gets the same typed error on all three; [`LeakReport`], one type for all
 //! three, says what a backend still holds.
+//!
+//! The ledger enforces CUDA's documented rules, strictly where the reference is
+//! terse. In particular `map` must cover its handle whole, at offset 0
+//! ([`MapRule::WholeHandle`], the default): the `cuMemMap` reference says the
+//! offset "currently must be zero", and PyTorch's expandable segments, vLLM's
+//! and NCCL's allocators all map one handle per unit. A non-zero offset or a
+//! part of a handle is refused with [`VmmError::InvalidArgument`] naming the
+//! rule. For what-if experiments the simulated backend
+//! ([`sim::SimConfig::map_rule`]) and the host backend
+//! ([`host::HostVmm::with_map_rule`]) accept [`MapRule::AnyOffset`]: any
+//! granule-aligned part of a handle. [`Vmm::map_rule`] says which rule a backend
+//! uses, so that a report can flag results that depend on the relaxed one; the
+//! CUDA backend always answers `WholeHandle`.
 //! [`latency`] times every driver call on any backend
 //! (`cargo run --release -p quilt-vmm --example driver_latency`).
 //!
@@ -36,4 +49,6 @@ pub mod types;
 pub use driver::Vmm;
 pub use error::{Result, VmmError};
 pub use leak::LeakReport;
-pub use types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+pub use types::{
+    CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
+};

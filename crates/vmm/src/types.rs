@@ -25,6 +25,50 @@ impl StreamId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventId(pub u64);
 
+/// Which `map` calls a backend accepts, beyond the rules every backend checks
+/// (alignment, a live handle, `offset + size` inside it, one reservation, no
+/// overlap).
+///
+/// CUDA's driver API reference for `cuMemMap` says of `offset`: "currently must
+/// be zero", and every production VMM allocator maps one handle per unit, whole.
+/// So the default, [`MapRule::WholeHandle`], refuses a non-zero `offset` and a
+/// `size` other than the handle's own with [`crate::VmmError::InvalidArgument`]
+/// naming the rule. [`MapRule::AnyOffset`] lifts that for what-if experiments
+/// on the simulated and host backends only (the CUDA backend always uses
+/// `WholeHandle`); [`crate::Vmm::map_rule`] tells which one a backend uses, so
+/// that a report can say when a result depends on the relaxed rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MapRule {
+    /// CUDA's documented rule (the default): a mapping covers its handle whole,
+    /// at offset 0 (`offset == 0` and `size == ` the handle's size).
+    #[default]
+    WholeHandle,
+    /// Experiment: map any granule-aligned part of a handle, at any
+    /// granule-aligned offset inside it (not documented to work on CUDA).
+    AnyOffset,
+}
+
+impl MapRule {
+    /// A short name for reports: `whole-handle` or `any-offset`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MapRule::WholeHandle => "whole-handle",
+            MapRule::AnyOffset => "any-offset",
+        }
+    }
+
+    /// True for a rule more permissive than CUDA's documented one.
+    pub fn is_relaxed(self) -> bool {
+        self != MapRule::WholeHandle
+    }
+}
+
+impl fmt::Display for MapRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Device memory figures, as `cuMemGetInfo` reports them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemInfo {
@@ -53,7 +97,7 @@ pub enum CallKind {
     SetAccess,
     /// `cuMemGetInfo`.
     MemInfo,
-    /// `cuEventCreate` + `cuEventRecord`.
+    /// `cuEventRecord` (with a `cuEventCreate` when no pooled event is free).
     EventRecord,
     /// `cuEventQuery`.
     EventQuery,

@@ -7,7 +7,12 @@
 //!   "conformance: CUDA backend skipped: <error>" and goes on without it.
 //!
 //! Every check takes a [`Backend`] and uses only the trait, so a backend passes
-//! exactly when it follows the same rules with the same typed errors. On CUDA
+//! exactly when it follows the same rules with the same typed errors. The
+//! shared checks run under CUDA's documented map rule ([`MapRule::WholeHandle`]:
+//! a mapping covers its handle whole, at offset 0), the default of every
+//! backend; the checks about mapping parts of a handle run on the simulated and
+//! host backends built with [`MapRule::AnyOffset`] (`each_relaxed_backend`),
+//! never on CUDA, whose reference says the offset "currently must be zero". On CUDA
 //! only the default stream is used (stream ids there are raw `CUstream`s), and
 //! capacity is never exhausted for real (a request larger than the device is
 //! asked for instead). Checks specific to the simulated backend (leak report,
@@ -21,7 +26,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use quilt_vmm::sim::{CostModel, Fault, FaultTrigger, SimConfig, SimVmm};
-use quilt_vmm::{CallKind, DevicePtr, PhysHandle, StreamId, Vmm, VmmError};
+use quilt_vmm::{CallKind, DevicePtr, MapRule, PhysHandle, StreamId, Vmm, VmmError};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -45,10 +50,30 @@ impl Backend {
     }
 }
 
+/// Proptest's configuration with `cases` cases, unless `PROPTEST_CASES` says
+/// otherwise (an explicit case count would override the variable, and the GPU
+/// check bounds it); `PROPTEST_MAX_SHRINK_ITERS` and the rest come from the
+/// environment as usual.
+fn proptest_config(cases: u32) -> proptest::prelude::ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    proptest::prelude::ProptestConfig {
+        cases,
+        ..proptest::prelude::ProptestConfig::default()
+    }
+}
+
 fn sim_backend() -> Backend {
+    sim_backend_with(MapRule::WholeHandle)
+}
+
+fn sim_backend_with(map_rule: MapRule) -> Backend {
     let config = SimConfig {
         capacity: SMALL_CAPACITY,
         granularity: SMALL_GRANULARITY,
+        map_rule,
         ..SimConfig::default()
     };
     Backend {
@@ -57,12 +82,19 @@ fn sim_backend() -> Backend {
     }
 }
 
-#[cfg(target_os = "linux")]
 fn host_backend() -> Option<Backend> {
-    let vmm = quilt_vmm::host::HostVmm::new(quilt_vmm::host::HostConfig {
-        granularity: SMALL_GRANULARITY,
-        capacity: SMALL_CAPACITY,
-    })
+    host_backend_with(MapRule::WholeHandle)
+}
+
+#[cfg(target_os = "linux")]
+fn host_backend_with(map_rule: MapRule) -> Option<Backend> {
+    let vmm = quilt_vmm::host::HostVmm::with_map_rule(
+        quilt_vmm::host::HostConfig {
+            granularity: SMALL_GRANULARITY,
+            capacity: SMALL_CAPACITY,
+        },
+        map_rule,
+    )
     .expect("the host backend constructs on Linux");
     Some(Backend {
         vmm: Arc::new(vmm),
@@ -71,7 +103,7 @@ fn host_backend() -> Option<Backend> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn host_backend() -> Option<Backend> {
+fn host_backend_with(_map_rule: MapRule) -> Option<Backend> {
     eprintln!("conformance: host backend skipped: not Linux");
     None
 }
@@ -97,11 +129,34 @@ fn backends() -> Vec<Backend> {
     out
 }
 
-/// Runs `check` against every backend, with the backend's trait object and
-/// granularity.
+/// Runs `check` against every backend (CUDA's map rule), with the backend's
+/// trait object and granularity.
 fn each_backend(check: impl Fn(&Backend, &dyn Vmm, u64)) {
     for backend in backends() {
         eprintln!("conformance: {}", backend.name());
+        assert_eq!(
+            backend.vmm.map_rule(),
+            MapRule::WholeHandle,
+            "{}",
+            backend.name()
+        );
+        check(&backend, &*backend.vmm, backend.vmm.granularity());
+    }
+}
+
+/// Runs `check` against the simulated and host backends built with the
+/// relaxed map rule ([`MapRule::AnyOffset`]; never CUDA).
+fn each_relaxed_backend(check: impl Fn(&Backend, &dyn Vmm, u64)) {
+    let mut relaxed = vec![sim_backend_with(MapRule::AnyOffset)];
+    relaxed.extend(host_backend_with(MapRule::AnyOffset));
+    for backend in relaxed {
+        eprintln!("conformance: {} (map rule any-offset)", backend.name());
+        assert_eq!(
+            backend.vmm.map_rule(),
+            MapRule::AnyOffset,
+            "{}",
+            backend.name()
+        );
         check(&backend, &*backend.vmm, backend.vmm.granularity());
     }
 }
@@ -293,9 +348,10 @@ fn reservations_are_aligned_and_disjoint_and_free_whole() {
 #[test]
 fn address_free_while_mapped_is_rejected() {
     each_backend(|b, v, g| {
-        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
+        // One handle at two addresses.
+        let (va, h) = reserve_and_create(v, 4 * g, g);
         v.map(va, g, h, 0).unwrap();
-        v.map(va + 2 * g, g, h, g).unwrap();
+        v.map(va + 2 * g, g, h, 0).unwrap();
         assert_still_mapped(b, v.address_free(va, 4 * g), va, 4 * g, 2);
         v.unmap(va, g).unwrap();
         assert_still_mapped(b, v.address_free(va, 4 * g), va, 4 * g, 1);
@@ -416,7 +472,7 @@ fn map_rejects_bad_arguments() {
             "handle",
         );
         // Outside the reservation: past its end, straddling its end, before it.
-        assert_invalid(b, v.map(va + 4 * g, g, h, 0), CallKind::Map, "ptr");
+        assert_invalid(b, v.map(va + 4 * g, 2 * g, h, 0), CallKind::Map, "ptr");
         assert_invalid(b, v.map(va + 3 * g, 2 * g, h, 0), CallKind::Map, "ptr");
         assert_invalid(b, v.map(va - g, 2 * g, h, 0), CallKind::Map, "ptr");
         // No failed map left anything behind: the whole range maps now.
@@ -430,29 +486,128 @@ fn map_rejects_bad_arguments() {
 }
 
 #[test]
-fn map_over_a_mapping_is_already_mapped() {
+fn map_refuses_an_offset_or_a_part_of_a_handle_by_default() {
     each_backend(|b, v, g| {
-        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
+        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
+        // One granule into a two-granule handle: CUDA's offset rule.
+        match v.map(va, g, h, g) {
+            Err(VmmError::InvalidArgument {
+                call: CallKind::Map,
+                argument: "offset",
+                value,
+                rule,
+            }) => {
+                assert_eq!(value, g, "{}", b.name());
+                assert!(
+                    rule.contains("currently must be zero"),
+                    "{}: {rule}",
+                    b.name()
+                );
+            }
+            other => panic!("{}: expected the offset rule, got {other:?}", b.name()),
+        }
+        // A prefix (its first granule) of a two-granule handle.
+        match v.map(va, g, h, 0) {
+            Err(VmmError::InvalidArgument {
+                call: CallKind::Map,
+                argument: "size",
+                value,
+                rule,
+            }) => {
+                assert_eq!(value, g, "{}", b.name());
+                assert!(
+                    rule.contains("covers its handle whole"),
+                    "{}: {rule}",
+                    b.name()
+                );
+            }
+            other => panic!(
+                "{}: expected the whole-handle rule, got {other:?}",
+                b.name()
+            ),
+        }
+        // Its second granule, and the handle whole but at a granule's offset.
+        assert_invalid(b, v.map(va + g, g, h, g), CallKind::Map, "offset");
+        assert_invalid(b, v.map(va, 2 * g, h, g), CallKind::Map, "offset");
+        // Nothing was mapped: the whole handle maps at offset 0.
         v.map(va + 2 * g, 2 * g, h, 0).unwrap();
-        assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 0));
-        assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h, 2 * g));
-        assert_already_mapped(b, v.map(va + 3 * g, g, h, 2 * g));
-        assert_already_mapped(b, v.map(va + g, 2 * g, h, 2 * g));
-        assert_already_mapped(b, v.map(va + 3 * g, 2 * g, h, 2 * g));
-        // Right next to it on both sides is fine; the same physical pages may be
-        // mapped at several addresses.
-        v.map(va + g, g, h, 2 * g).unwrap();
-        v.map(va + 4 * g, 2 * g, h, 0).unwrap();
-        v.unmap(va + g, g).unwrap();
+        v.set_access(va + 2 * g, 2 * g).unwrap();
         v.unmap(va + 2 * g, 2 * g).unwrap();
-        v.unmap(va + 4 * g, 2 * g).unwrap();
-        release_and_free(v, va, 8 * g, h);
+        release_and_free(v, va, 4 * g, h);
     });
 }
 
 #[test]
-fn map_at_offsets_and_unmap_neighbours_together() {
+fn relaxed_rule_maps_any_granule_aligned_part_of_a_handle() {
+    each_relaxed_backend(|b, v, g| {
+        let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
+        // One granule in, and a prefix: both accepted under the relaxed rule.
+        v.map(va, g, h, g).unwrap();
+        v.map(va + g, g, h, 0).unwrap();
+        // The rules every backend keeps still hold.
+        assert_invalid(b, v.map(va + 2 * g, g, h, 4096), CallKind::Map, "offset");
+        assert_invalid(b, v.map(va + 2 * g, 2 * g, h, g), CallKind::Map, "offset");
+        v.set_access(va, 2 * g).unwrap();
+        v.unmap(va, 2 * g).unwrap();
+        release_and_free(v, va, 4 * g, h);
+    });
+}
+
+#[test]
+fn map_over_a_mapping_is_already_mapped() {
     each_backend(|b, v, g| {
+        let va = v.reserve(8 * g, 0).unwrap();
+        let (h1, h2, h4) = (
+            v.create(g).unwrap(),
+            v.create(2 * g).unwrap(),
+            v.create(4 * g).unwrap(),
+        );
+        v.map(va + 2 * g, 2 * g, h2, 0).unwrap();
+        // The same range, its start, its end, inside it, around it.
+        assert_already_mapped(b, v.map(va + 2 * g, 2 * g, h2, 0));
+        assert_already_mapped(b, v.map(va + g, 2 * g, h2, 0));
+        assert_already_mapped(b, v.map(va + 3 * g, 2 * g, h2, 0));
+        assert_already_mapped(b, v.map(va + 3 * g, g, h1, 0));
+        assert_already_mapped(b, v.map(va + g, 4 * g, h4, 0));
+        // Right next to it on both sides is fine; the same physical pages may be
+        // mapped at several addresses.
+        v.map(va + g, g, h1, 0).unwrap();
+        v.map(va + 4 * g, 2 * g, h2, 0).unwrap();
+        v.unmap(va + g, g).unwrap();
+        v.unmap(va + 2 * g, 2 * g).unwrap();
+        v.unmap(va + 4 * g, 2 * g).unwrap();
+        for h in [h1, h2, h4] {
+            v.release(h).unwrap();
+        }
+        v.address_free(va, 8 * g).unwrap();
+    });
+}
+
+#[test]
+fn stitch_whole_handles_and_unmap_neighbours_together() {
+    each_backend(|b, v, g| {
+        let va = v.reserve(6 * g, 0).unwrap();
+        let h1 = v.create(g).unwrap();
+        let h2 = v.create(2 * g).unwrap();
+        let h3 = v.create(3 * g).unwrap();
+        // Stitch: three handles, each whole, behind one range; one set-access.
+        v.map(va, g, h1, 0).unwrap();
+        v.map(va + g, 2 * g, h2, 0).unwrap();
+        v.map(va + 3 * g, 3 * g, h3, 0).unwrap();
+        v.set_access(va, 6 * g).unwrap();
+        // Three neighbouring mappings go with one unmap.
+        v.unmap(va, 6 * g).unwrap();
+        assert_not_mapped(b, v.unmap(va, g), CallKind::Unmap);
+        for h in [h1, h2, h3] {
+            v.release(h).unwrap();
+        }
+        v.address_free(va, 6 * g).unwrap();
+    });
+}
+
+#[test]
+fn relaxed_rule_stitches_pages_of_handles_at_offsets() {
+    each_relaxed_backend(|b, v, g| {
         let va = v.reserve(6 * g, 0).unwrap();
         let h1 = v.create(4 * g).unwrap();
         let h2 = v.create(2 * g).unwrap();
@@ -475,9 +630,10 @@ fn map_at_offsets_and_unmap_neighbours_together() {
 #[test]
 fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
     each_backend(|b, v, g| {
-        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
+        // One two-granule handle at two addresses.
+        let (va, h) = reserve_and_create(v, 8 * g, 2 * g);
         v.map(va, 2 * g, h, 0).unwrap();
-        v.map(va + 4 * g, 2 * g, h, 2 * g).unwrap();
+        v.map(va + 4 * g, 2 * g, h, 0).unwrap();
 
         assert_invalid(b, v.unmap(va + 4096, g), CallKind::Unmap, "ptr");
         assert_invalid(b, v.unmap(va, 0), CallKind::Unmap, "size");
@@ -505,11 +661,12 @@ fn unmap_rejects_bad_arguments_holes_and_partial_mappings() {
 #[test]
 fn set_access_needs_a_fully_mapped_range() {
     each_backend(|b, v, g| {
-        let (va, h) = reserve_and_create(v, 8 * g, 4 * g);
+        let (va, h) = reserve_and_create(v, 8 * g, 2 * g);
+        let h1 = v.create(g).unwrap();
         assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
         v.map(va, 2 * g, h, 0).unwrap();
-        v.map(va + 2 * g, g, h, 2 * g).unwrap();
-        v.map(va + 4 * g, g, h, 3 * g).unwrap();
+        v.map(va + 2 * g, g, h1, 0).unwrap();
+        v.map(va + 4 * g, g, h1, 0).unwrap();
         assert_invalid(b, v.set_access(va + 4096, g), CallKind::SetAccess, "ptr");
         assert_invalid(b, v.set_access(va, 0), CallKind::SetAccess, "size");
         assert_invalid(b, v.set_access(va, g / 2), CallKind::SetAccess, "size");
@@ -523,6 +680,7 @@ fn set_access_needs_a_fully_mapped_range() {
         v.unmap(va, 3 * g).unwrap();
         v.unmap(va + 4 * g, g).unwrap();
         assert_not_mapped(b, v.set_access(va, g), CallKind::SetAccess);
+        v.release(h1).unwrap();
         release_and_free(v, va, 8 * g, h);
     });
 }
@@ -533,7 +691,7 @@ fn set_access_needs_a_fully_mapped_range() {
 fn release_while_mapped_keeps_memory_until_the_last_unmap() {
     each_backend(|b, v, g| {
         let (va, h) = reserve_and_create(v, 4 * g, 2 * g);
-        v.map(va, g, h, 0).unwrap();
+        v.map(va, 2 * g, h, 0).unwrap();
         v.map(va + 2 * g, 2 * g, h, 0).unwrap();
         let before = free_bytes(v);
         v.release(h).unwrap();
@@ -541,9 +699,9 @@ fn release_while_mapped_keeps_memory_until_the_last_unmap() {
             assert_eq!(free_bytes(v), before, "{}: still mapped twice", b.name());
         }
         // A released handle cannot be mapped again, nor released again.
-        assert_invalid(b, v.map(va + g, g, h, 0), CallKind::Map, "handle");
+        assert_invalid(b, v.map(va + g, 2 * g, h, 0), CallKind::Map, "handle");
         assert_invalid(b, v.release(h), CallKind::Release, "handle");
-        v.unmap(va, g).unwrap();
+        v.unmap(va, 2 * g).unwrap();
         if b.exhaustible.is_some() {
             assert_eq!(free_bytes(v), before, "{}: still mapped once", b.name());
         }
@@ -687,9 +845,20 @@ enum Op {
     Free(usize),
     Create(u64),
     Release(usize),
-    Map(usize, u64, u64, usize, u64),
+    /// Reservation, granule in it, handle, and what of the handle to map.
+    Map(usize, u64, usize, Part),
     Unmap(usize, u64, u64),
     Access(usize, u64, u64),
+}
+
+/// What of a handle a [`Op::Map`] maps.
+#[derive(Clone, Copy, Debug)]
+enum Part {
+    /// The whole handle at offset 0 (CUDA's rule; most maps).
+    Whole,
+    /// `pages` granules from granule `offset` of the handle (refused under
+    /// [`MapRule::WholeHandle`] unless that is the whole handle).
+    Pages { pages: u64, offset: u64 },
 }
 
 /// What a call returned, without addresses or ids (those differ by backend).
@@ -744,6 +913,8 @@ fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Left
     let mut res: Vec<(DevicePtr, u64)> = Vec::new();
     // Released handles stay in the list: later calls on them test the rules.
     let mut handles: Vec<(PhysHandle, bool)> = Vec::new();
+    // Each handle's size in granules, by the same index.
+    let mut sizes: Vec<u64> = Vec::new();
     let mut maps: std::collections::BTreeMap<DevicePtr, u64> = Default::default();
     let mut out = Vec::new();
     let pick = |n: usize, len: usize| if len == 0 { None } else { Some(n % len) };
@@ -780,6 +951,7 @@ fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Left
                 let r = v.create(pages * g);
                 if let Ok(h) = r {
                     handles.push((h, false));
+                    sizes.push(pages);
                 }
                 outcome(&r)
             }
@@ -798,10 +970,14 @@ fn run_ops(v: &dyn Vmm, ops: &[Op], after_each: &dyn Fn()) -> (Vec<String>, Left
             // map may run past the end (refused everywhere); an unmap or
             // set-access stays inside (neighbouring reservations may touch on
             // some backends, and mappings across them are backend-specific).
-            Op::Map(r, at, pages, hi, off) => match (pick(r, res.len()), pick(hi, handles.len())) {
+            Op::Map(r, at, hi, part) => match (pick(r, res.len()), pick(hi, handles.len())) {
                 (Some(r), Some(hi)) => {
                     let (start, size) = res[r];
                     let ptr = start + at % (size / g) * g;
+                    let (pages, off) = match part {
+                        Part::Whole => (sizes[hi], 0),
+                        Part::Pages { pages, offset } => (pages, offset),
+                    };
                     let result = v.map(ptr, pages * g, handles[hi].0, off * g);
                     if result.is_ok() {
                         maps.insert(ptr, pages * g);
@@ -857,28 +1033,38 @@ fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
         any::<usize>().prop_map(Op::Free),
         (1u64..6).prop_map(Op::Create),
         any::<usize>().prop_map(Op::Release),
-        (any::<usize>(), 0u64..6, 1u64..4, any::<usize>(), 0u64..4)
-            .prop_map(|(r, at, p, h, o)| Op::Map(r, at, p, h, o)),
+        (any::<usize>(), 0u64..6, any::<usize>()).prop_map(|(r, at, h)| Op::Map(
+            r,
+            at,
+            h,
+            Part::Whole
+        )),
+        (any::<usize>(), 0u64..6, any::<usize>(), 1u64..4, 0u64..4)
+            .prop_map(|(r, at, h, pages, offset)| Op::Map(r, at, h, Part::Pages { pages, offset })),
         (any::<usize>(), 0u64..6, 1u64..4).prop_map(|(r, at, p)| Op::Unmap(r, at, p)),
         (any::<usize>(), 0u64..6, 1u64..4).prop_map(|(r, at, p)| Op::Access(r, at, p)),
     ]
 }
 
 proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #![proptest_config(proptest_config(64))]
 
     /// Every backend gives the same outcome, call by call, as a simulated one of
-    /// the same granularity on random workloads (capacity exhaustion included on
-    /// the small backends; the CUDA device, shared by every case, is never
-    /// exhausted), and the workload tears down cleanly on each.
+    /// the same granularity and map rule on random workloads (capacity
+    /// exhaustion included on the small backends; the CUDA device, shared by
+    /// every case, is never exhausted), and the workload tears down cleanly on
+    /// each: under CUDA's rule on the host and CUDA backends, under the relaxed
+    /// rule on the host backend.
     #[test]
     fn backends_agree_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
         let mut others: Vec<Backend> = host_backend().into_iter().collect();
         others.extend(shared_cuda_backend());
+        others.extend(host_backend_with(MapRule::AnyOffset));
         for b in others {
             let reference = SimVmm::new(SimConfig {
                 capacity: b.exhaustible.unwrap_or(1 << 50),
                 granularity: b.vmm.granularity(),
+                map_rule: b.vmm.map_rule(),
                 ..SimConfig::default()
             })
             .unwrap();
@@ -907,18 +1093,21 @@ fn shared_cuda_backend() -> Option<Backend> {
 // ================================================================ simulated only
 
 proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #![proptest_config(proptest_config(64))]
 
     /// The simulated device's bookkeeping stays consistent after every call of a
-    /// random workload, with the `k`th VMM call failing (k = 0: none fails).
+    /// random workload, with the `k`th VMM call failing (k = 0: none fails),
+    /// under either map rule.
     #[test]
     fn sim_invariants_hold_after_every_call(
         ops in proptest::collection::vec(op_strategy(), 1..80),
         k in 0u64..80,
+        relaxed in proptest::bool::ANY,
     ) {
         let v = SimVmm::new(SimConfig {
             capacity: SMALL_CAPACITY,
             granularity: SMALL_GRANULARITY,
+            map_rule: if relaxed { MapRule::AnyOffset } else { MapRule::WholeHandle },
             ..SimConfig::default()
         })
         .unwrap();
@@ -1052,7 +1241,14 @@ fn sim_leak_report_lists_what_is_alive_and_empties_after_cleanup() {
 
 #[test]
 fn sim_tracks_access_per_mapping_and_translates() {
-    let v = sim(GIB);
+    // Offsets on purpose: translate must honour them (the relaxed rule).
+    let v = SimVmm::new(SimConfig {
+        capacity: GIB,
+        map_rule: MapRule::AnyOffset,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    assert_eq!(v.map_rule(), MapRule::AnyOffset);
     let (va, h) = reserve_and_create(&v, 8 * MIB, 8 * MIB);
     v.map(va, 4 * MIB, h, 4 * MIB).unwrap();
     v.map(va + 4 * MIB, 2 * MIB, h, 0).unwrap();
@@ -1100,7 +1296,8 @@ fn assert_cuda_error<T: Debug>(r: quilt_vmm::Result<T>, kind: CallKind, code: u3
 #[test]
 fn sim_nth_fault_fails_exactly_that_call_and_changes_nothing() {
     let v = sim(GIB);
-    let (va, h) = reserve_and_create(&v, 8 * MIB, 8 * MIB);
+    // One handle mapped whole at three neighbouring addresses.
+    let (va, h) = reserve_and_create(&v, 8 * MIB, 2 * MIB);
     v.inject(Fault::nth(CallKind::Map, 3));
     v.inject(Fault::nth(CallKind::Create, 1));
     assert_eq!(v.armed_faults(), 2);
@@ -1367,18 +1564,23 @@ fn sim_is_fast_enough_for_replays() {
     let v = sim(1 << 50);
     let n = 20_000u64;
     let started = std::time::Instant::now();
-    let (va, h) = reserve_and_create(&v, n * 2 * MIB, n * 2 * MIB);
-    for i in 0..n {
-        v.map(va + i * 2 * MIB, 2 * MIB, h, i * 2 * MIB).unwrap();
+    // One handle per page, each mapped whole.
+    let va = v.reserve(n * 2 * MIB, 0).unwrap();
+    let handles: Vec<PhysHandle> = (0..n).map(|_| v.create(2 * MIB).unwrap()).collect();
+    for (i, h) in (0..n).zip(&handles) {
+        v.map(va + i * 2 * MIB, 2 * MIB, *h, 0).unwrap();
     }
     for i in 0..n {
         v.set_access(va + i * 2 * MIB, 2 * MIB).unwrap();
     }
     v.unmap(va, n * 2 * MIB).unwrap();
     assert_eq!(v.mapped_bytes(), 0);
-    release_and_free(&v, va, n * 2 * MIB, h);
+    for h in handles {
+        v.release(h).unwrap();
+    }
+    v.address_free(va, n * 2 * MIB).unwrap();
     let calls = v.driver_stats().vmm_calls();
-    assert_eq!(calls, 2 * n + 5);
+    assert_eq!(calls, 4 * n + 3);
     eprintln!(
         "sim: {calls} calls over {n} live mappings in {:?} ({} ns per call)",
         started.elapsed(),

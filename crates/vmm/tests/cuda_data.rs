@@ -2,7 +2,8 @@
 //!
 //! Without `libcuda` (every CI machine) only the first test does something:
 //! construction must return `Unavailable`, never panic. With a GPU, the others
-//! check data through stitched mappings with `cuMemcpyHtoD` / `cuMemcpyDtoH`,
+//! check data through stitched mappings (one handle per page, each mapped
+//! whole: CUDA's rule) with `cuMemcpyHtoD` / `cuMemcpyDtoH`,
 //! streams and events, and that nothing leaks. Each prints why it skipped.
 
 mod stitch;
@@ -86,7 +87,7 @@ fn stitched_pages_hold_what_each_handle_holds() {
     v.address_free(scene.stitched, 4 * g).unwrap();
     assert!(v.leak_report().is_clean(), "{}", v.leak_report());
     let stats = v.driver_stats();
-    assert_eq!(stats.count(CallKind::Create), 3);
+    assert_eq!(stats.count(CallKind::Create), 6);
     assert_eq!(stats.failed[CallKind::Create.index()], 0);
     assert!(stats.measured_ns > 0);
 }
@@ -172,4 +173,67 @@ fn drop_gives_back_what_a_careless_user_left() {
     let va = w.reserve(g, 0).unwrap();
     w.address_free(va, g).unwrap();
     assert!(w.leak_report().is_clean());
+}
+
+/// The calling thread's current context (null when none).
+fn current_context() -> cudarc::driver::sys::CUcontext {
+    let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; only called once libcuda is loaded and
+    // initialised (a backend was constructed).
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    ctx
+}
+
+#[test]
+fn calls_leave_the_threads_context_as_they_found_it() {
+    let Some(v) = gpu() else { return };
+    let g = v.granularity();
+    // A fresh thread has no current context; construction and every call
+    // leave it so.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            assert!(current_context().is_null(), "a fresh thread");
+            let w = CudaVmm::new(0).unwrap();
+            assert!(current_context().is_null(), "after construction");
+            let va = w.reserve(g, 0).unwrap();
+            let h = w.create(g).unwrap();
+            w.map(va, g, h, 0).unwrap();
+            w.set_access(va, g).unwrap();
+            w.copy_to_device(va, &[7u8; 64]).unwrap();
+            let mut back = [0u8; 64];
+            w.copy_from_device(va, &mut back).unwrap();
+            assert_eq!(back, [7u8; 64]);
+            w.mem_info().unwrap();
+            assert!(current_context().is_null(), "after calls");
+            w.unmap(va, g).unwrap();
+            w.release(h).unwrap();
+            w.address_free(va, g).unwrap();
+            drop(w);
+            assert!(current_context().is_null(), "after drop");
+        });
+    });
+    drop(v);
+}
+
+#[test]
+fn destroyed_events_are_pooled_and_recorded_again() {
+    let Some(v) = gpu() else { return };
+    let s = quilt_vmm::StreamId::DEFAULT;
+    let a = v.event_record(s).unwrap();
+    let b = v.event_record(s).unwrap();
+    assert_eq!(v.pooled_events(), 0);
+    v.event_destroy(a).unwrap();
+    v.event_destroy(b).unwrap();
+    assert_eq!(v.pooled_events(), 2);
+    // A new id on a reused driver event; the old ids stay dead.
+    let c = v.event_record(s).unwrap();
+    assert_eq!(v.pooled_events(), 1);
+    assert!(c != a && c != b);
+    assert!(v.event_query(a).is_err());
+    v.stream_synchronize(s).unwrap();
+    assert!(v.event_query(c).unwrap());
+    v.event_destroy(c).unwrap();
+    assert_eq!(v.leak_report().events, 0);
+    assert_eq!(v.pooled_events(), 2);
 }

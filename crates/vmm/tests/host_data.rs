@@ -2,7 +2,9 @@
 //! really land in the physical pages they map, so stitching, aliasing and
 //! remapping can be tested on real memory.
 //!
-//! Each test makes its own backend; every test ends with a clean leak report.
+//! Each test makes its own backend, under CUDA's map rule (a mapping covers
+//! its handle whole) unless it is about offsets on purpose, where it uses
+//! [`MapRule::AnyOffset`]; every test ends with a clean leak report.
 
 #![cfg(all(target_os = "linux", target_pointer_width = "64"))]
 // Test code: a failed expectation is a panic (clippy's test allowance covers
@@ -12,16 +14,27 @@
 mod stitch;
 
 use quilt_vmm::host::{HostConfig, HostVmm};
-use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Vmm, VmmError};
+use quilt_vmm::{CallKind, DevicePtr, MapRule, PhysHandle, Vmm, VmmError};
 use stitch::{pattern, DeviceBytes};
 
 const MIB: u64 = 1 << 20;
 
-fn backend() -> quilt_vmm::Result<HostVmm> {
-    HostVmm::new(HostConfig {
+fn config() -> HostConfig {
+    HostConfig {
         granularity: 2 * MIB,
         capacity: 64 * MIB,
-    })
+    }
+}
+
+fn backend() -> quilt_vmm::Result<HostVmm> {
+    HostVmm::new(config())
+}
+
+/// A backend under the relaxed map rule, for tests about offsets on purpose.
+fn relaxed_backend() -> HostVmm {
+    let v = HostVmm::with_map_rule(config(), MapRule::AnyOffset).unwrap();
+    assert_eq!(v.map_rule(), MapRule::AnyOffset);
+    v
 }
 
 /// Maps `size` bytes of `handle` from `offset` at `ptr` and sets access.
@@ -143,15 +156,18 @@ fn a_range_stitched_from_three_handles_reads_back_each_handle() {
     let g = v.granularity();
     let scene = stitch::stitch_three_handles(&v, 40);
 
-    v.unmap(scene.stitched, 4 * g).unwrap(); // four neighbouring mappings in one call
-                                             // The handle the seam write did not touch still holds what was written.
+    // Four neighbouring mappings in one call.
+    v.unmap(scene.stitched, 4 * g).unwrap();
+    // The buffer the seam write did not touch still holds what was written.
     let mut back = vec![0u8; 2 * g as usize];
     v.read_bytes(scene.private[1], &mut back).unwrap();
     assert!(back == scene.contents[1]);
     for i in 0..3 {
         v.unmap(scene.private[i], 2 * g).unwrap();
-        v.release(scene.handles[i]).unwrap();
         v.address_free(scene.private[i], 2 * g).unwrap();
+    }
+    for h in &scene.handles {
+        v.release(*h).unwrap();
     }
     v.address_free(scene.stitched, 4 * g).unwrap();
     assert_clean(&v);
@@ -160,6 +176,42 @@ fn a_range_stitched_from_three_handles_reads_back_each_handle() {
 #[test]
 fn unmapping_and_remapping_a_page_elsewhere_keeps_its_bytes() {
     let v = backend().unwrap();
+    let g = v.granularity();
+    // Three pages, one handle each, mapped side by side.
+    let first = v.reserve(3 * g, 0).unwrap();
+    let handles: Vec<PhysHandle> = (0..3).map(|_| v.create(g).unwrap()).collect();
+    for (i, h) in handles.iter().enumerate() {
+        v.map(first + i as u64 * g, g, *h, 0).unwrap();
+    }
+    v.set_access(first, 3 * g).unwrap();
+    let data = pattern(3 * g as usize, 99);
+    v.write_bytes(first, &data).unwrap();
+    v.unmap(first, 3 * g).unwrap();
+
+    // Remap only the middle page's handle, at the start of another reservation.
+    let second = v.reserve(2 * g, 0).unwrap();
+    map_rw(&v, second, g, handles[1], 0).unwrap();
+    let mut back = vec![0u8; g as usize];
+    v.read_bytes(second, &mut back).unwrap();
+    assert!(back == data[g as usize..2 * g as usize]);
+    // And the old place is gone.
+    assert!(matches!(
+        v.read_bytes(first + g, &mut back),
+        Err(VmmError::NotMapped { .. })
+    ));
+
+    v.unmap(second, g).unwrap();
+    for h in handles {
+        v.release(h).unwrap();
+    }
+    v.address_free(first, 3 * g).unwrap();
+    v.address_free(second, 2 * g).unwrap();
+    assert_clean(&v);
+}
+
+#[test]
+fn relaxed_rule_remaps_one_page_of_a_handle_elsewhere() {
+    let v = relaxed_backend();
     let g = v.granularity();
     let h = v.create(3 * g).unwrap();
     let first = v.reserve(3 * g, 0).unwrap();
@@ -267,15 +319,18 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     };
     invalid(v.map(va + 1, g, h, 0), CallKind::Map, "ptr");
     invalid(v.map(va + 2 * g, g, h, 2 * g), CallKind::Map, "offset");
-    invalid(v.map(va + 4 * g, g, h, 0), CallKind::Map, "ptr");
+    invalid(v.map(va + 4 * g, 2 * g, h, 0), CallKind::Map, "ptr");
     invalid(v.map(va + 2 * g, 3 * g, h, 0), CallKind::Map, "offset");
+    // CUDA's rule: offset zero, the handle whole.
+    invalid(v.map(va + 2 * g, g, h, g), CallKind::Map, "offset");
+    invalid(v.map(va + 2 * g, g, h, 0), CallKind::Map, "size");
     invalid(
         v.map(va + 2 * g, g, PhysHandle(12345), 0),
         CallKind::Map,
         "handle",
     );
     assert!(matches!(
-        v.map(va + g, g, h, 0),
+        v.map(va + g, 2 * g, h, 0),
         Err(VmmError::AlreadyMapped { .. })
     ));
     invalid(v.unmap(va + g, g), CallKind::Unmap, "ptr");
@@ -318,7 +373,8 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
 
 #[test]
 fn threads_write_their_own_mappings_of_one_handle() {
-    let v = backend().unwrap();
+    // Each thread maps its own page of one handle: offsets on purpose.
+    let v = relaxed_backend();
     let g = v.granularity();
     let h = v.create(4 * g).unwrap();
     std::thread::scope(|scope| {

@@ -150,9 +150,8 @@ impl Worker {
         };
         let backend = self.backend.clone();
         let vmm = backend.vmm();
-        // A handle of n granules, or of n + k mapped at an offset.
-        let extra = self.rng.below(2);
-        let handle = match vmm.create((n + extra) * self.gran) {
+        // A handle of n granules, mapped whole (CUDA's rule).
+        let handle = match vmm.create(n * self.gran) {
             Ok(h) => h,
             Err(e) if e.is_out_of_memory() => {
                 self.shared.ooms.fetch_add(1, Ordering::Relaxed);
@@ -162,7 +161,7 @@ impl Worker {
         };
         let ptr = self.base + slot * self.gran;
         let size = n * self.gran;
-        vmm.map(ptr, size, handle, extra * self.gran)
+        vmm.map(ptr, size, handle, 0)
             .unwrap_or_else(|e| panic!("{}: map: {e}", self.ctx));
         vmm.set_access(ptr, size)
             .unwrap_or_else(|e| panic!("{}: set_access: {e}", self.ctx));

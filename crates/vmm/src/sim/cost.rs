@@ -1,6 +1,6 @@
 //! The simulated backend's configuration and its cost model of the driver.
 
-use crate::types::CallKind;
+use crate::types::{CallKind, MapRule};
 
 /// Modelled time of each driver call, in nanoseconds.
 ///
@@ -113,6 +113,10 @@ pub struct SimConfig {
     pub cost: CostModel,
     /// Total bytes of virtual address space that may be reserved at once.
     pub va_limit: u64,
+    /// Which maps are accepted: [`MapRule::WholeHandle`] (the default, CUDA's
+    /// documented rule) or [`MapRule::AnyOffset`] (an experiment; reported by
+    /// [`crate::Vmm::map_rule`]).
+    pub map_rule: MapRule,
 }
 
 impl Default for SimConfig {
@@ -122,6 +126,7 @@ impl Default for SimConfig {
             granularity: DEFAULT_GRANULARITY,
             cost: CostModel::default(),
             va_limit: DEFAULT_VA_LIMIT,
+            map_rule: MapRule::WholeHandle,
         }
     }
 }

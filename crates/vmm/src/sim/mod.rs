@@ -2,8 +2,9 @@
 //!
 //! [`SimVmm`] enforces every rule of the [`Vmm`] trait (alignment to the
 //! granularity, mappings inside one reservation, no double mapping, offset plus
-//! size inside the handle, whole-mapping unmaps, release while mapped), with
-//! the same bookkeeping code as the CUDA and host backends, at any
+//! size inside the handle, a mapping covers its handle whole at offset 0 unless
+//! [`SimConfig::map_rule`] relaxes it, whole-mapping unmaps, release while
+//! mapped), with the same bookkeeping code as the CUDA and host backends, at any
 //! capacity (a 200 GiB device costs nothing), counts every call by kind, models
 //! the driver's time per call ([`CostModel`]), injects faults ([`Fault`]) and
 //! reports what is still alive ([`LeakReport`]).
@@ -34,7 +35,9 @@ pub use faults::{cuda_error_for, Fault, FaultTrigger};
 
 use crate::driver::Vmm;
 use crate::error::{Result, VmmError};
-use crate::types::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId};
+use crate::types::{
+    CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
+};
 use faults::FaultSet;
 use state::State;
 
@@ -71,7 +74,8 @@ impl SimVmm {
                 rule: "the simulated device's granularity must be a non-zero power of two",
             });
         }
-        let state = State::new(config.granularity, config.capacity, config.va_limit);
+        let mut state = State::new(config.granularity, config.capacity, config.va_limit);
+        state.set_map_rule(config.map_rule);
         Ok(SimVmm {
             config,
             inner: Mutex::new(Inner {
@@ -229,6 +233,7 @@ impl fmt::Debug for SimVmm {
         f.debug_struct("SimVmm")
             .field("capacity", &self.config.capacity)
             .field("granularity", &self.config.granularity)
+            .field("map_rule", &self.config.map_rule)
             .field("physical_in_use", &inner.state.physical_in_use())
             .field("mapped_bytes", &inner.state.mapped_bytes())
             .field("handles", &handles)
@@ -316,5 +321,9 @@ impl Vmm for SimVmm {
 
     fn driver_stats(&self) -> DriverStats {
         self.lock().stats
+    }
+
+    fn map_rule(&self) -> MapRule {
+        self.config.map_rule
     }
 }

@@ -13,7 +13,7 @@ use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
-use crate::types::{CallKind, DevicePtr, EventId, MemInfo, PhysHandle, StreamId};
+use crate::types::{CallKind, DevicePtr, EventId, MapRule, MemInfo, PhysHandle, StreamId};
 
 /// First address handed out by `reserve` (the bump pointer's start).
 pub(crate) const VA_BASE: u64 = 0x7f00_0000_0000;
@@ -58,6 +58,11 @@ impl State {
             streams: HashMap::new(),
             events: EventBook::default(),
         }
+    }
+
+    /// Sets the ledger's map rule (before the first map).
+    pub(crate) fn set_map_rule(&mut self, rule: MapRule) {
+        self.ledger.set_map_rule(rule);
     }
 
     /// Bytes of physical memory held by live handles.
@@ -317,7 +322,7 @@ mod tests {
     fn failed_calls_change_nothing() {
         let mut st = State::new(G, 8 * G, 1 << 40);
         let va = st.reserve(4 * G, 0).unwrap();
-        let h = st.create(2 * G).unwrap();
+        let h = st.create(G).unwrap();
         st.map(va, G, h, 0).unwrap();
         let before = st.leak_report();
         assert!(st.map(va, G, h, G).is_err());
