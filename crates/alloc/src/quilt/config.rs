@@ -17,8 +17,9 @@ pub enum ReclaimPolicy {
     /// Before growing, reclaim pages cached for at least this many allocator
     /// operations.
     IdleFor(u64),
-    /// Reclaim every cached page (known complete) before growing: memory held
-    /// tracks memory used as closely as possible, at the price of driver calls.
+    /// Before growing, reclaim as many cached pages as are missing (those known
+    /// complete): memory held tracks memory used as closely as possible, at
+    /// the price of driver calls in every pass of a loop.
     Always,
     /// Before growing, reclaim the oldest cached pages while the cache holds
     /// more than this many thousandths of the pool: a bounded cache.

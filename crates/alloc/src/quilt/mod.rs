@@ -24,7 +24,8 @@
 //! A request of `N` new pages fails only when fewer than `N` pages are free,
 //! cached or creatable: the out-of-memory is capacity, never fragmentation.
 //!
-//! See `docs/design.md` for the data structures, the invariants and the figures.
+//! See `docs/design.md` for the data structures and the invariants, and
+//! `docs/benchmarks.md` for the figures.
 
 mod arena;
 mod config;
