@@ -203,6 +203,8 @@ fn repeated_names_are_made_unique() {
         seed: 1,
         check_every: None,
         jobs: Some(1),
+        gpu_lag_ops: 64,
+        sync_cost_us: 100.0,
     };
     let traces = quilt_bench::cli::collect_traces(&args).unwrap();
     let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();

@@ -187,6 +187,8 @@ fn json_has_exactly_the_listed_fields() {
         "min_capacity_bytes",
         "driver_calls",
         "driver_calls_after_first_iteration",
+        "stream_calls",
+        "stream_calls_after_first_iteration",
         "modelled_driver_us",
         "cpu_ns_per_op",
     ];
@@ -211,6 +213,23 @@ fn json_has_exactly_the_listed_fields() {
             .collect();
         k.sort_unstable();
         assert_eq!(k, calls, "{field}");
+    }
+    let stream = [
+        "event_destroy",
+        "event_query",
+        "event_record",
+        "synchronize",
+        "wait_event",
+    ];
+    for field in ["stream_calls", "stream_calls_after_first_iteration"] {
+        let mut k: Vec<&str> = row[field]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        k.sort_unstable();
+        assert_eq!(k, stream, "{field}");
     }
     assert_eq!(row["workload"], "json");
     assert_eq!(row["events"], 3);
