@@ -250,6 +250,15 @@ impl State {
     /// blocked chain of waits visits.
     fn settle(&mut self, root: StreamId) {
         let clock = self.clock;
+        // The common case: nothing on `root` is due yet (no allocation).
+        let due = self
+            .streams
+            .get(&root)
+            .and_then(|s| s.queued.front())
+            .is_some_and(|&(_, ready)| ready.is_some_and(|r| r <= clock));
+        if !due {
+            return;
+        }
         let mut visited = vec![root];
         let mut stack = vec![root];
         while let Some(&id) = stack.last() {
