@@ -39,11 +39,12 @@ fn bench(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    let sim = Arc::new(SimVmm::with_capacity(80 << 30).unwrap());
+                    let config = ReplayConfig::default();
+                    let sim = Arc::new(SimVmm::new(config.sim_config(80 << 30)).unwrap());
                     let vmm: Arc<dyn Vmm> = sim.clone();
                     let alloc = build(name, vmm).unwrap();
                     let start = Instant::now();
-                    let r = replay(&trace, alloc.as_ref(), &sim, &ReplayConfig::default()).unwrap();
+                    let r = replay(&trace, alloc.as_ref(), &sim, &config).unwrap();
                     total += start.elapsed();
                     assert!(r.completed);
                 }

@@ -11,7 +11,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::allocators;
 use crate::bisect::min_capacity_bytes;
 use crate::live::trace_stats;
-use crate::replay::{replay_fresh, ReplayConfig, ReplayError};
+use crate::replay::{
+    replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
+};
 use crate::report::{self, Measurement};
 use crate::snapshot::load_snapshot;
 use crate::trace::{load_trace, Trace, TraceError};
@@ -87,6 +89,30 @@ pub struct AbArgs {
     /// Worker threads (default: the machine's parallelism).
     #[arg(long)]
     pub jobs: Option<usize>,
+    /// How many allocator operations the simulated GPU runs behind the host:
+    /// work queued on a stream completes this many operations later (0: at
+    /// once). See docs/benchmarks.md for the default.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_GPU_LAG_OPS)]
+    pub gpu_lag_ops: u64,
+    /// Modelled cost of one stream synchronisation (a pipeline drain), in
+    /// microseconds.
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_SYNC_COST_NS as f64 / 1000.0)]
+    pub sync_cost_us: f64,
+}
+
+/// `--sync-cost-us` in nanoseconds: a finite, non-negative number of
+/// microseconds, rounded to the nanosecond.
+pub fn sync_cost_ns(us: f64) -> Result<u64, CliError> {
+    if !us.is_finite() || us < 0.0 {
+        return Err(CliError::Usage(format!(
+            "--sync-cost-us must be a finite number of microseconds, 0 or more (got {us})"
+        )));
+    }
+    let ns = (us * 1000.0).round();
+    if ns > u64::MAX as f64 {
+        return Err(CliError::Usage(format!("--sync-cost-us {us} is too large")));
+    }
+    Ok(ns as u64)
 }
 
 /// Why a command failed. Every variant exits with status 2.
@@ -128,6 +154,10 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Ab(args) => {
             let measurements = run_ab(&args)?;
             print!("{}", report::table(&measurements));
+            println!(
+                "simulated GPU: {} operations behind the host, {} us per stream synchronisation",
+                args.gpu_lag_ops, args.sync_cost_us
+            );
             for m in &measurements {
                 if let Some(message) = &m.oom_message {
                     println!("{} / {}: {message}", m.row.workload, m.row.allocator);
@@ -300,12 +330,15 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
     for a in &args.allocators {
         allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
     }
+    let sync_cost_ns = sync_cost_ns(args.sync_cost_us)?;
     let traces = collect_traces(args)?;
     let config = ReplayConfig {
         iterations: args.iterations,
         check_every: args.check_every,
         record_series: args.svg.is_some(),
         time_ops: true,
+        gpu_lag_ops: args.gpu_lag_ops,
+        sync_cost_ns,
     };
     let jobs: Vec<(usize, &str)> = (0..traces.len())
         .flat_map(|t| args.allocators.iter().map(move |a| (t, a.as_str())))

@@ -2,8 +2,16 @@
 //!
 //! Rules:
 //! - `alloc` calls `allocate(size, StreamId(stream))`; `free` calls `free(ptr)` on
-//!   the pointer the allocation got, then [`SimVmm::complete_all`]: trace frees are
-//!   taken at `free_completed`, when the GPU has caught up.
+//!   the pointer the allocation got.
+//! - The simulated GPU runs behind the host: after every allocate or free call
+//!   (the trace's events, and the frees and allocations that reset an
+//!   iteration) the replay moves the device's operation clock forward by one
+//!   ([`SimVmm::advance`]), and work queued on a stream completes
+//!   [`ReplayConfig::gpu_lag_ops`] operations after it was queued (once what it
+//!   waited on has; a synchronisation completes it at once). With a lag of 0,
+//!   every event completes as it is recorded, as when the replay completed all
+//!   work after every free. Trace frees are still taken at `free_completed`:
+//!   the lag applies to the work the allocator itself orders with events.
 //! - With `iterations: N`, the pre-existing prefix is replayed once and the rest
 //!   N times. Between iterations, whatever the iteration left live is freed (in
 //!   allocation order) and any pre-existing allocation it freed is allocated
@@ -17,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation};
-use quilt_vmm::sim::SimVmm;
+use quilt_vmm::sim::{CostModel, SimConfig, SimVmm};
 use quilt_vmm::{DevicePtr, DriverStats, StreamId, Vmm};
 
 use crate::allocators::{self, RegistryError};
@@ -35,7 +43,21 @@ pub struct ReplayConfig {
     pub record_series: bool,
     /// Time every allocate and free call (for `cpu_ns_per_op`).
     pub time_ops: bool,
+    /// How many allocator operations the simulated GPU runs behind the host
+    /// ([`SimConfig::gpu_lag_ops`]; see `docs/benchmarks.md` for the default).
+    pub gpu_lag_ops: u64,
+    /// Modelled cost of one `cuStreamSynchronize`, in nanoseconds
+    /// ([`CostModel::sync_ns`]).
+    pub sync_cost_ns: u64,
 }
+
+/// The default [`ReplayConfig::gpu_lag_ops`]: 64 allocator operations (see
+/// "Simulated GPU lag and stream costs" in `docs/benchmarks.md`).
+pub const DEFAULT_GPU_LAG_OPS: u64 = 64;
+
+/// The default [`ReplayConfig::sync_cost_ns`]: 100 us, a pipeline drain
+/// ([`CostModel::sync_ns`]).
+pub const DEFAULT_SYNC_COST_NS: u64 = 100_000;
 
 impl Default for ReplayConfig {
     fn default() -> Self {
@@ -44,6 +66,24 @@ impl Default for ReplayConfig {
             check_every: None,
             record_series: false,
             time_ops: false,
+            gpu_lag_ops: DEFAULT_GPU_LAG_OPS,
+            sync_cost_ns: DEFAULT_SYNC_COST_NS,
+        }
+    }
+}
+
+impl ReplayConfig {
+    /// The simulated device a replay of `config` runs on: `capacity` bytes,
+    /// its GPU lag and sync cost, every other figure the default.
+    pub fn sim_config(&self, capacity: u64) -> SimConfig {
+        SimConfig {
+            capacity,
+            gpu_lag_ops: self.gpu_lag_ops,
+            cost: CostModel {
+                sync_ns: self.sync_cost_ns,
+                ..CostModel::default()
+            },
+            ..SimConfig::default()
         }
     }
 }
@@ -132,15 +172,15 @@ pub enum ReplayError {
     Registry(#[from] RegistryError),
 }
 
-/// Build a fresh simulated device of `capacity` bytes and the allocator `name` on
-/// it, and replay `trace`.
+/// Build a fresh simulated device of `capacity` bytes
+/// ([`ReplayConfig::sim_config`]) and the allocator `name` on it, and replay `trace`.
 pub fn replay_fresh(
     trace: &Trace,
     allocator: &str,
     capacity: u64,
     config: &ReplayConfig,
 ) -> Result<ReplayResult, ReplayError> {
-    let sim = Arc::new(SimVmm::with_capacity(capacity).map_err(ReplayError::Device)?);
+    let sim = Arc::new(SimVmm::new(config.sim_config(capacity)).map_err(ReplayError::Device)?);
     let vmm: Arc<dyn Vmm> = sim.clone();
     let alloc = allocators::build(allocator, vmm)?;
     replay(trace, alloc.as_ref(), &sim, config)
@@ -195,6 +235,7 @@ impl Run<'_> {
         if let Some(start) = start {
             self.op_ns.push(elapsed_ns(start));
         }
+        self.sim.advance(1);
         match result {
             Ok(a) => {
                 self.live.by_id.insert(id, (a.ptr, size));
@@ -219,12 +260,12 @@ impl Run<'_> {
         if let Some(start) = start {
             self.op_ns.push(elapsed_ns(start));
         }
+        self.sim.advance(1);
         result.map_err(|source| ReplayError::Allocator {
             allocator: self.alloc.name().to_string(),
             event: index,
             source,
         })?;
-        self.sim.complete_all();
         self.live.tracker.remove(size);
         Ok(())
     }
@@ -314,7 +355,10 @@ pub fn is_oom(e: &AllocError) -> bool {
     }
 }
 
-/// Replay `trace` through `alloc`, which runs on `sim`.
+/// Replay `trace` through `alloc`, which runs on `sim`. The GPU lag and costs
+/// are `sim`'s own (its [`SimConfig`]; build it with [`ReplayConfig::sim_config`]
+/// to follow `config`): a device of [`quilt_vmm::sim::LAG_NEVER`], the default,
+/// completes work only when the allocator synchronises.
 pub fn replay(
     trace: &Trace,
     alloc: &dyn DeviceAllocator,

@@ -55,6 +55,43 @@ impl DriverCalls {
     }
 }
 
+/// The stream and event calls, counted: what a GPU pays besides the VMM calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StreamCalls {
+    /// `cuStreamSynchronize`.
+    pub synchronize: u64,
+    /// `cuStreamWaitEvent`.
+    pub wait_event: u64,
+    /// `cuEventRecord`.
+    pub event_record: u64,
+    /// `cuEventQuery`.
+    pub event_query: u64,
+    /// `cuEventDestroy`.
+    pub event_destroy: u64,
+}
+
+impl StreamCalls {
+    /// The counts of `stats`.
+    pub fn from_stats(stats: &DriverStats) -> Self {
+        StreamCalls {
+            synchronize: stats.count(CallKind::StreamSynchronize),
+            wait_event: stats.count(CallKind::StreamWaitEvent),
+            event_record: stats.count(CallKind::EventRecord),
+            event_query: stats.count(CallKind::EventQuery),
+            event_destroy: stats.count(CallKind::EventDestroy),
+        }
+    }
+
+    /// All five together.
+    pub fn total(&self) -> u64 {
+        self.synchronize
+            + self.wait_event
+            + self.event_record
+            + self.event_query
+            + self.event_destroy
+    }
+}
+
 /// One JSON object of the report: one (workload, allocator) pair. The fields
 /// are exactly these, in this order.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -86,7 +123,12 @@ pub struct ReportRow {
     pub driver_calls: DriverCalls,
     /// Driver calls over iterations 2..N.
     pub driver_calls_after_first_iteration: DriverCalls,
-    /// Modelled driver time in microseconds (create costed by size).
+    /// Stream and event calls over the replay.
+    pub stream_calls: StreamCalls,
+    /// Stream and event calls over iterations 2..N.
+    pub stream_calls_after_first_iteration: StreamCalls,
+    /// Modelled driver time in microseconds (create costed by size; every
+    /// call of the cost model, stream synchronisations included).
     pub modelled_driver_us: f64,
     /// Median host nanoseconds per allocate or free.
     pub cpu_ns_per_op: u64,
@@ -132,6 +174,10 @@ impl Measurement {
                 driver_calls_after_first_iteration: DriverCalls::from_stats(
                     &result.driver_after_first_iteration,
                 ),
+                stream_calls: StreamCalls::from_stats(&result.driver),
+                stream_calls_after_first_iteration: StreamCalls::from_stats(
+                    &result.driver_after_first_iteration,
+                ),
                 modelled_driver_us: result.driver.modelled_ns as f64 / 1000.0,
                 cpu_ns_per_op: result.cpu_ns_per_op,
             },
@@ -174,6 +220,9 @@ pub fn table(measurements: &[Measurement]) -> String {
         "driver calls",
         "calls/classic",
         "calls after 1st",
+        "syncs",
+        "syncs after 1st",
+        "waits",
         "driver ms",
         "time/classic",
         "flat-create ms",
@@ -218,6 +267,9 @@ pub fn table(measurements: &[Measurement]) -> String {
             r.driver_calls.total().to_string(),
             ratio(Some(calls), classic.map(|c| c.driver_calls.total() as f64)),
             r.driver_calls_after_first_iteration.total().to_string(),
+            r.stream_calls.synchronize.to_string(),
+            r.stream_calls_after_first_iteration.synchronize.to_string(),
+            r.stream_calls.wait_event.to_string(),
             format!("{:.1}", r.modelled_driver_us / 1000.0),
             ratio(
                 Some(r.modelled_driver_us),

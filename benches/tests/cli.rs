@@ -140,6 +140,35 @@ fn bad_input_exits_2_with_a_clear_message() {
             "unknown allocator `foo`",
         ),
         (vec!["frobnicate".into()], "frobnicate"),
+        (
+            vec![
+                "ab".into(),
+                "--workload".into(),
+                "train-varlen".into(),
+                "--sync-cost-us=-1".into(),
+            ],
+            "--sync-cost-us must be",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--workload".into(),
+                "train-varlen".into(),
+                "--sync-cost-us".into(),
+                "NaN".into(),
+            ],
+            "--sync-cost-us must be",
+        ),
+        (
+            vec![
+                "ab".into(),
+                "--workload".into(),
+                "train-varlen".into(),
+                "--gpu-lag-ops".into(),
+                "many".into(),
+            ],
+            "--gpu-lag-ops",
+        ),
     ];
     for (args, needle) in cases {
         let out = bin().args(&args).output().unwrap();
@@ -203,8 +232,115 @@ fn repeated_names_are_made_unique() {
         seed: 1,
         check_every: None,
         jobs: Some(1),
+        gpu_lag_ops: 64,
+        sync_cost_us: 100.0,
     };
     let traces = quilt_bench::cli::collect_traces(&args).unwrap();
     let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["train-varlen", "train-varlen-2"]);
+}
+
+/// `ab` on `trace` with `extra` arguments; the JSON rows.
+fn ab_rows(
+    dir: &std::path::Path,
+    trace: &std::path::Path,
+    tag: &str,
+    extra: &[&str],
+) -> (String, Vec<serde_json::Value>) {
+    let json = dir.join(format!("{tag}.json"));
+    let out = bin()
+        .args(["ab", "--trace"])
+        .arg(trace)
+        .args([
+            "--allocators",
+            "classic,quilt",
+            "--capacity",
+            "1GiB",
+            "--iterations",
+            "2",
+            "--no-bisect",
+        ])
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        rows.as_array().unwrap().clone(),
+    )
+}
+
+#[test]
+fn gpu_lag_and_sync_cost_flags_reach_the_report() {
+    let dir = temp_dir("lag");
+    let trace = dir.join("two.trace");
+    std::fs::write(
+        &trace,
+        "a 0 4194304 0\na 1 3145728 1\nf 0\na 2 25165824 1\nf 1\na 3 100 0\nf 2\nf 3\n",
+    )
+    .unwrap();
+    let (stdout, default) = ab_rows(&dir, &trace, "default", &[]);
+    for column in ["syncs", "syncs after 1st", "waits"] {
+        assert!(stdout.contains(column), "no `{column}` column: {stdout}");
+    }
+    assert!(
+        stdout.contains(
+            "simulated GPU: 64 operations behind the host, 100 us per stream synchronisation"
+        ),
+        "{stdout}"
+    );
+    let (stdout, free) = ab_rows(
+        &dir,
+        &trace,
+        "free",
+        &["--gpu-lag-ops", "0", "--sync-cost-us", "0"],
+    );
+    assert!(
+        stdout.contains("simulated GPU: 0 operations behind the host, 0 us"),
+        "{stdout}"
+    );
+    let (_, dear) = ab_rows(
+        &dir,
+        &trace,
+        "dear",
+        &["--gpu-lag-ops=0", "--sync-cost-us=2500.5"],
+    );
+    let keys = [
+        "synchronize",
+        "wait_event",
+        "event_record",
+        "event_query",
+        "event_destroy",
+    ];
+    for ((d, f), x) in default.iter().zip(&free).zip(&dear) {
+        for field in ["stream_calls", "stream_calls_after_first_iteration"] {
+            let object = f[field].as_object().unwrap();
+            assert_eq!(object.len(), keys.len(), "{field}");
+            for k in keys {
+                assert!(object[k].is_u64(), "{field}.{k}");
+            }
+        }
+        // The sync cost enters the modelled driver time, and only it.
+        let syncs = x["stream_calls"]["synchronize"].as_u64().unwrap() as f64;
+        let extra =
+            x["modelled_driver_us"].as_f64().unwrap() - f["modelled_driver_us"].as_f64().unwrap();
+        assert!((extra - syncs * 2500.5).abs() < 1e-3, "{x} vs {f}");
+        assert_eq!(x["stream_calls"], f["stream_calls"]);
+        if f["allocator"] == "classic" {
+            // A baseline's figures do not depend on the lag (it orders no work
+            // with events in a replay), nor, without syncs, on their cost.
+            let mut d = d.clone();
+            let mut f = f.clone();
+            for row in [&mut d, &mut f] {
+                row.as_object_mut().unwrap().remove("cpu_ns_per_op");
+            }
+            assert_eq!(d, f);
+            assert_eq!(syncs, 0.0);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -2,11 +2,21 @@
 //! answers are derived by hand.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use quilt_alloc::{
+    AllocError, Allocation, AllocatorStats, DeviceAllocator, InvariantViolation, MemorySnapshot,
+};
 use quilt_bench::bisect::min_capacity_bytes;
 use quilt_bench::live::trace_stats;
-use quilt_bench::replay::{replay_fresh, ReplayConfig, ReplayError};
-use quilt_bench::report::{to_json, Measurement};
+use quilt_bench::replay::{
+    replay, replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
+};
+use quilt_bench::report::{to_json, Measurement, StreamCalls};
 use quilt_bench::trace::{parse_trace, Trace};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{CallKind, DevicePtr, EventId, StreamId, Vmm};
 
 const MIB: u64 = 1 << 20;
 
@@ -187,6 +197,8 @@ fn json_has_exactly_the_listed_fields() {
         "min_capacity_bytes",
         "driver_calls",
         "driver_calls_after_first_iteration",
+        "stream_calls",
+        "stream_calls_after_first_iteration",
         "modelled_driver_us",
         "cpu_ns_per_op",
     ];
@@ -212,7 +224,242 @@ fn json_has_exactly_the_listed_fields() {
         k.sort_unstable();
         assert_eq!(k, calls, "{field}");
     }
+    let stream = [
+        "event_destroy",
+        "event_query",
+        "event_record",
+        "synchronize",
+        "wait_event",
+    ];
+    for field in ["stream_calls", "stream_calls_after_first_iteration"] {
+        let mut k: Vec<&str> = row[field]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        k.sort_unstable();
+        assert_eq!(k, stream, "{field}");
+    }
     assert_eq!(row["workload"], "json");
     assert_eq!(row["events"], 3);
     assert_eq!(row["peak_live_bytes"], 3145728 + 100);
+}
+
+#[test]
+fn defaults_are_a_64_operation_lag_and_a_100_us_sync() {
+    let cfg = ReplayConfig::default();
+    assert_eq!((cfg.gpu_lag_ops, DEFAULT_GPU_LAG_OPS), (64, 64));
+    assert_eq!((cfg.sync_cost_ns, DEFAULT_SYNC_COST_NS), (100_000, 100_000));
+    let sim = ReplayConfig {
+        gpu_lag_ops: 3,
+        sync_cost_ns: 7,
+        ..cfg
+    }
+    .sim_config(64 * MIB);
+    assert_eq!(
+        (sim.capacity, sim.gpu_lag_ops, sim.cost.sync_ns),
+        (64 * MIB, 3, 7)
+    );
+}
+
+#[test]
+fn the_replay_advances_the_clock_once_per_allocator_operation() {
+    // Prefix: id 0. Body: a1, f1, a2 (left live). Iteration 2 starts by freeing
+    // id 2 (one more operation, not a trace event).
+    let t = trace("clock", "a 0 3145728 0\na 1 100 1\nf 1\na 2 100 0\n", 1);
+    let cfg = ReplayConfig {
+        iterations: 2,
+        ..ReplayConfig::default()
+    };
+    let sim = Arc::new(SimVmm::new(cfg.sim_config(64 * MIB)).unwrap());
+    let alloc = quilt_bench::allocators::build("classic", sim.clone()).unwrap();
+    let r = replay(&t, alloc.as_ref(), &sim, &cfg).unwrap();
+    assert_eq!(r.events, 1 + 2 * 3);
+    assert_eq!(sim.clock(), 1 + 3 + 1 + 3);
+}
+
+/// A wrapper around `classic` that shows what the replay's GPU lag does: on
+/// every free it records an event on the freed block's stream (stamped with
+/// the device's clock) and, with `sync`, synchronises that stream; on every
+/// operation it queries every pending event and checks that it has completed
+/// exactly when `lag` operations have passed since it was recorded, or its
+/// stream was synchronised since.
+struct Probe {
+    inner: Box<dyn DeviceAllocator>,
+    sim: Arc<SimVmm>,
+    lag: u64,
+    sync: bool,
+    streams: Mutex<HashMap<DevicePtr, StreamId>>,
+    /// `(event, stream, clock at record, synchronised since)`.
+    pending: Mutex<Vec<(EventId, StreamId, u64, bool)>>,
+    /// Queries made and queries that found the event complete.
+    seen: Mutex<(u64, u64)>,
+}
+
+impl Probe {
+    fn new(sim: &Arc<SimVmm>, lag: u64, sync: bool) -> Probe {
+        Probe {
+            inner: quilt_bench::allocators::build("classic", sim.clone()).unwrap(),
+            sim: sim.clone(),
+            lag,
+            sync,
+            streams: Mutex::default(),
+            pending: Mutex::default(),
+            seen: Mutex::default(),
+        }
+    }
+
+    fn poll(&self) {
+        let clock = self.sim.clock();
+        let mut pending = self.pending.lock().unwrap();
+        let mut seen = self.seen.lock().unwrap();
+        pending.retain(|&(ev, _, at, synced)| {
+            let done = self.sim.event_query(ev).unwrap();
+            assert_eq!(
+                done,
+                synced || clock - at >= self.lag,
+                "lag {}: recorded at {at}, queried at {clock}",
+                self.lag
+            );
+            seen.0 += 1;
+            if done {
+                seen.1 += 1;
+                self.sim.event_destroy(ev).unwrap();
+            }
+            !done
+        });
+    }
+}
+
+impl DeviceAllocator for Probe {
+    fn name(&self) -> &str {
+        "probe"
+    }
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        self.poll();
+        let a = self.inner.allocate(size, stream)?;
+        self.streams.lock().unwrap().insert(a.ptr, stream);
+        Ok(a)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.inner.free(ptr)?;
+        let stream = self.streams.lock().unwrap().remove(&ptr).unwrap();
+        let ev = self.sim.event_record(stream).unwrap();
+        self.pending
+            .lock()
+            .unwrap()
+            .push((ev, stream, self.sim.clock(), false));
+        if self.sync {
+            self.sim.stream_synchronize(stream).unwrap();
+            for p in self.pending.lock().unwrap().iter_mut() {
+                p.3 |= p.1 == stream;
+            }
+        }
+        self.poll();
+        Ok(())
+    }
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.inner.record_stream(ptr, stream)
+    }
+    fn empty_cache(&self) -> Result<(), AllocError> {
+        self.inner.empty_cache()
+    }
+    fn stats(&self) -> AllocatorStats {
+        self.inner.stats()
+    }
+    fn snapshot(&self) -> MemorySnapshot {
+        self.inner.snapshot()
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.inner.check_invariants()
+    }
+    fn vmm(&self) -> &Arc<dyn Vmm> {
+        self.inner.vmm()
+    }
+}
+
+/// 40 allocate/free pairs over two streams, with up to three blocks live.
+fn churn() -> Trace {
+    let mut text = String::new();
+    for i in 0..40u64 {
+        text.push_str(&format!("a {i} {} {}\n", (i % 5 + 1) * 1000, i % 2));
+        if i >= 2 {
+            text.push_str(&format!("f {}\n", i - 2));
+        }
+    }
+    text.push_str("f 38\nf 39\n");
+    trace("churn", &text, 0)
+}
+
+fn replay_probe(
+    lag: u64,
+    sync: bool,
+    sync_cost_ns: u64,
+) -> (quilt_bench::replay::ReplayResult, (u64, u64)) {
+    let cfg = ReplayConfig {
+        iterations: 2,
+        gpu_lag_ops: lag,
+        sync_cost_ns,
+        ..ReplayConfig::default()
+    };
+    let sim = Arc::new(SimVmm::new(cfg.sim_config(64 * MIB)).unwrap());
+    let probe = Probe::new(&sim, lag, sync);
+    let r = replay(&churn(), &probe, &sim, &cfg).unwrap();
+    assert!(r.completed);
+    for (ev, ..) in probe.pending.lock().unwrap().drain(..) {
+        sim.event_destroy(ev).unwrap();
+    }
+    let seen = *probe.seen.lock().unwrap();
+    (r, seen)
+}
+
+#[test]
+fn events_complete_gpu_lag_ops_operations_after_they_are_recorded() {
+    for lag in [0, 1, 2, 7, 64, 1000] {
+        let (r, (queries, complete)) = replay_probe(lag, false, DEFAULT_SYNC_COST_NS);
+        let frees = 2 * 40;
+        assert_eq!(r.driver.count(CallKind::EventRecord), frees, "lag {lag}");
+        assert_eq!(r.driver.count(CallKind::EventQuery), queries, "lag {lag}");
+        match lag {
+            // Complete as recorded: each event is queried once, in its own free.
+            0 => assert_eq!((queries, complete), (frees, frees)),
+            // Never complete within the replay: every query finds it pending.
+            1000 => assert_eq!(complete, 0),
+            _ => assert!(complete > 0 && queries > complete, "lag {lag}"),
+        }
+    }
+}
+
+#[test]
+fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
+    let (free, _) = replay_probe(64, true, 0);
+    let (charged, (queries, complete)) = replay_probe(64, true, 250_000);
+    assert_eq!(
+        (queries, complete),
+        (80, 80),
+        "synchronised: complete at once"
+    );
+    let syncs = charged.driver.count(CallKind::StreamSynchronize);
+    assert_eq!(syncs, 80);
+    assert_eq!(
+        charged.driver.modelled_ns - free.driver.modelled_ns,
+        syncs * 250_000
+    );
+    let m = Measurement::new("churn", "probe", 64 * MIB, charged.clone(), None);
+    assert_eq!(
+        m.row.stream_calls,
+        StreamCalls {
+            synchronize: 80,
+            wait_event: 0,
+            event_record: 80,
+            event_query: 80,
+            event_destroy: 80,
+        }
+    );
+    assert_eq!(m.row.stream_calls_after_first_iteration.synchronize, 40);
+    assert_eq!(
+        m.row.modelled_driver_us,
+        charged.driver.modelled_ns as f64 / 1000.0
+    );
 }

@@ -7,7 +7,9 @@ use crate::types::{CallKind, MapRule};
 /// Defaults are the published A100 figures (kvcached's `bench_vmm`, 2 MiB pages,
 /// one thread; see the design brief): reserve 19 us, create 193 us per 2 MiB,
 /// map 1.5 us, set-access 36 us, unmap 26 us per call; release (25 us) and
-/// address-free (19 us) were not measured and are estimates. Every figure is a knob.
+/// address-free (19 us) were not measured and are estimates. A stream
+/// synchronisation is charged as a pipeline drain, 100 us (see `sync_ns`).
+/// Every figure is a knob.
 ///
 /// A successful `create` of `size` bytes costs `create_ns_per_granule *
 /// size / granularity` in [`crate::DriverStats::modelled_ns`] and `create_flat_ns`
@@ -36,7 +38,15 @@ pub struct CostModel {
     pub mem_info_ns: u64,
     /// Event record, query and destroy, and stream-wait-event, per call.
     pub event_ns: u64,
-    /// `cuStreamSynchronize`, per call (the wait itself is not modelled).
+    /// `cuStreamSynchronize`, per call, charged as a pipeline drain (100 us by
+    /// default). The call itself is cheap; what it costs a busy GPU is not: the
+    /// host blocks until every kernel already queued on the stream has run, and
+    /// when it returns the device's queue is empty, so the GPU sits idle while
+    /// the host launches the next kernels (launch latency of a few microseconds
+    /// per kernel, several kernels before the device is busy again). 100 us is
+    /// the order of a few short kernels plus that refill, on an A100 or H100
+    /// running a training or serving step; it is an estimate, not a
+    /// measurement: set it from a GPU when one is at hand.
     pub sync_ns: u64,
 }
 
@@ -53,7 +63,7 @@ impl Default for CostModel {
             unmap_ns: 26_000,
             mem_info_ns: 2_000,
             event_ns: 2_000,
-            sync_ns: 5_000,
+            sync_ns: 100_000,
         }
     }
 }
@@ -99,6 +109,11 @@ pub const DEFAULT_VA_LIMIT: u64 = 128 << 40;
 /// 80 GiB, the default simulated device capacity (an A100 / H100 80 GB).
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
 
+/// [`SimConfig::gpu_lag_ops`] by default: the simulated device never catches up by
+/// itself; work completes only on a synchronisation or when a test says so
+/// ([`super::SimVmm::complete_stream`], [`super::SimVmm::complete_all`]).
+pub const LAG_NEVER: u64 = u64::MAX;
+
 /// Configuration of a [`super::SimVmm`].
 ///
 /// Invariant (checked by [`super::SimVmm::new`]): `granularity` is a non-zero
@@ -117,6 +132,14 @@ pub struct SimConfig {
     /// documented rule) or [`MapRule::AnyOffset`] (an experiment; reported by
     /// [`crate::Vmm::map_rule`]).
     pub map_rule: MapRule,
+    /// How far the device runs behind the host, in operations of the clock
+    /// ([`super::SimVmm::advance`]): work queued on a stream at clock `t`
+    /// completes once the clock reaches `t + gpu_lag_ops` and every event the
+    /// stream waited on before it has completed. 0: every event completes as
+    /// soon as it is recorded (a device that keeps up). [`LAG_NEVER`] (the
+    /// default, what unit tests want): only synchronisation and explicit
+    /// catch-ups complete work.
+    pub gpu_lag_ops: u64,
 }
 
 impl Default for SimConfig {
@@ -127,6 +150,7 @@ impl Default for SimConfig {
             cost: CostModel::default(),
             va_limit: DEFAULT_VA_LIMIT,
             map_rule: MapRule::WholeHandle,
+            gpu_lag_ops: LAG_NEVER,
         }
     }
 }

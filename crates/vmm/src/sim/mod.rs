@@ -16,11 +16,19 @@
 //! never reused; a one-granule gap follows each reservation, so two reservations
 //! are never adjacent. Handle and event ids count up from 1.
 //!
-//! Events: an event recorded on a stream is pending until the stream is
-//! synchronised ([`Vmm::stream_synchronize`]) or completed by the test or harness
-//! ([`SimVmm::complete_stream`], [`SimVmm::complete_all`]), as if the device had
-//! caught up. A stream that waited for an event completes that event too when it
-//! catches up.
+//! Events: the device runs behind the host. The simulated device keeps an
+//! operation clock, moved forward by whoever drives it ([`SimVmm::advance`]; the
+//! replay harness moves it by one per allocator operation). An event recorded on
+//! a stream at clock `t` completes once the clock reaches
+//! `t + `[`SimConfig::gpu_lag_ops`] and every event the stream waited on
+//! ([`Vmm::stream_wait_event`]) before it has completed, transitively. With a
+//! lag of 0 an event completes as soon as it is recorded; with [`LAG_NEVER`]
+//! (the default) only catch-ups complete work. A catch-up completes all of a
+//! stream's work at once, and what its waits named, transitively:
+//! [`Vmm::stream_synchronize`] (charged as a pipeline drain, see
+//! [`CostModel::sync_ns`]), or the test's [`SimVmm::complete_stream`] and
+//! [`SimVmm::complete_all`]. Queries are amortised O(1): a stream's events
+//! complete in order, each leaves its queue once.
 
 mod cost;
 mod faults;
@@ -30,7 +38,9 @@ use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 
 pub use crate::leak::LeakReport;
-pub use cost::{CostModel, SimConfig, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, DEFAULT_VA_LIMIT};
+pub use cost::{
+    CostModel, SimConfig, DEFAULT_CAPACITY, DEFAULT_GRANULARITY, DEFAULT_VA_LIMIT, LAG_NEVER,
+};
 pub use faults::{cuda_error_for, Fault, FaultTrigger};
 
 use crate::driver::Vmm;
@@ -74,7 +84,12 @@ impl SimVmm {
                 rule: "the simulated device's granularity must be a non-zero power of two",
             });
         }
-        let mut state = State::new(config.granularity, config.capacity, config.va_limit);
+        let mut state = State::new(
+            config.granularity,
+            config.capacity,
+            config.va_limit,
+            config.gpu_lag_ops,
+        );
         state.set_map_rule(config.map_rule);
         Ok(SimVmm {
             config,
@@ -127,6 +142,26 @@ impl SimVmm {
     /// What is alive now: handles, reservations, mappings, events.
     pub fn leak_report(&self) -> LeakReport {
         self.lock().state.leak_report()
+    }
+
+    /// Move the operation clock `ops` forward (saturating): work queued
+    /// [`SimConfig::gpu_lag_ops`] operations ago or earlier completes, once what
+    /// it waited on has. Not a driver call: not counted, costs nothing.
+    pub fn advance(&self, ops: u64) {
+        self.lock().state.advance(ops);
+    }
+
+    /// Set how far the device runs behind for work queued from now on (work
+    /// already queued keeps its completion time): for experiments, and for
+    /// tests of a stream held back by a long kernel. [`SimVmm::config`] keeps
+    /// the value the device started with.
+    pub fn set_gpu_lag_ops(&self, ops: u64) {
+        self.lock().state.set_gpu_lag_ops(ops);
+    }
+
+    /// The operation clock: the sum of every [`SimVmm::advance`] so far.
+    pub fn clock(&self) -> u64 {
+        self.lock().state.clock()
     }
 
     /// Complete every event recorded so far on `stream` (as if the device caught up).
@@ -325,5 +360,43 @@ impl Vmm for SimVmm {
 
     fn map_rule(&self) -> MapRule {
         self.config.map_rule
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clock_completes_work_and_a_sync_is_charged_as_a_drain() {
+        let sim = SimVmm::new(SimConfig {
+            gpu_lag_ops: 2,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        assert_eq!(sim.config().cost.sync_ns, 100_000);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = sim.event_record(s1).unwrap();
+        sim.advance(1);
+        assert!(!sim.event_query(a).unwrap());
+        sim.advance(1);
+        assert_eq!(sim.clock(), 2);
+        assert!(sim.event_query(a).unwrap());
+        let b = sim.event_record(s2).unwrap();
+        let before = sim.driver_stats();
+        sim.stream_synchronize(s2).unwrap();
+        assert!(sim.event_query(b).unwrap(), "synchronised at once");
+        let d = sim.driver_stats().since(&before);
+        assert_eq!(d.count(CallKind::StreamSynchronize), 1);
+        assert_eq!(
+            d.modelled_ns,
+            100_000 + sim.config().cost.event_ns,
+            "the sync and one query"
+        );
+        for e in [a, b] {
+            sim.event_destroy(e).unwrap();
+        }
+        sim.check_invariants().unwrap();
+        assert!(sim.leak_report().is_empty());
     }
 }

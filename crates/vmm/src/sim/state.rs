@@ -1,32 +1,43 @@
 //! The simulated device's state: the shared [`Ledger`] (every rule and the
 //! bookkeeping of reservations, handles and mappings) plus what only the
 //! simulated device has: its address placement and limit, and streams whose
-//! events complete when the test or harness says the device caught up.
+//! events complete when the device catches up with them: by itself, a fixed
+//! number of operations after they were queued (the operation clock and
+//! `gpu_lag_ops`), or at once on a synchronisation or when a test says so.
 //!
 //! Every operation validates all of its arguments before it changes anything,
 //! so a failed call leaves the state exactly as it was. O(log n) per call,
 //! plus O(k log n) for a call that covers k mappings.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
+use crate::sim::LAG_NEVER;
 use crate::types::{CallKind, DevicePtr, EventId, MapRule, MemInfo, PhysHandle, StreamId};
 
 /// First address handed out by `reserve` (the bump pointer's start).
 pub(crate) const VA_BASE: u64 = 0x7f00_0000_0000;
 
-/// Where one stream stands: events recorded and completed so far, and the
-/// cross-stream waits not yet satisfied.
+/// Where one stream stands: events recorded and completed so far, the events
+/// still queued on the device, and the cross-stream waits not yet satisfied.
+///
+/// Invariants: `completed <= recorded`; `queued` holds, in increasing order,
+/// sequence numbers in `completed + 1 ..= recorded` (not necessarily all of
+/// them: an event completed by a catch-up leaves the queue); `waits` is in
+/// non-decreasing order of position, every position at most `recorded`.
 #[derive(Clone, Debug, Default)]
 struct Stream {
     recorded: u64,
     completed: u64,
+    /// `(seq, ready)`: event number `seq` reaches the front of the device at
+    /// clock `ready` (`None`: never by itself, only by a catch-up).
+    queued: VecDeque<(u64, Option<u64>)>,
     /// `(position, stream, seq)`: work on this stream after its `position`th event waits
     /// for event number `seq` of `stream`.
-    waits: Vec<(u64, StreamId, u64)>,
+    waits: VecDeque<(u64, StreamId, u64)>,
 }
 
 /// A live event: the `seq`th event recorded on `stream`.
@@ -45,11 +56,15 @@ pub(crate) struct State {
     next_va: u64,
     streams: HashMap<StreamId, Stream>,
     events: EventBook<Event>,
+    /// The operation clock ([`State::advance`]).
+    clock: u64,
+    /// Operations after which work queued on a stream completes by itself.
+    gpu_lag_ops: u64,
 }
 
 impl State {
     /// An empty device.
-    pub(crate) fn new(granularity: u64, capacity: u64, va_limit: u64) -> State {
+    pub(crate) fn new(granularity: u64, capacity: u64, va_limit: u64, gpu_lag_ops: u64) -> State {
         State {
             ledger: Ledger::new(granularity, capacity),
             granularity,
@@ -57,12 +72,31 @@ impl State {
             next_va: VA_BASE,
             streams: HashMap::new(),
             events: EventBook::default(),
+            clock: 0,
+            gpu_lag_ops,
         }
     }
 
     /// Sets the ledger's map rule (before the first map).
     pub(crate) fn set_map_rule(&mut self, rule: MapRule) {
         self.ledger.set_map_rule(rule);
+    }
+
+    /// Moves the operation clock `ops` forward (saturating): work queued
+    /// `gpu_lag_ops` operations ago or earlier may now complete. Lazy: nothing
+    /// is settled here; queries and waits settle the streams they look at.
+    pub(crate) fn advance(&mut self, ops: u64) {
+        self.clock = self.clock.saturating_add(ops);
+    }
+
+    /// The operation clock.
+    pub(crate) fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// The lag of work queued from now on (work already queued keeps its time).
+    pub(crate) fn set_gpu_lag_ops(&mut self, ops: u64) {
+        self.gpu_lag_ops = ops;
     }
 
     /// Bytes of physical memory held by live handles.
@@ -179,24 +213,110 @@ impl State {
         self.ledger.mem_info()
     }
 
-    /// Record an event on `stream`.
+    /// When work queued now reaches the front of the device: `clock +
+    /// gpu_lag_ops`, or never (`None`) with [`LAG_NEVER`] or on overflow.
+    fn ready_time(&self) -> Option<u64> {
+        if self.gpu_lag_ops == LAG_NEVER {
+            return None;
+        }
+        self.clock.checked_add(self.gpu_lag_ops)
+    }
+
+    /// Record an event on `stream`: it reaches the front of the device at
+    /// [`State::ready_time`].
     pub(crate) fn event_record(&mut self, stream: StreamId) -> EventId {
+        // Settling first keeps the queue as short as the lag (amortised O(1)).
+        self.settle(stream);
+        let ready = self.ready_time();
         let s = self.streams.entry(stream).or_default();
         s.recorded += 1;
         let seq = s.recorded;
+        s.queued.push_back((seq, ready));
         self.events.record(Event { stream, seq })
     }
 
-    fn is_complete(&self, e: &Event) -> bool {
+    /// Whether `e` has completed (settles its stream first).
+    fn is_complete(&mut self, e: &Event) -> bool {
+        self.settle(e.stream);
         self.streams
             .get(&e.stream)
             .is_some_and(|s| s.completed >= e.seq)
     }
 
+    /// Completes the events of `root` whose time has come, in stream order: an
+    /// event completes once the clock has reached its `ready` time and every
+    /// wait before it is on a completed event, which settles the waited-on
+    /// stream first (and so on, transitively).
+    ///
+    /// Each stream is visited at most once per call, which is enough: an event
+    /// depends only on events recorded before it, so a stream still being
+    /// settled never holds back a stream it led to. Amortised O(1) per event
+    /// and per wait (each leaves its queue once), plus O(k) for the k streams a
+    /// blocked chain of waits visits.
+    fn settle(&mut self, root: StreamId) {
+        let clock = self.clock;
+        // The common case: nothing on `root` is due yet (no allocation).
+        let due = self
+            .streams
+            .get(&root)
+            .and_then(|s| s.queued.front())
+            .is_some_and(|&(_, ready)| ready.is_some_and(|r| r <= clock));
+        if !due {
+            return;
+        }
+        let mut visited = vec![root];
+        let mut stack = vec![root];
+        while let Some(&id) = stack.last() {
+            let mut blocked_on = None;
+            loop {
+                let (seq, ready, wait) = {
+                    let Some(s) = self.streams.get(&id) else {
+                        break;
+                    };
+                    let Some(&(seq, ready)) = s.queued.front() else {
+                        break;
+                    };
+                    (seq, ready, s.waits.front().copied())
+                };
+                if ready.is_none_or(|r| r > clock) {
+                    break;
+                }
+                // A wait at `position` precedes event `position + 1` onwards.
+                if let Some((_, other, other_seq)) = wait.filter(|w| w.0 < seq) {
+                    let done = self
+                        .streams
+                        .get(&other)
+                        .is_some_and(|o| o.completed >= other_seq);
+                    if !done {
+                        blocked_on = Some(other);
+                        break;
+                    }
+                    if let Some(s) = self.streams.get_mut(&id) {
+                        s.waits.pop_front();
+                    }
+                    continue;
+                }
+                if let Some(s) = self.streams.get_mut(&id) {
+                    s.queued.pop_front();
+                    s.completed = s.completed.max(seq);
+                }
+            }
+            match blocked_on {
+                Some(other) if !visited.contains(&other) => {
+                    visited.push(other);
+                    stack.push(other);
+                }
+                _ => {
+                    stack.pop();
+                }
+            }
+        }
+    }
+
     /// `cuEventQuery`.
-    pub(crate) fn event_query(&self, event: EventId) -> Result<bool> {
-        let e = self.events.get(CallKind::EventQuery, event)?;
-        Ok(self.is_complete(e))
+    pub(crate) fn event_query(&mut self, event: EventId) -> Result<bool> {
+        let e = *self.events.get(CallKind::EventQuery, event)?;
+        Ok(self.is_complete(&e))
     }
 
     /// `cuEventDestroy`.
@@ -207,16 +327,17 @@ impl State {
     /// `cuStreamWaitEvent`: later work on `stream` is ordered after `event`.
     pub(crate) fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<()> {
         let e = *self.events.get(CallKind::StreamWaitEvent, event)?;
-        if !self.is_complete(&e) && e.stream != stream {
+        if e.stream != stream && !self.is_complete(&e) {
             let s = self.streams.entry(stream).or_default();
             let position = s.recorded;
-            s.waits.push((position, e.stream, e.seq));
+            s.waits.push_back((position, e.stream, e.seq));
         }
         Ok(())
     }
 
     /// Complete every event recorded so far on `stream`, and (since the stream
-    /// waited for them) every event its waits named, transitively.
+    /// waited for them) every event its waits named, transitively: the device
+    /// caught up with `stream` at once (`cuStreamSynchronize`).
     pub(crate) fn complete_stream(&mut self, stream: StreamId) {
         let upto = self.streams.get(&stream).map_or(0, |s| s.recorded);
         let mut work = vec![(stream, upto, true)];
@@ -227,16 +348,18 @@ impl State {
             if seq > s.completed {
                 s.completed = seq;
             }
-            // A wait at `position` precedes event `position + 1` onwards.
-            let mut kept = Vec::new();
-            for &(position, other, other_seq) in &s.waits {
-                if all || position < seq {
-                    work.push((other, other_seq, false));
-                } else {
-                    kept.push((position, other, other_seq));
-                }
+            while s.queued.front().is_some_and(|q| q.0 <= s.completed) {
+                s.queued.pop_front();
             }
-            s.waits = kept;
+            // A wait at `position` precedes event `position + 1` onwards; waits
+            // are in order of position, so the satisfied ones are a prefix.
+            while let Some(&(position, other, other_seq)) = s.waits.front() {
+                if !(all || position < seq) {
+                    break;
+                }
+                s.waits.pop_front();
+                work.push((other, other_seq, false));
+            }
         }
     }
 
@@ -244,14 +367,16 @@ impl State {
     pub(crate) fn complete_all(&mut self) {
         for s in self.streams.values_mut() {
             s.completed = s.recorded;
+            s.queued.clear();
             s.waits.clear();
         }
     }
 
     /// Checks every invariant of the bookkeeping (O(n); for tests): the
     /// ledger's (see [`Ledger::check_invariants`]), then reservations never
-    /// adjacent and within `va_limit`, and every event on a known stream,
-    /// numbered no later than the stream's last record.
+    /// adjacent and within `va_limit`, every event on a known stream,
+    /// numbered no later than the stream's last record, and every stream's
+    /// queue and waits in order.
     pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
         self.ledger.check_invariants()?;
         let mut last_end: Option<u64> = None;
@@ -276,6 +401,22 @@ impl State {
                 _ => return Err(format!("event {} on {:?} is out of order", id.0, e.stream)),
             }
         }
+        for (id, s) in &self.streams {
+            let mut last = s.completed;
+            for &(seq, _) in &s.queued {
+                if seq <= last || seq > s.recorded {
+                    return Err(format!("{id:?}: queued event {seq} is out of order"));
+                }
+                last = seq;
+            }
+            let mut last_position = 0;
+            for &(position, _, _) in &s.waits {
+                if position < last_position || position > s.recorded {
+                    return Err(format!("{id:?}: wait at {position} is out of order"));
+                }
+                last_position = position;
+            }
+        }
         Ok(())
     }
 
@@ -294,9 +435,226 @@ mod tests {
 
     const G: u64 = 2 << 20;
 
+    fn with_lag(lag: u64) -> State {
+        State::new(G, 1 << 30, 1 << 40, lag)
+    }
+
+    #[test]
+    fn work_completes_a_lag_after_it_was_queued() {
+        let mut st = with_lag(3);
+        let s = StreamId(1);
+        let a = st.event_record(s);
+        st.advance(1);
+        let b = st.event_record(s);
+        for _ in 0..2 {
+            assert!(!st.event_query(a).unwrap() && !st.event_query(b).unwrap());
+            st.advance(1);
+        }
+        assert_eq!(st.clock(), 3);
+        assert!(st.event_query(a).unwrap(), "recorded at 0, lag 3");
+        assert!(!st.event_query(b).unwrap(), "recorded at 1");
+        st.advance(1);
+        assert!(st.event_query(b).unwrap());
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_wait_holds_back_later_work_until_its_event_completes() {
+        // s1 runs a long kernel (lag 10 for what it queues now); s2 is quick
+        // (lag 1) but waits for s1's event before its second event.
+        let mut st = with_lag(10);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = st.event_record(s1);
+        st.set_gpu_lag_ops(1);
+        let before = st.event_record(s2);
+        st.stream_wait_event(s2, a).unwrap();
+        let after = st.event_record(s2);
+        // s3 waits for s2's later event: held back through s2, transitively.
+        let s3 = StreamId(3);
+        st.stream_wait_event(s3, after).unwrap();
+        let c = st.event_record(s3);
+        st.advance(1);
+        assert!(st.event_query(before).unwrap(), "queued before the wait");
+        for clock in 1..10 {
+            assert_eq!(st.clock(), clock);
+            assert!(!st.event_query(after).unwrap(), "clock {clock}");
+            assert!(!st.event_query(c).unwrap(), "clock {clock}");
+            st.check_invariants().unwrap();
+            st.advance(1);
+        }
+        assert!(
+            st.event_query(c).unwrap(),
+            "a completed at 10, and so did the rest"
+        );
+        assert!(st.event_query(after).unwrap() && st.event_query(a).unwrap());
+        assert!(st.streams.values().all(|s| s.waits.is_empty()));
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_synchronisation_completes_at_once_what_the_lag_holds() {
+        let mut st = with_lag(100);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = st.event_record(s1);
+        st.stream_wait_event(s2, a).unwrap();
+        let b = st.event_record(s2);
+        let other = st.event_record(StreamId(3));
+        st.advance(5);
+        st.complete_stream(s2);
+        assert!(st.event_query(b).unwrap(), "synchronised");
+        assert!(st.event_query(a).unwrap(), "s2 waited for it");
+        assert!(
+            !st.event_query(other).unwrap(),
+            "an unrelated stream keeps its lag"
+        );
+        let later = st.event_record(s1);
+        assert!(!st.event_query(later).unwrap(), "queued after the catch-up");
+        st.advance(99);
+        assert!(st.event_query(other).unwrap() && !st.event_query(later).unwrap());
+        st.advance(5);
+        assert!(st.event_query(later).unwrap());
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn lag_zero_completes_every_event_as_it_is_recorded() {
+        let mut st = with_lag(0);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = st.event_record(s1);
+        assert!(st.event_query(a).unwrap());
+        st.stream_wait_event(s2, a).unwrap();
+        assert!(
+            st.streams.values().all(|s| s.waits.is_empty()),
+            "nothing to wait for"
+        );
+        let b = st.event_record(s2);
+        assert!(st.event_query(b).unwrap());
+        assert_eq!(st.clock(), 0);
+        assert!(st.streams.values().all(|s| s.completed == s.recorded));
+    }
+
+    #[test]
+    fn the_default_lag_never_completes_work_by_itself() {
+        let mut st = with_lag(LAG_NEVER);
+        let a = st.event_record(StreamId(1));
+        st.advance(u64::MAX);
+        assert!(!st.event_query(a).unwrap());
+        st.complete_all();
+        assert!(st.event_query(a).unwrap());
+    }
+
+    /// A reference model: completion computed from scratch, by recursion.
+    #[derive(Default)]
+    struct Reference {
+        /// Per stream: `(ready, forced)` of each event, by sequence number - 1.
+        events: HashMap<StreamId, Vec<(Option<u64>, bool)>>,
+        /// Per stream: `(position, stream, seq)`, every cross-stream wait.
+        waits: HashMap<StreamId, Vec<(u64, StreamId, u64)>>,
+    }
+
+    impl Reference {
+        fn complete(&self, clock: u64, s: StreamId, seq: u64) -> bool {
+            let Some(list) = self.events.get(&s) else {
+                return false;
+            };
+            let (ready, forced) = list[seq as usize - 1];
+            if forced {
+                return true;
+            }
+            let earlier = seq == 1 || self.complete(clock, s, seq - 1);
+            earlier
+                && ready.is_some_and(|r| r <= clock)
+                && self.waits.get(&s).is_none_or(|w| {
+                    w.iter()
+                        .filter(|w| w.0 < seq)
+                        .all(|&(_, o, oseq)| self.complete(clock, o, oseq))
+                })
+        }
+
+        fn force(&mut self, s: StreamId, upto: u64, all: bool) {
+            if let Some(list) = self.events.get_mut(&s) {
+                for e in list.iter_mut().take(upto as usize) {
+                    e.1 = true;
+                }
+            }
+            let named: Vec<(u64, StreamId, u64)> = self
+                .waits
+                .get(&s)
+                .map(|w| w.iter().copied().filter(|w| all || w.0 < upto).collect())
+                .unwrap_or_default();
+            for (_, o, oseq) in named {
+                self.force(o, oseq, false);
+            }
+        }
+    }
+
+    #[test]
+    fn settling_agrees_with_a_reference_model() {
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        for round in 0..200 {
+            let mut st = with_lag(if round % 10 == 9 { LAG_NEVER } else { next(6) });
+            let mut reference = Reference::default();
+            let mut live: Vec<(EventId, StreamId, u64)> = Vec::new();
+            for step in 0..120 {
+                let s = StreamId(next(4));
+                match next(10) {
+                    0..=2 => {
+                        let ready = st.ready_time();
+                        let id = st.event_record(s);
+                        let list = reference.events.entry(s).or_default();
+                        list.push((ready, false));
+                        live.push((id, s, list.len() as u64));
+                    }
+                    3 | 4 if !live.is_empty() => {
+                        let (id, es, seq) = live[next(live.len() as u64) as usize];
+                        st.stream_wait_event(s, id).unwrap();
+                        if es != s {
+                            let position = reference.events.get(&s).map_or(0, |l| l.len() as u64);
+                            reference
+                                .waits
+                                .entry(s)
+                                .or_default()
+                                .push((position, es, seq));
+                        }
+                    }
+                    5 => st.advance(next(3)),
+                    6 => {
+                        st.complete_stream(s);
+                        let upto = reference.events.get(&s).map_or(0, |l| l.len() as u64);
+                        reference.force(s, upto, true);
+                    }
+                    7 => st.set_gpu_lag_ops(next(8)),
+                    _ => {}
+                }
+                // Query in a random order: settling must not depend on it.
+                let start = if live.is_empty() {
+                    0
+                } else {
+                    next(live.len() as u64) as usize
+                };
+                for k in 0..live.len() {
+                    let (id, es, seq) = live[(start + k) % live.len()];
+                    let want = reference.complete(st.clock, es, seq);
+                    assert_eq!(
+                        st.event_query(id).unwrap(),
+                        want,
+                        "round {round}, step {step}, event {id:?} ({es:?} #{seq})"
+                    );
+                }
+                st.check_invariants().unwrap();
+            }
+        }
+    }
+
     #[test]
     fn catching_up_completes_waited_events_transitively() {
-        let mut st = State::new(G, 1 << 30, 1 << 40);
+        let mut st = State::new(G, 1 << 30, 1 << 40, LAG_NEVER);
         let (s1, s2, s3) = (StreamId(1), StreamId(2), StreamId(3));
         let a = st.event_record(s1);
         st.stream_wait_event(s2, a).unwrap();
@@ -309,7 +667,7 @@ mod tests {
 
     #[test]
     fn waiting_on_a_completed_event_or_own_stream_records_nothing() {
-        let mut st = State::new(G, 1 << 30, 1 << 40);
+        let mut st = State::new(G, 1 << 30, 1 << 40, LAG_NEVER);
         let s = StreamId(4);
         let a = st.event_record(s);
         st.stream_wait_event(s, a).unwrap();
@@ -320,7 +678,7 @@ mod tests {
 
     #[test]
     fn failed_calls_change_nothing() {
-        let mut st = State::new(G, 8 * G, 1 << 40);
+        let mut st = State::new(G, 8 * G, 1 << 40, LAG_NEVER);
         let va = st.reserve(4 * G, 0).unwrap();
         let h = st.create(G).unwrap();
         st.map(va, G, h, 0).unwrap();
