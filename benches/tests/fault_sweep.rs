@@ -678,7 +678,6 @@ fn tear_down(alloc: Box<dyn DeviceAllocator>, sim: &SimVmm, live: &[DevicePtr], 
 /// counted as allocated, and the same request succeeds on retry.
 #[test]
 fn fifth_map_of_one_allocation_fails_and_the_four_before_are_undone() {
-    use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
     // 600 MiB: above GMLake's 512 MiB stitch threshold; 300 pages of 2 MiB.
     const SIZE: u64 = 600 * MIB;
     let mut fired = Vec::new();
@@ -687,15 +686,6 @@ fn fifth_map_of_one_allocation_fails_and_the_four_before_are_undone() {
         let sim = device();
         let a = build(name, sim.clone()).unwrap().unwrap();
         cases.push((name.to_string(), sim, a));
-    }
-    {
-        let sim = device();
-        let cfg = QuiltConfig {
-            max_pages_per_map: 1,
-            ..QuiltConfig::default()
-        };
-        let a = QuiltAllocator::new(sim.clone(), cfg).unwrap();
-        cases.push(("quilt(1 page per map)".to_string(), sim, Box::new(a)));
     }
     for (name, sim, alloc) in cases {
         let ctx = format!("{name}: 5th map fails");
@@ -862,16 +852,14 @@ fn quilt_pool_counts_survive_failed_growth_and_failed_stitch() {
 
         // Now let growth succeed and the 5th map fail: pages come back to the pool.
         sim.inject(Fault::nth(CallKind::Map, 5));
-        let cfg_one = alloc.config().max_pages_per_map;
+        // Every page is its own map call: the 5th map fails.
         let r = alloc.allocate(600 * MIB, StreamId(0));
-        if cfg_one == 1 {
-            assert!(r.is_err(), "{label}: the 5th map should have failed");
-            assert_eq!(
-                alloc.pool().free_pages(),
-                alloc.pool().total_pages() - (total - free),
-                "{label}: pages of the failed stitch not all back in the pool"
-            );
-        }
+        assert!(r.is_err(), "{label}: the 5th map should have failed");
+        assert_eq!(
+            alloc.pool().free_pages(),
+            alloc.pool().total_pages() - (total - free),
+            "{label}: pages of the failed stitch not all back in the pool"
+        );
         alloc.pool().check_invariants().unwrap();
         alloc.check_invariants().unwrap();
         sim.clear_faults();
