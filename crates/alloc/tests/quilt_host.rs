@@ -140,8 +140,10 @@ fn patterns_survive_with_four_granule_pages() {
 
 #[test]
 fn patterns_survive_eager_reclaim() {
-    let mut config = QuiltConfig::default();
-    config.reclaim = ReclaimPolicy::Always;
+    let config = QuiltConfig {
+        reclaim: ReclaimPolicy::Always,
+        ..QuiltConfig::default()
+    };
     stress(config, 0x1405_7b7e_f767_814f);
 }
 

@@ -8,14 +8,19 @@
 //! `t >= k` has completed, or once that other stream waited on such an event.
 //!
 //! Costs: events of a stream complete in order, so only the oldest one is ever
-//! queried, and at most once per operation; a stream records a progress event
-//! at a free only when it has none outstanding, so events are batched per
-//! stream rather than one per free; a wait is made at most once per pair of
-//! streams for any span of frees.
+//! queried, and at most once per operation; once more than one stream exists,
+//! a free records one event on each stream that used the block (one per
+//! stream per operation), so that another stream, or a reclaim under
+//! pressure, can later learn that the free is complete without waiting; a
+//! wait is made at most once per pair of streams for any span of frees; the
+//! growth path polls at most `REFRESH_STREAMS` streams, round robin.
 
 use std::collections::{HashMap, VecDeque};
 
 use quilt_vmm::{EventId, StreamId, Vmm, VmmError};
+
+/// Streams polled on each growth path, round robin.
+const REFRESH_STREAMS: usize = 4;
 
 /// One stream's progress.
 #[derive(Debug)]
@@ -44,6 +49,8 @@ pub(crate) struct Streams {
     pub(crate) waits: u64,
     /// Stream synchronisations made.
     pub(crate) syncs: u64,
+    /// The next stream `refresh` polls.
+    cursor: usize,
 }
 
 impl Streams {
@@ -127,8 +134,8 @@ impl Streams {
         }
     }
 
-    /// Stream `i` freed a block at `tick`. With `track`, record a progress
-    /// event there unless one is outstanding, so that other streams (and
+    /// Stream `i` freed a block at `tick`. With `track`, record an event
+    /// there (one per stream per operation), so that other streams (and
     /// reclaim) can later learn without waiting that the free is complete.
     pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, track: bool) {
         let Some(s) = self.states.get_mut(i as usize) else {
@@ -142,15 +149,15 @@ impl Streams {
         self.record_progress(vmm, i, tick);
     }
 
-    /// Record a progress event on stream `i` if it has frees no event covers
-    /// and no event outstanding. A failed record is only logged: progress
-    /// events are an optimisation, waits record their own.
+    /// Record an event on stream `i` if it has frees no event covers. A
+    /// failed record is only logged: these events are an optimisation, waits
+    /// and synchronisations do without them.
     fn record_progress(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
         let covered = s.events.back().map_or(s.done, |&(t, _)| t);
-        if s.events.is_empty() && s.last_free > covered {
+        if s.last_free > covered {
             match vmm.event_record(s.id) {
                 Ok(e) => {
                     s.events.push_back((tick, e));
@@ -161,10 +168,14 @@ impl Streams {
         }
     }
 
-    /// On the growth path (a driver call follows anyway): learn every
-    /// stream's progress and record progress events where frees are uncovered.
+    /// On the growth path (a driver call follows anyway): learn the progress
+    /// of up to `REFRESH_STREAMS` streams, round robin, recording events
+    /// where frees are uncovered.
     pub(crate) fn refresh(&mut self, vmm: &dyn Vmm, tick: u64) {
-        for i in 0..self.states.len() as u32 {
+        let n = self.states.len();
+        for _ in 0..n.min(REFRESH_STREAMS) {
+            let i = (self.cursor % n) as u32;
+            self.cursor = self.cursor.wrapping_add(1);
             self.poll(vmm, i, tick);
             self.record_progress(vmm, i, tick);
         }
