@@ -44,7 +44,9 @@ pub struct QuiltConfig {
     /// same arena as large ones, filling the holes between them (false).
     pub separate_small_arena: bool,
     /// Virtual address space reserved per arena, as a multiple of the memory
-    /// limit (address space is cheap; 2 by default).
+    /// limit (address space is cheap; 8 by default: placement that prefers
+    /// mapped gaps over the best fit spreads blocks, and a request must never
+    /// fail for want of a free virtual range while pages are available).
     pub arena_va_factor: u64,
     /// One `cuMemSetAccess` per page mapped (true, GMLake) or one per newly
     /// mapped contiguous range (false, as PyTorch's expandable segments).
@@ -75,7 +77,7 @@ impl Default for QuiltConfig {
             small_size: 1 << 20,
             shared_arena: true,
             separate_small_arena: false,
-            arena_va_factor: 2,
+            arena_va_factor: 8,
             access_per_map: false,
             reclaim: ReclaimPolicy::CachedAbove(50),
             placement_candidates: 8,
