@@ -11,8 +11,11 @@ use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 /// ever synchronises a stream while the device still has room.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReclaimPolicy {
-    /// Grow first; reclaim only when the pool cannot grow. A repeated sequence
-    /// of sizes makes no driver call after its first pass.
+    /// Grow first; reclaim only when the pool cannot grow (Quilt's default).
+    /// Pages stay where a loop first mapped them, so a repeated sequence of
+    /// sizes makes no driver call after its first pass; the price is the
+    /// cached pages in holes too small for the requests that made the pool
+    /// grow (see `docs/design.md`, "Calls against memory held").
     WhenFull,
     /// Before growing, reclaim pages cached for at least this many allocator
     /// operations.
@@ -70,7 +73,8 @@ pub struct QuiltConfig {
 
 impl Default for QuiltConfig {
     /// Quilt's policy: one arena shared by every stream, stitching every
-    /// request, a bounded cache (see [`ReclaimPolicy::CachedAbove`]).
+    /// request, cached pages reclaimed only when the device is full (see
+    /// [`ReclaimPolicy::WhenFull`]).
     fn default() -> Self {
         QuiltConfig {
             pool: PoolConfig::default(),
@@ -79,7 +83,7 @@ impl Default for QuiltConfig {
             separate_small_arena: false,
             arena_va_factor: 8,
             access_per_map: false,
-            reclaim: ReclaimPolicy::CachedAbove(50),
+            reclaim: ReclaimPolicy::WhenFull,
             placement_candidates: 8,
             stitch_threshold: 0,
             reuse_limit: 0,

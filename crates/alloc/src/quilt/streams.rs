@@ -169,23 +169,28 @@ impl Streams {
     }
 
     /// On the growth path (a driver call follows anyway): learn the progress
-    /// of up to `REFRESH_STREAMS` streams, round robin, recording events
-    /// where frees are uncovered.
+    /// of up to `REFRESH_STREAMS` streams, round robin, first recording
+    /// events where frees are uncovered (so that a device already past them
+    /// says so at once).
     pub(crate) fn refresh(&mut self, vmm: &dyn Vmm, tick: u64) {
         let n = self.states.len();
         for _ in 0..n.min(REFRESH_STREAMS) {
             let i = (self.cursor % n) as u32;
             self.cursor = self.cursor.wrapping_add(1);
-            self.poll(vmm, i, tick);
             self.record_progress(vmm, i, tick);
+            self.poll(vmm, i, tick);
         }
     }
 
     /// Order stream `t`'s later work after stream `s`'s work up to tick `k`:
     /// nothing when `s` is `t`, when that work is known complete, or when `t`
-    /// already waited past it; else one `cuStreamWaitEvent` on the oldest
-    /// event of `s` that covers `k` (recorded now if there is none).
-    /// Returns true when a wait was made.
+    /// already waited past it; else one `cuStreamWaitEvent` on an event of
+    /// `s` that covers every free `s` has made so far (its newest event if
+    /// that one does, else one recorded now). One wait thus makes all of
+    /// `s`'s freed memory safe for `t`, not only the range asked for: the
+    /// next block `t` places over any of it needs no wait, so waits stay
+    /// rare and placement keeps its best fits instead of avoiding freshly
+    /// freed ranges. Returns true when a wait was made.
     pub(crate) fn order_after(
         &mut self,
         vmm: &dyn Vmm,
@@ -205,7 +210,8 @@ impl Streams {
             let Some(st) = self.states.get_mut(s as usize) else {
                 return Ok(false);
             };
-            match st.events.iter().find(|&&(et, _)| et >= k) {
+            let cover = st.last_free.max(k);
+            match st.events.back().filter(|&&(et, _)| et >= cover) {
                 Some(&found) => found,
                 None => {
                     let e = vmm.event_record(st.id)?;
