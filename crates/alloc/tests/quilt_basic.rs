@@ -424,22 +424,69 @@ fn cached_pages_move_to_another_stream_under_pressure() {
     let x = a.allocate(60 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     ok(&a);
-    // Stream 1's arena needs the pages cached in stream 0's: they are
-    // unmapped (after synchronising stream 0, whose work may still use them)
-    // and mapped again in stream 1's arena.
+    // Stream 1's arena needs the pages cached in stream 0's, whose work may
+    // still use them: their handles move to stream 1's arena, stream 1 waits
+    // for stream 0's work, and their old mappings stay (retired) until that
+    // work is known complete. No synchronisation.
     let y = a.allocate(40 * MIB, S1).unwrap();
     ok(&a);
     let st = a.stats();
-    assert_eq!(st.num_stream_waits, 0, "reclaimed pages need no wait");
-    assert_eq!(spy.log().syncs, vec![S0], "one sync, of stream 0 only");
+    assert_eq!(st.num_stream_waits, 1, "stream 1 waits for stream 0 once");
+    assert!(spy.log().syncs.is_empty(), "no sync");
     assert!(st.reserved_bytes.current <= 64 * MIB);
     spy.assert_one_handle_per_mapping();
+    // Once stream 0's work is done, the next growth path unmaps the retired
+    // mappings without a sync.
+    sim.complete_all();
+    let z = a.allocate(20 * MIB, S0).unwrap();
+    ok(&a);
+    assert!(spy.log().syncs.is_empty(), "still no sync");
+    a.free(z.ptr).unwrap();
     a.free(y.ptr).unwrap();
     a.empty_cache().unwrap();
     ok(&a);
     assert_eq!(a.stats().reserved_bytes.current, 0);
     assert!(syncs(&sim) <= 2);
     spy.assert_one_handle_per_mapping();
+}
+
+#[test]
+fn retired_pages_are_unmapped_once_their_work_is_done() {
+    // One stream, a 64 MiB device: a 40 MiB block freed while its work is
+    // still queued, then a 60 MiB request that only fits by taking those
+    // pages: they move under the new block at once (the same stream orders
+    // the reuse), their old mappings wait for the work to finish.
+    let (sim, spy, a) = spy_setup(64 * MIB, QuiltConfig::default());
+    let keep = a.allocate(2 * MIB, S0).unwrap();
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    let y = a.allocate(10 * MIB, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    ok(&a);
+    let big = a.allocate(50 * MIB, S0).unwrap();
+    ok(&a);
+    assert!(spy.log().syncs.is_empty(), "no sync: the pages moved");
+    assert_eq!(a.stats().num_stream_waits, 0, "one stream: no wait");
+    let mapped = sim.mapped_bytes();
+    assert!(
+        mapped > a.stats().reserved_bytes.current,
+        "the old mappings are still there ({mapped} bytes mapped)"
+    );
+    // The device catches up; the next request that needs new pages unmaps
+    // them first (a driver call follows anyway), without a sync, even one
+    // that then fails for want of memory.
+    sim.complete_all();
+    let e = a.allocate(16 * MIB, S0).unwrap_err();
+    assert!(e.oom_report().is_some(), "{e}");
+    ok(&a);
+    assert_eq!(sim.mapped_bytes(), a.stats().reserved_bytes.current);
+    assert!(spy.log().syncs.is_empty());
+    spy.assert_one_handle_per_mapping();
+    for p in [y.ptr, big.ptr, keep.ptr] {
+        a.free(p).unwrap();
+    }
+    ok(&a);
+    drop(a);
+    assert!(sim.leak_report().is_empty());
 }
 
 #[test]
@@ -485,10 +532,13 @@ fn driver_failures_leave_state_consistent() {
         assert!(sim.leak_report().is_empty(), "{kind:?}");
     }
     // A failing unmap during reclaim (per-stream arenas: stream 1 must take
-    // stream 0's cached pages apart).
+    // stream 0's cached pages, whose work is complete, so they are unmapped).
     let (sim, a) = setup_with(32 * MIB, per_stream());
-    let x = a.allocate(30 * MIB, S0).unwrap();
+    let w = a.allocate(512, S1).unwrap();
+    a.free(w.ptr).unwrap();
+    let x = a.allocate(28 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
+    sim.complete_all();
     sim.inject(Fault::nth(CallKind::Unmap, 1));
     assert!(a.allocate(20 * MIB, S1).is_err());
     ok(&a);

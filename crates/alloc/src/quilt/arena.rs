@@ -16,7 +16,9 @@
 //!
 //! Invariants: every page with `touch > 0` is mapped (a block's pages are
 //! always backed); `cached_pages` counts the mapped pages with `touch == 0`,
-//! `touched_pages` those with `touch > 0`, `mapped_pages` the mapped ones.
+//! `touched_pages` those with `touch > 0`, `mapped_pages` the mapped ones,
+//! `retired_pages` the retired ones (never touched, never mapped to a page
+//! of their own; see [`PageSlot::retired`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -40,6 +42,11 @@ pub(crate) struct PageSlot {
     /// The tick at which the page last became cached (mapped, untouched): its
     /// entry in the reclaim queue is valid while this matches.
     pub(crate) cached_at: u64,
+    /// Retired: the handle once mapped here was moved to another virtual page
+    /// while work freed here (`freed_by`, `freed_at`) may still run, so this
+    /// page keeps its mapping, backs nothing of its own (`phys` is `None`),
+    /// and is unmapped once that work is known complete.
+    pub(crate) retired: bool,
 }
 
 impl PageSlot {
@@ -80,6 +87,7 @@ pub(crate) struct Arena {
     pub(crate) cached_pages: u64,
     pub(crate) touched_pages: u64,
     pub(crate) mapped_pages: u64,
+    pub(crate) retired_pages: u64,
 }
 
 impl Arena {
@@ -98,6 +106,7 @@ impl Arena {
             cached_pages: 0,
             touched_pages: 0,
             mapped_pages: 0,
+            retired_pages: 0,
         };
         a.insert_gap(0, size);
         a
@@ -290,6 +299,57 @@ impl Arena {
         } else {
             false
         }
+    }
+
+    /// Retire the cached virtual page `p`: its pool page is handed on (and
+    /// returned) while its mapping stays until the work freed here is known
+    /// complete. `None` (changing nothing) unless `p` is cached.
+    pub(crate) fn set_retired(&mut self, p: u64) -> Option<Page> {
+        let s = self.pages.get_mut(p as usize)?;
+        if s.touch != 0 || s.retired {
+            return None;
+        }
+        let page = s.phys.take()?;
+        s.retired = true;
+        self.mapped_pages -= 1;
+        self.cached_pages -= 1;
+        self.retired_pages += 1;
+        Some(page)
+    }
+
+    /// The retired virtual page `p` was unmapped.
+    pub(crate) fn clear_retired(&mut self, p: u64) {
+        if let Some(s) = self.pages.get_mut(p as usize) {
+            if s.retired {
+                s.retired = false;
+                s.freed_by = 0;
+                s.freed_at = 0;
+                self.retired_pages -= 1;
+            }
+        }
+    }
+
+    /// Note that the streams `mask`, at tick `k`, may still use the physical
+    /// page now mapped at virtual page `p`.
+    pub(crate) fn note_freed(&mut self, p: u64, mask: u64, k: u64) {
+        if let Some(s) = self.pages.get_mut(p as usize) {
+            s.freed_by |= mask;
+            s.freed_at = s.freed_at.max(k);
+        }
+    }
+
+    /// The retired pages among `off .. off + len`.
+    pub(crate) fn retired_in(
+        &self,
+        off: u64,
+        len: u64,
+    ) -> impl Iterator<Item = (u64, PageSlot)> + '_ {
+        let (first, last) = self.page_span(off, len);
+        let any = self.retired_pages > 0;
+        (first..=last)
+            .filter(move |_| any)
+            .map(|p| (p, self.slot(p)))
+            .filter(|(_, s)| s.retired)
     }
 
     /// Record that virtual page `p` is unmapped; returns the pool page that

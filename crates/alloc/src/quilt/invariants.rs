@@ -28,6 +28,9 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 /// 6. Every cached page has exactly one valid entry in the reclaim queue, so
 ///    reclaim can find every one of them.
 /// 7. Every statistic equals what it counts.
+/// 8. A retired page is touched by no block, backs no pool page of its own,
+///    and has an entry in the retired queue; the retired count is right; a
+///    pool page with a hazard is free in the pool.
 pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), InvariantViolation> {
     pool.check_invariants().map_err(InvariantViolation)?;
     let mut occupied_total = 0usize;
@@ -89,8 +92,25 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
                 touch[p as usize] += 1;
             }
         }
-        let (mut touched, mut cached, mut mapped) = (0u64, 0u64, 0u64);
+        let (mut touched, mut cached, mut mapped, mut retired) = (0u64, 0u64, 0u64, 0u64);
         for (p, slot) in a.pages.iter().enumerate() {
+            if slot.retired {
+                retired += 1;
+                if slot.touch > 0 || slot.phys.is_some() {
+                    return fail(format!(
+                        "arena {ai}: retired page {p} is touched or backs a pool page"
+                    ));
+                }
+                if !st
+                    .retired_queue
+                    .iter()
+                    .any(|&(qa, qp, _)| qa == ai && qp == p as u64)
+                {
+                    return fail(format!(
+                        "arena {ai}: retired page {p} is not in the retired queue"
+                    ));
+                }
+            }
             if slot.touch != touch[p] {
                 return fail(format!(
                     "arena {ai}: page {p} touched {} times, blocks touch it {}",
@@ -116,6 +136,12 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
                     cached_slots.push((ai, p as u64, slot.cached_at));
                 }
             }
+        }
+        if retired != a.retired_pages {
+            return fail(format!(
+                "arena {ai}: {} retired pages counted, {retired} found",
+                a.retired_pages
+            ));
         }
         if (touched, cached, mapped) != (a.touched_pages, a.cached_pages, a.mapped_pages) {
             return fail(format!(
@@ -176,6 +202,9 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         if !seen.insert(b) {
             return fail(format!("pool page {b:?} is mapped twice"));
         }
+    }
+    if let Some(id) = st.page_hazards.keys().find(|&&id| pool.is_in_use(id)) {
+        return fail(format!("pool page {id:?} has a hazard but is handed out"));
     }
     backing.sort_unstable();
     let in_use: Vec<PageId> = pool.pages_in_use();

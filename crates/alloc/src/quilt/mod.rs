@@ -198,10 +198,12 @@ impl Drop for QuiltAllocator {
         let mut give = Vec::new();
         for a in &mut state.arenas {
             for p in 0..a.pages.len() as u64 {
-                if a.slot(p).phys.is_none() {
+                let slot = a.slot(p);
+                if slot.phys.is_none() && !slot.retired {
                     continue;
                 }
                 match self.vmm.unmap(a.page_addr(p), page) {
+                    Ok(()) if slot.retired => a.clear_retired(p),
                     Ok(()) => give.extend(a.set_unmapped(p)),
                     Err(e) => tracing::warn!(error = %e, "unmap at drop failed"),
                 }

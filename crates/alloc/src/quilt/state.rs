@@ -5,10 +5,10 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use quilt_pool::{Page, PagePool, PoolError};
+use quilt_pool::{Page, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId, VmmError};
 
-use super::arena::Arena;
+use super::arena::{Arena, PageSlot};
 use super::config::{QuiltConfig, ReclaimPolicy};
 use super::streams::Streams;
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
@@ -45,22 +45,48 @@ pub(crate) struct BlockRec {
     pub(crate) streams: u64,
 }
 
-/// Which cached pages a reclaim may take.
+/// How a reclaim takes cached pages back to the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Reclaim {
-    /// Only pages whose freeing streams' work is known complete, cached
-    /// at or before this tick: no stream is synchronised.
-    KnownComplete { cached_before: u64 },
-    /// Any cached page, synchronising the streams whose work may still use it.
-    Synchronise,
+    /// Pages cached at or before this tick, with no synchronisation: a page
+    /// whose freeing work is known complete is unmapped; any other is
+    /// retired (its handle moves on and carries that work as a hazard, its
+    /// old mapping stays until the work is known complete).
+    Move { cached_before: u64 },
+    /// Every cached and retired page, unmapped after synchronising the
+    /// streams whose work may still use it (`empty_cache`).
+    Drain,
+}
+
+/// How good a place for a block is: lower is better, fields compared in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct PlaceScore {
+    /// Over a retired page still in use (mapping it would need a sync).
+    blocked: bool,
+    /// Needs new pages.
+    needs_pages: bool,
+    /// Every page mapped, but another stream's work must be waited for (a
+    /// wait costs less than new pages).
+    waits_though_mapped: bool,
+    /// How many new pages.
+    new_pages: u64,
+    /// Another stream's work must be waited for.
+    waits: bool,
+}
+
+impl PlaceScore {
+    /// Mapped, wait-free, unblocked: taken at once.
+    const PERFECT: PlaceScore = PlaceScore {
+        blocked: false,
+        needs_pages: false,
+        waits_though_mapped: false,
+        new_pages: 0,
+        waits: false,
+    };
 }
 
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
 const FREED_MEMORY: usize = 1 << 16;
-
-/// How many not-yet-complete pages a reclaim that never synchronises passes
-/// over before it stops looking.
-const RECLAIM_SKIP: usize = 64;
 
 /// The allocator's state.
 #[derive(Debug, Default)]
@@ -77,6 +103,14 @@ pub(crate) struct State {
     /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
     pub(crate) reclaim_queue: VecDeque<(usize, u64, u64)>,
+    /// Retired virtual pages, in the order they were retired, as (arena,
+    /// page, the pool page that was mapped there); an entry whose page is no
+    /// longer retired is stale and skipped.
+    pub(crate) retired_queue: VecDeque<(usize, u64, PageId)>,
+    /// Free pool pages whose last virtual page was retired: the streams
+    /// (bits) whose work may still use them and the tick of that work. The
+    /// next block they back first orders its stream after that work.
+    pub(crate) page_hazards: HashMap<PageId, (u64, u64)>,
     /// One tick per allocator operation.
     pub(crate) tick: u64,
     pub(crate) stats: AllocatorStats,
@@ -211,7 +245,7 @@ impl State {
         let (first, last) = self.arenas[ai].page_span(off, rounded);
         let need = self.arenas[ai].unmapped_in(first, last);
         if !need.is_empty() {
-            if let Err(e) = self.back_pages(ctx, ai, size, &need) {
+            if let Err(e) = self.back_pages(ctx, ai, size, &need, si) {
                 self.undo_occupy(ai, off, rounded);
                 self.sync_stats(ctx);
                 return Err(e);
@@ -322,17 +356,33 @@ impl State {
             return a.fresh_tail(rounded);
         }
         let n = ctx.cfg.placement_candidates.max(1);
-        let candidates: Vec<u64> = self.arenas[ai].fitting_gaps(rounded, n).collect();
+        let gaps: Vec<u64> = self.arenas[ai].fitting_gaps(rounded, n).collect();
+        let mut candidates: Vec<u64> = gaps
+            .iter()
+            .filter_map(|&g| self.past_retired_in_use(ctx, ai, g, rounded))
+            .collect();
+        if candidates.is_empty() {
+            // Every fitting gap is blocked: a retired page will be
+            // synchronised for (rare; only after reclaim moved pages).
+            candidates = gaps;
+        }
         if candidates.len() <= 1 {
             return candidates.first().copied();
         }
-        // (needs new pages, waits though mapped, new pages, waits), lowest wins.
-        let mut best: Option<((bool, bool, u64, bool), u64)> = None;
+        let mut best: Option<(PlaceScore, u64)> = None;
         for start in candidates {
+            let blocked = self.arenas[ai].retired_pages > 0
+                && self.last_retired_in_use(ctx, ai, start, rounded).is_some();
             let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
             let wait = self.needs_wait(ctx, ai, start, rounded, t);
-            let score = (unmapped > 0, unmapped == 0 && wait, unmapped, wait);
-            if score == (false, false, 0, false) {
+            let score = PlaceScore {
+                blocked,
+                needs_pages: unmapped > 0,
+                waits_though_mapped: unmapped == 0 && wait,
+                new_pages: unmapped,
+                waits: wait,
+            };
+            if score == PlaceScore::PERFECT {
                 return Some(start);
             }
             if best.is_none_or(|(b, _)| score < b) {
@@ -342,19 +392,105 @@ impl State {
         best.map(|(_, s)| s)
     }
 
-    /// Back the unmapped virtual pages `need` of arena `ai` (a block's) with
-    /// pool pages: one map per page, one set-access per contiguous range.
+    /// The last retired page under `off .. off + len` of arena `ai` whose
+    /// freeing work is not known complete (a block there would need a
+    /// synchronisation before that page could be mapped again).
+    fn last_retired_in_use(&mut self, ctx: &Ctx<'_>, ai: usize, off: u64, len: u64) -> Option<u64> {
+        let tick = self.tick;
+        let retired: Vec<(u64, PageSlot)> = self.arenas[ai].retired_in(off, len).collect();
+        retired
+            .into_iter()
+            .rev()
+            .find(|(_, slot)| !self.work_done(ctx, slot.freed_by, slot.freed_at, tick))
+            .map(|(p, _)| p)
+    }
+
+    /// Where in the gap starting at `gap` a block of `len` bytes can go
+    /// without covering a retired page still in use: the gap's start, or
+    /// the first page boundary past such pages; `None` when it no longer fits.
+    fn past_retired_in_use(&mut self, ctx: &Ctx<'_>, ai: usize, gap: u64, len: u64) -> Option<u64> {
+        let end = *self.arenas[ai].gaps.get(&gap)?;
+        let mut start = gap;
+        if self.arenas[ai].retired_pages == 0 {
+            return Some(start);
+        }
+        while let Some(p) = self.last_retired_in_use(ctx, ai, start, len) {
+            start = (p + 1) * ctx.page;
+            if start.checked_add(len).is_none_or(|e| e > end) {
+                return None;
+            }
+        }
+        Some(start)
+    }
+
+    /// True when the work of every stream in `mask` up to tick `k` is known
+    /// complete (after at most one query per stream this operation).
+    fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
+        self.streams.in_mask(mask).into_iter().all(|s| {
+            self.streams.poll(ctx.vmm, s, tick);
+            self.streams.is_done(s, k)
+        })
+    }
+
+    /// Back the unmapped virtual pages `need` of arena `ai` (a block's on
+    /// stream `t`) with pool pages: one map per page, one set-access per
+    /// contiguous range. A retired page among them is unmapped first (its
+    /// work completed, by a synchronisation if need be: placement avoids
+    /// this); a pool page with a hazard orders `t` after that work first.
     fn back_pages(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         size: u64,
         need: &[u64],
+        t: u32,
     ) -> Result<(), AllocError> {
+        let tick = self.tick;
+        for &p in need {
+            let slot = self.arenas[ai].slot(p);
+            if !slot.retired {
+                continue;
+            }
+            for s in self.streams.in_mask(slot.freed_by) {
+                self.streams.complete(ctx.vmm, s, slot.freed_at, tick)?;
+            }
+            ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page)?;
+            self.arenas[ai].clear_retired(p);
+        }
         let n = need.len() as u64;
         self.obtain_free_pages(ctx, size, n)?;
         let pages = ctx.pool.take(n).map_err(pool_err)?;
-        self.map_pages(ctx, ai, need, pages)
+        let hazards: Vec<(PageId, (u64, u64))> = pages
+            .iter()
+            .filter_map(|pg| self.page_hazards.get(&pg.id).map(|&h| (pg.id, h)))
+            .collect();
+        let mut ordered: Result<(), AllocError> = Ok(());
+        'order: for &(_, (mask, k)) in &hazards {
+            for s in self.streams.in_mask(mask) {
+                if let Err(e) = self.streams.order_after(ctx.vmm, t, s, k, tick) {
+                    ordered = Err(e.into());
+                    break 'order;
+                }
+            }
+        }
+        if let Err(e) = ordered {
+            ctx.pool.give_back(&pages).map_err(pool_err)?;
+            return Err(e);
+        }
+        let result = self.map_pages(ctx, ai, need, pages.clone());
+        // A page now mapped here (the block's, or left mapped by a failed
+        // undo) carries its hazard in its slot from now on; the pages given
+        // back keep theirs.
+        for (&p, pg) in need.iter().zip(&pages) {
+            if self.arenas[ai].slot(p).phys == Some(*pg) {
+                if let Some((mask, k)) = self.page_hazards.remove(&pg.id) {
+                    if result.is_err() {
+                        self.arenas[ai].note_freed(p, mask, k);
+                    }
+                }
+            }
+        }
+        result
     }
 
     /// Map `pages` (each one whole handle, at offset 0) at the virtual pages
@@ -433,8 +569,10 @@ impl State {
         if missing(ctx.pool) == 0 {
             return Ok(());
         }
-        // A driver call follows: learn how far every stream got.
+        // A driver call follows: learn how far every stream got, and unmap
+        // the retired pages whose work is done.
         self.streams.refresh(ctx.vmm, self.tick);
+        self.unmap_retired(ctx, false)?;
         let (want, cached_before) = match ctx.cfg.reclaim {
             ReclaimPolicy::WhenFull => (0, self.tick),
             ReclaimPolicy::Always => (missing(ctx.pool), self.tick),
@@ -446,7 +584,7 @@ impl State {
             ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
         };
         if want > 0 {
-            self.reclaim(ctx, want, Reclaim::KnownComplete { cached_before })?;
+            self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
             if missing(ctx.pool) == 0 {
                 return Ok(());
             }
@@ -465,12 +603,15 @@ impl State {
             .saturating_sub(growable)
             .max(1)
             .min(cached);
-        self.reclaim(ctx, want, Reclaim::Synchronise)?;
+        let all = Reclaim::Move {
+            cached_before: u64::MAX,
+        };
+        self.reclaim(ctx, want, all)?;
         if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
         // A last resort: everything cached.
-        self.reclaim(ctx, u64::MAX, Reclaim::Synchronise)?;
+        self.reclaim(ctx, u64::MAX, all)?;
         if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
@@ -488,15 +629,12 @@ impl State {
         }
     }
 
-    /// Unmap up to `target` cached pages, oldest first, and return them to
-    /// the pool; `mode` says which pages may be taken and whether streams
-    /// may be synchronised for them. Returns the pages gained.
+    /// Take up to `target` cached pages, oldest first, back to the pool;
+    /// `mode` says which pages may be taken and how (see [`Reclaim`]).
+    /// Returns the pages gained.
     fn reclaim(&mut self, ctx: &Ctx<'_>, target: u64, mode: Reclaim) -> Result<u64, AllocError> {
         let tick = self.tick;
         let mut chosen: Vec<(usize, u64)> = Vec::new();
-        let mut skipped: Vec<(usize, u64, u64)> = Vec::new();
-        // Per stream, the latest free on a chosen page.
-        let mut wait_for: Vec<(u32, u64)> = Vec::new();
         while (chosen.len() as u64) < target {
             let Some(entry) = self.reclaim_queue.pop_front() else {
                 break;
@@ -506,46 +644,48 @@ impl State {
             if !slot.is_cached() || slot.cached_at != stamp {
                 continue;
             }
-            let streams = self.streams.in_mask(slot.freed_by);
-            if let Reclaim::KnownComplete { cached_before } = mode {
+            if let Reclaim::Move { cached_before } = mode {
                 if stamp > cached_before {
-                    skipped.push(entry);
+                    self.reclaim_queue.push_front(entry);
                     break;
                 }
-                let mut done = true;
-                for &s in &streams {
-                    self.streams.poll(ctx.vmm, s, tick);
-                    done &= self.streams.is_done(s, slot.freed_at);
-                }
-                if !done {
-                    skipped.push(entry);
-                    if skipped.len() >= RECLAIM_SKIP {
-                        break;
-                    }
-                    continue;
-                }
-            } else {
-                for s in streams {
+            }
+            chosen.push((ai, p));
+        }
+        let mut result: Result<(), AllocError> = Ok(());
+        if mode == Reclaim::Drain {
+            // Per stream, the latest free on a chosen page.
+            let mut wait_for: Vec<(u32, u64)> = Vec::new();
+            for &(ai, p) in &chosen {
+                let slot = self.arenas[ai].slot(p);
+                for s in self.streams.in_mask(slot.freed_by) {
                     match wait_for.iter_mut().find(|w| w.0 == s) {
                         Some(w) => w.1 = w.1.max(slot.freed_at),
                         None => wait_for.push((s, slot.freed_at)),
                     }
                 }
             }
-            chosen.push((ai, p));
-        }
-        for entry in skipped.into_iter().rev() {
-            self.reclaim_queue.push_front(entry);
-        }
-        let mut result: Result<(), AllocError> = Ok(());
-        for (s, k) in wait_for {
-            if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
-                result = Err(e.into());
-                break;
+            for (s, k) in wait_for {
+                if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
+                    result = Err(e.into());
+                    break;
+                }
             }
         }
         let mut give = Vec::with_capacity(chosen.len());
         for &(ai, p) in &chosen {
+            let slot = self.arenas[ai].slot(p);
+            if result.is_ok() && !self.work_done(ctx, slot.freed_by, slot.freed_at, tick) {
+                // Still in use by queued work: move the handle on, leave the
+                // mapping until that work is done.
+                if let Some(pg) = self.arenas[ai].set_retired(p) {
+                    self.page_hazards
+                        .insert(pg.id, (slot.freed_by, slot.freed_at));
+                    self.retired_queue.push_back((ai, p, pg.id));
+                    give.push(pg);
+                }
+                continue;
+            }
             if result.is_ok() {
                 if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
                     result = Err(e.into());
@@ -555,14 +695,50 @@ impl State {
                 give.extend(self.arenas[ai].set_unmapped(p));
             } else {
                 // Still mapped and cached: back in the queue.
-                let stamp = self.arenas[ai].slot(p).cached_at;
-                self.reclaim_queue.push_front((ai, p, stamp));
+                self.reclaim_queue.push_front((ai, p, slot.cached_at));
             }
         }
         let gained = give.len() as u64;
         ctx.pool.give_back(&give).map_err(pool_err)?;
         self.compact_reclaim_queue();
         result.map(|()| gained)
+    }
+
+    /// Unmap retired pages, oldest first, whose freeing work is known
+    /// complete; with `synchronise`, all of them, completing that work first.
+    /// Without it a failed unmap is only logged (the page stays retired, to
+    /// be tried again).
+    fn unmap_retired(&mut self, ctx: &Ctx<'_>, synchronise: bool) -> Result<(), AllocError> {
+        let tick = self.tick;
+        while let Some(&(ai, p, id)) = self.retired_queue.front() {
+            let slot = self.arenas[ai].slot(p);
+            if !slot.retired {
+                self.retired_queue.pop_front();
+                continue;
+            }
+            if !self.work_done(ctx, slot.freed_by, slot.freed_at, tick) {
+                if !synchronise {
+                    break;
+                }
+                for s in self.streams.in_mask(slot.freed_by) {
+                    self.streams.complete(ctx.vmm, s, slot.freed_at, tick)?;
+                }
+            }
+            if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                if synchronise {
+                    return Err(e.into());
+                }
+                tracing::warn!(error = %e, "unmapping a retired page failed");
+                break;
+            }
+            self.arenas[ai].clear_retired(p);
+            self.retired_queue.pop_front();
+            // The page's hazard is this same work, now done.
+            if self.page_hazards.get(&id) == Some(&(slot.freed_by, slot.freed_at)) {
+                self.page_hazards.remove(&id);
+            }
+        }
+        Ok(())
     }
 
     /// Drop stale entries from the reclaim queue once they outnumber the
@@ -640,11 +816,17 @@ impl State {
         Ok(())
     }
 
-    /// Release every cached page (synchronising the streams whose work may
-    /// still use them) and every free pool page.
+    /// Release every cached and retired page (synchronising the streams
+    /// whose work may still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
         self.tick += 1;
-        let r = self.reclaim(ctx, u64::MAX, Reclaim::Synchronise);
+        let r = self
+            .reclaim(ctx, u64::MAX, Reclaim::Drain)
+            .and_then(|_| self.unmap_retired(ctx, true));
+        if r.is_ok() {
+            // Every retired page's work is done, so is every page hazard's.
+            self.page_hazards.clear();
+        }
         let t = ctx.pool.trim(0).map_err(pool_err);
         self.sync_stats(ctx);
         r?;
