@@ -1,25 +1,30 @@
-//! The allocator registry: a name on the command line to a constructor.
+//! The allocator registry: a spec on the command line (a name, and settings
+//! changed from its defaults, see [`crate::spec`]) to a constructor.
 
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
-use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
-use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
-use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+use quilt_alloc::baselines::classic::ClassicAllocator;
+use quilt_alloc::baselines::expandable::ExpandableAllocator;
+use quilt_alloc::baselines::offset::OffsetAllocator;
+use quilt_alloc::quilt::QuiltAllocator;
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::Vmm;
 
+use crate::spec::{self, Spec, SpecError};
+
 /// The allocators every comparison runs by default, in report order.
-pub const ALLOCATOR_NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
+pub const ALLOCATOR_NAMES: [&str; 5] = spec::NAMES;
 
 /// Why an allocator could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
-    /// No allocator has this name.
-    #[error("unknown allocator `{name}` (known: {})", ALLOCATOR_NAMES.join(", "))]
-    Unknown {
-        /// The name asked for.
-        name: String,
+    /// The spec names no allocator, or a setting it does not have, or a bad value.
+    #[error("allocator `{spec}`: {source}")]
+    Spec {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong with it.
+        source: SpecError,
     },
     /// The constructor failed.
     #[error("building allocator `{name}`: {source}")]
@@ -31,41 +36,30 @@ pub enum RegistryError {
     },
 }
 
-/// Check that `name` is a known allocator, without building one.
-pub fn check_name(name: &str) -> Result<(), RegistryError> {
-    if ALLOCATOR_NAMES.contains(&name) {
-        Ok(())
-    } else {
-        Err(RegistryError::Unknown {
-            name: name.to_string(),
-        })
-    }
+/// Check that `spec` names a known allocator with valid settings, without
+/// building one.
+pub fn check_name(spec: &str) -> Result<(), RegistryError> {
+    parse(spec).map(|_| ())
 }
 
-/// Build the allocator called `name` over `vmm`, with its default configuration.
-pub fn build(name: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, RegistryError> {
+fn parse(text: &str) -> Result<Spec, RegistryError> {
+    spec::parse(text).map_err(|source| RegistryError::Spec {
+        spec: text.to_string(),
+        source,
+    })
+}
+
+/// Build the allocator that `spec` names (`NAME[:KEY=VALUE,...]`, see
+/// [`crate::spec`]) over `vmm`.
+pub fn build(spec: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, RegistryError> {
     let wrap = |source: AllocError| RegistryError::Construct {
-        name: name.to_string(),
+        name: spec.to_string(),
         source,
     };
-    match name {
-        "classic" => Ok(Box::new(
-            ClassicAllocator::new(vmm, ClassicConfig::default()).map_err(wrap)?,
-        )),
-        "expandable" => Ok(Box::new(
-            ExpandableAllocator::new(vmm, ExpandableConfig::default()).map_err(wrap)?,
-        )),
-        "quilt" => Ok(Box::new(
-            QuiltAllocator::new(vmm, QuiltConfig::default()).map_err(wrap)?,
-        )),
-        "gmlake" => Ok(Box::new(
-            QuiltAllocator::new(vmm, QuiltConfig::gmlake()).map_err(wrap)?,
-        )),
-        "offset" => Ok(Box::new(
-            OffsetAllocator::new(vmm, OffsetConfig::default()).map_err(wrap)?,
-        )),
-        _ => Err(RegistryError::Unknown {
-            name: name.to_string(),
-        }),
-    }
+    Ok(match parse(spec)? {
+        Spec::Classic(c) => Box::new(ClassicAllocator::new(vmm, c).map_err(wrap)?),
+        Spec::Expandable(c) => Box::new(ExpandableAllocator::new(vmm, c).map_err(wrap)?),
+        Spec::Quilt(_, c) => Box::new(QuiltAllocator::new(vmm, c).map_err(wrap)?),
+        Spec::Offset(c) => Box::new(OffsetAllocator::new(vmm, c).map_err(wrap)?),
+    })
 }

@@ -58,13 +58,15 @@ pub struct AbArgs {
     /// PyTorch memory snapshot pickles (repeatable, or several after one flag).
     #[arg(long = "snapshot", value_name = "FILE", num_args = 1..)]
     pub snapshots: Vec<PathBuf>,
-    /// Allocators to compare, comma-separated.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "quilt,classic,expandable,gmlake,offset"
-    )]
-    pub allocators: Vec<String>,
+    /// Allocators to compare, comma-separated [default: quilt,classic,expandable,gmlake,offset,
+    /// unless --allocator is given].
+    #[arg(long, value_delimiter = ',')]
+    pub allocators: Option<Vec<String>>,
+    /// An allocator with settings changed, `NAME[:KEY=VALUE[,KEY=VALUE...]]`
+    /// (repeatable; e.g. `quilt:reclaim=always`, `gmlake:frag_limit=32MiB`,
+    /// `quilt:page_size=20MiB`); reported as given. A bad key lists the valid ones.
+    #[arg(long = "allocator", value_name = "SPEC")]
+    pub allocator_specs: Vec<String>,
     /// Simulated device capacity of the main replay (80GiB, 512MiB, 1.5GiB, bytes).
     #[arg(long, default_value = "80GiB")]
     pub capacity: String,
@@ -311,6 +313,31 @@ pub fn preexisting_from_stats(trace_path: &Path) -> Result<Option<usize>, CliErr
     Ok(None)
 }
 
+/// The allocators of an A/B, in report order: `--allocators` (by default
+/// all five unless `--allocator` is given), then each `--allocator` spec;
+/// each checked.
+pub fn allocator_specs(args: &AbArgs) -> Result<Vec<String>, CliError> {
+    let mut specs: Vec<String> = match &args.allocators {
+        Some(list) => list.clone(),
+        None if args.allocator_specs.is_empty() => allocators::ALLOCATOR_NAMES
+            .iter()
+            .map(|n| n.to_string())
+            .collect(),
+        None => Vec::new(),
+    };
+    specs.extend(args.allocator_specs.iter().cloned());
+    if specs.is_empty() {
+        return Err(CliError::Usage("--allocators names none".into()));
+    }
+    for (i, a) in specs.iter().enumerate() {
+        allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
+        if specs[..i].contains(a) {
+            return Err(CliError::Usage(format!("allocator `{a}` is named twice")));
+        }
+    }
+    Ok(specs)
+}
+
 /// Run the A/B: every trace through every allocator, at the given capacity,
 /// plus the minimum-capacity bisection unless turned off. Pairs run on
 /// `--jobs` worker threads; the results come back in (trace, allocator) order.
@@ -324,12 +351,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
     if args.iterations == 0 {
         return Err(CliError::Usage("--iterations must be at least 1".into()));
     }
-    if args.allocators.is_empty() {
-        return Err(CliError::Usage("--allocators names none".into()));
-    }
-    for a in &args.allocators {
-        allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
-    }
+    let specs = allocator_specs(args)?;
     let sync_cost_ns = sync_cost_ns(args.sync_cost_us)?;
     let traces = collect_traces(args)?;
     let config = ReplayConfig {
@@ -341,7 +363,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
         sync_cost_ns,
     };
     let jobs: Vec<(usize, &str)> = (0..traces.len())
-        .flat_map(|t| args.allocators.iter().map(move |a| (t, a.as_str())))
+        .flat_map(|t| specs.iter().map(move |a| (t, a.as_str())))
         .collect();
     let workers = args
         .jobs

@@ -16,6 +16,7 @@ pub mod live;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
+pub mod spec;
 pub mod trace;
 pub mod units;
 pub mod workloads;

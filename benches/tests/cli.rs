@@ -223,7 +223,8 @@ fn repeated_names_are_made_unique() {
         workloads: vec!["train-varlen".into(), "train-varlen".into()],
         traces: vec![],
         snapshots: vec![],
-        allocators: vec!["classic".into()],
+        allocators: Some(vec!["classic".into()]),
+        allocator_specs: vec![],
         capacity: "80GiB".into(),
         iterations: 1,
         json: None,
@@ -343,4 +344,106 @@ fn gpu_lag_and_sync_cost_flags_reach_the_report() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn allocator_specs_are_experiments_reported_as_given() {
+    let dir = temp_dir("specs");
+    // A small churn of mixed sizes.
+    let mut t = String::new();
+    for i in 0..40u64 {
+        t += &format!("a {i} {} 0\n", (3 + i % 5) << 20);
+        if i >= 4 {
+            t += &format!("f {}\n", i - 4);
+        }
+    }
+    for i in 36..40 {
+        t += &format!("f {i}\n");
+    }
+    let trace = dir.join("churn.trace");
+    std::fs::write(&trace, t).unwrap();
+    let json = dir.join("specs.json");
+    let out = bin()
+        .args(["ab", "--trace"])
+        .arg(&trace)
+        .args([
+            "--allocator",
+            "quilt",
+            "--allocator",
+            "quilt:reclaim=always",
+            "--allocator",
+            "gmlake:frag_limit=4MiB,reuse_limit=2",
+            "--iterations",
+            "3",
+            "--no-bisect",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let names: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "quilt",
+            "quilt:reclaim=always",
+            "gmlake:frag_limit=4MiB,reuse_limit=2"
+        ],
+        "only the specs given, as given"
+    );
+    // A changed setting changes the result: GMLake's fragment limit on a
+    // serving workload.
+    let json = dir.join("gmlake.json");
+    let out = bin()
+        .args(["ab", "--workload", "llm-serving", "--no-bisect"])
+        .args([
+            "--allocator",
+            "gmlake:frag_limit=32MiB",
+            "--allocator",
+            "gmlake",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reserved: Vec<u64> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["peak_reserved_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(reserved.len(), 2);
+    assert_ne!(reserved[0], reserved[1], "frag_limit changed nothing");
+    // A bad key, a bad value, a dead knob: exit 2, naming what is valid.
+    for (spec, expect) in [
+        ("quilt:colour=blue", "valid keys: page_size, reclaim"),
+        ("quilt:reclaim=sometimes", "when_full, always"),
+        ("quilt:cached_permille=5", "reclaim=cached_above"),
+        ("classic:max_split_size=huge", "max_split_size=huge"),
+    ] {
+        let out = bin()
+            .args([
+                "ab",
+                "--workload",
+                "llm-serving",
+                "--no-bisect",
+                "--allocator",
+                spec,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{spec}: {}", text(&out));
+        assert!(text(&out).contains(expect), "{spec}: {}", text(&out));
+    }
 }

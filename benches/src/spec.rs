@@ -1,0 +1,466 @@
+//! Allocator specs on the command line: `NAME[:KEY=VALUE[,KEY=VALUE...]]`,
+//! an allocator of the registry with some of its settings changed, so that
+//! every knob is an experiment without writing Rust.
+//!
+//! ```text
+//! quilt                               Quilt's default policy
+//! quilt:reclaim=always                move cached pages before every growth
+//! quilt:reclaim=cached_above,cached_permille=20
+//! quilt:page_size=20MiB,candidates=1
+//! gmlake:frag_limit=32MiB,reuse_limit=4
+//! classic:max_split_size=256MiB,roundup_power2_divisions=4
+//! ```
+//!
+//! Sizes take the usual units (`parse_size`). An unknown name or key, a bad
+//! value, or a key that the chosen settings would ignore is a [`SpecError`]
+//! that says what is valid.
+
+use quilt_alloc::baselines::classic::ClassicConfig;
+use quilt_alloc::baselines::expandable::ExpandableConfig;
+use quilt_alloc::baselines::offset::OffsetConfig;
+use quilt_alloc::baselines::RoundupPower2Divisions;
+use quilt_alloc::quilt::{GrowthPolicy, PageSize, QuiltConfig, ReclaimPolicy};
+
+use crate::units::parse_size;
+
+/// The allocators a spec may name, in report order.
+pub const NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
+
+/// The keys of Quilt's policy (the `quilt` and `gmlake` presets).
+pub const QUILT_KEYS: [&str; 11] = [
+    "page_size",
+    "reclaim",
+    "cached_permille",
+    "idle_ops",
+    "candidates",
+    "shared_arena",
+    "small_arena",
+    "frag_limit",
+    "reuse_limit",
+    "growth_divisor",
+    "access_per_map",
+];
+
+/// The keys of PyTorch's caching allocator (`classic`, `expandable`).
+pub const CACHING_KEYS: [&str; 3] = [
+    "max_split_size",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+];
+
+/// The keys of the `offset` baseline.
+pub const OFFSET_KEYS: [&str; 1] = ["max_allocs"];
+
+/// The values of `reclaim`.
+pub const RECLAIM_VALUES: [&str; 4] = ["when_full", "always", "cached_above", "idle_for"];
+
+/// An allocator and its settings, as a spec named them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Spec {
+    /// Quilt's policy (the `quilt` and `gmlake` presets, changed or not);
+    /// the name is the preset's.
+    Quilt(&'static str, QuiltConfig),
+    /// PyTorch's caching allocator without expandable segments.
+    Classic(ClassicConfig),
+    /// PyTorch's caching allocator with expandable segments.
+    Expandable(ExpandableConfig),
+    /// The `offset-allocator` crate over one arena.
+    Offset(OffsetConfig),
+}
+
+/// A spec that cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// No allocator has this name.
+    #[error("unknown allocator `{name}` (known: {})", NAMES.join(", "))]
+    UnknownName {
+        /// The name given.
+        name: String,
+    },
+    /// The allocator has no such setting.
+    #[error("`{name}` has no setting `{key}` (valid keys: {})", valid.join(", "))]
+    UnknownKey {
+        /// The allocator.
+        name: String,
+        /// The key given.
+        key: String,
+        /// Its valid keys.
+        valid: Vec<&'static str>,
+    },
+    /// A value that does not parse or is out of range.
+    #[error("`{key}={value}`: {reason}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What a valid value is.
+        reason: String,
+    },
+    /// Not `KEY=VALUE`, or a key given twice.
+    #[error("`{part}`: {reason}")]
+    Malformed {
+        /// The part of the spec.
+        part: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Settings that contradict each other, or one the others make dead.
+    #[error("{0}")]
+    Conflict(String),
+}
+
+/// One `KEY=VALUE` of a spec.
+struct Setting<'a> {
+    key: &'a str,
+    value: &'a str,
+}
+
+impl Setting<'_> {
+    fn bad(&self, reason: impl Into<String>) -> SpecError {
+        SpecError::BadValue {
+            key: self.key.to_string(),
+            value: self.value.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn size(&self) -> Result<u64, SpecError> {
+        parse_size(self.value).map_err(|e| self.bad(e.to_string()))
+    }
+
+    fn count(&self) -> Result<u64, SpecError> {
+        self.value
+            .parse::<u64>()
+            .map_err(|_| self.bad("expected a whole number"))
+    }
+
+    fn flag(&self) -> Result<bool, SpecError> {
+        match self.value {
+            "true" | "on" | "1" => Ok(true),
+            "false" | "off" | "0" => Ok(false),
+            _ => Err(self.bad("expected true or false")),
+        }
+    }
+}
+
+/// Split `text` into its name and settings.
+fn split(text: &str) -> Result<(&str, Vec<Setting<'_>>), SpecError> {
+    let (name, rest) = match text.split_once(':') {
+        Some((n, r)) => (n.trim(), Some(r)),
+        None => (text.trim(), None),
+    };
+    let mut settings: Vec<Setting<'_>> = Vec::new();
+    for part in rest.into_iter().flat_map(|r| r.split(',')) {
+        let Some((key, value)) = part.split_once('=') else {
+            return Err(SpecError::Malformed {
+                part: part.to_string(),
+                reason: "expected KEY=VALUE",
+            });
+        };
+        let (key, value) = (key.trim(), value.trim());
+        if key.is_empty() || value.is_empty() {
+            return Err(SpecError::Malformed {
+                part: part.to_string(),
+                reason: "expected KEY=VALUE",
+            });
+        }
+        if settings.iter().any(|s| s.key == key) {
+            return Err(SpecError::Malformed {
+                part: part.to_string(),
+                reason: "key given twice",
+            });
+        }
+        settings.push(Setting { key, value });
+    }
+    Ok((name, settings))
+}
+
+fn unknown(name: &str, key: &str, valid: &[&'static str]) -> SpecError {
+    SpecError::UnknownKey {
+        name: name.to_string(),
+        key: key.to_string(),
+        valid: valid.to_vec(),
+    }
+}
+
+/// Parse a spec.
+pub fn parse(text: &str) -> Result<Spec, SpecError> {
+    let (name, settings) = split(text)?;
+    match name {
+        "quilt" => quilt(name, QuiltConfig::default(), &settings).map(|c| Spec::Quilt("quilt", c)),
+        "gmlake" => quilt(name, QuiltConfig::gmlake(), &settings).map(|c| Spec::Quilt("gmlake", c)),
+        "classic" => {
+            let mut c = ClassicConfig::default();
+            caching(
+                name,
+                &settings,
+                &mut c.max_split_size,
+                &mut c.roundup_power2_divisions,
+                &mut c.garbage_collection_threshold,
+            )?;
+            Ok(Spec::Classic(c))
+        }
+        "expandable" => {
+            let mut c = ExpandableConfig::default();
+            caching(
+                name,
+                &settings,
+                &mut c.max_split_size,
+                &mut c.roundup_power2_divisions,
+                &mut c.garbage_collection_threshold,
+            )?;
+            Ok(Spec::Expandable(c))
+        }
+        "offset" => {
+            let mut c = OffsetConfig::default();
+            for s in &settings {
+                match s.key {
+                    "max_allocs" => {
+                        let n = s.count()?;
+                        let n = u32::try_from(n)
+                            .ok()
+                            .filter(|&n| n > 0)
+                            .ok_or_else(|| s.bad("expected 1 to 4294967295"))?;
+                        c.max_allocs = Some(n);
+                    }
+                    k => return Err(unknown(name, k, &OFFSET_KEYS)),
+                }
+            }
+            Ok(Spec::Offset(c))
+        }
+        _ => Err(SpecError::UnknownName {
+            name: name.to_string(),
+        }),
+    }
+}
+
+/// The settings of PyTorch's caching allocator.
+fn caching(
+    name: &str,
+    settings: &[Setting<'_>],
+    max_split_size: &mut Option<u64>,
+    divisions: &mut RoundupPower2Divisions,
+    gc_threshold: &mut Option<f64>,
+) -> Result<(), SpecError> {
+    for s in settings {
+        match s.key {
+            "max_split_size" => *max_split_size = Some(s.size()?),
+            "roundup_power2_divisions" => {
+                let n = s.count()?;
+                if n != 0 && !n.is_power_of_two() {
+                    return Err(s.bad("expected 0 or a power of two"));
+                }
+                *divisions = RoundupPower2Divisions::uniform(n);
+            }
+            "garbage_collection_threshold" => {
+                let t: f64 = s
+                    .value
+                    .parse()
+                    .map_err(|_| s.bad("expected a number in (0, 1)"))?;
+                if !(t > 0.0 && t < 1.0) {
+                    return Err(s.bad("expected a number in (0, 1)"));
+                }
+                *gc_threshold = Some(t);
+            }
+            k => return Err(unknown(name, k, &CACHING_KEYS)),
+        }
+    }
+    Ok(())
+}
+
+/// Quilt's policy from `base` with `settings` applied.
+fn quilt(
+    name: &str,
+    base: QuiltConfig,
+    settings: &[Setting<'_>],
+) -> Result<QuiltConfig, SpecError> {
+    let mut c = base;
+    let mut reclaim: Option<&str> = None;
+    let mut permille: Option<u64> = None;
+    let mut idle: Option<u64> = None;
+    let mut reuse_given = false;
+    for s in settings {
+        match s.key {
+            "page_size" => {
+                let b = s.size()?;
+                if b == 0 {
+                    return Err(s.bad("expected a page size, a multiple of the granularity"));
+                }
+                c.pool.page_size = PageSize::Bytes(b);
+            }
+            "reclaim" => {
+                if !RECLAIM_VALUES.contains(&s.value) {
+                    return Err(s.bad(format!("expected one of {}", RECLAIM_VALUES.join(", "))));
+                }
+                reclaim = Some(s.value);
+            }
+            "cached_permille" => {
+                let n = s.count()?;
+                if n > 1000 {
+                    return Err(s.bad("expected 0 to 1000 (thousandths of the pool)"));
+                }
+                permille = Some(n);
+            }
+            "idle_ops" => idle = Some(s.count()?),
+            "candidates" => {
+                let n = s.count()?;
+                c.placement_candidates = usize::try_from(n)
+                    .ok()
+                    .filter(|&n| (1..=4096).contains(&n))
+                    .ok_or_else(|| s.bad("expected 1 to 4096"))?;
+            }
+            "shared_arena" => c.shared_arena = s.flag()?,
+            "small_arena" => c.separate_small_arena = s.flag()?,
+            "frag_limit" => c.stitch_threshold = s.size()?,
+            "reuse_limit" => {
+                c.reuse_limit = s.count()?;
+                reuse_given = true;
+            }
+            "growth_divisor" => {
+                let d = s.count()?;
+                c.pool.growth = if d == 0 {
+                    GrowthPolicy::exact()
+                } else {
+                    GrowthPolicy {
+                        ahead_divisor: d,
+                        ..GrowthPolicy::default()
+                    }
+                };
+            }
+            "access_per_map" => c.access_per_map = s.flag()?,
+            k => return Err(unknown(name, k, &QUILT_KEYS)),
+        }
+    }
+    match reclaim {
+        Some("when_full") => c.reclaim = ReclaimPolicy::WhenFull,
+        Some("always") => c.reclaim = ReclaimPolicy::Always,
+        Some("cached_above") => c.reclaim = ReclaimPolicy::CachedAbove(permille.unwrap_or(50)),
+        Some("idle_for") => c.reclaim = ReclaimPolicy::IdleFor(idle.unwrap_or(10_000)),
+        _ => {}
+    }
+    if permille.is_some() && !matches!(c.reclaim, ReclaimPolicy::CachedAbove(_)) {
+        return Err(SpecError::Conflict(
+            "cached_permille applies only with reclaim=cached_above".into(),
+        ));
+    }
+    if idle.is_some() && !matches!(c.reclaim, ReclaimPolicy::IdleFor(_)) {
+        return Err(SpecError::Conflict(
+            "idle_ops applies only with reclaim=idle_for".into(),
+        ));
+    }
+    if reuse_given && c.stitch_threshold == 0 {
+        return Err(SpecError::Conflict(
+            "reuse_limit applies only with a frag_limit above 0 (stitching below it is off)".into(),
+        ));
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+    use super::*;
+
+    fn quilt_of(text: &str) -> QuiltConfig {
+        match parse(text).unwrap() {
+            Spec::Quilt(_, c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bare_name_is_the_default_configuration() {
+        assert_eq!(
+            parse("quilt").unwrap(),
+            Spec::Quilt("quilt", QuiltConfig::default())
+        );
+        assert_eq!(
+            parse("gmlake").unwrap(),
+            Spec::Quilt("gmlake", QuiltConfig::gmlake())
+        );
+        assert_eq!(
+            parse("classic").unwrap(),
+            Spec::Classic(ClassicConfig::default())
+        );
+        assert_eq!(
+            parse("offset").unwrap(),
+            Spec::Offset(OffsetConfig::default())
+        );
+    }
+
+    #[test]
+    fn settings_change_the_configuration() {
+        let c = quilt_of("quilt:reclaim=cached_above,cached_permille=20,page_size=20MiB");
+        assert_eq!(c.reclaim, ReclaimPolicy::CachedAbove(20));
+        assert_eq!(c.pool.page_size, PageSize::Bytes(20 << 20));
+        assert_eq!(
+            quilt_of("quilt:reclaim=always").reclaim,
+            ReclaimPolicy::Always
+        );
+        assert_eq!(
+            quilt_of("quilt:reclaim=idle_for,idle_ops=500").reclaim,
+            ReclaimPolicy::IdleFor(500)
+        );
+        let g = quilt_of("gmlake:frag_limit=32MiB,reuse_limit=4");
+        assert_eq!((g.stitch_threshold, g.reuse_limit), (32 << 20, 4));
+        assert_eq!(
+            quilt_of("quilt:growth_divisor=0").pool.growth,
+            GrowthPolicy::exact()
+        );
+        match parse("classic:max_split_size=256MiB,roundup_power2_divisions=4").unwrap() {
+            Spec::Classic(c) => {
+                assert_eq!(c.max_split_size, Some(256 << 20));
+                assert_eq!(
+                    c.roundup_power2_divisions,
+                    RoundupPower2Divisions::uniform(4)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_valid() {
+        let e = parse("quilt:colour=blue").unwrap_err().to_string();
+        assert!(
+            e.contains("colour") && e.contains("reclaim") && e.contains("page_size"),
+            "{e}"
+        );
+        let e = parse("quilt:reclaim=sometimes").unwrap_err().to_string();
+        assert!(e.contains("when_full") && e.contains("always"), "{e}");
+        let e = parse("nope").unwrap_err().to_string();
+        assert!(e.contains("quilt") && e.contains("classic"), "{e}");
+        assert!(matches!(
+            parse("quilt:page_size=lots"),
+            Err(SpecError::BadValue { .. })
+        ));
+        assert!(matches!(
+            parse("quilt:reclaim"),
+            Err(SpecError::Malformed { .. })
+        ));
+        assert!(matches!(
+            parse("quilt:candidates=2,candidates=3"),
+            Err(SpecError::Malformed { .. })
+        ));
+        assert!(matches!(
+            parse("quilt:candidates=0"),
+            Err(SpecError::BadValue { .. })
+        ));
+        assert!(matches!(
+            parse("offset:reclaim=always"),
+            Err(SpecError::UnknownKey { .. })
+        ));
+    }
+
+    #[test]
+    fn dead_knobs_are_refused() {
+        for text in [
+            "quilt:cached_permille=20",
+            "quilt:reclaim=always,idle_ops=3",
+            "quilt:reuse_limit=4",
+        ] {
+            assert!(matches!(parse(text), Err(SpecError::Conflict(_))), "{text}");
+        }
+    }
+}
