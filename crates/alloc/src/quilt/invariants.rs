@@ -25,8 +25,9 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 ///    page backs two different blocks only when they share that very virtual
 ///    page (neighbours on a boundary page).
 /// 5. Hazards are disjoint, inside their arena, and never under a block.
-/// 6. Every cached page has exactly one valid entry in the reclaim queue, so
-///    reclaim can find every one of them.
+/// 6. Once the reclaim queue is kept (from the first reclaim on), every
+///    cached page has exactly one valid entry in it, so reclaim can find
+///    every one of them; before, it is empty.
 /// 7. Every statistic equals what it counts.
 /// 8. A retired page is touched by no block, backs no pool page of its own,
 ///    and has an entry in the retired queue; the retired count is right; a
@@ -167,7 +168,15 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
             }
         }
     }
-    // 6. the reclaim queue.
+    // 6. the reclaim queue (empty until the first reclaim builds it).
+    if !st.reclaim_queue_kept && !st.reclaim_queue.is_empty() {
+        return fail("the reclaim queue is not kept but holds entries".into());
+    }
+    let cached_slots = if st.reclaim_queue_kept {
+        cached_slots
+    } else {
+        Vec::new()
+    };
     let valid: HashSet<(usize, u64, u64)> = st
         .reclaim_queue
         .iter()

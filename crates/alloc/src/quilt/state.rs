@@ -3,7 +3,9 @@
 //!
 //! Everything here runs under the allocator's one lock.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use quilt_pool::{Page, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId, VmmError};
@@ -103,6 +105,11 @@ pub(crate) struct State {
     /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
     pub(crate) reclaim_queue: VecDeque<(usize, u64, u64)>,
+    /// Whether the reclaim queue is kept: from the first reclaim on (built
+    /// then from the page tables). Until then no operation pays for it.
+    pub(crate) reclaim_queue_kept: bool,
+    /// Scratch space of placement, kept to spare an allocation per request.
+    scratch: Vec<u64>,
     /// Retired virtual pages, in the order they were retired, as (arena,
     /// page, the pool page that was mapped there); an entry whose page is no
     /// longer retired is stale and skipped.
@@ -171,11 +178,18 @@ impl State {
         Ok(i)
     }
 
-    /// Refresh the statistics derived from the pool, the arenas and the streams.
+    /// Refresh the statistics derived from the pool, the arenas and the
+    /// streams: after anything that may have grown or trimmed the pool.
     pub(crate) fn sync_stats(&mut self, ctx: &Ctx<'_>) {
         let ps = ctx.pool.stats();
         set_stat(&mut self.stats.reserved_bytes, ps.held_bytes);
         set_stat(&mut self.stats.segment, ps.total_pages);
+        self.sync_arena_stats(ctx);
+    }
+
+    /// Refresh the statistics derived from the arenas and the streams (the
+    /// pool's change only where the pool grows or is trimmed).
+    fn sync_arena_stats(&mut self, ctx: &Ctx<'_>) {
         let touched: u64 = self.arenas.iter().map(|a| a.touched_pages).sum();
         let split = (touched * ctx.page).saturating_sub(self.stats.active_bytes.current);
         set_stat(&mut self.stats.inactive_split_bytes, split);
@@ -203,8 +217,13 @@ impl State {
     /// allocation): its pages lose the touch, nothing is remembered as freed.
     fn undo_occupy(&mut self, ai: usize, off: u64, len: u64) {
         let tick = self.tick;
+        let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
-        self.arenas[ai].untouch(off, len, None, tick, |p| queue.push_back((ai, p, tick)));
+        self.arenas[ai].untouch(off, len, None, tick, |p| {
+            if kept {
+                queue.push_back((ai, p, tick))
+            }
+        });
         self.arenas[ai].vacate(off);
     }
 
@@ -245,11 +264,12 @@ impl State {
         let (first, last) = self.arenas[ai].page_span(off, rounded);
         let need = self.arenas[ai].unmapped_in(first, last);
         if !need.is_empty() {
-            if let Err(e) = self.back_pages(ctx, ai, size, &need, si) {
+            let backed = self.back_pages(ctx, ai, size, &need, si);
+            if backed.is_err() {
                 self.undo_occupy(ai, off, rounded);
-                self.sync_stats(ctx);
-                return Err(e);
             }
+            self.sync_stats(ctx);
+            backed?;
         }
         let ptr = self.arenas[ai].base + off;
         self.blocks.insert(
@@ -268,7 +288,7 @@ impl State {
         self.stats.active_bytes.increase(rounded);
         self.stats.active.increase(1);
         self.stats.requested_bytes.increase(size);
-        self.sync_stats(ctx);
+        self.sync_arena_stats(ctx);
         Ok(Allocation { ptr, size: rounded })
     }
 
@@ -356,21 +376,40 @@ impl State {
             return a.fresh_tail(rounded);
         }
         let n = ctx.cfg.placement_candidates.max(1);
-        let gaps: Vec<u64> = self.arenas[ai].fitting_gaps(rounded, n).collect();
-        let mut candidates: Vec<u64> = gaps
-            .iter()
-            .filter_map(|&g| self.past_retired_in_use(ctx, ai, g, rounded))
-            .collect();
-        if candidates.is_empty() {
-            // Every fitting gap is blocked: a retired page will be
+        let mut candidates = std::mem::take(&mut self.scratch);
+        candidates.clear();
+        candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));
+        if self.arenas[ai].retired_pages > 0 {
+            let moved: Vec<u64> = candidates
+                .iter()
+                .filter_map(|&g| self.past_retired_in_use(ctx, ai, g, rounded))
+                .collect();
+            // If every fitting gap is blocked, a retired page will be
             // synchronised for (rare; only after reclaim moved pages).
-            candidates = gaps;
+            if !moved.is_empty() {
+                candidates = moved;
+            }
         }
+        let chosen = self.best_candidate(ctx, ai, rounded, t, &candidates);
+        self.scratch = candidates;
+        chosen
+    }
+
+    /// The best of `candidates` (starts of a block of `rounded` bytes on
+    /// stream `t` in arena `ai`), by [`PlaceScore`].
+    fn best_candidate(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        rounded: u64,
+        t: u32,
+        candidates: &[u64],
+    ) -> Option<u64> {
         if candidates.len() <= 1 {
             return candidates.first().copied();
         }
         let mut best: Option<(PlaceScore, u64)> = None;
-        for start in candidates {
+        for &start in candidates {
             let blocked = self.arenas[ai].retired_pages > 0
                 && self.last_retired_in_use(ctx, ai, start, rounded).is_some();
             let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
@@ -409,11 +448,11 @@ impl State {
     /// without covering a retired page still in use: the gap's start, or
     /// the first page boundary past such pages; `None` when it no longer fits.
     fn past_retired_in_use(&mut self, ctx: &Ctx<'_>, ai: usize, gap: u64, len: u64) -> Option<u64> {
+        if self.arenas[ai].retired_pages == 0 {
+            return Some(gap);
+        }
         let end = *self.arenas[ai].gaps.get(&gap)?;
         let mut start = gap;
-        if self.arenas[ai].retired_pages == 0 {
-            return Some(start);
-        }
         while let Some(p) = self.last_retired_in_use(ctx, ai, start, len) {
             start = (p + 1) * ctx.page;
             if start.checked_add(len).is_none_or(|e| e > end) {
@@ -426,7 +465,7 @@ impl State {
     /// True when the work of every stream in `mask` up to tick `k` is known
     /// complete (after at most one query per stream this operation).
     fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
-        self.streams.in_mask(mask).into_iter().all(|s| {
+        self.streams.in_mask(mask).all(|s| {
             self.streams.poll(ctx.vmm, s, tick);
             self.streams.is_done(s, k)
         })
@@ -634,6 +673,7 @@ impl State {
     /// Returns the pages gained.
     fn reclaim(&mut self, ctx: &Ctx<'_>, target: u64, mode: Reclaim) -> Result<u64, AllocError> {
         let tick = self.tick;
+        self.keep_reclaim_queue();
         let mut chosen: Vec<(usize, u64)> = Vec::new();
         while (chosen.len() as u64) < target {
             let Some(entry) = self.reclaim_queue.pop_front() else {
@@ -741,6 +781,25 @@ impl State {
         Ok(())
     }
 
+    /// Start keeping the reclaim queue, if it is not kept yet: every cached
+    /// page, oldest first (by the tick it became cached).
+    fn keep_reclaim_queue(&mut self) {
+        if self.reclaim_queue_kept {
+            return;
+        }
+        let mut cached: Vec<(u64, usize, u64)> = Vec::new();
+        for (ai, a) in self.arenas.iter().enumerate() {
+            for (p, slot) in a.pages.iter().enumerate() {
+                if slot.is_cached() {
+                    cached.push((slot.cached_at, ai, p as u64));
+                }
+            }
+        }
+        cached.sort_unstable();
+        self.reclaim_queue = cached.into_iter().map(|(t, ai, p)| (ai, p, t)).collect();
+        self.reclaim_queue_kept = true;
+    }
+
     /// Drop stale entries from the reclaim queue once they outnumber the
     /// valid ones (amortised O(1) per entry pushed).
     fn compact_reclaim_queue(&mut self) {
@@ -766,11 +825,14 @@ impl State {
         self.tick += 1;
         let tick = self.tick;
         let track = self.streams.len() > 1;
+        let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
         let a = &mut self.arenas[b.arena];
         let ai = b.arena;
         a.untouch(b.off, b.size, Some((b.streams, tick)), tick, |p| {
-            queue.push_back((ai, p, tick))
+            if kept {
+                queue.push_back((ai, p, tick))
+            }
         });
         if track {
             a.add_hazard(b.off, b.size, b.streams, tick);
@@ -784,7 +846,6 @@ impl State {
             self.arenas[ai].prune_hazards(|h| {
                 streams
                     .in_mask(h.streams)
-                    .into_iter()
                     .all(|s| streams.is_done(s, h.tick))
             });
         }
@@ -795,7 +856,7 @@ impl State {
         self.stats.requested_bytes.decrease(b.requested);
         self.remember_freed(ptr);
         self.compact_reclaim_queue();
-        self.sync_stats(ctx);
+        self.sync_arena_stats(ctx);
         Ok(())
     }
 

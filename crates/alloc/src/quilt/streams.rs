@@ -15,9 +15,27 @@
 //! wait is made at most once per pair of streams for any span of frees; the
 //! growth path polls at most `REFRESH_STREAMS` streams, round robin.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use quilt_vmm::{EventId, StreamId, Vmm, VmmError};
+
+/// The set bits of a mask, lowest first.
+struct BitIter(u64);
+
+impl Iterator for BitIter {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        if self.0 == 0 {
+            return None;
+        }
+        let i = self.0.trailing_zeros();
+        self.0 &= self.0 - 1;
+        Some(i)
+    }
+}
 
 /// Streams polled on each growth path, round robin.
 const REFRESH_STREAMS: usize = 4;
@@ -91,14 +109,15 @@ impl Streams {
         1 << i.min(63)
     }
 
-    /// The indices of the streams in `mask`.
-    pub(crate) fn in_mask(&self, mask: u64) -> Vec<u32> {
+    /// The indices of the streams in `mask` (borrowing nothing: the caller
+    /// may change the streams while it walks them).
+    pub(crate) fn in_mask(&self, mask: u64) -> impl Iterator<Item = u32> {
         let n = self.states.len() as u32;
-        let mut out: Vec<u32> = (0..n.min(63)).filter(|&i| mask & (1 << i) != 0).collect();
-        if mask & (1 << 63) != 0 {
-            out.extend(63..n);
-        }
-        out
+        let low = mask & !(1 << 63);
+        let shared = if mask & (1 << 63) != 0 { 63..n } else { 0..0 };
+        BitIter(low)
+            .take_while(move |&i| i < n.min(63))
+            .chain(shared)
     }
 
     /// True when stream `i`'s work up to tick `k` is known complete.
