@@ -19,7 +19,8 @@ use quilt_alloc::baselines::classic::ClassicConfig;
 use quilt_alloc::baselines::expandable::ExpandableConfig;
 use quilt_alloc::baselines::offset::OffsetConfig;
 use quilt_alloc::baselines::RoundupPower2Divisions;
-use quilt_alloc::quilt::{GrowthPolicy, PageSize, QuiltConfig, ReclaimPolicy};
+use quilt_alloc::quilt::conf::{self, ConfError};
+use quilt_alloc::quilt::QuiltConfig;
 
 use crate::units::parse_size;
 
@@ -27,19 +28,7 @@ use crate::units::parse_size;
 pub const NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
 
 /// The keys of Quilt's policy (the `quilt` and `gmlake` presets).
-pub const QUILT_KEYS: [&str; 11] = [
-    "page_size",
-    "reclaim",
-    "cached_permille",
-    "idle_ops",
-    "candidates",
-    "shared_arena",
-    "small_arena",
-    "frag_limit",
-    "reuse_limit",
-    "growth_divisor",
-    "access_per_map",
-];
+pub const QUILT_KEYS: [&str; 11] = conf::KEYS;
 
 /// The keys of PyTorch's caching allocator (`classic`, `expandable`).
 pub const CACHING_KEYS: [&str; 3] = [
@@ -50,9 +39,6 @@ pub const CACHING_KEYS: [&str; 3] = [
 
 /// The keys of the `offset` baseline.
 pub const OFFSET_KEYS: [&str; 1] = ["max_allocs"];
-
-/// The values of `reclaim`.
-pub const RECLAIM_VALUES: [&str; 4] = ["when_full", "always", "cached_above", "idle_for"];
 
 /// An allocator and its settings, as a spec named them.
 #[derive(Clone, Debug, PartialEq)]
@@ -133,14 +119,6 @@ impl Setting<'_> {
         self.value
             .parse::<u64>()
             .map_err(|_| self.bad("expected a whole number"))
-    }
-
-    fn flag(&self) -> Result<bool, SpecError> {
-        match self.value {
-            "true" | "on" | "1" => Ok(true),
-            "false" | "off" | "0" => Ok(false),
-            _ => Err(self.bad("expected true or false")),
-        }
     }
 }
 
@@ -269,98 +247,34 @@ fn caching(
     Ok(())
 }
 
-/// Quilt's policy from `base` with `settings` applied.
+/// Quilt's policy from `base` with `settings` applied (the vocabulary of
+/// [`quilt_alloc::quilt::conf`]).
 fn quilt(
     name: &str,
     base: QuiltConfig,
     settings: &[Setting<'_>],
 ) -> Result<QuiltConfig, SpecError> {
-    let mut c = base;
-    let mut reclaim: Option<&str> = None;
-    let mut permille: Option<u64> = None;
-    let mut idle: Option<u64> = None;
-    let mut reuse_given = false;
-    for s in settings {
-        match s.key {
-            "page_size" => {
-                let b = s.size()?;
-                if b == 0 {
-                    return Err(s.bad("expected a page size, a multiple of the granularity"));
-                }
-                c.pool.page_size = PageSize::Bytes(b);
-            }
-            "reclaim" => {
-                if !RECLAIM_VALUES.contains(&s.value) {
-                    return Err(s.bad(format!("expected one of {}", RECLAIM_VALUES.join(", "))));
-                }
-                reclaim = Some(s.value);
-            }
-            "cached_permille" => {
-                let n = s.count()?;
-                if n > 1000 {
-                    return Err(s.bad("expected 0 to 1000 (thousandths of the pool)"));
-                }
-                permille = Some(n);
-            }
-            "idle_ops" => idle = Some(s.count()?),
-            "candidates" => {
-                let n = s.count()?;
-                c.placement_candidates = usize::try_from(n)
-                    .ok()
-                    .filter(|&n| (1..=4096).contains(&n))
-                    .ok_or_else(|| s.bad("expected 1 to 4096"))?;
-            }
-            "shared_arena" => c.shared_arena = s.flag()?,
-            "small_arena" => c.separate_small_arena = s.flag()?,
-            "frag_limit" => c.stitch_threshold = s.size()?,
-            "reuse_limit" => {
-                c.reuse_limit = s.count()?;
-                reuse_given = true;
-            }
-            "growth_divisor" => {
-                let d = s.count()?;
-                c.pool.growth = if d == 0 {
-                    GrowthPolicy::exact()
-                } else {
-                    GrowthPolicy {
-                        ahead_divisor: d,
-                        ..GrowthPolicy::default()
-                    }
-                };
-            }
-            "access_per_map" => c.access_per_map = s.flag()?,
-            k => return Err(unknown(name, k, &QUILT_KEYS)),
-        }
-    }
-    match reclaim {
-        Some("when_full") => c.reclaim = ReclaimPolicy::WhenFull,
-        Some("always") => c.reclaim = ReclaimPolicy::Always,
-        Some("cached_above") => c.reclaim = ReclaimPolicy::CachedAbove(permille.unwrap_or(50)),
-        Some("idle_for") => c.reclaim = ReclaimPolicy::IdleFor(idle.unwrap_or(10_000)),
-        _ => {}
-    }
-    if permille.is_some() && !matches!(c.reclaim, ReclaimPolicy::CachedAbove(_)) {
-        return Err(SpecError::Conflict(
-            "cached_permille applies only with reclaim=cached_above".into(),
-        ));
-    }
-    if idle.is_some() && !matches!(c.reclaim, ReclaimPolicy::IdleFor(_)) {
-        return Err(SpecError::Conflict(
-            "idle_ops applies only with reclaim=idle_for".into(),
-        ));
-    }
-    if reuse_given && c.stitch_threshold == 0 {
-        return Err(SpecError::Conflict(
-            "reuse_limit applies only with a frag_limit above 0 (stitching below it is off)".into(),
-        ));
-    }
-    Ok(c)
+    let pairs: Vec<(&str, &str)> = settings.iter().map(|s| (s.key, s.value)).collect();
+    conf::apply(base, &pairs).map_err(|e| match e {
+        ConfError::UnknownKey { key, valid } => SpecError::UnknownKey {
+            name: name.to_string(),
+            key,
+            valid,
+        },
+        ConfError::BadValue { key, value, reason } => SpecError::BadValue { key, value, reason },
+        ConfError::Repeated(key) => SpecError::Malformed {
+            part: key,
+            reason: "key given twice",
+        },
+        ConfError::Conflict(m) => SpecError::Conflict(m),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
+    use quilt_alloc::quilt::{GrowthPolicy, PageSize, ReclaimPolicy};
 
     fn quilt_of(text: &str) -> QuiltConfig {
         match parse(text).unwrap() {

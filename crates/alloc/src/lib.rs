@@ -9,6 +9,7 @@ pub mod error;
 pub mod quilt;
 pub mod snapshot;
 pub mod stats;
+pub mod units;
 
 pub use api::{Allocation, DeviceAllocator, MAX_ALLOCATION, MIN_BLOCK_SIZE, SMALL_SIZE};
 pub use error::{AllocError, InvariantViolation, OomReport, OomVerdict};

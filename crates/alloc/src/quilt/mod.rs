@@ -28,6 +28,7 @@
 //! `docs/benchmarks.md` for the figures.
 
 mod arena;
+pub mod conf;
 mod config;
 mod invariants;
 mod snapshot;

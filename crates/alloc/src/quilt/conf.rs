@@ -1,0 +1,261 @@
+//! Quilt's policy from text: `KEY` / `VALUE` settings applied to a
+//! [`QuiltConfig`], one vocabulary for every front end (`quilt-bench`'s
+//! `--allocator quilt:KEY=VALUE,...`, and `QUILT_ALLOC_CONF`'s `KEY:VALUE,...`
+//! in the PyTorch library).
+//!
+//! | key | value | sets |
+//! |---|---|---|
+//! | `page_size` | a size (`20MiB`), a multiple of the granularity | [`PoolConfig::page_size`](quilt_pool::PoolConfig) |
+//! | `reclaim` | `when_full`, `always`, `cached_above`, `idle_for` | [`QuiltConfig::reclaim`] |
+//! | `cached_permille` | 0 to 1000, with `reclaim=cached_above` (default 50) | its bound |
+//! | `idle_ops` | operations, with `reclaim=idle_for` (default 10000) | its age |
+//! | `candidates` | 1 to 4096 | [`QuiltConfig::placement_candidates`] |
+//! | `shared_arena` | `true` / `false` | [`QuiltConfig::shared_arena`] |
+//! | `small_arena` | `true` / `false` | [`QuiltConfig::separate_small_arena`] |
+//! | `frag_limit` | a size; 0 stitches every request | [`QuiltConfig::stitch_threshold`] |
+//! | `reuse_limit` | a whole number, with a `frag_limit` | [`QuiltConfig::reuse_limit`] |
+//! | `growth_divisor` | pages held per page of margin; 0: exactly what is needed | [`GrowthPolicy`] |
+//! | `access_per_map` | `true` / `false` | [`QuiltConfig::access_per_map`] |
+//!
+//! A key the other settings would ignore (`cached_permille` without
+//! `reclaim=cached_above`, ...) is refused rather than silently dead.
+
+use quilt_pool::{GrowthPolicy, PageSize};
+
+use super::config::{QuiltConfig, ReclaimPolicy};
+use crate::units::parse_size;
+
+/// Every key [`apply`] knows, in the table's order.
+pub const KEYS: [&str; 11] = [
+    "page_size",
+    "reclaim",
+    "cached_permille",
+    "idle_ops",
+    "candidates",
+    "shared_arena",
+    "small_arena",
+    "frag_limit",
+    "reuse_limit",
+    "growth_divisor",
+    "access_per_map",
+];
+
+/// The values of `reclaim`.
+pub const RECLAIM_VALUES: [&str; 4] = ["when_full", "always", "cached_above", "idle_for"];
+
+/// A setting that cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfError {
+    /// No such key.
+    #[error("no setting `{key}` (valid keys: {})", valid.join(", "))]
+    UnknownKey {
+        /// The key given.
+        key: String,
+        /// The valid keys.
+        valid: Vec<&'static str>,
+    },
+    /// A value that does not parse or is out of range.
+    #[error("`{key}` = `{value}`: {reason}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What a valid value is.
+        reason: String,
+    },
+    /// A key given twice.
+    #[error("`{0}` is given twice")]
+    Repeated(String),
+    /// A setting the others make dead, or that contradicts them.
+    #[error("{0}")]
+    Conflict(String),
+}
+
+fn bad(key: &str, value: &str, reason: impl Into<String>) -> ConfError {
+    ConfError::BadValue {
+        key: key.to_string(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn size(key: &str, value: &str) -> Result<u64, ConfError> {
+    parse_size(value).map_err(|e| bad(key, value, e.to_string()))
+}
+
+fn count(key: &str, value: &str) -> Result<u64, ConfError> {
+    value
+        .parse::<u64>()
+        .map_err(|_| bad(key, value, "expected a whole number"))
+}
+
+fn flag(key: &str, value: &str) -> Result<bool, ConfError> {
+    match value {
+        "true" | "on" | "1" => Ok(true),
+        "false" | "off" | "0" => Ok(false),
+        _ => Err(bad(key, value, "expected true or false")),
+    }
+}
+
+/// True when `key` is one of Quilt's policy keys.
+pub fn is_key(key: &str) -> bool {
+    KEYS.contains(&key)
+}
+
+/// `base` with `settings` (key, value) applied, checked; `base` itself is
+/// never changed.
+///
+/// ```
+/// use quilt_alloc::quilt::{conf, QuiltConfig, ReclaimPolicy};
+///
+/// let c = conf::apply(QuiltConfig::default(), &[("reclaim", "cached_above"), ("cached_permille", "20")])?;
+/// assert_eq!(c.reclaim, ReclaimPolicy::CachedAbove(20));
+/// assert!(conf::apply(QuiltConfig::default(), &[("colour", "blue")]).is_err());
+/// # Ok::<(), quilt_alloc::quilt::conf::ConfError>(())
+/// ```
+pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig, ConfError> {
+    let mut c = base;
+    let mut reclaim: Option<&str> = None;
+    let mut permille: Option<u64> = None;
+    let mut idle: Option<u64> = None;
+    let mut reuse_given = false;
+    for (i, &(key, value)) in settings.iter().enumerate() {
+        if settings[..i].iter().any(|&(k, _)| k == key) {
+            return Err(ConfError::Repeated(key.to_string()));
+        }
+        match key {
+            "page_size" => {
+                let b = size(key, value)?;
+                if b == 0 {
+                    return Err(bad(key, value, "expected a multiple of the granularity"));
+                }
+                c.pool.page_size = PageSize::Bytes(b);
+            }
+            "reclaim" => {
+                if !RECLAIM_VALUES.contains(&value) {
+                    return Err(bad(
+                        key,
+                        value,
+                        format!("expected one of {}", RECLAIM_VALUES.join(", ")),
+                    ));
+                }
+                reclaim = Some(value);
+            }
+            "cached_permille" => {
+                let n = count(key, value)?;
+                if n > 1000 {
+                    return Err(bad(
+                        key,
+                        value,
+                        "expected 0 to 1000 (thousandths of the pool)",
+                    ));
+                }
+                permille = Some(n);
+            }
+            "idle_ops" => idle = Some(count(key, value)?),
+            "candidates" => {
+                let n = count(key, value)?;
+                c.placement_candidates = usize::try_from(n)
+                    .ok()
+                    .filter(|n| (1..=4096).contains(n))
+                    .ok_or_else(|| bad(key, value, "expected 1 to 4096"))?;
+            }
+            "shared_arena" => c.shared_arena = flag(key, value)?,
+            "small_arena" => c.separate_small_arena = flag(key, value)?,
+            "frag_limit" => c.stitch_threshold = size(key, value)?,
+            "reuse_limit" => {
+                c.reuse_limit = count(key, value)?;
+                reuse_given = true;
+            }
+            "growth_divisor" => {
+                let d = count(key, value)?;
+                c.pool.growth = if d == 0 {
+                    GrowthPolicy::exact()
+                } else {
+                    GrowthPolicy {
+                        ahead_divisor: d,
+                        ..GrowthPolicy::default()
+                    }
+                };
+            }
+            "access_per_map" => c.access_per_map = flag(key, value)?,
+            _ => {
+                return Err(ConfError::UnknownKey {
+                    key: key.to_string(),
+                    valid: KEYS.to_vec(),
+                })
+            }
+        }
+    }
+    match reclaim {
+        Some("when_full") => c.reclaim = ReclaimPolicy::WhenFull,
+        Some("always") => c.reclaim = ReclaimPolicy::Always,
+        Some("cached_above") => c.reclaim = ReclaimPolicy::CachedAbove(permille.unwrap_or(50)),
+        Some("idle_for") => c.reclaim = ReclaimPolicy::IdleFor(idle.unwrap_or(10_000)),
+        _ => {}
+    }
+    if permille.is_some() && !matches!(c.reclaim, ReclaimPolicy::CachedAbove(_)) {
+        return Err(ConfError::Conflict(
+            "cached_permille applies only with reclaim=cached_above".into(),
+        ));
+    }
+    if idle.is_some() && !matches!(c.reclaim, ReclaimPolicy::IdleFor(_)) {
+        return Err(ConfError::Conflict(
+            "idle_ops applies only with reclaim=idle_for".into(),
+        ));
+    }
+    if reuse_given && c.stitch_threshold == 0 {
+        return Err(ConfError::Conflict(
+            "reuse_limit applies only with a frag_limit above 0 (stitching below it is off)".into(),
+        ));
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+    use super::*;
+
+    #[test]
+    fn settings_apply_and_bad_ones_say_what_is_valid() {
+        let c = apply(
+            QuiltConfig::default(),
+            &[
+                ("page_size", "20MiB"),
+                ("reclaim", "always"),
+                ("candidates", "3"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.pool.page_size, PageSize::Bytes(20 << 20));
+        assert_eq!(c.reclaim, ReclaimPolicy::Always);
+        assert_eq!(c.placement_candidates, 3);
+        let e = apply(QuiltConfig::default(), &[("colour", "blue")]).unwrap_err();
+        assert!(e.to_string().contains("page_size, reclaim"), "{e}");
+        let e = apply(QuiltConfig::default(), &[("reclaim", "often")]).unwrap_err();
+        assert!(e.to_string().contains("when_full, always"), "{e}");
+        for dead in [
+            &[("cached_permille", "5")][..],
+            &[("reclaim", "always"), ("idle_ops", "5")],
+            &[("reuse_limit", "2")],
+        ] {
+            assert!(matches!(
+                apply(QuiltConfig::default(), dead),
+                Err(ConfError::Conflict(_))
+            ));
+        }
+        assert!(matches!(
+            apply(
+                QuiltConfig::default(),
+                &[("candidates", "2"), ("candidates", "3")]
+            ),
+            Err(ConfError::Repeated(_))
+        ));
+        assert!(matches!(
+            apply(QuiltConfig::default(), &[("candidates", "0")]),
+            Err(ConfError::BadValue { .. })
+        ));
+    }
+}
