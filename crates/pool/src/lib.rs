@@ -31,6 +31,7 @@
 
 mod config;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bitvec::prelude::*;
@@ -69,6 +70,14 @@ pub enum PoolError {
         requested: u64,
         /// Pages the limit still allows.
         allowed: u64,
+    },
+    /// A new limit below what the pool already holds.
+    #[error("a limit of {limit} pages is below the {held} pages held now")]
+    LimitBelowHeld {
+        /// The limit asked for, in pages.
+        limit: u64,
+        /// Pages held.
+        held: u64,
     },
     /// A page handed back that the pool did not hand out (or named twice).
     #[error("invalid page {0:?}: not handed out by this pool")]
@@ -171,7 +180,11 @@ impl std::fmt::Debug for PoolState {
 pub struct PagePool {
     vmm: Arc<dyn Vmm>,
     page_size: u64,
-    limit_pages: u64,
+    /// The memory limit in pages; changed only under the state lock, so a
+    /// growth checks and commits against one value.
+    limit_pages: AtomicU64,
+    /// The device's total memory, as `cuMemGetInfo` said at construction.
+    device_total: u64,
     config: PoolConfig,
     state: Mutex<PoolState>,
 }
@@ -194,7 +207,8 @@ impl PagePool {
         Ok(PagePool {
             vmm,
             page_size,
-            limit_pages,
+            limit_pages: AtomicU64::new(limit_pages),
+            device_total: total,
             config,
             state: Mutex::new(PoolState {
                 slots: Vec::new(),
@@ -220,7 +234,24 @@ impl PagePool {
 
     /// The most pages the pool may hold (its memory limit, in pages).
     pub fn limit_pages(&self) -> u64 {
-        self.limit_pages
+        self.limit_pages.load(Ordering::Relaxed)
+    }
+
+    /// Change the memory limit (resolved against the device total the pool
+    /// saw at construction). A limit below what the pool holds now is
+    /// refused ([`PoolError::LimitBelowHeld`], nothing changes): release
+    /// pages first (`trim`). Returns the new limit in pages.
+    pub fn set_limit(&self, limit: MemoryLimit) -> Result<u64, PoolError> {
+        let s = self.lock()?;
+        let pages = limit.resolve(self.device_total) / self.page_size;
+        if pages < s.total_pages {
+            return Err(PoolError::LimitBelowHeld {
+                limit: pages,
+                held: s.total_pages,
+            });
+        }
+        self.limit_pages.store(pages, Ordering::Relaxed);
+        Ok(pages)
     }
 
     /// The configuration.
@@ -257,7 +288,7 @@ impl PagePool {
     /// what the device reports free (one `cuMemGetInfo`).
     pub fn growable_pages(&self) -> Result<u64, PoolError> {
         let held = self.total_pages();
-        let by_limit = self.limit_pages.saturating_sub(held);
+        let by_limit = self.limit_pages().saturating_sub(held);
         let device_free = self.vmm.mem_info()?.free / self.page_size;
         Ok(by_limit.min(device_free))
     }
@@ -313,7 +344,7 @@ impl PagePool {
             return Ok(0);
         }
         let mut s = self.lock()?;
-        let by_limit = self.limit_pages.saturating_sub(s.total_pages);
+        let by_limit = self.limit_pages().saturating_sub(s.total_pages);
         if needed > by_limit {
             return Err(PoolError::LimitReached {
                 requested: needed,
@@ -440,10 +471,11 @@ impl PagePool {
         if s.vacant.len() as u64 + held != s.slots.len() as u64 {
             return Err("vacant ids out of date".to_string());
         }
-        if s.total_pages > self.limit_pages {
+        if s.total_pages > self.limit_pages() {
             return Err(format!(
                 "pool holds {} pages over its limit {}",
-                s.total_pages, self.limit_pages
+                s.total_pages,
+                self.limit_pages()
             ));
         }
         if s.created - s.released != s.total_pages {

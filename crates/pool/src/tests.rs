@@ -220,3 +220,21 @@ mod prop {
         }
     }
 }
+
+#[test]
+fn the_limit_can_change_but_not_below_what_is_held() {
+    let sim = Arc::new(SimVmm::with_capacity(64 << 20).unwrap());
+    let pool = PagePool::new(sim, PoolConfig::default()).unwrap();
+    assert_eq!(pool.limit_pages(), 32);
+    pool.grow(4).unwrap();
+    let held = pool.total_pages();
+    assert_eq!(pool.set_limit(MemoryLimit::Fraction(0.5)).unwrap(), 16);
+    assert!(matches!(pool.grow(16), Err(PoolError::LimitReached { .. })));
+    assert!(matches!(
+        pool.set_limit(MemoryLimit::Bytes(2 << 20)),
+        Err(PoolError::LimitBelowHeld { .. })
+    ));
+    assert_eq!(pool.limit_pages(), 16, "a refused limit changes nothing");
+    assert_eq!(pool.total_pages(), held);
+    pool.check_invariants().unwrap();
+}

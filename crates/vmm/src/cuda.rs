@@ -229,6 +229,10 @@ impl Drop for PrimaryContext {
 struct SyncBook {
     /// Raw `CUstream` addresses made by `create_stream`.
     streams: BTreeSet<u64>,
+    /// Raw `CUstream` handles made elsewhere (PyTorch's streams, the legacy
+    /// and per-thread default streams) and adopted by `adopt_stream`: usable
+    /// in every stream call, never destroyed here.
+    adopted: BTreeSet<u64>,
     /// Live events, each with its raw `CUevent` address.
     events: EventBook<usize>,
     /// Raw `CUevent` addresses ready to be recorded again.
@@ -237,7 +241,10 @@ struct SyncBook {
 
 impl SyncBook {
     fn stream(&self, call: CallKind, stream: StreamId) -> Result<sys::CUstream> {
-        if stream == StreamId::DEFAULT || self.streams.contains(&stream.0) {
+        if stream == StreamId::DEFAULT
+            || self.streams.contains(&stream.0)
+            || self.adopted.contains(&stream.0)
+        {
             Ok(stream.0 as usize as sys::CUstream)
         } else {
             Err(VmmError::InvalidArgument {
@@ -502,6 +509,19 @@ impl CudaVmm {
             "driver call"
         );
         result
+    }
+
+    /// Accept a `CUstream` this backend did not create (a caller's stream,
+    /// `CU_STREAM_LEGACY` = 1, `CU_STREAM_PER_THREAD` = 2) in every stream
+    /// call from now on, as the `StreamId` of the same value. The caller
+    /// keeps it alive while work of this backend may use it, and destroys it;
+    /// [`CudaVmm::destroy_stream`] refuses it. No driver call.
+    pub fn adopt_stream(&self, raw: u64) -> StreamId {
+        let mut book = lock(&self.sync);
+        if raw != 0 && !book.streams.contains(&raw) {
+            book.adopted.insert(raw);
+        }
+        StreamId(raw)
     }
 
     /// `cuStreamDestroy`: destroys a stream made by [`CudaVmm::create_stream`]

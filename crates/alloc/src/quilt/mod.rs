@@ -116,6 +116,22 @@ impl QuiltAllocator {
             .unwrap_or(0)
     }
 
+    /// The memory as the GPU sees it: one segment per maximal run of mapped
+    /// pages, tiled exactly by live blocks (`Active`) and free pieces
+    /// (`Inactive`); the segments add up to the mapped bytes, which with the
+    /// pool's free pages make the reserved bytes. (The trait's
+    /// [`DeviceAllocator::snapshot`] shows one segment per arena instead, with
+    /// its unmapped gaps.)
+    pub fn mapped_segments(&self) -> MemorySnapshot {
+        match self.lock() {
+            Ok(st) => snapshot::mapped_segments(&st, self.name, self.page),
+            Err(_) => MemorySnapshot {
+                allocator: self.name.to_string(),
+                segments: Vec::new(),
+            },
+        }
+    }
+
     /// Pages touched by at least one live block, over all arenas, in bytes:
     /// the physical memory blocks hold.
     pub fn touched_bytes(&self) -> u64 {

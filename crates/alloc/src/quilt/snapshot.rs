@@ -62,3 +62,69 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
         segments,
     }
 }
+
+/// Segments as the GPU sees them: one per maximal run of mapped pages in an
+/// arena (a virtual range backed end to end), each tiled exactly by its
+/// blocks: live blocks (`Active`) and the free pieces between them
+/// (`Inactive`). Unmapped virtual space is left out, so the segments' sizes
+/// add up to the mapped pages; pool pages held but mapped nowhere are not a
+/// segment (the pool's free pages).
+pub(crate) fn mapped_segments(st: &State, name: &str, page: u64) -> MemorySnapshot {
+    let mut segments = Vec::new();
+    for (ai, a) in st.arenas.iter().enumerate() {
+        let (stream, _) = st.arena_meta[ai];
+        let mut p = 0usize;
+        while p < a.pages.len() {
+            if a.pages[p].phys.is_none() {
+                p += 1;
+                continue;
+            }
+            let first = p;
+            while p < a.pages.len() && a.pages[p].phys.is_some() {
+                p += 1;
+            }
+            let (rs, re) = (first as u64 * page, p as u64 * page);
+            let mut blocks: Vec<BlockInfo> = Vec::new();
+            for (&s, &e) in a.occupied.range(rs..re) {
+                let b = st.blocks.get(&(a.base + s));
+                blocks.push(BlockInfo {
+                    address: a.base + s,
+                    size: e.min(re) - s,
+                    requested: b.map(|b| b.requested).unwrap_or(0),
+                    state: BlockState::Active,
+                });
+            }
+            let from = a
+                .gaps
+                .range(..=rs)
+                .next_back()
+                .map(|(&s, _)| s)
+                .unwrap_or(rs);
+            for (&s, &e) in a.gaps.range(from..re) {
+                let (s, e) = (s.max(rs), e.min(re));
+                if e > s {
+                    blocks.push(BlockInfo {
+                        address: a.base + s,
+                        size: e - s,
+                        requested: 0,
+                        state: BlockState::Inactive,
+                    });
+                }
+            }
+            blocks.sort_by_key(|b| b.address);
+            segments.push(SegmentInfo {
+                address: a.base + rs,
+                total_size: re - rs,
+                mapped_size: re - rs,
+                stream: stream.unwrap_or_default(),
+                kind: "mapped",
+                blocks,
+            });
+        }
+    }
+    segments.sort_by_key(|s| s.address);
+    MemorySnapshot {
+        allocator: name.to_string(),
+        segments,
+    }
+}

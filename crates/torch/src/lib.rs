@@ -1,0 +1,38 @@
+//! # quilt-torch: Quilt behind PyTorch's pluggable-allocator interface
+//!
+//! `cargo build --release -p quilt-torch` makes `libquilt_torch.so`, whose C
+//! functions are what `torch.cuda.memory.CUDAPluggableAllocator` loads:
+//!
+//! ```c
+//! void*  quilt_malloc(size_t size, int device, void* stream);
+//! void   quilt_free(void* ptr, size_t size, int device, void* stream);
+//! void   quilt_empty_cache(void);
+//! void   quilt_record_stream(void* ptr, void* stream);
+//! void   quilt_set_memory_fraction(double fraction, int device);
+//! size_t quilt_stats_json(int device, char* buf, size_t len);
+//! size_t quilt_last_error(char* buf, size_t len);
+//! int    quilt_record_history(int enabled, size_t max_entries);
+//! int    quilt_dump_snapshot(const char* path);
+//! ```
+//!
+//! One Quilt allocator per device, created on first use, configured by
+//! `QUILT_ALLOC_CONF` ([`conf`]). Streams the library did not create are
+//! accepted as they are (on CUDA they are adopted, the legacy `0x1` and
+//! per-thread `0x2` default streams included). Every function may be called
+//! from any thread; no panic crosses the boundary; a failure (out of memory
+//! with its report and verdict, a null, unknown or double-freed pointer, a bad
+//! configuration) is kept for the calling thread's `quilt_last_error`, never
+//! a crash. The two text functions follow `snprintf`: they return the length
+//! needed (without the terminating NUL) and never write past `len`.
+//!
+//! `unsafe` lives in [`ffi`] only (the C boundary): the exported symbols,
+//! reading the caller's C string and writing into the caller's buffers.
+#![deny(unsafe_code)]
+
+pub mod conf;
+pub mod ffi;
+pub mod history;
+pub mod library;
+pub mod snapshot;
+
+pub use ffi::last_error;

@@ -1,0 +1,305 @@
+//! The library's state behind the C functions, in safe Rust: the
+//! configuration (read once), one Quilt allocator per device (created on
+//! first use), memory fractions, the history. Every function returns a
+//! `Result` whose error is the message `quilt_last_error` gives back.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator};
+use quilt_alloc::{AllocError, DeviceAllocator};
+use quilt_vmm::cuda::CudaVmm;
+use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm};
+
+use crate::conf::{self, Backend, LibraryConf};
+use crate::history::History;
+use crate::snapshot::{self, DeviceMemory};
+
+/// One device: its driver backend and its allocator.
+pub struct Device {
+    index: i32,
+    /// The CUDA backend, to adopt the caller's streams (`None` on host and sim).
+    cuda: Option<Arc<CudaVmm>>,
+    alloc: QuiltAllocator,
+}
+
+impl Device {
+    /// The caller's stream as a `StreamId` of this device's backend.
+    fn stream(&self, raw: u64) -> StreamId {
+        match &self.cuda {
+            Some(c) => c.adopt_stream(raw),
+            None => StreamId(raw),
+        }
+    }
+}
+
+/// The library: see the module documentation.
+pub struct Library {
+    conf: Result<LibraryConf, String>,
+    devices: Mutex<BTreeMap<i32, Arc<Device>>>,
+    /// Memory fractions set for devices not created yet.
+    fractions: Mutex<BTreeMap<i32, f64>>,
+    history: History,
+}
+
+static LIBRARY: OnceLock<Library> = OnceLock::new();
+
+/// The library of this process, configured from `QUILT_ALLOC_CONF` at the
+/// first call.
+pub fn library() -> &'static Library {
+    LIBRARY.get_or_init(|| Library::new(&std::env::var("QUILT_ALLOC_CONF").unwrap_or_default()))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Library {
+    /// A library configured by `conf_text` (`QUILT_ALLOC_CONF`'s grammar).
+    pub fn new(conf_text: &str) -> Library {
+        Library {
+            conf: conf::parse(conf_text),
+            devices: Mutex::new(BTreeMap::new()),
+            fractions: Mutex::new(BTreeMap::new()),
+            history: History::default(),
+        }
+    }
+
+    fn conf(&self) -> Result<&LibraryConf, String> {
+        self.conf
+            .as_ref()
+            .map_err(|e| format!("{e}; Quilt refuses to allocate until it is fixed"))
+    }
+
+    /// The device `index`, created on first use.
+    fn device(&self, index: i32) -> Result<Arc<Device>, String> {
+        let conf = self.conf()?;
+        if index < 0 {
+            return Err(format!("device {index} is not a device index"));
+        }
+        let mut devices = lock(&self.devices);
+        if let Some(d) = devices.get(&index) {
+            return Ok(d.clone());
+        }
+        let (vmm, cuda): (Arc<dyn Vmm>, Option<Arc<CudaVmm>>) =
+            match conf.backend {
+                Backend::Cuda => {
+                    let c = Arc::new(CudaVmm::new(index as usize).map_err(|e| {
+                        format!("device {index}: the CUDA backend is unavailable: {e}")
+                    })?);
+                    (c.clone(), Some(c))
+                }
+                Backend::Host => (
+                    Arc::new(
+                        HostVmm::new(HostConfig {
+                            capacity: conf.capacity,
+                            ..HostConfig::default()
+                        })
+                        .map_err(|e| format!("device {index}: the host backend failed: {e}"))?,
+                    ),
+                    None,
+                ),
+                Backend::Sim => (
+                    Arc::new(SimVmm::with_capacity(conf.capacity).map_err(|e| {
+                        format!("device {index}: the simulated backend failed: {e}")
+                    })?),
+                    None,
+                ),
+            };
+        let fraction = lock(&self.fractions)
+            .get(&index)
+            .copied()
+            .or(conf.memory_fraction);
+        let mut config = conf.quilt;
+        if let Some(f) = fraction {
+            config = config.with_limit(MemoryLimit::Fraction(f));
+        }
+        let alloc = QuiltAllocator::new(vmm, config)
+            .map_err(|e| format!("device {index}: cannot build the allocator: {e}"))?;
+        let d = Arc::new(Device { index, cuda, alloc });
+        devices.insert(index, d.clone());
+        Ok(d)
+    }
+
+    fn existing(&self) -> Vec<Arc<Device>> {
+        lock(&self.devices).values().cloned().collect()
+    }
+
+    /// `quilt_malloc`: a block of `size` bytes on `device`, ordered on `stream`.
+    pub fn malloc(&self, size: u64, device: i32, stream: u64) -> Result<DevicePtr, String> {
+        let d = self.device(device)?;
+        match d.alloc.allocate(size, d.stream(stream)) {
+            Ok(a) => {
+                self.history.record(device, "alloc", a.ptr, size, stream);
+                Ok(a.ptr)
+            }
+            Err(e) => {
+                if let AllocError::OutOfMemory(r) = &e {
+                    self.history
+                        .record(device, "oom", r.device_free, size, stream);
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// `quilt_free`: give back the block at `ptr` of `device`.
+    pub fn free(&self, ptr: DevicePtr, size: u64, device: i32, stream: u64) -> Result<(), String> {
+        if ptr == 0 {
+            return Err("free of a null pointer".into());
+        }
+        let existing = lock(&self.devices).get(&device).cloned();
+        let Some(d) = existing else {
+            self.conf()?;
+            return Err(format!(
+                "free of {ptr:#x} on device {device}, which has allocated nothing"
+            ));
+        };
+        d.alloc.free(ptr).map_err(|e| e.to_string())?;
+        self.history
+            .record(device, "free_requested", ptr, size, stream);
+        self.history
+            .record(device, "free_completed", ptr, size, stream);
+        Ok(())
+    }
+
+    /// `quilt_empty_cache`: every device's cached pages go back to the driver.
+    pub fn empty_cache(&self) -> Result<(), String> {
+        let errors: Vec<String> = self
+            .existing()
+            .iter()
+            .filter_map(|d| {
+                d.alloc
+                    .empty_cache()
+                    .err()
+                    .map(|e| format!("device {}: {e}", d.index))
+            })
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// `quilt_record_stream`: the block at `ptr` is used on `stream` too.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: u64) -> Result<(), String> {
+        if ptr == 0 {
+            return Err("record_stream of a null pointer".into());
+        }
+        for d in self.existing() {
+            match d.alloc.record_stream(ptr, d.stream(stream)) {
+                Ok(()) => return Ok(()),
+                Err(AllocError::UnknownPointer { .. }) => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Err(format!(
+            "record_stream of {ptr:#x}, which no device allocated"
+        ))
+    }
+
+    /// `quilt_set_memory_fraction`: the share of `device` Quilt may hold.
+    pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), String> {
+        self.conf()?;
+        let f = conf::check_fraction(fraction)?;
+        if device < 0 {
+            return Err(format!("device {device} is not a device index"));
+        }
+        let existing = lock(&self.devices).get(&device).cloned();
+        match existing {
+            Some(d) => d
+                .alloc
+                .pool()
+                .set_limit(MemoryLimit::Fraction(f))
+                .map(|_| ())
+                .map_err(|e| format!("device {device}: {e} (call quilt_empty_cache first)")),
+            None => {
+                lock(&self.fractions).insert(device, f);
+                Ok(())
+            }
+        }
+    }
+
+    /// `quilt_stats_json`: the statistics of `device`, as JSON text.
+    pub fn stats_json(&self, device: i32) -> Result<String, String> {
+        let conf = self.conf()?;
+        let d = self.device(device)?;
+        let s = d.alloc.stats();
+        let stat = |x: &quilt_alloc::Stat| {
+            serde_json::json!({
+                "current": x.current, "peak": x.peak, "allocated": x.allocated, "freed": x.freed
+            })
+        };
+        let calls: serde_json::Map<String, serde_json::Value> = [
+            ("reserve", CallKind::Reserve),
+            ("create", CallKind::Create),
+            ("map", CallKind::Map),
+            ("set_access", CallKind::SetAccess),
+            ("unmap", CallKind::Unmap),
+            ("release", CallKind::Release),
+            ("address_free", CallKind::AddressFree),
+            ("synchronize", CallKind::StreamSynchronize),
+            ("wait_event", CallKind::StreamWaitEvent),
+            ("event_record", CallKind::EventRecord),
+            ("event_query", CallKind::EventQuery),
+            ("event_destroy", CallKind::EventDestroy),
+        ]
+        .into_iter()
+        .map(|(k, c)| (k.to_string(), serde_json::json!(s.driver.count(c))))
+        .collect();
+        let page = d.alloc.pool().page_size();
+        let v = serde_json::json!({
+            "device": device,
+            "allocator": d.alloc.name(),
+            "backend": conf.backend.name(),
+            "capacity_bytes": d.alloc.pool().limit_pages() * page,
+            "page_size": page,
+            "allocated_bytes": stat(&s.allocated_bytes),
+            "reserved_bytes": stat(&s.reserved_bytes),
+            "active_bytes": stat(&s.active_bytes),
+            "requested_bytes": stat(&s.requested_bytes),
+            "inactive_split_bytes": stat(&s.inactive_split_bytes),
+            "allocation": stat(&s.allocation),
+            "segment": stat(&s.segment),
+            "active": stat(&s.active),
+            "inactive_split": stat(&s.inactive_split),
+            "num_alloc_retries": s.num_alloc_retries,
+            "num_ooms": s.num_ooms,
+            "num_stream_waits": s.num_stream_waits,
+            "cached_bytes": d.alloc.cached_bytes(),
+            "driver_calls": calls,
+        });
+        Ok(v.to_string())
+    }
+
+    /// `quilt_record_history`.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) {
+        self.history.set(enabled, max_entries);
+    }
+
+    /// The snapshot of every device, as a pickle (PyTorch's layout).
+    pub fn snapshot_pickle(&self) -> Result<Vec<u8>, String> {
+        self.conf()?;
+        let devices: Vec<DeviceMemory> = self
+            .existing()
+            .iter()
+            .map(|d| DeviceMemory {
+                device: d.index,
+                segments: d.alloc.mapped_segments(),
+                unmapped_pool_bytes: d.alloc.pool().free_pages() * d.alloc.pool().page_size(),
+            })
+            .collect();
+        let value = snapshot::snapshot(&devices, &self.history.entries());
+        serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())
+            .map_err(|e| format!("encoding the snapshot: {e}"))
+    }
+
+    /// `quilt_dump_snapshot`: the snapshot, written to `path`.
+    pub fn dump_snapshot(&self, path: &str) -> Result<(), String> {
+        let bytes = self.snapshot_pickle()?;
+        std::fs::write(path, bytes).map_err(|e| format!("writing the snapshot to {path}: {e}"))
+    }
+}

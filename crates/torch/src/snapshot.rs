@@ -1,0 +1,154 @@
+//! Snapshots in the layout of `torch.cuda.memory._snapshot()`, as a pickle
+//! that PyTorch's memory viewer and `torch.cuda._memory_viz` read.
+//!
+//! How Quilt's memory is shown: one segment per maximal run of mapped pages
+//! (a virtual range backed end to end), tiled exactly by its blocks: live
+//! blocks `active_allocated`, the free pieces between them `inactive`.
+//! Unmapped virtual space is not shown. The pool's pages that are held but
+//! mapped nowhere (the growth margin, pages reclaimed and not yet reused)
+//! make one more segment of their own at address 0, wholly `inactive`, so
+//! that the segments add up to the reserved bytes, as in PyTorch.
+//! `device_traces` holds the recorded history (`quilt_record_history`).
+
+use std::collections::BTreeMap;
+
+use quilt_alloc::{BlockState, MemorySnapshot};
+use serde_pickle::{HashableValue, Value};
+
+use crate::history::TraceEntry;
+
+/// One device's memory for a snapshot.
+pub struct DeviceMemory {
+    /// The device index.
+    pub device: i32,
+    /// Its mapped segments ([`quilt_alloc::quilt::QuiltAllocator::mapped_segments`]).
+    pub segments: MemorySnapshot,
+    /// Bytes held by the pool but mapped nowhere.
+    pub unmapped_pool_bytes: u64,
+}
+
+fn key(k: &str) -> HashableValue {
+    HashableValue::String(k.to_string())
+}
+
+fn int(v: u64) -> Value {
+    Value::I64(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+fn dict(entries: Vec<(&str, Value)>) -> Value {
+    Value::Dict(entries.into_iter().map(|(k, v)| (key(k), v)).collect())
+}
+
+fn block(address: u64, size: u64, requested: u64, state: &str) -> Value {
+    dict(vec![
+        ("address", int(address)),
+        ("size", int(size)),
+        ("requested_size", int(requested)),
+        ("state", Value::String(state.to_string())),
+        ("frames", Value::List(Vec::new())),
+    ])
+}
+
+fn segment(device: i32, address: u64, stream: u64, blocks: Vec<(u64, u64, u64, &str)>) -> Value {
+    let total: u64 = blocks.iter().map(|b| b.1).sum();
+    let allocated: u64 = blocks
+        .iter()
+        .filter(|b| b.3 == "active_allocated")
+        .map(|b| b.1)
+        .sum();
+    let requested: u64 = blocks
+        .iter()
+        .filter(|b| b.3 == "active_allocated")
+        .map(|b| b.2)
+        .sum();
+    dict(vec![
+        ("device", Value::I64(i64::from(device))),
+        ("address", int(address)),
+        ("total_size", int(total)),
+        ("allocated_size", int(allocated)),
+        ("active_size", int(allocated)),
+        ("requested_size", int(requested)),
+        ("stream", int(stream)),
+        ("segment_type", Value::String("large".into())),
+        (
+            "segment_pool_id",
+            Value::Tuple(vec![Value::I64(0), Value::I64(0)]),
+        ),
+        ("is_expandable", Value::Bool(true)),
+        ("frames", Value::List(Vec::new())),
+        (
+            "blocks",
+            Value::List(
+                blocks
+                    .into_iter()
+                    .map(|(a, s, r, st)| block(a, s, r, st))
+                    .collect(),
+            ),
+        ),
+    ])
+}
+
+/// The snapshot of `devices` with the history `traces`, as a pickle value.
+pub fn snapshot(devices: &[DeviceMemory], traces: &BTreeMap<i32, Vec<TraceEntry>>) -> Value {
+    let mut segments = Vec::new();
+    for d in devices {
+        for s in &d.segments.segments {
+            let blocks = s
+                .blocks
+                .iter()
+                .map(|b| {
+                    let state = match b.state {
+                        BlockState::Active => "active_allocated",
+                        BlockState::PendingFree => "active_pending_free",
+                        BlockState::Inactive | BlockState::Unmapped => "inactive",
+                    };
+                    (b.address, b.size, b.requested, state)
+                })
+                .collect();
+            segments.push(segment(d.device, s.address, s.stream.0, blocks));
+        }
+        if d.unmapped_pool_bytes > 0 {
+            segments.push(segment(
+                d.device,
+                0,
+                0,
+                vec![(0, d.unmapped_pool_bytes, 0, "inactive")],
+            ));
+        }
+    }
+    let top_device = devices
+        .iter()
+        .map(|d| d.device)
+        .chain(traces.keys().copied())
+        .max()
+        .unwrap_or(0)
+        .max(0);
+    let device_traces = (0..=top_device)
+        .map(|d| {
+            Value::List(
+                traces
+                    .get(&d)
+                    .map(|entries| {
+                        entries
+                            .iter()
+                            .map(|t| {
+                                dict(vec![
+                                    ("action", Value::String(t.action.to_string())),
+                                    ("addr", int(t.addr)),
+                                    ("size", int(t.size)),
+                                    ("stream", int(t.stream)),
+                                    ("time_us", int(t.time_us)),
+                                    ("frames", Value::List(Vec::new())),
+                                ])
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            )
+        })
+        .collect();
+    dict(vec![
+        ("segments", Value::List(segments)),
+        ("device_traces", Value::List(device_traces)),
+    ])
+}
