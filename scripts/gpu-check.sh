@@ -13,8 +13,8 @@
 #   scripts/gpu-check.sh --prebuilt BIN        as before: findings in $GPU_CHECK_OUT
 #                                              (default target/gpu-check)
 #
-# The steps, in order; each runs under `timeout` (about 90 s, less for the
-# probe), the whole run stays under TOTAL_BUDGET_S (285 s), and a failed step
+# The steps, in order; each runs under `timeout` (30 to 75 s), the whole run
+# stays under TOTAL_BUDGET_S (285 s), and a failed step
 # does not stop the ones after it:
 #   1. map_probe (crates/vmm/examples/map_probe.rs): asks the real driver,
 #      bypassing Quilt's ledger, whether it accepts cuMemMap at an offset of one
@@ -29,7 +29,12 @@
 #      backends under the same rules, with PROPTEST_CASES and
 #      PROPTEST_MAX_SHRINK_ITERS bounded;
 #   4. cuda_data (crates/vmm/tests/cuda_data.rs): bytes through stitched
-#      mappings with cuMemcpy, streams, events, contexts, out-of-memory figures.
+#      mappings with cuMemcpy, streams, events, contexts, out-of-memory figures;
+#   5. torch_check (scripts/torch_check.py, with libquilt_torch.so): PyTorch
+#      on the GPU under a memory fraction, a fragmenting pattern with the
+#      native allocator and with quilt_torch.enable(), tensor contents, the
+#      mempool() route, a snapshot of the real run; skipped with the reason
+#      where python3, torch or a CUDA device is missing.
 #
 # Findings: OUT/gpu-check.json, one object: whether CUDA was available, the GPU,
 # the limits used, each step (name, status, exit_status, seconds, log file), and
@@ -50,13 +55,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 TOTAL_BUDGET_S=${GPU_CHECK_BUDGET_S:-285}
-STEP_TIMEOUT_S=90
+STEP_TIMEOUT_S=75
+LATENCY_TIMEOUT_S=60
 PROBE_TIMEOUT_S=30
-DATA_TIMEOUT_S=60
+DATA_TIMEOUT_S=55
+TORCH_TIMEOUT_S=60
 export PROPTEST_CASES=${PROPTEST_CASES:-32}
 export PROPTEST_MAX_SHRINK_ITERS=${PROPTEST_MAX_SHRINK_ITERS:-64}
 BENCH_ARGS=(--backend cuda --iters 1000 --large-iters 200)
-BINARIES=(map_probe driver_latency conformance cuda_data)
+BINARIES=(map_probe driver_latency conformance cuda_data)  # and libquilt_torch.so
 
 die() {
     echo "gpu-check: $*" >&2
@@ -102,7 +109,8 @@ EOF
     fi
 }
 
-# Builds the two test binaries and the two examples into $1; logs to $2.
+# Builds the two test binaries, the two examples and libquilt_torch.so into
+# $1; logs to $2.
 # Returns non-zero (with the reason on stderr) when something did not build.
 build_into() {
     local dir=$1 log=$2
@@ -130,6 +138,11 @@ build_into() {
     for t in driver_latency map_probe; do
         cp "${target_dir:-target}/release/examples/$t" "$dir/$t" || return 1
     done
+    if ! cargo build --release -p quilt-torch >>"$log" 2>&1; then
+        echo "gpu-check: could not build quilt-torch (see $log)" >&2
+        return 1
+    fi
+    cp "${target_dir:-target}/release/libquilt_torch.so" "$dir/" || return 1
     # Debug info is not needed to run them; stripping keeps them small to copy.
     if command -v strip >/dev/null 2>&1; then
         for t in "${BINARIES[@]}"; do
@@ -280,7 +293,7 @@ run_checks() {
     if [ "$CUDA_AVAILABLE" = false ]; then
         record driver_latency skipped null 0 "" "no CUDA (see map_probe)"
     else
-        SKIP_PATTERN="" test_step driver_latency "$bin/driver_latency" "$STEP_TIMEOUT_S" \
+        SKIP_PATTERN="" test_step driver_latency "$bin/driver_latency" "$LATENCY_TIMEOUT_S" \
             "${BENCH_ARGS[@]}" --out "$OUT_DIR/driver_latency.md"
     fi
 
@@ -289,6 +302,22 @@ run_checks() {
         "$STEP_TIMEOUT_S" --test-threads 4 --nocapture
     SKIP_PATTERN="cuda_data: skipped" test_step cuda_data "$bin/cuda_data" \
         "$DATA_TIMEOUT_S" --test-threads 1 --nocapture
+
+    # 5. PyTorch with Quilt (exit 77: no python3, torch or CUDA device).
+    NAME=torch_check
+    if ! command -v python3 >/dev/null 2>&1; then
+        record torch_check skipped null 0 "" "python3 not found"
+    elif [ ! -f "$bin/libquilt_torch.so" ]; then
+        record torch_check failed null 0 "" "library $bin/libquilt_torch.so missing"
+    else
+        STDOUT_TO="$OUT_DIR/torch_check.json" run_step torch_check "$TORCH_TIMEOUT_S" \
+            python3 scripts/torch_check.py --library "$bin/libquilt_torch.so" --out "$OUT_DIR"
+        case $STEP_RC in
+            skip) record torch_check skipped null 0 "" "out of time (budget ${TOTAL_BUDGET_S} s)" ;;
+            77) record torch_check skipped 77 "$STEP_SECS" torch_check.log "$(head -c 200 "$OUT_DIR/torch_check.json")" ;;
+            *) record torch_check "$(status_of "$STEP_RC")" "$STEP_RC" "$STEP_SECS" torch_check.log "" ;;
+        esac
+    fi
 
     write_findings "$gpu" "$probe_json"
 }
@@ -317,7 +346,7 @@ write_findings() {
         echo "  \"gpu\": $gpu_json,"
         echo "  \"passed\": $passed,"
         echo "  \"total_seconds\": $((SECONDS - STARTED)),"
-        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
+        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
         echo "  \"steps\": ["
         local i n=${#STEPS_JSON[@]}
         for ((i = 0; i < n; i++)); do
