@@ -8,11 +8,13 @@ use std::sync::Mutex;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use quilt_alloc::DeviceAllocator;
+
 use crate::allocators;
 use crate::bisect::min_capacity_bytes;
 use crate::live::trace_stats;
 use crate::replay::{
-    replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
+    replay_fresh_then, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
 };
 use crate::report::{self, Measurement};
 use crate::snapshot::load_snapshot;
@@ -79,6 +81,12 @@ pub struct AbArgs {
     /// Write SVG charts into this folder.
     #[arg(long, value_name = "DIR")]
     pub svg: Option<PathBuf>,
+    /// Write, for every workload and allocator, a snapshot pickle in PyTorch's
+    /// layout (`torch.cuda.memory._snapshot()`, for PyTorch's memory viewer)
+    /// of the memory as the main replay left it, into this folder, as
+    /// `WORKLOAD__ALLOCATOR.pickle`.
+    #[arg(long, value_name = "DIR")]
+    pub export_snapshot: Option<PathBuf>,
     /// Skip the minimum-capacity bisection (min_capacity_bytes is null).
     #[arg(long)]
     pub no_bisect: bool,
@@ -401,6 +409,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
                     stats[t],
                     &config,
                     args.no_bisect,
+                    args.export_snapshot.as_deref(),
                 );
                 bar.inc(1);
                 if let Ok(mut slots) = results.lock() {
@@ -423,6 +432,36 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
     Ok(out)
 }
 
+/// Write `alloc`'s snapshot pickle into `dir` as `WORKLOAD__ALLOCATOR.pickle`
+/// (characters of a spec other than letters, digits, `-`, `_` and `.` become `_`).
+fn export_snapshot(
+    dir: &Path,
+    workload: &str,
+    allocator: &str,
+    alloc: &dyn DeviceAllocator,
+) -> Result<(), CliError> {
+    let safe = |s: &str| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    let bytes = quilt_torch::snapshot::pickle_of(alloc).map_err(CliError::Output)?;
+    std::fs::create_dir_all(dir)
+        .and_then(|()| {
+            std::fs::write(
+                dir.join(format!("{}__{}.pickle", safe(workload), safe(allocator))),
+                bytes,
+            )
+        })
+        .map_err(|e| CliError::Output(format!("writing a snapshot into {}: {e}", dir.display())))
+}
+
 /// One (trace, allocator) pair: the main replay and the bisection.
 fn measure(
     trace: &Trace,
@@ -431,6 +470,7 @@ fn measure(
     peak_live: u64,
     config: &ReplayConfig,
     no_bisect: bool,
+    export: Option<&Path>,
 ) -> Result<Measurement, CliError> {
     let pair = |capacity: u64, source: ReplayError| CliError::Pair {
         workload: trace.name.clone(),
@@ -438,7 +478,11 @@ fn measure(
         capacity,
         source: Box::new(source),
     };
-    let result = replay_fresh(trace, allocator, capacity, config).map_err(|e| pair(capacity, e))?;
+    let (result, exported) = replay_fresh_then(trace, allocator, capacity, config, |alloc| {
+        export.map(|dir| export_snapshot(dir, &trace.name, allocator, alloc))
+    })
+    .map_err(|e| pair(capacity, e))?;
+    exported.transpose()?;
     let min = if no_bisect {
         None
     } else {

@@ -180,10 +180,23 @@ pub fn replay_fresh(
     capacity: u64,
     config: &ReplayConfig,
 ) -> Result<ReplayResult, ReplayError> {
+    replay_fresh_then(trace, allocator, capacity, config, |_| ()).map(|(r, ())| r)
+}
+
+/// [`replay_fresh`], then `after` on the allocator as the replay left it.
+pub fn replay_fresh_then<T>(
+    trace: &Trace,
+    allocator: &str,
+    capacity: u64,
+    config: &ReplayConfig,
+    after: impl FnOnce(&dyn DeviceAllocator) -> T,
+) -> Result<(ReplayResult, T), ReplayError> {
     let sim = Arc::new(SimVmm::new(config.sim_config(capacity)).map_err(ReplayError::Device)?);
     let vmm: Arc<dyn Vmm> = sim.clone();
     let alloc = allocators::build(allocator, vmm)?;
-    replay(trace, alloc.as_ref(), &sim, config)
+    let result = replay(trace, alloc.as_ref(), &sim, config)?;
+    let then = after(alloc.as_ref());
+    Ok((result, then))
 }
 
 /// The live allocations of a replay, by trace id.

@@ -225,6 +225,7 @@ fn repeated_names_are_made_unique() {
         snapshots: vec![],
         allocators: Some(vec!["classic".into()]),
         allocator_specs: vec![],
+        export_snapshot: None,
         capacity: "80GiB".into(),
         iterations: 1,
         json: None,
@@ -445,5 +446,48 @@ fn allocator_specs_are_experiments_reported_as_given() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{spec}: {}", text(&out));
         assert!(text(&out).contains(expect), "{spec}: {}", text(&out));
+    }
+}
+
+#[test]
+fn export_snapshot_writes_pytorch_layout_pickles_that_add_up() {
+    use serde_pickle::{HashableValue, Value};
+    let dir = temp_dir("export");
+    let out = bin()
+        .args(["ab", "--workload", "llm-serving", "--no-bisect"])
+        .args(["--allocators", "quilt,classic,expandable", "--export-snapshot"])
+        .arg(dir.join("snaps"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let get = |v: &Value, k: &str| -> Value {
+        match v {
+            Value::Dict(d) => d[&HashableValue::String(k.into())].clone(),
+            _ => panic!("not a dict"),
+        }
+    };
+    let int = |v: Value| match v {
+        Value::I64(i) => i as u64,
+        other => panic!("{other:?}"),
+    };
+    let list = |v: Value| match v {
+        Value::List(l) => l,
+        other => panic!("{other:?}"),
+    };
+    for allocator in ["quilt", "classic", "expandable"] {
+        let path = dir.join("snaps").join(format!("llm-serving__{allocator}.pickle"));
+        let bytes = std::fs::read(&path).unwrap();
+        let v = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap();
+        let segments = list(get(&v, "segments"));
+        assert!(!segments.is_empty(), "{allocator}");
+        for s in &segments {
+            let sizes: u64 = list(get(s, "blocks"))
+                .iter()
+                .map(|b| int(get(b, "size")))
+                .sum();
+            assert_eq!(sizes, int(get(s, "total_size")), "{allocator}: blocks tile");
+        }
+        // The snapshot reads back through Quilt's importer.
+        quilt_bench::snapshot::import_snapshot(&bytes, allocator, 0).unwrap();
     }
 }

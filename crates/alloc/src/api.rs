@@ -56,6 +56,14 @@ pub trait DeviceAllocator: Send + Sync {
     /// Segments and blocks as they stand now.
     fn snapshot(&self) -> MemorySnapshot;
 
+    /// The memory as the GPU sees it: segments that are backed end to end,
+    /// each tiled by its blocks (no `Unmapped` block). By default the
+    /// [`snapshot`](DeviceAllocator::snapshot) with every segment cut at its
+    /// unmapped blocks ([`crate::snapshot::without_unmapped`]).
+    fn gpu_segments(&self) -> MemorySnapshot {
+        crate::snapshot::without_unmapped(self.snapshot())
+    }
+
     /// Check every internal invariant; the first violation found is returned.
     fn check_invariants(&self) -> Result<(), InvariantViolation>;
 

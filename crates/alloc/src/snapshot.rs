@@ -53,3 +53,37 @@ pub struct MemorySnapshot {
     /// Segments.
     pub segments: Vec<SegmentInfo>,
 }
+
+/// `snap` with every segment cut at its `Unmapped` blocks: each maximal run
+/// of other blocks becomes a segment of its own, whose size is theirs.
+pub fn without_unmapped(snap: MemorySnapshot) -> MemorySnapshot {
+    let mut segments = Vec::new();
+    for s in snap.segments {
+        let mut run: Vec<BlockInfo> = Vec::new();
+        let mut flush = |run: &mut Vec<BlockInfo>| {
+            if let Some(first) = run.first() {
+                let total: u64 = run.iter().map(|b| b.size).sum();
+                segments.push(SegmentInfo {
+                    address: first.address,
+                    total_size: total,
+                    mapped_size: total,
+                    stream: s.stream,
+                    kind: s.kind,
+                    blocks: std::mem::take(run),
+                });
+            }
+        };
+        for b in s.blocks {
+            if b.state == BlockState::Unmapped {
+                flush(&mut run);
+            } else {
+                run.push(b);
+            }
+        }
+        flush(&mut run);
+    }
+    MemorySnapshot {
+        allocator: snap.allocator,
+        segments,
+    }
+}

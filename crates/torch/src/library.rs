@@ -286,11 +286,7 @@ impl Library {
         let devices: Vec<DeviceMemory> = self
             .existing()
             .iter()
-            .map(|d| DeviceMemory {
-                device: d.index,
-                segments: d.alloc.mapped_segments(),
-                unmapped_pool_bytes: d.alloc.pool().free_pages() * d.alloc.pool().page_size(),
-            })
+            .map(|d| DeviceMemory::of(d.index, &d.alloc))
             .collect();
         let value = snapshot::snapshot(&devices, &self.history.entries());
         serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())

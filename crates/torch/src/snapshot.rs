@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use quilt_alloc::{BlockState, MemorySnapshot};
+use quilt_alloc::{BlockState, DeviceAllocator, MemorySnapshot};
 use serde_pickle::{HashableValue, Value};
 
 use crate::history::TraceEntry;
@@ -21,10 +21,33 @@ use crate::history::TraceEntry;
 pub struct DeviceMemory {
     /// The device index.
     pub device: i32,
-    /// Its mapped segments ([`quilt_alloc::quilt::QuiltAllocator::mapped_segments`]).
+    /// Its segments as the GPU sees them ([`DeviceAllocator::gpu_segments`]).
     pub segments: MemorySnapshot,
-    /// Bytes held by the pool but mapped nowhere.
+    /// Bytes reserved beyond those segments (Quilt: pool pages mapped nowhere).
     pub unmapped_pool_bytes: u64,
+}
+
+impl DeviceMemory {
+    /// The memory of `alloc` as device `device`: its
+    /// [`gpu_segments`](DeviceAllocator::gpu_segments), and what it reserves
+    /// beyond them.
+    pub fn of(device: i32, alloc: &dyn DeviceAllocator) -> DeviceMemory {
+        let segments = alloc.gpu_segments();
+        let shown: u64 = segments.segments.iter().map(|s| s.total_size).sum();
+        DeviceMemory {
+            device,
+            unmapped_pool_bytes: alloc.stats().reserved_bytes.current.saturating_sub(shown),
+            segments,
+        }
+    }
+}
+
+/// A snapshot pickle of one allocator as device 0, with no history (what
+/// `quilt-bench ab --export-snapshot` writes).
+pub fn pickle_of(alloc: &dyn DeviceAllocator) -> Result<Vec<u8>, String> {
+    let value = snapshot(&[DeviceMemory::of(0, alloc)], &BTreeMap::new());
+    serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())
+        .map_err(|e| format!("encoding the snapshot: {e}"))
 }
 
 fn key(k: &str) -> HashableValue {

@@ -188,6 +188,10 @@ impl DeviceAllocator for QuiltAllocator {
         }
     }
 
+    fn gpu_segments(&self) -> MemorySnapshot {
+        self.mapped_segments()
+    }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
         invariants::check(&st, &self.pool, self.page)
