@@ -455,7 +455,11 @@ fn export_snapshot_writes_pytorch_layout_pickles_that_add_up() {
     let dir = temp_dir("export");
     let out = bin()
         .args(["ab", "--workload", "llm-serving", "--no-bisect"])
-        .args(["--allocators", "quilt,classic,expandable", "--export-snapshot"])
+        .args([
+            "--allocators",
+            "quilt,classic,expandable",
+            "--export-snapshot",
+        ])
         .arg(dir.join("snaps"))
         .output()
         .unwrap();
@@ -475,7 +479,9 @@ fn export_snapshot_writes_pytorch_layout_pickles_that_add_up() {
         other => panic!("{other:?}"),
     };
     for allocator in ["quilt", "classic", "expandable"] {
-        let path = dir.join("snaps").join(format!("llm-serving__{allocator}.pickle"));
+        let path = dir
+            .join("snaps")
+            .join(format!("llm-serving__{allocator}.pickle"));
         let bytes = std::fs::read(&path).unwrap();
         let v = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap();
         let segments = list(get(&v, "segments"));
