@@ -18,6 +18,7 @@ use crate::replay::{
 };
 use crate::report::{self, Measurement};
 use crate::snapshot::load_snapshot;
+use crate::sweep;
 use crate::trace::{load_trace, Trace, TraceError};
 use crate::units::{gib, parse_size, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
@@ -37,6 +38,9 @@ pub struct Cli {
 pub enum Command {
     /// Replay workloads through allocators and compare them (A/B).
     Ab(Box<AbArgs>),
+    /// One knob of one allocator, one replay per value (and its bisection):
+    /// the usual columns per value, JSON rows with `value`, a chart.
+    Sweep(Box<SweepArgs>),
     /// List the built-in workloads with their figures.
     List {
         /// Seed of the generators.
@@ -46,6 +50,90 @@ pub enum Command {
         #[arg(long)]
         sizes: bool,
     },
+}
+
+/// Arguments of `quilt-bench sweep`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SweepArgs {
+    /// A built-in workload (this or --trace).
+    #[arg(long, value_name = "NAME")]
+    pub workload: Option<String>,
+    /// A trace file (this or --workload).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// The allocator spec whose knob is varied (`NAME[:KEY=VALUE,...]`).
+    #[arg(long, value_name = "SPEC", default_value = "quilt")]
+    pub allocator: String,
+    /// The knob and its values: `KEY=V1,V2,...` (each value is set in the
+    /// spec in turn, replacing a setting of the same key).
+    #[arg(long, value_name = "KEY=V1,V2,...")]
+    pub vary: String,
+    /// Simulated device capacity of the main replay.
+    #[arg(long, default_value = "80GiB")]
+    pub capacity: String,
+    /// Times the non-pre-existing part of the trace is replayed.
+    #[arg(long, default_value_t = 1)]
+    pub iterations: u32,
+    /// Write the JSON report here (one row per value, with `value`).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write the chart (`sweep-KEY.svg`) into this folder.
+    #[arg(long, value_name = "DIR")]
+    pub svg: Option<PathBuf>,
+    /// Skip the minimum-capacity bisection.
+    #[arg(long)]
+    pub no_bisect: bool,
+    /// Seed of the built-in workload generators.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Worker threads (default: the machine's parallelism).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// As `ab --gpu-lag-ops`.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_GPU_LAG_OPS)]
+    pub gpu_lag_ops: u64,
+    /// As `ab --sync-cost-us`.
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_SYNC_COST_NS as f64 / 1000.0)]
+    pub sync_cost_us: f64,
+}
+
+/// Run a sweep: the A/B of the one trace through the spec with each value.
+/// Returns the values and the measurements, in order.
+pub fn run_sweep(args: &SweepArgs) -> Result<(String, Vec<String>, Vec<Measurement>), CliError> {
+    let (key, values) = sweep::parse_vary(&args.vary).map_err(CliError::Usage)?;
+    let (workloads, traces) = match (&args.workload, &args.trace) {
+        (Some(w), None) => (vec![w.clone()], vec![]),
+        (None, Some(t)) => (vec![], vec![t.clone()]),
+        _ => {
+            return Err(CliError::Usage(
+                "sweep takes one of --workload NAME or --trace FILE".into(),
+            ))
+        }
+    };
+    let specs: Vec<String> = values
+        .iter()
+        .map(|v| sweep::with_setting(&args.allocator, &key, v))
+        .collect();
+    let ab = AbArgs {
+        workloads,
+        traces,
+        snapshots: vec![],
+        allocators: Some(vec![]),
+        allocator_specs: specs,
+        capacity: args.capacity.clone(),
+        iterations: args.iterations,
+        json: None,
+        svg: None,
+        export_snapshot: None,
+        no_bisect: args.no_bisect,
+        seed: args.seed,
+        check_every: None,
+        jobs: args.jobs,
+        gpu_lag_ops: args.gpu_lag_ops,
+        sync_cost_us: args.sync_cost_us,
+    };
+    let measurements = run_ab(&ab)?;
+    Ok((key, values, measurements))
 }
 
 /// Arguments of `quilt-bench ab`.
@@ -159,6 +247,27 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::List { seed, sizes } => {
             print!("{}", list(seed, sizes));
+            Ok(())
+        }
+        Command::Sweep(args) => {
+            let (key, values, measurements) = run_sweep(&args)?;
+            print!("{}", report::table(&measurements));
+            if let Some(path) = &args.json {
+                let json = sweep::to_json(&values, &measurements)
+                    .map_err(|e| CliError::Output(e.to_string()))?;
+                std::fs::write(path, json + "\n")
+                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
+                println!("JSON written to {}", path.display());
+            }
+            if let Some(dir) = &args.svg {
+                let workload = measurements
+                    .first()
+                    .map(|m| m.row.workload.clone())
+                    .unwrap_or_default();
+                let file = sweep::write_chart(dir, &workload, &key, &values, &measurements)
+                    .map_err(CliError::Output)?;
+                println!("chart written: {file}");
+            }
             Ok(())
         }
         Command::Ab(args) => {

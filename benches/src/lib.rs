@@ -17,6 +17,7 @@ pub mod replay;
 pub mod report;
 pub mod snapshot;
 pub mod spec;
+pub mod sweep;
 pub mod trace;
 pub mod units;
 pub mod workloads;

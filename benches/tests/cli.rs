@@ -497,3 +497,59 @@ fn export_snapshot_writes_pytorch_layout_pickles_that_add_up() {
         quilt_bench::snapshot::import_snapshot(&bytes, allocator, 0).unwrap();
     }
 }
+
+#[test]
+fn sweep_writes_one_row_per_value_and_a_chart() {
+    let dir = temp_dir("sweep");
+    let json = dir.join("sweep.json");
+    let out = bin()
+        .args([
+            "sweep",
+            "--workload",
+            "llm-serving",
+            "--allocator",
+            "gmlake",
+        ])
+        .args([
+            "--vary",
+            "frag_limit=0,32MiB,512MiB",
+            "--no-bisect",
+            "--json",
+        ])
+        .arg(&json)
+        .arg("--svg")
+        .arg(dir.join("charts"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    let values: Vec<&str> = rows.iter().map(|r| r["value"].as_str().unwrap()).collect();
+    assert_eq!(values, ["0", "32MiB", "512MiB"]);
+    assert_eq!(rows[1]["allocator"], "gmlake:frag_limit=32MiB");
+    assert!(rows.iter().all(|r| r["efficiency"].as_f64().unwrap() > 0.0));
+    let reserved: Vec<u64> = rows
+        .iter()
+        .map(|r| r["peak_reserved_bytes"].as_u64().unwrap())
+        .collect();
+    assert_ne!(reserved[0], reserved[2], "the knob changed nothing");
+    let svg = std::fs::read_to_string(dir.join("charts").join("sweep-frag_limit.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("512MiB"));
+    // Bad usage: no trace, a malformed --vary, a bad value.
+    for args in [
+        &["sweep", "--vary", "frag_limit=0"][..],
+        &["sweep", "--workload", "llm-serving", "--vary", "frag_limit"],
+        &[
+            "sweep",
+            "--workload",
+            "llm-serving",
+            "--vary",
+            "candidates=0",
+            "--no-bisect",
+        ],
+    ] {
+        let out = bin().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+    }
+}
