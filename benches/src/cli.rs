@@ -18,10 +18,10 @@ use crate::replay::{
 };
 use crate::report::{self, Measurement};
 use crate::snapshot::load_snapshot;
-use crate::sweep;
 use crate::trace::{load_trace, Trace, TraceError};
 use crate::units::{gib, parse_size, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
+use crate::{scale, sweep};
 
 /// `quilt-bench`: replay allocation traces through GPU memory allocators on a
 /// simulated device and compare them.
@@ -41,6 +41,9 @@ pub enum Command {
     /// One knob of one allocator, one replay per value (and its bisection):
     /// the usual columns per value, JSON rows with `value`, a chart.
     Sweep(Box<SweepArgs>),
+    /// Host cost per operation of a steady churn as live blocks and streams
+    /// grow: one line (and JSON row) per allocator, live count and streams.
+    Scale(ScaleArgs),
     /// List the built-in workloads with their figures.
     List {
         /// Seed of the generators.
@@ -50,6 +53,29 @@ pub enum Command {
         #[arg(long)]
         sizes: bool,
     },
+}
+
+/// Arguments of `quilt-bench scale`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScaleArgs {
+    /// Allocator specs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "quilt,classic")]
+    pub allocators: Vec<String>,
+    /// Live block counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,100000")]
+    pub live: Vec<u64>,
+    /// Stream counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    pub streams: Vec<u64>,
+    /// Timed steps per point (each a free and an allocate).
+    #[arg(long, default_value_t = 20_000)]
+    pub steps: u64,
+    /// Seed of the sizes and choices.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Write the JSON rows (`allocator`, `live`, `streams`, `ns_per_op`) here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// Arguments of `quilt-bench sweep`.
@@ -248,6 +274,49 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::List { seed, sizes } => {
             print!("{}", list(seed, sizes));
             Ok(())
+        }
+        Command::Scale(args) => {
+            for a in &args.allocators {
+                allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
+            }
+            if args.live.contains(&0) || args.streams.contains(&0) || args.steps == 0 {
+                return Err(CliError::Usage(
+                    "--live, --streams and --steps must be at least 1".into(),
+                ));
+            }
+            let mut points = Vec::new();
+            let mut failed = Vec::new();
+            for a in &args.allocators {
+                for &live in &args.live {
+                    for &streams in &args.streams {
+                        match scale::run_point(a, live, streams, args.steps, args.seed) {
+                            Ok(p) => points.push(p),
+                            Err(e) => {
+                                failed.push(format!("{a}, {live} live, {streams} streams: {e}"))
+                            }
+                        }
+                    }
+                }
+            }
+            print!("{}", scale::table(&points));
+            for f in &failed {
+                println!("failed: {f}");
+            }
+            if let Some(path) = &args.json {
+                let json = serde_json::to_string_pretty(&points)
+                    .map_err(|e| CliError::Output(e.to_string()))?;
+                std::fs::write(path, json + "\n")
+                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
+                println!("JSON written to {}", path.display());
+            }
+            if failed.is_empty() {
+                Ok(())
+            } else {
+                Err(CliError::Output(format!(
+                    "{} point(s) failed",
+                    failed.len()
+                )))
+            }
         }
         Command::Sweep(args) => {
             let (key, values, measurements) = run_sweep(&args)?;

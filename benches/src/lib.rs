@@ -15,6 +15,7 @@ pub mod cli;
 pub mod live;
 pub mod replay;
 pub mod report;
+pub mod scale;
 pub mod snapshot;
 pub mod spec;
 pub mod sweep;

@@ -553,3 +553,33 @@ fn sweep_writes_one_row_per_value_and_a_chart() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
     }
 }
+
+#[test]
+fn scale_reports_one_point_per_allocator_live_count_and_streams() {
+    let dir = temp_dir("scale");
+    let json = dir.join("scale.json");
+    let out = bin()
+        .args(["scale", "--allocators", "quilt,classic", "--live", "50,200"])
+        .args(["--streams", "1,4", "--steps", "300", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    for r in rows {
+        assert!(r["ns_per_op"].as_f64().unwrap() > 0.0, "{r}");
+        for key in ["allocator", "live", "streams"] {
+            assert!(!r[key].is_null(), "{r}");
+        }
+    }
+    let out = bin().args(["scale", "--live", "0"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = bin()
+        .args(["scale", "--allocators", "nope"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
