@@ -28,9 +28,12 @@
 //! `docs/benchmarks.md` for the figures.
 
 mod arena;
+mod backing;
 pub mod conf;
 mod config;
 mod invariants;
+mod placement;
+mod reclaim;
 mod snapshot;
 mod state;
 mod streams;

@@ -1,0 +1,141 @@
+//! Backing a placed block with pool pages: retired pages under it unmapped
+//! first, page hazards ordered, one map per page, one set-access per
+//! contiguous range, all undone on failure.
+
+use quilt_pool::{Page, PageId};
+use quilt_vmm::VmmError;
+
+use super::state::{pool_err, Ctx, State};
+use crate::error::AllocError;
+
+impl State {
+    /// Back the unmapped virtual pages `need` of arena `ai` (a block's on
+    /// stream `t`) with pool pages: one map per page, one set-access per
+    /// contiguous range. A retired page among them is unmapped first (its
+    /// work completed, by a synchronisation if need be: placement avoids
+    /// this); a pool page with a hazard orders `t` after that work first.
+    pub(super) fn back_pages(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        size: u64,
+        need: &[u64],
+        t: u32,
+    ) -> Result<(), AllocError> {
+        let tick = self.tick;
+        for &p in need {
+            let slot = self.arenas[ai].slot(p);
+            if !slot.retired {
+                continue;
+            }
+            for s in self.streams.in_mask(slot.freed_by) {
+                self.streams.complete(ctx.vmm, s, slot.freed_at, tick)?;
+            }
+            ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page)?;
+            self.arenas[ai].clear_retired(p);
+        }
+        let n = need.len() as u64;
+        self.obtain_free_pages(ctx, size, n)?;
+        let pages = ctx.pool.take(n).map_err(pool_err)?;
+        let hazards: Vec<(PageId, (u64, u64))> = pages
+            .iter()
+            .filter_map(|pg| self.page_hazards.get(&pg.id).map(|&h| (pg.id, h)))
+            .collect();
+        let mut ordered: Result<(), AllocError> = Ok(());
+        'order: for &(_, (mask, k)) in &hazards {
+            for s in self.streams.in_mask(mask) {
+                if let Err(e) = self.streams.order_after(ctx.vmm, t, s, k, tick) {
+                    ordered = Err(e.into());
+                    break 'order;
+                }
+            }
+        }
+        if let Err(e) = ordered {
+            ctx.pool.give_back(&pages).map_err(pool_err)?;
+            return Err(e);
+        }
+        let result = self.map_pages(ctx, ai, need, pages.clone());
+        // A page now mapped here (the block's, or left mapped by a failed
+        // undo) carries its hazard in its slot from now on; the pages given
+        // back keep theirs.
+        for (&p, pg) in need.iter().zip(&pages) {
+            if self.arenas[ai].slot(p).phys == Some(*pg) {
+                if let Some((mask, k)) = self.page_hazards.remove(&pg.id) {
+                    if result.is_err() {
+                        self.arenas[ai].note_freed(p, mask, k);
+                    }
+                }
+            }
+        }
+        result
+    }
+
+    /// Map `pages` (each one whole handle, at offset 0) at the virtual pages
+    /// `at` of arena `ai`, and set access. On error, unmaps what it mapped
+    /// and hands the pages back.
+    pub(super) fn map_pages(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        at: &[u64],
+        pages: Vec<Page>,
+    ) -> Result<(), AllocError> {
+        let page = ctx.page;
+        let mut mapped = 0usize;
+        let mut result: Result<(), VmmError> = Ok(());
+        for (&p, pg) in at.iter().zip(&pages) {
+            let addr = self.arenas[ai].page_addr(p);
+            if let Err(e) = ctx.vmm.map(addr, page, pg.handle, 0) {
+                result = Err(e);
+                break;
+            }
+            mapped += 1;
+            if ctx.cfg.access_per_map {
+                if let Err(e) = ctx.vmm.set_access(addr, page) {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if result.is_ok() && !ctx.cfg.access_per_map {
+            let mut i = 0;
+            while i < at.len() {
+                let mut j = i + 1;
+                while j < at.len() && at[j] == at[j - 1] + 1 {
+                    j += 1;
+                }
+                let addr = self.arenas[ai].page_addr(at[i]);
+                if let Err(e) = ctx.vmm.set_access(addr, (j - i) as u64 * page) {
+                    result = Err(e);
+                    break;
+                }
+                i = j;
+            }
+        }
+        let tick = self.tick;
+        match result {
+            Ok(()) => {
+                for (&p, &pg) in at.iter().zip(&pages) {
+                    self.arenas[ai].set_mapped(p, pg, tick);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // Undo: unmap what was mapped; a page that cannot be unmapped
+                // stays recorded as mapped (cached once the block is undone,
+                // reclaimable later).
+                let mut give = Vec::with_capacity(pages.len());
+                for (i, (&p, &pg)) in at.iter().zip(&pages).enumerate() {
+                    let addr = self.arenas[ai].page_addr(p);
+                    if i < mapped && ctx.vmm.unmap(addr, page).is_err() {
+                        self.arenas[ai].set_mapped(p, pg, tick);
+                    } else {
+                        give.push(pg);
+                    }
+                }
+                ctx.pool.give_back(&give).map_err(pool_err)?;
+                Err(e.into())
+            }
+        }
+    }
+}

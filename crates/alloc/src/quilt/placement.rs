@@ -1,0 +1,234 @@
+//! Placement: where a block goes in an arena (best-fitting gaps scored by
+//! mapped pages, waits and retired pages still in use), and ordering its
+//! stream after the other streams' work on its range.
+
+use super::arena::PageSlot;
+use super::state::{Ctx, Kind, State};
+use crate::error::AllocError;
+
+/// How good a place for a block is: lower is better, fields compared in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct PlaceScore {
+    /// Over a retired page still in use (mapping it would need a sync).
+    blocked: bool,
+    /// Needs new pages.
+    needs_pages: bool,
+    /// Every page mapped, but another stream's work must be waited for (a
+    /// wait costs less than new pages).
+    waits_though_mapped: bool,
+    /// How many new pages.
+    new_pages: u64,
+    /// Another stream's work must be waited for.
+    waits: bool,
+}
+
+impl PlaceScore {
+    /// Mapped, wait-free, unblocked: taken at once.
+    const PERFECT: PlaceScore = PlaceScore {
+        blocked: false,
+        needs_pages: false,
+        waits_though_mapped: false,
+        new_pages: 0,
+        waits: false,
+    };
+}
+
+impl State {
+    /// True when a block on stream `t` over `off .. off + len` of arena `ai`
+    /// would have to wait for another stream's work.
+    pub(super) fn needs_wait(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        off: u64,
+        len: u64,
+        t: u32,
+    ) -> bool {
+        if self.streams.len() < 2 {
+            return false;
+        }
+        let tick = self.tick;
+        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
+        for (_, h) in hazards {
+            for s in self.streams.in_mask(h.streams) {
+                if s == t || self.streams.waited(t, s) >= h.tick {
+                    continue;
+                }
+                self.streams.poll(ctx.vmm, s, tick);
+                if !self.streams.is_done(s, h.tick) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Order stream `t` after every other stream's work that may still use
+    /// `off .. off + len` of arena `ai`.
+    pub(super) fn order_after_hazards(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        off: u64,
+        len: u64,
+        t: u32,
+    ) -> Result<(), AllocError> {
+        if self.streams.len() < 2 {
+            return Ok(());
+        }
+        let tick = self.tick;
+        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
+        for (_, h) in hazards {
+            for s in self.streams.in_mask(h.streams) {
+                self.streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a block of `rounded` bytes (asked for as `size`) on stream `t`
+    /// goes in arena `ai`.
+    ///
+    /// Quilt's default (stitch threshold 0): among the best-fitting gaps, the
+    /// first whose pages are all mapped and need no wait for another stream,
+    /// then one whose pages are all mapped (a wait costs less than new pages),
+    /// then the one needing the fewest new pages; the block goes at the gap's
+    /// start. With a stitch threshold (GMLake), a large request below it is
+    /// served from a cached range whose pages are all mapped, else from
+    /// fresh, page-aligned virtual space past the arena's mapped tail (new
+    /// pages, no stitching); a request at or above it reuses a cached range of
+    /// at most `reuse_limit` times its size, else is stitched like any Quilt
+    /// block.
+    pub(super) fn place(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        kind: Kind,
+        size: u64,
+        rounded: u64,
+        t: u32,
+    ) -> Option<u64> {
+        let threshold = ctx.cfg.stitch_threshold;
+        if threshold > 0 && kind == Kind::Large {
+            let a = &self.arenas[ai];
+            let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
+                rounded.saturating_mul(ctx.cfg.reuse_limit)
+            } else {
+                u64::MAX
+            };
+            if let Some(off) = a.best_fit_mapped(rounded, limit, 64) {
+                return Some(off);
+            }
+            if size >= threshold {
+                return a.fitting_gaps(rounded, 1).next();
+            }
+            return a.fresh_tail(rounded);
+        }
+        let n = ctx.cfg.placement_candidates.max(1);
+        let mut candidates = std::mem::take(&mut self.scratch);
+        candidates.clear();
+        candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));
+        if self.arenas[ai].retired_pages > 0 {
+            let moved: Vec<u64> = candidates
+                .iter()
+                .filter_map(|&g| self.past_retired_in_use(ctx, ai, g, rounded))
+                .collect();
+            // If every fitting gap is blocked, a retired page will be
+            // synchronised for (rare; only after reclaim moved pages).
+            if !moved.is_empty() {
+                candidates = moved;
+            }
+        }
+        let chosen = self.best_candidate(ctx, ai, rounded, t, &candidates);
+        self.scratch = candidates;
+        chosen
+    }
+
+    /// The best of `candidates` (starts of a block of `rounded` bytes on
+    /// stream `t` in arena `ai`), by [`PlaceScore`].
+    pub(super) fn best_candidate(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        rounded: u64,
+        t: u32,
+        candidates: &[u64],
+    ) -> Option<u64> {
+        if candidates.len() <= 1 {
+            return candidates.first().copied();
+        }
+        let mut best: Option<(PlaceScore, u64)> = None;
+        for &start in candidates {
+            let blocked = self.arenas[ai].retired_pages > 0
+                && self.last_retired_in_use(ctx, ai, start, rounded).is_some();
+            let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
+            let wait = self.needs_wait(ctx, ai, start, rounded, t);
+            let score = PlaceScore {
+                blocked,
+                needs_pages: unmapped > 0,
+                waits_though_mapped: unmapped == 0 && wait,
+                new_pages: unmapped,
+                waits: wait,
+            };
+            if score == PlaceScore::PERFECT {
+                return Some(start);
+            }
+            if best.is_none_or(|(b, _)| score < b) {
+                best = Some((score, start));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+
+    /// The last retired page under `off .. off + len` of arena `ai` whose
+    /// freeing work is not known complete (a block there would need a
+    /// synchronisation before that page could be mapped again).
+    pub(super) fn last_retired_in_use(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        off: u64,
+        len: u64,
+    ) -> Option<u64> {
+        let tick = self.tick;
+        let retired: Vec<(u64, PageSlot)> = self.arenas[ai].retired_in(off, len).collect();
+        retired
+            .into_iter()
+            .rev()
+            .find(|(_, slot)| !self.work_done(ctx, slot.freed_by, slot.freed_at, tick))
+            .map(|(p, _)| p)
+    }
+
+    /// Where in the gap starting at `gap` a block of `len` bytes can go
+    /// without covering a retired page still in use: the gap's start, or
+    /// the first page boundary past such pages; `None` when it no longer fits.
+    pub(super) fn past_retired_in_use(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        gap: u64,
+        len: u64,
+    ) -> Option<u64> {
+        if self.arenas[ai].retired_pages == 0 {
+            return Some(gap);
+        }
+        let end = *self.arenas[ai].gaps.get(&gap)?;
+        let mut start = gap;
+        while let Some(p) = self.last_retired_in_use(ctx, ai, start, len) {
+            start = (p + 1) * ctx.page;
+            if start.checked_add(len).is_none_or(|e| e > end) {
+                return None;
+            }
+        }
+        Some(start)
+    }
+
+    /// True when the work of every stream in `mask` up to tick `k` is known
+    /// complete (after at most one query per stream this operation).
+    pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
+        self.streams.in_mask(mask).all(|s| {
+            self.streams.poll(ctx.vmm, s, tick);
+            self.streams.is_done(s, k)
+        })
+    }
+}

@@ -1,0 +1,250 @@
+//! Free pages for a request: the reclaim policy before growth, growth,
+//! moving cached pages (unmapping those whose work is done, retiring the
+//! others) when the pool cannot grow, and the retired pages' deferred unmap.
+
+use quilt_pool::{PagePool, PoolError};
+
+use super::config::ReclaimPolicy;
+use super::state::{pool_err, Ctx, State};
+use crate::error::AllocError;
+
+/// How a reclaim takes cached pages back to the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reclaim {
+    /// Pages cached at or before this tick, with no synchronisation: a page
+    /// whose freeing work is known complete is unmapped; any other is
+    /// retired (its handle moves on and carries that work as a hazard, its
+    /// old mapping stays until the work is known complete).
+    Move { cached_before: u64 },
+    /// Every cached and retired page, unmapped after synchronising the
+    /// streams whose work may still use it (`empty_cache`).
+    Drain,
+}
+
+impl State {
+    /// Make at least `n` pages free in the pool: by the reclaim policy, growth,
+    /// and reclaiming cached pages when the pool cannot grow.
+    pub(super) fn obtain_free_pages(
+        &mut self,
+        ctx: &Ctx<'_>,
+        size: u64,
+        n: u64,
+    ) -> Result<(), AllocError> {
+        let missing = |pool: &PagePool| n.saturating_sub(pool.free_pages());
+        if missing(ctx.pool) == 0 {
+            return Ok(());
+        }
+        // A driver call follows: learn how far every stream got, and unmap
+        // the retired pages whose work is done.
+        self.streams.refresh(ctx.vmm, self.tick);
+        self.unmap_retired(ctx, false)?;
+        let (want, cached_before) = match ctx.cfg.reclaim {
+            ReclaimPolicy::WhenFull => (0, self.tick),
+            ReclaimPolicy::Always => (missing(ctx.pool), self.tick),
+            ReclaimPolicy::CachedAbove(per_mille) => {
+                let allowed = ctx.pool.total_pages().saturating_mul(per_mille) / 1000;
+                let excess = self.cached_pages().saturating_sub(allowed);
+                (excess.min(missing(ctx.pool)), self.tick)
+            }
+            ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
+        };
+        if want > 0 {
+            self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
+            if missing(ctx.pool) == 0 {
+                return Ok(());
+            }
+        }
+        if self.try_grow(ctx, missing(ctx.pool))? {
+            return Ok(());
+        }
+        // The pool cannot grow by all that is missing: is there enough at all?
+        let growable = ctx.pool.growable_pages().map_err(pool_err)?;
+        let cached = self.cached_pages();
+        if cached + growable < missing(ctx.pool) {
+            return Err(self.oom(ctx, size, n, growable));
+        }
+        self.stats.num_alloc_retries += 1;
+        let want = missing(ctx.pool)
+            .saturating_sub(growable)
+            .max(1)
+            .min(cached);
+        let all = Reclaim::Move {
+            cached_before: u64::MAX,
+        };
+        self.reclaim(ctx, want, all)?;
+        if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
+            return Ok(());
+        }
+        // A last resort: everything cached.
+        self.reclaim(ctx, u64::MAX, all)?;
+        if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
+            return Ok(());
+        }
+        let growable = ctx.pool.growable_pages().map_err(pool_err)?;
+        Err(self.oom(ctx, size, n, growable))
+    }
+
+    /// Grow the pool by `pages`; false when the limit or the device says no.
+    pub(super) fn try_grow(&mut self, ctx: &Ctx<'_>, pages: u64) -> Result<bool, AllocError> {
+        match ctx.pool.grow(pages) {
+            Ok(_) => Ok(true),
+            Err(PoolError::LimitReached { .. }) => Ok(false),
+            Err(PoolError::Driver(e)) if e.is_out_of_memory() => Ok(false),
+            Err(e) => Err(pool_err(e)),
+        }
+    }
+
+    /// Take up to `target` cached pages, oldest first, back to the pool;
+    /// `mode` says which pages may be taken and how (see [`Reclaim`]).
+    /// Returns the pages gained.
+    pub(super) fn reclaim(
+        &mut self,
+        ctx: &Ctx<'_>,
+        target: u64,
+        mode: Reclaim,
+    ) -> Result<u64, AllocError> {
+        let tick = self.tick;
+        self.keep_reclaim_queue();
+        let mut chosen: Vec<(usize, u64)> = Vec::new();
+        while (chosen.len() as u64) < target {
+            let Some(entry) = self.reclaim_queue.pop_front() else {
+                break;
+            };
+            let (ai, p, stamp) = entry;
+            let slot = self.arenas[ai].slot(p);
+            if !slot.is_cached() || slot.cached_at != stamp {
+                continue;
+            }
+            if let Reclaim::Move { cached_before } = mode {
+                if stamp > cached_before {
+                    self.reclaim_queue.push_front(entry);
+                    break;
+                }
+            }
+            chosen.push((ai, p));
+        }
+        let mut result: Result<(), AllocError> = Ok(());
+        if mode == Reclaim::Drain {
+            // Per stream, the latest free on a chosen page.
+            let mut wait_for: Vec<(u32, u64)> = Vec::new();
+            for &(ai, p) in &chosen {
+                let slot = self.arenas[ai].slot(p);
+                for s in self.streams.in_mask(slot.freed_by) {
+                    match wait_for.iter_mut().find(|w| w.0 == s) {
+                        Some(w) => w.1 = w.1.max(slot.freed_at),
+                        None => wait_for.push((s, slot.freed_at)),
+                    }
+                }
+            }
+            for (s, k) in wait_for {
+                if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        let mut give = Vec::with_capacity(chosen.len());
+        for &(ai, p) in &chosen {
+            let slot = self.arenas[ai].slot(p);
+            if result.is_ok() && !self.work_done(ctx, slot.freed_by, slot.freed_at, tick) {
+                // Still in use by queued work: move the handle on, leave the
+                // mapping until that work is done.
+                if let Some(pg) = self.arenas[ai].set_retired(p) {
+                    self.page_hazards
+                        .insert(pg.id, (slot.freed_by, slot.freed_at));
+                    self.retired_queue.push_back((ai, p, pg.id));
+                    give.push(pg);
+                }
+                continue;
+            }
+            if result.is_ok() {
+                if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                    result = Err(e.into());
+                }
+            }
+            if result.is_ok() {
+                give.extend(self.arenas[ai].set_unmapped(p));
+            } else {
+                // Still mapped and cached: back in the queue.
+                self.reclaim_queue.push_front((ai, p, slot.cached_at));
+            }
+        }
+        let gained = give.len() as u64;
+        ctx.pool.give_back(&give).map_err(pool_err)?;
+        self.compact_reclaim_queue();
+        result.map(|()| gained)
+    }
+
+    /// Unmap retired pages, oldest first, whose freeing work is known
+    /// complete; with `synchronise`, all of them, completing that work first.
+    /// Without it a failed unmap is only logged (the page stays retired, to
+    /// be tried again).
+    pub(super) fn unmap_retired(
+        &mut self,
+        ctx: &Ctx<'_>,
+        synchronise: bool,
+    ) -> Result<(), AllocError> {
+        let tick = self.tick;
+        while let Some(&(ai, p, id)) = self.retired_queue.front() {
+            let slot = self.arenas[ai].slot(p);
+            if !slot.retired {
+                self.retired_queue.pop_front();
+                continue;
+            }
+            if !self.work_done(ctx, slot.freed_by, slot.freed_at, tick) {
+                if !synchronise {
+                    break;
+                }
+                for s in self.streams.in_mask(slot.freed_by) {
+                    self.streams.complete(ctx.vmm, s, slot.freed_at, tick)?;
+                }
+            }
+            if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                if synchronise {
+                    return Err(e.into());
+                }
+                tracing::warn!(error = %e, "unmapping a retired page failed");
+                break;
+            }
+            self.arenas[ai].clear_retired(p);
+            self.retired_queue.pop_front();
+            // The page's hazard is this same work, now done.
+            if self.page_hazards.get(&id) == Some(&(slot.freed_by, slot.freed_at)) {
+                self.page_hazards.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Start keeping the reclaim queue, if it is not kept yet: every cached
+    /// page, oldest first (by the tick it became cached).
+    pub(super) fn keep_reclaim_queue(&mut self) {
+        if self.reclaim_queue_kept {
+            return;
+        }
+        let mut cached: Vec<(u64, usize, u64)> = Vec::new();
+        for (ai, a) in self.arenas.iter().enumerate() {
+            for (p, slot) in a.pages.iter().enumerate() {
+                if slot.is_cached() {
+                    cached.push((slot.cached_at, ai, p as u64));
+                }
+            }
+        }
+        cached.sort_unstable();
+        self.reclaim_queue = cached.into_iter().map(|(t, ai, p)| (ai, p, t)).collect();
+        self.reclaim_queue_kept = true;
+    }
+
+    /// Drop stale entries from the reclaim queue once they outnumber the
+    /// valid ones (amortised O(1) per entry pushed).
+    pub(super) fn compact_reclaim_queue(&mut self) {
+        let cached = self.cached_pages() as usize;
+        if self.reclaim_queue.len() > 2 * cached + 1024 {
+            let arenas = &self.arenas;
+            self.reclaim_queue.retain(|&(ai, p, stamp)| {
+                let s = arenas[ai].slot(p);
+                s.is_cached() && s.cached_at == stamp
+            });
+        }
+    }
+}
