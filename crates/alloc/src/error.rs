@@ -37,6 +37,17 @@ pub enum AllocError {
     /// An internal lock was poisoned by a panic on another thread.
     #[error("allocator state poisoned by a panic on another thread")]
     Poisoned,
+    /// A configuration that would break one of the allocator's promises, or
+    /// that sets a knob the rest of it ignores.
+    #[error("invalid configuration: {reason}")]
+    InvalidConfig {
+        /// The rule it breaks.
+        reason: String,
+    },
+    /// A bug: a layer below refused what the allocator's own books allowed.
+    /// The operation changed nothing; the allocator stays usable.
+    #[error("internal error (a bug in the allocator): {0}")]
+    Internal(String),
 }
 
 impl AllocError {

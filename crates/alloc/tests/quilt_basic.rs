@@ -9,7 +9,9 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use quilt_alloc::quilt::{MemoryLimit, PageSize, QuiltAllocator, QuiltConfig, ReclaimPolicy};
+use quilt_alloc::quilt::{
+    MemoryLimit, PageSize, PoolConfig, QuiltAllocator, QuiltConfig, ReclaimPolicy,
+};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::{Fault, SimVmm};
 use quilt_vmm::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId, Vmm};
@@ -1349,4 +1351,61 @@ fn oom_only_when_too_few_pages_are_free_or_reclaimable() {
     ok(&a);
     drop(a);
     assert!(sim.leak_report().is_empty());
+}
+
+#[test]
+fn configurations_that_break_a_promise_are_refused() {
+    let sim: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 * MIB).unwrap());
+    let base = QuiltConfig::default();
+    for (config, expect) in [
+        (
+            QuiltConfig {
+                placement_candidates: 0,
+                ..base
+            },
+            "placement_candidates",
+        ),
+        (
+            QuiltConfig {
+                arena_va_factor: 1,
+                ..base
+            },
+            "arena_va_factor",
+        ),
+        (
+            QuiltConfig {
+                reclaim: ReclaimPolicy::CachedAbove(1001),
+                ..base
+            },
+            "CachedAbove",
+        ),
+        (
+            QuiltConfig {
+                reuse_limit: 4,
+                ..base
+            },
+            "reuse_limit",
+        ),
+    ] {
+        match QuiltAllocator::new(sim.clone(), config) {
+            Err(AllocError::InvalidConfig { reason }) => {
+                assert!(reason.contains(expect), "{reason}")
+            }
+            other => panic!("{expect}: {other:?}"),
+        }
+    }
+    // A page size that is not a multiple of the granularity is a
+    // configuration error too, not a driver failure.
+    let odd = QuiltConfig {
+        pool: PoolConfig {
+            page_size: PageSize::Bytes(3 * MIB),
+            ..base.pool
+        },
+        ..base
+    };
+    assert!(matches!(
+        QuiltAllocator::new(sim.clone(), odd),
+        Err(AllocError::InvalidConfig { .. })
+    ));
+    assert!(QuiltAllocator::new(sim.clone(), QuiltConfig::gmlake()).is_ok());
 }

@@ -3,6 +3,8 @@
 
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 
+use crate::error::AllocError;
+
 /// When cached pages (mapped, touched by no block) are unmapped and returned
 /// to the pool *before* it grows. Whatever the policy, when the pool cannot
 /// grow, cached pages are reclaimed (synchronising the streams whose work may
@@ -115,6 +117,46 @@ impl QuiltConfig {
             stitch_threshold: 512 << 20,
             reuse_limit: 10,
         }
+    }
+
+    /// Check that the configuration keeps Quilt's promises and sets no knob
+    /// the rest ignores ([`QuiltAllocator::new`](super::QuiltAllocator::new)
+    /// calls it): at least one placement candidate; virtual space of at least
+    /// twice the memory limit per arena (placement that prefers mapped gaps
+    /// spreads blocks, and a request must not fail for want of a virtual gap
+    /// while pages are free); a bounded cache of at most 1000 thousandths; a
+    /// reuse limit only with a stitch threshold.
+    ///
+    /// ```
+    /// use quilt_alloc::quilt::QuiltConfig;
+    ///
+    /// assert!(QuiltConfig::default().validate().is_ok());
+    /// let bad = QuiltConfig { placement_candidates: 0, ..QuiltConfig::default() };
+    /// assert!(bad.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), AllocError> {
+        let fail = |reason: &str| {
+            Err(AllocError::InvalidConfig {
+                reason: reason.to_string(),
+            })
+        };
+        if self.placement_candidates == 0 {
+            return fail("placement_candidates must be at least 1");
+        }
+        if self.arena_va_factor < 2 {
+            return fail("arena_va_factor must be at least 2 (virtual space per arena, as a multiple of the memory limit)");
+        }
+        if let ReclaimPolicy::CachedAbove(pm) = self.reclaim {
+            if pm > 1000 {
+                return fail(
+                    "ReclaimPolicy::CachedAbove takes thousandths of the pool: at most 1000",
+                );
+            }
+        }
+        if self.reuse_limit > 0 && self.stitch_threshold == 0 {
+            return fail("reuse_limit applies only with a stitch_threshold above 0");
+        }
+        Ok(())
     }
 
     /// The same configuration with a memory limit.

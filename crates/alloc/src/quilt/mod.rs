@@ -67,6 +67,7 @@ pub struct QuiltAllocator {
 impl QuiltAllocator {
     /// An allocator over `vmm` with `config`. Holds no memory until the first request.
     pub fn new(vmm: Arc<dyn Vmm>, config: QuiltConfig) -> Result<QuiltAllocator, AllocError> {
+        config.validate()?;
         let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
         let page = pool.page_size();
         let limit = pool.limit_pages().max(1) * page;

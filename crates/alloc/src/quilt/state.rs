@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use quilt_pool::{PageId, PagePool, PoolError};
-use quilt_vmm::{DevicePtr, StreamId, VmmError};
+use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::QuiltConfig;
@@ -369,8 +369,9 @@ pub(crate) fn pool_err(e: PoolError) -> AllocError {
     match e {
         PoolError::Driver(v) => AllocError::Driver(v),
         PoolError::Poisoned => AllocError::Poisoned,
-        other => AllocError::Driver(VmmError::Unavailable {
-            reason: other.to_string(),
-        }),
+        e @ PoolError::InvalidPageSize { .. } => AllocError::InvalidConfig {
+            reason: e.to_string(),
+        },
+        other => AllocError::Internal(other.to_string()),
     }
 }
