@@ -13,7 +13,7 @@
 //! | `shared_arena` | `true` / `false` | [`QuiltConfig::shared_arena`] |
 //! | `small_arena` | `true` / `false` | [`QuiltConfig::separate_small_arena`] |
 //! | `frag_limit` | a size; 0 stitches every request | [`QuiltConfig::stitch_threshold`] |
-//! | `reuse_limit` | a whole number, with a `frag_limit` | [`QuiltConfig::reuse_limit`] |
+//! | `reuse_limit` | a whole number, with a `frag_limit` (`frag_limit=0` clears it) | [`QuiltConfig::reuse_limit`] |
 //! | `growth_divisor` | pages held per page of margin; 0: exactly what is needed | [`GrowthPolicy`] |
 //! | `access_per_map` | `true` / `false` | [`QuiltConfig::access_per_map`] |
 //!
@@ -204,6 +204,11 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
         return Err(ConfError::Conflict(
             "idle_ops applies only with reclaim=idle_for".into(),
         ));
+    }
+    if c.stitch_threshold == 0 && !reuse_given {
+        // Stitching every request (`frag_limit=0`) leaves the reuse limit of
+        // the requests below the threshold nothing to limit.
+        c.reuse_limit = 0;
     }
     if reuse_given && c.stitch_threshold == 0 {
         return Err(ConfError::Conflict(
