@@ -127,6 +127,7 @@ pub(crate) struct MappingEntry {
 }
 
 /// Everything still alive, taken out of a ledger so its owner can tear it down.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend tears down this way
 pub(crate) struct Drained<P> {
     /// Mappings as (address, size).
     pub mappings: Vec<(DevicePtr, u64)>,
@@ -758,6 +759,7 @@ impl<P> Ledger<P> {
     }
 
     /// Takes everything out, leaving the ledger empty.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend tears down this way
     pub fn drain(&mut self) -> Drained<P> {
         let mappings = std::mem::take(&mut self.mappings)
             .into_iter()

@@ -35,6 +35,7 @@
 //! `unsafe` code lives in the CUDA and host backends alone.
 
 mod call_log;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod driver;
 pub mod error;

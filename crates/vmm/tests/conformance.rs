@@ -108,6 +108,13 @@ fn host_backend_with(_map_rule: MapRule) -> Option<Backend> {
     None
 }
 
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend() -> Option<Backend> {
+    eprintln!("conformance: CUDA backend skipped: built without the `cuda` feature");
+    None
+}
+
+#[cfg(feature = "cuda")]
 fn cuda_backend() -> Option<Backend> {
     match quilt_vmm::cuda::CudaVmm::new(0) {
         Ok(vmm) => Some(Backend {
