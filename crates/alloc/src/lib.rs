@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod baselines;
+pub mod buffer;
 pub mod error;
 pub mod quilt;
 pub mod snapshot;
@@ -12,6 +13,7 @@ pub mod stats;
 pub mod units;
 
 pub use api::{Allocation, DeviceAllocator, MAX_ALLOCATION, MIN_BLOCK_SIZE, SMALL_SIZE};
+pub use buffer::Buffer;
 pub use error::{AllocError, InvariantViolation, OomReport, OomVerdict};
 pub use snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 pub use stats::{AllocatorStats, Stat};
