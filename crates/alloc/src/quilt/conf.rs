@@ -1,7 +1,7 @@
 //! Quilt's policy from text: `KEY` / `VALUE` settings applied to a
 //! [`QuiltConfig`], one vocabulary for every front end (`quilt-bench`'s
 //! `--allocator quilt:KEY=VALUE,...`, and `QUILT_ALLOC_CONF`'s `KEY:VALUE,...`
-//! in the PyTorch library).
+//! for Rust programs ([`from_env`]) and in the PyTorch library).
 //!
 //! | key | value | sets |
 //! |---|---|---|
@@ -20,7 +20,7 @@
 //! A key the other settings would ignore (`cached_permille` without
 //! `reclaim=cached_above`, ...) is refused rather than silently dead.
 
-use quilt_pool::{GrowthPolicy, PageSize};
+use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize};
 
 use super::config::{QuiltConfig, ReclaimPolicy};
 use crate::units::parse_size;
@@ -218,10 +218,107 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
     Ok(c)
 }
 
+/// The keys of [`parse`] beyond Quilt's policy keys.
+pub const LIMIT_KEYS: [&str; 2] = ["memory_fraction", "memory_limit"];
+
+/// A configuration from text in `QUILT_ALLOC_CONF`'s grammar (the PyTorch
+/// library's too): comma-separated `key:value` pairs, Quilt's policy keys
+/// ([`KEYS`]) and a memory limit, `memory_fraction` (0 < f <= 1) or
+/// `memory_limit` (a size), applied to `base`. An unknown key names the
+/// valid ones.
+///
+/// ```
+/// use quilt_alloc::quilt::{conf, MemoryLimit, QuiltConfig, ReclaimPolicy};
+///
+/// let c = conf::parse(QuiltConfig::default(), "reclaim:always, memory_limit:8GiB")?;
+/// assert_eq!(c.reclaim, ReclaimPolicy::Always);
+/// assert_eq!(c.pool.limit, MemoryLimit::Bytes(8 << 30));
+/// assert!(conf::parse(QuiltConfig::default(), "colour:blue").is_err());
+/// # Ok::<(), quilt_alloc::quilt::conf::ConfError>(())
+/// ```
+pub fn parse(base: QuiltConfig, text: &str) -> Result<QuiltConfig, ConfError> {
+    let mut pairs: Vec<(&str, &str)> = Vec::new();
+    let mut limit: Option<MemoryLimit> = None;
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((key, value)) = part.split_once(':') else {
+            return Err(bad(part, "", "expected key:value"));
+        };
+        let (key, value) = (key.trim(), value.trim());
+        match key {
+            "memory_fraction" | "memory_limit" if limit.is_some() => {
+                return Err(ConfError::Conflict(
+                    "give one of memory_fraction and memory_limit".into(),
+                ))
+            }
+            "memory_fraction" => {
+                let f: f64 = value
+                    .parse()
+                    .map_err(|_| bad(key, value, "expected a number in (0, 1]"))?;
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(bad(key, value, "expected a number in (0, 1]"));
+                }
+                limit = Some(MemoryLimit::Fraction(f));
+            }
+            "memory_limit" => limit = Some(MemoryLimit::Bytes(size(key, value)?)),
+            k if is_key(k) => pairs.push((k, value)),
+            k => {
+                return Err(ConfError::UnknownKey {
+                    key: k.to_string(),
+                    valid: KEYS.iter().chain(LIMIT_KEYS.iter()).copied().collect(),
+                })
+            }
+        }
+    }
+    let c = apply(base, &pairs)?;
+    Ok(match limit {
+        Some(l) => c.with_limit(l),
+        None => c,
+    })
+}
+
+/// [`parse`] of the environment variable `QUILT_ALLOC_CONF` (the default
+/// configuration when it is unset).
+pub fn from_env() -> Result<QuiltConfig, ConfError> {
+    parse(
+        QuiltConfig::default(),
+        &std::env::var("QUILT_ALLOC_CONF").unwrap_or_default(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
+
+    #[test]
+    fn text_in_alloc_conf_grammar() {
+        let c = parse(QuiltConfig::default(), "page_size:4MiB,memory_fraction:0.5").unwrap();
+        assert_eq!(c.pool.page_size, PageSize::Bytes(4 << 20));
+        assert_eq!(c.pool.limit, MemoryLimit::Fraction(0.5));
+        assert_eq!(
+            parse(QuiltConfig::default(), " ").unwrap(),
+            QuiltConfig::default()
+        );
+        let e = parse(QuiltConfig::default(), "colour:blue")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("memory_fraction, memory_limit") && e.contains("reclaim"),
+            "{e}"
+        );
+        for bad_text in [
+            "memory_fraction:2",
+            "memory_limit:lots",
+            "memory_limit:1GiB,memory_fraction:0.5",
+            "reclaim",
+            "reclaim:often",
+        ] {
+            assert!(
+                parse(QuiltConfig::default(), bad_text).is_err(),
+                "{bad_text}"
+            );
+        }
+    }
 
     #[test]
     fn settings_apply_and_bad_ones_say_what_is_valid() {
