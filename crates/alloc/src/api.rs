@@ -31,6 +31,31 @@ pub struct Allocation {
 ///   stream only after the events of every stream it was recorded on
 ///   (`record_stream`) have completed.
 /// - `check_invariants` is cheap enough to call after every operation in tests.
+///
+/// Every allocator of this crate behind one trait:
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+/// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+/// use quilt_alloc::{AllocError, DeviceAllocator};
+/// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+/// let quilt: Box<dyn DeviceAllocator> = Box::new(QuiltAllocator::new(vmm.clone(), QuiltConfig::default())?);
+/// for alloc in [quilt] {
+///     let a = alloc.allocate(3 << 20, StreamId(1))?;
+///     alloc.record_stream(a.ptr, StreamId(2))?; // used on stream 2 too
+///     alloc.free(a.ptr)?;
+///     assert!(matches!(alloc.free(a.ptr), Err(AllocError::DoubleFree { .. })));
+///     assert!(matches!(alloc.allocate(0, StreamId(1)), Err(AllocError::InvalidSize { .. })));
+///     alloc.empty_cache()?;
+///     assert_eq!(alloc.stats().reserved_bytes.current, 0);
+///     alloc.check_invariants()?;
+/// }
+/// # let _ = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub trait DeviceAllocator: Send + Sync {
     /// Short name of the allocator (`quilt`, `classic`, `expandable`, `gmlake`, `offset`).
     fn name(&self) -> &str;

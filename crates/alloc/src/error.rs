@@ -71,6 +71,21 @@ pub enum OomVerdict {
 
 /// The figures behind an out-of-memory error.
 #[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+/// use quilt_alloc::{DeviceAllocator, OomVerdict};
+/// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 << 20)?);
+/// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+/// let err = alloc.allocate(100 << 20, StreamId::DEFAULT).unwrap_err();
+/// let report = err.oom_report().expect("an out-of-memory report");
+/// assert_eq!(report.verdict, OomVerdict::Capacity);
+/// assert!(err.to_string().contains("verdict: capacity"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct OomReport {
     /// The allocator that failed.
     pub allocator: String,

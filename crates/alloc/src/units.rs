@@ -15,6 +15,15 @@ pub struct SizeError {
 /// optional unit, case-insensitive: `B`; `K`/`KiB`, `M`/`MiB`, `G`/`GiB`,
 /// `T`/`TiB` (powers of 1024); `KB`, `MB`, `GB`, `TB` (powers of 1000). A
 /// fraction of a byte is rounded down. Overflow past `u64` is an error.
+///
+/// ```
+/// use quilt_alloc::units::parse_size;
+///
+/// assert_eq!(parse_size("80GiB").unwrap(), 80 << 30);
+/// assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+/// assert_eq!(parse_size("4096").unwrap(), 4096);
+/// assert!(parse_size("1.5").is_ok() && parse_size("lots").is_err());
+/// ```
 pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     let err = |reason| SizeError {
         text: text.to_string(),

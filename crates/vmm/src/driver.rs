@@ -26,6 +26,40 @@ use crate::types::{DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle
 /// - `release(handle)` may be called while the handle is still mapped: the
 ///   physical memory lives until its last mapping is unmapped.
 /// - `set_access` makes a fully mapped range readable and writable by the device.
+///
+/// ```
+/// use quilt_vmm::{sim::SimVmm, CallKind, Vmm};
+///
+/// let vmm = SimVmm::with_capacity(1 << 30)?;
+/// let g = vmm.granularity();
+/// let va = vmm.reserve(4 * g, 0)?;
+/// let h = vmm.create(g)?;
+/// vmm.map(va, g, h, 0)?; // one whole handle, at offset 0
+/// vmm.set_access(va, g)?;
+/// vmm.unmap(va, g)?;
+/// vmm.release(h)?;
+/// vmm.address_free(va, 4 * g)?;
+/// assert_eq!(vmm.driver_stats().count(CallKind::Map), 1);
+/// // A map at a non-zero offset breaks CUDA's documented rule.
+/// let h2 = vmm.create(2 * g)?;
+/// let va2 = vmm.reserve(2 * g, 0)?;
+/// assert!(vmm.map(va2, g, h2, g).is_err());
+/// # Ok::<(), quilt_vmm::VmmError>(())
+/// ```
+///
+/// Streams and events:
+///
+/// ```
+/// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+///
+/// let vmm = SimVmm::with_capacity(1 << 30)?;
+/// let e = vmm.event_record(StreamId(1))?;
+/// vmm.stream_wait_event(StreamId(2), e)?; // stream 2 waits for stream 1's work so far
+/// vmm.stream_synchronize(StreamId(1))?;   // the host waits for stream 1
+/// assert!(vmm.event_query(e)?);
+/// vmm.event_destroy(e)?;
+/// # Ok::<(), quilt_vmm::VmmError>(())
+/// ```
 pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// A short name of the backend ("cuda", "host", "simulated").
     fn backend_name(&self) -> &'static str;

@@ -153,6 +153,23 @@ impl HostVmm {
     /// Errors: `Unavailable` off 64-bit Linux or when the address arena cannot
     /// be had; `InvalidArgument` when the granularity is not a power of two at
     /// least the OS page size.
+    ///
+    /// ```
+    /// use quilt_vmm::host::{HostConfig, HostVmm};
+    /// use quilt_vmm::Vmm;
+    ///
+    /// let host = HostVmm::new(HostConfig::default())?;
+    /// let g = host.granularity();
+    /// let (va, h) = (host.reserve(g, 0)?, host.create(g)?);
+    /// host.map(va, g, h, 0)?;
+    /// host.set_access(va, g)?;
+    /// // The mapping is real memory of this process.
+    /// assert_eq!(host.backend_name(), "host");
+    /// host.unmap(va, g)?;
+    /// host.release(h)?;
+    /// host.address_free(va, g)?;
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
     pub fn new(config: HostConfig) -> Result<HostVmm> {
         HostVmm::with_map_rule(config, MapRule::WholeHandle)
     }

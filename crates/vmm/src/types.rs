@@ -197,6 +197,19 @@ pub struct DriverStats {
 
 impl DriverStats {
     /// Calls of one kind.
+    ///
+    /// ```
+    /// use quilt_vmm::{sim::SimVmm, CallKind, Vmm};
+    ///
+    /// let sim = SimVmm::with_capacity(1 << 30)?;
+    /// let before = sim.driver_stats();
+    /// let h = sim.create(sim.granularity())?;
+    /// let since = sim.driver_stats().since(&before);
+    /// assert_eq!(since.count(CallKind::Create), 1);
+    /// assert_eq!(since.vmm_calls(), 1);
+    /// # sim.release(h)?;
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
     pub fn count(&self, kind: CallKind) -> u64 {
         self.calls[kind.index()]
     }

@@ -89,6 +89,21 @@ pub struct ClassicAllocator {
 impl ClassicAllocator {
     /// A classic allocator on `vmm`. Fails with [`AllocError::InvalidSize`] for a
     /// setting out of range, or [`AllocError::Driver`] if `mem_info` fails.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let config = ClassicConfig { max_split_size: Some(256 << 20), ..ClassicConfig::default() };
+    /// let alloc = ClassicAllocator::new(vmm, config)?;
+    /// let a = alloc.allocate(5 << 20, StreamId::DEFAULT)?;
+    /// assert_eq!(alloc.stats().reserved_bytes.current, 20 << 20, "a 20 MiB segment, as PyTorch");
+    /// alloc.free(a.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(vmm: Arc<dyn Vmm>, config: ClassicConfig) -> Result<Self, AllocError> {
         let settings = config.settings(&*vmm, false)?;
         Ok(ClassicAllocator {

@@ -47,6 +47,20 @@ impl ExpandableAllocator {
     /// An expandable-segments allocator on `vmm`. Fails with
     /// [`AllocError::InvalidSize`] for a setting out of range, or
     /// [`AllocError::Driver`] if `mem_info` fails.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = ExpandableAllocator::new(vmm, ExpandableConfig::default())?;
+    /// let a = alloc.allocate(30 << 20, StreamId::DEFAULT)?;
+    /// alloc.free(a.ptr)?;
+    /// alloc.check_invariants()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(vmm: Arc<dyn Vmm>, config: ExpandableConfig) -> Result<Self, AllocError> {
         let classic = ClassicConfig {
             max_split_size: config.max_split_size,

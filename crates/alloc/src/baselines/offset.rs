@@ -104,6 +104,19 @@ impl OffsetAllocator {
     /// An offset allocator on `vmm`: reserves the arena's address range. Fails
     /// with [`AllocError::InvalidSize`] for an arena smaller than one granule or
     /// a bad `max_allocs`, [`AllocError::Driver`] when the reservation fails.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = OffsetAllocator::new(vmm, OffsetConfig::default())?;
+    /// let a = alloc.allocate(1000, StreamId::DEFAULT)?;
+    /// alloc.free(a.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(vmm: Arc<dyn Vmm>, config: OffsetConfig) -> Result<Self, AllocError> {
         let gran = vmm.granularity().max(UNIT);
         let wanted = match config.arena_bytes {

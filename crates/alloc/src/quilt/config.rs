@@ -100,6 +100,19 @@ impl QuiltConfig {
     /// 512 MiB or more (`fragLimit`), reusing a cached block only up to 10x the
     /// request (`reuseLimit`). Below the threshold it behaves as a caching
     /// allocator over whole 2 MiB pages.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let gmlake = QuiltAllocator::new(vmm, QuiltConfig::gmlake())?;
+    /// assert_eq!(gmlake.name(), "gmlake");
+    /// assert_eq!(QuiltConfig::gmlake().stitch_threshold, 512 << 20);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn gmlake() -> QuiltConfig {
         QuiltConfig {
             pool: PoolConfig {
@@ -160,6 +173,19 @@ impl QuiltConfig {
     }
 
     /// The same configuration with a memory limit.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(64 << 20));
+    /// let alloc = QuiltAllocator::new(vmm, config)?;
+    /// assert!(alloc.allocate(100 << 20, StreamId::DEFAULT).is_err(), "over the limit");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_limit(mut self, limit: MemoryLimit) -> QuiltConfig {
         self.pool.limit = limit;
         self

@@ -66,6 +66,23 @@ pub struct QuiltAllocator {
 
 impl QuiltAllocator {
     /// An allocator over `vmm` with `config`. Holds no memory until the first request.
+    /// Fails with [`AllocError::InvalidConfig`] for a configuration that
+    /// breaks a promise ([`QuiltConfig::validate`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(80 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let block = alloc.allocate(300 << 20, StreamId::DEFAULT)?;
+    /// assert!(block.size >= 300 << 20);
+    /// alloc.free(block.ptr)?;
+    /// alloc.check_invariants()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(vmm: Arc<dyn Vmm>, config: QuiltConfig) -> Result<QuiltAllocator, AllocError> {
         config.validate()?;
         let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
@@ -126,6 +143,23 @@ impl QuiltAllocator {
     /// pool's free pages make the reserved bytes. (The trait's
     /// [`DeviceAllocator::snapshot`] shows one segment per arena instead, with
     /// its unmapped gaps.)
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(5 << 20, StreamId::DEFAULT)?;
+    /// let snap = alloc.mapped_segments();
+    /// let shown: u64 = snap.segments.iter().map(|s| s.total_size).sum();
+    /// let free_pool = alloc.pool().free_pages() * alloc.pool().page_size();
+    /// assert_eq!(shown + free_pool, alloc.stats().reserved_bytes.current);
+    /// # alloc.free(a.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn mapped_segments(&self) -> MemorySnapshot {
         match self.lock() {
             Ok(st) => snapshot::mapped_segments(&st, self.name, self.page),

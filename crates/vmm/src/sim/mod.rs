@@ -103,6 +103,18 @@ impl SimVmm {
 
     /// A simulated device of `capacity` bytes with the default granularity (2 MiB),
     /// costs and address-space limit.
+    ///
+    /// ```
+    /// use quilt_vmm::{sim::SimVmm, Vmm};
+    ///
+    /// let sim = SimVmm::with_capacity(80 << 30)?;
+    /// assert_eq!(sim.mem_info()?.total, 80 << 30);
+    /// let h = sim.create(sim.granularity())?;
+    /// assert!(!sim.leak_report().is_empty(), "a live handle is reported");
+    /// sim.release(h)?;
+    /// assert!(sim.leak_report().is_empty());
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
     pub fn with_capacity(capacity: u64) -> Result<SimVmm> {
         SimVmm::new(SimConfig {
             capacity,
@@ -124,6 +136,18 @@ impl SimVmm {
     }
 
     /// Arm a fault (see [`Fault`]); several may be armed at once.
+    ///
+    /// ```
+    /// use quilt_vmm::sim::{Fault, SimVmm};
+    /// use quilt_vmm::{CallKind, Vmm};
+    ///
+    /// let sim = SimVmm::with_capacity(1 << 30)?;
+    /// sim.inject(Fault::nth(CallKind::Create, 1)); // the next create fails
+    /// assert!(sim.create(sim.granularity()).is_err());
+    /// let h = sim.create(sim.granularity())?; // then creates work again
+    /// sim.release(h)?;
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
     pub fn inject(&self, fault: Fault) {
         tracing::debug!(target: TARGET, ?fault, "fault armed");
         self.lock().faults.arm(fault);
@@ -170,6 +194,17 @@ impl SimVmm {
     }
 
     /// Complete every event recorded so far on every stream.
+    ///
+    /// ```
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let sim = SimVmm::with_capacity(1 << 30)?; // the GPU never catches up by itself
+    /// let e = sim.event_record(StreamId(3))?;
+    /// assert!(!sim.event_query(e)?);
+    /// sim.complete_all();
+    /// assert!(sim.event_query(e)?);
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
     pub fn complete_all(&self) {
         self.lock().state.complete_all();
     }
