@@ -359,7 +359,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                 println!("JSON written to {}", path.display());
             }
             if let Some(dir) = &args.svg {
-                let files = report::write_charts(dir, &measurements)
+                let files = report::write_charts(dir, &measurements, args.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 println!("charts written: {}", files.join(", "));
             }

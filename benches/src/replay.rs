@@ -88,7 +88,9 @@ impl ReplayConfig {
     }
 }
 
-/// The most points a recorded series holds (about; sampling is by a fixed stride).
+/// Samples of a recorded series (about; by a fixed stride; each sample keeps
+/// the lowest and highest live bytes since the one before, so a series holds
+/// up to three times as many points).
 pub const MAX_SERIES_POINTS: usize = 2000;
 
 /// One sample of memory over the replay.
@@ -215,6 +217,9 @@ struct Run<'a> {
     events: u64,
     stride: u64,
     series: Vec<SeriesPoint>,
+    /// The lowest and highest live bytes since the last sample, each with
+    /// its event: a sample keeps both, so that no peak falls between samples.
+    bucket: Option<((u64, u64), (u64, u64))>,
     op_ns: Vec<u32>,
 }
 
@@ -303,8 +308,18 @@ impl Run<'_> {
                 self.check(index)?;
             }
         }
-        if self.config.record_series && self.events.is_multiple_of(self.stride) {
-            self.sample();
+        if self.config.record_series {
+            let now = (self.events, self.live.tracker.live_bytes);
+            let (lo, hi) = self.bucket.get_or_insert((now, now));
+            if now.1 < lo.1 {
+                *lo = now;
+            }
+            if now.1 > hi.1 {
+                *hi = now;
+            }
+            if self.events.is_multiple_of(self.stride) {
+                self.sample();
+            }
         }
         Ok(Step::Done)
     }
@@ -319,12 +334,28 @@ impl Run<'_> {
             })
     }
 
+    /// Record the bucket since the last sample: its lowest and highest live
+    /// bytes in event order, then the live bytes now, each with the reserved
+    /// bytes now.
     fn sample(&mut self) {
-        self.series.push(SeriesPoint {
-            event: self.events,
-            live_bytes: self.live.tracker.live_bytes,
-            reserved_bytes: self.alloc.stats().reserved_bytes.current,
-        });
+        let reserved_bytes = self.alloc.stats().reserved_bytes.current;
+        let mut points: Vec<(u64, u64)> = Vec::with_capacity(3);
+        if let Some((lo, hi)) = self.bucket.take() {
+            points.push(lo.min(hi));
+            points.push(lo.max(hi));
+        }
+        points.push((self.events, self.live.tracker.live_bytes));
+        points.dedup_by_key(|p| p.0);
+        for (event, live_bytes) in points {
+            if self.series.last().is_some_and(|l| l.event >= event) {
+                continue;
+            }
+            self.series.push(SeriesPoint {
+                event,
+                live_bytes,
+                reserved_bytes,
+            });
+        }
     }
 
     /// Free what an iteration left live (in allocation order) and allocate again
@@ -395,6 +426,7 @@ pub fn replay(
         events: 0,
         stride: (expected / MAX_SERIES_POINTS as u64).max(1),
         series: Vec::new(),
+        bucket: None,
         op_ns: Vec::with_capacity(if config.time_ops {
             expected.min(1 << 22) as usize
         } else {

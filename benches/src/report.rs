@@ -326,9 +326,14 @@ const COLORS: [RGBColor; 6] = [
 
 /// Write the charts into `dir` (created if needed): per workload
 /// `<workload>.svg` (live memory and each allocator's reserved memory over the
-/// replay), and `min-capacity.svg` (minimum capacity over peak live, by
-/// workload and allocator). Returns the files written.
-pub fn write_charts(dir: &Path, measurements: &[Measurement]) -> Result<Vec<String>, ChartError> {
+/// replay, Quilt drawn last and thicker, the device and `iterations` in the
+/// title), and, when a bisection ran, `min-capacity.svg` (minimum capacity
+/// over peak live, by workload and allocator). Returns the files written.
+pub fn write_charts(
+    dir: &Path,
+    measurements: &[Measurement],
+    iterations: u32,
+) -> Result<Vec<String>, ChartError> {
     let fail = |path: &Path, message: String| ChartError {
         path: path.display().to_string(),
         message,
@@ -347,12 +352,18 @@ pub fn write_charts(dir: &Path, measurements: &[Measurement]) -> Result<Vec<Stri
             .iter()
             .filter(|m| m.row.workload == *w)
             .collect();
-        memory_chart(&path, w, &rows).map_err(|e| fail(&path, e))?;
+        memory_chart(&path, w, &rows, iterations).map_err(|e| fail(&path, e))?;
         written.push(path.display().to_string());
     }
-    let path = dir.join("min-capacity.svg");
-    min_capacity_chart(&path, &workloads, measurements).map_err(|e| fail(&path, e))?;
-    written.push(path.display().to_string());
+    // No bisection (`--no-bisect`), no minimum-capacity chart.
+    if measurements
+        .iter()
+        .any(|m| m.row.min_capacity_bytes.is_some())
+    {
+        let path = dir.join("min-capacity.svg");
+        min_capacity_chart(&path, &workloads, measurements).map_err(|e| fail(&path, e))?;
+        written.push(path.display().to_string());
+    }
     Ok(written)
 }
 
@@ -370,7 +381,20 @@ fn file_safe(name: &str) -> String {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-fn memory_chart(path: &Path, workload: &str, rows: &[&Measurement]) -> Result<(), String> {
+fn iterations_note(iterations: u32) -> String {
+    if iterations > 1 {
+        format!(", {iterations} iterations")
+    } else {
+        String::new()
+    }
+}
+
+fn memory_chart(
+    path: &Path,
+    workload: &str,
+    rows: &[&Measurement],
+    iterations: u32,
+) -> Result<(), String> {
     let root = SVGBackend::new(path, (1100, 620)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let x_max = rows
@@ -388,7 +412,13 @@ fn memory_chart(path: &Path, workload: &str, rows: &[&Measurement]) -> Result<()
         * 1.08;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            format!("{workload}: live and reserved memory over the replay"),
+            format!(
+                "{workload}: live and reserved memory, {} GiB device{}",
+                rows.first()
+                    .map(|m| m.row.capacity_bytes as f64 / GIB)
+                    .map_or_else(String::new, |g| format!("{g:.0}")),
+                iterations_note(iterations),
+            ),
             ("sans-serif", 22),
         )
         .margin(12)
@@ -415,8 +445,16 @@ fn memory_chart(path: &Path, workload: &str, rows: &[&Measurement]) -> Result<()
             .label("live (requested)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
     }
-    for (i, m) in rows.iter().enumerate() {
+    // Quilt last and thicker, so that no other line hides it.
+    let mut order: Vec<(usize, &&Measurement)> = rows.iter().enumerate().collect();
+    order.sort_by_key(|(_, m)| m.row.allocator.starts_with("quilt"));
+    for (i, m) in order {
         let color = COLORS[i % COLORS.len()];
+        let width = if m.row.allocator.starts_with("quilt") {
+            3
+        } else {
+            1
+        };
         let points: Vec<(f64, f64)> = m
             .series
             .iter()
@@ -428,7 +466,7 @@ fn memory_chart(path: &Path, workload: &str, rows: &[&Measurement]) -> Result<()
             format!("{} reserved (OOM)", m.row.allocator)
         };
         chart
-            .draw_series(LineSeries::new(points, color.stroke_width(1)))
+            .draw_series(LineSeries::new(points, color.stroke_width(width)))
             .map_err(|e| e.to_string())?
             .label(label)
             .legend(move |(x, y)| {

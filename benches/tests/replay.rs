@@ -463,3 +463,21 @@ fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
         charged.driver.modelled_ns as f64 / 1000.0
     );
 }
+
+/// A recorded series keeps every bucket's highest live bytes: its peak is
+/// the replay's peak, however far apart the samples are.
+#[test]
+fn recorded_series_keep_the_peak() {
+    let trace = (quilt_bench::workloads::find("mixed-vision-language")
+        .unwrap()
+        .generate)(quilt_bench::workloads::DEFAULT_SEED);
+    let config = ReplayConfig {
+        record_series: true,
+        ..ReplayConfig::default()
+    };
+    let r = quilt_bench::replay::replay_fresh(&trace, "classic", 80 << 30, &config).unwrap();
+    let peak = r.series.iter().map(|p| p.live_bytes).max().unwrap();
+    assert_eq!(peak, r.peak_live_bytes);
+    assert!(r.series.windows(2).all(|w| w[0].event < w[1].event));
+    assert!(r.series.len() <= 3 * quilt_bench::replay::MAX_SERIES_POINTS + 3);
+}
