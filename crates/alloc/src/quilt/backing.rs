@@ -54,7 +54,7 @@ impl State {
             ctx.pool.give_back(&pages).map_err(pool_err)?;
             return Err(e);
         }
-        let result = self.map_pages(ctx, ai, need, pages.clone());
+        let result = self.map_pages(ctx, ai, need, &pages);
         // A page now mapped here (the block's, or left mapped by a failed
         // undo) carries its hazard in its slot from now on; the pages given
         // back keep theirs.
@@ -78,12 +78,12 @@ impl State {
         ctx: &Ctx<'_>,
         ai: usize,
         at: &[u64],
-        pages: Vec<Page>,
+        pages: &[Page],
     ) -> Result<(), AllocError> {
         let page = ctx.page;
         let mut mapped = 0usize;
         let mut result: Result<(), VmmError> = Ok(());
-        for (&p, pg) in at.iter().zip(&pages) {
+        for (&p, pg) in at.iter().zip(pages) {
             let addr = self.arenas[ai].page_addr(p);
             if let Err(e) = ctx.vmm.map(addr, page, pg.handle, 0) {
                 result = Err(e);
@@ -115,7 +115,7 @@ impl State {
         let tick = self.tick;
         match result {
             Ok(()) => {
-                for (&p, &pg) in at.iter().zip(&pages) {
+                for (&p, &pg) in at.iter().zip(pages) {
                     self.arenas[ai].set_mapped(p, pg, tick);
                 }
                 Ok(())
@@ -125,7 +125,7 @@ impl State {
                 // stays recorded as mapped (cached once the block is undone,
                 // reclaimable later).
                 let mut give = Vec::with_capacity(pages.len());
-                for (i, (&p, &pg)) in at.iter().zip(&pages).enumerate() {
+                for (i, (&p, &pg)) in at.iter().zip(pages).enumerate() {
                     let addr = self.arenas[ai].page_addr(p);
                     if i < mapped && ctx.vmm.unmap(addr, page).is_err() {
                         self.arenas[ai].set_mapped(p, pg, tick);

@@ -7,10 +7,11 @@ use super::state::{Ctx, Kind, State};
 use crate::error::AllocError;
 
 /// How good a place for a block is: lower is better, fields compared in order.
+/// (Retired pages still in use need no field: placement steps past them
+/// first, so either no candidate covers one or, when none fits past them,
+/// every candidate does.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct PlaceScore {
-    /// Over a retired page still in use (mapping it would need a sync).
-    blocked: bool,
     /// Needs new pages.
     needs_pages: bool,
     /// Every page mapped, but another stream's work must be waited for (a
@@ -23,9 +24,8 @@ struct PlaceScore {
 }
 
 impl PlaceScore {
-    /// Mapped, wait-free, unblocked: taken at once.
+    /// Mapped and wait-free: taken at once.
     const PERFECT: PlaceScore = PlaceScore {
-        blocked: false,
         needs_pages: false,
         waits_though_mapped: false,
         new_pages: 0,
@@ -44,23 +44,31 @@ impl State {
         len: u64,
         t: u32,
     ) -> bool {
-        if self.streams.len() < 2 {
-            return false;
-        }
         let tick = self.tick;
-        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
-        for (_, h) in hazards {
-            for s in self.streams.in_mask(h.streams) {
-                if s == t || self.streams.waited(t, s) >= h.tick {
-                    continue;
-                }
-                self.streams.poll(ctx.vmm, s, tick);
-                if !self.streams.is_done(s, h.tick) {
-                    return true;
-                }
+        for (s, k) in self.other_streams_over(ai, off, len, t) {
+            if self.streams.waited(t, s) >= k {
+                continue;
+            }
+            self.streams.poll(ctx.vmm, s, tick);
+            if !self.streams.is_done(s, k) {
+                return true;
             }
         }
         false
+    }
+
+    /// The (stream, tick of its free) of every hazard over `off .. off + len`
+    /// of arena `ai` that belongs to a stream other than `t`; none while a
+    /// single stream exists (it orders its own reuse).
+    fn other_streams_over(&self, ai: usize, off: u64, len: u64, t: u32) -> Vec<(u32, u64)> {
+        if self.streams.len() < 2 {
+            return Vec::new();
+        }
+        self.arenas[ai]
+            .hazards_over(off, len)
+            .flat_map(|(_, h)| self.streams.in_mask(h.streams).map(move |s| (s, h.tick)))
+            .filter(|&(s, _)| s != t)
+            .collect()
     }
 
     /// Order stream `t` after every other stream's work that may still use
@@ -73,15 +81,9 @@ impl State {
         len: u64,
         t: u32,
     ) -> Result<(), AllocError> {
-        if self.streams.len() < 2 {
-            return Ok(());
-        }
         let tick = self.tick;
-        let hazards: Vec<_> = self.arenas[ai].hazards_over(off, len).collect();
-        for (_, h) in hazards {
-            for s in self.streams.in_mask(h.streams) {
-                self.streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
-            }
+        for (s, k) in self.other_streams_over(ai, off, len, t) {
+            self.streams.order_after(ctx.vmm, t, s, k, tick)?;
         }
         Ok(())
     }
@@ -159,12 +161,9 @@ impl State {
         }
         let mut best: Option<(PlaceScore, u64)> = None;
         for &start in candidates {
-            let blocked = self.arenas[ai].retired_pages > 0
-                && self.last_retired_in_use(ctx, ai, start, rounded).is_some();
             let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
             let wait = self.needs_wait(ctx, ai, start, rounded, t);
             let score = PlaceScore {
-                blocked,
                 needs_pages: unmapped > 0,
                 waits_though_mapped: unmapped == 0 && wait,
                 new_pages: unmapped,
