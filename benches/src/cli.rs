@@ -78,6 +78,42 @@ pub struct ScaleArgs {
     pub json: Option<PathBuf>,
 }
 
+/// What every replaying command shares: the device, the loop, the report
+/// files, the bisection, the simulated GPU.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Simulated device capacity of the main replay (80GiB, 512MiB, 1.5GiB, bytes).
+    #[arg(long, default_value = "80GiB")]
+    pub capacity: String,
+    /// Times the non-pre-existing part of each trace is replayed.
+    #[arg(long, default_value_t = 1)]
+    pub iterations: u32,
+    /// Write the JSON report here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write SVG charts into this folder.
+    #[arg(long, value_name = "DIR")]
+    pub svg: Option<PathBuf>,
+    /// Skip the minimum-capacity bisection (min_capacity_bytes is null).
+    #[arg(long)]
+    pub no_bisect: bool,
+    /// Seed of the built-in workload generators.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Worker threads (default: the machine's parallelism).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// How many allocator operations the simulated GPU runs behind the host:
+    /// work queued on a stream completes this many operations later (0: at
+    /// once). See docs/benchmarks.md for the default.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_GPU_LAG_OPS)]
+    pub gpu_lag_ops: u64,
+    /// Modelled cost of one stream synchronisation (a pipeline drain), in
+    /// microseconds.
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_SYNC_COST_NS as f64 / 1000.0)]
+    pub sync_cost_us: f64,
+}
+
 /// Arguments of `quilt-bench sweep`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SweepArgs {
@@ -94,33 +130,9 @@ pub struct SweepArgs {
     /// spec in turn, replacing a setting of the same key).
     #[arg(long, value_name = "KEY=V1,V2,...")]
     pub vary: String,
-    /// Simulated device capacity of the main replay.
-    #[arg(long, default_value = "80GiB")]
-    pub capacity: String,
-    /// Times the non-pre-existing part of the trace is replayed.
-    #[arg(long, default_value_t = 1)]
-    pub iterations: u32,
-    /// Write the JSON report here (one row per value, with `value`).
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write the chart (`sweep-KEY.svg`) into this folder.
-    #[arg(long, value_name = "DIR")]
-    pub svg: Option<PathBuf>,
-    /// Skip the minimum-capacity bisection.
-    #[arg(long)]
-    pub no_bisect: bool,
-    /// Seed of the built-in workload generators.
-    #[arg(long, default_value_t = DEFAULT_SEED)]
-    pub seed: u64,
-    /// Worker threads (default: the machine's parallelism).
-    #[arg(long)]
-    pub jobs: Option<usize>,
-    /// As `ab --gpu-lag-ops`.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_GPU_LAG_OPS)]
-    pub gpu_lag_ops: u64,
-    /// As `ab --sync-cost-us`.
-    #[arg(long, value_name = "US", default_value_t = DEFAULT_SYNC_COST_NS as f64 / 1000.0)]
-    pub sync_cost_us: f64,
+    /// The replay and its report.
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 /// Run a sweep: the A/B of the one trace through the spec with each value.
@@ -146,17 +158,14 @@ pub fn run_sweep(args: &SweepArgs) -> Result<(String, Vec<String>, Vec<Measureme
         snapshots: vec![],
         allocators: Some(vec![]),
         allocator_specs: specs,
-        capacity: args.capacity.clone(),
-        iterations: args.iterations,
-        json: None,
-        svg: None,
         export_snapshot: None,
-        no_bisect: args.no_bisect,
-        seed: args.seed,
         check_every: None,
-        jobs: args.jobs,
-        gpu_lag_ops: args.gpu_lag_ops,
-        sync_cost_us: args.sync_cost_us,
+        // The sweep writes its own report and chart.
+        run: RunArgs {
+            json: None,
+            svg: None,
+            ..args.run.clone()
+        },
     };
     let measurements = run_ab(&ab)?;
     Ok((key, values, measurements))
@@ -183,45 +192,18 @@ pub struct AbArgs {
     /// `quilt:page_size=20MiB`); reported as given. A bad key lists the valid ones.
     #[arg(long = "allocator", value_name = "SPEC")]
     pub allocator_specs: Vec<String>,
-    /// Simulated device capacity of the main replay (80GiB, 512MiB, 1.5GiB, bytes).
-    #[arg(long, default_value = "80GiB")]
-    pub capacity: String,
-    /// Times the non-pre-existing part of each trace is replayed.
-    #[arg(long, default_value_t = 1)]
-    pub iterations: u32,
-    /// Write the JSON report here.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write SVG charts into this folder.
-    #[arg(long, value_name = "DIR")]
-    pub svg: Option<PathBuf>,
     /// Write, for every workload and allocator, a snapshot pickle in PyTorch's
     /// layout (`torch.cuda.memory._snapshot()`, for PyTorch's memory viewer)
     /// of the memory as the main replay left it, into this folder, as
     /// `WORKLOAD__ALLOCATOR.pickle`.
     #[arg(long, value_name = "DIR")]
     pub export_snapshot: Option<PathBuf>,
-    /// Skip the minimum-capacity bisection (min_capacity_bytes is null).
-    #[arg(long)]
-    pub no_bisect: bool,
-    /// Seed of the built-in workload generators.
-    #[arg(long, default_value_t = DEFAULT_SEED)]
-    pub seed: u64,
     /// Check the allocator's invariants every K events (slow; for debugging).
     #[arg(long, value_name = "K")]
     pub check_every: Option<usize>,
-    /// Worker threads (default: the machine's parallelism).
-    #[arg(long)]
-    pub jobs: Option<usize>,
-    /// How many allocator operations the simulated GPU runs behind the host:
-    /// work queued on a stream completes this many operations later (0: at
-    /// once). See docs/benchmarks.md for the default.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_GPU_LAG_OPS)]
-    pub gpu_lag_ops: u64,
-    /// Modelled cost of one stream synchronisation (a pipeline drain), in
-    /// microseconds.
-    #[arg(long, value_name = "US", default_value_t = DEFAULT_SYNC_COST_NS as f64 / 1000.0)]
-    pub sync_cost_us: f64,
+    /// The replay and its report.
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 /// `--sync-cost-us` in nanoseconds: a finite, non-negative number of
@@ -321,14 +303,14 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Sweep(args) => {
             let (key, values, measurements) = run_sweep(&args)?;
             print!("{}", report::table(&measurements));
-            if let Some(path) = &args.json {
+            if let Some(path) = &args.run.json {
                 let json = sweep::to_json(&values, &measurements)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 std::fs::write(path, json + "\n")
                     .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
                 println!("JSON written to {}", path.display());
             }
-            if let Some(dir) = &args.svg {
+            if let Some(dir) = &args.run.svg {
                 let workload = measurements
                     .first()
                     .map(|m| m.row.workload.clone())
@@ -344,22 +326,22 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             print!("{}", report::table(&measurements));
             println!(
                 "simulated GPU: {} operations behind the host, {} us per stream synchronisation",
-                args.gpu_lag_ops, args.sync_cost_us
+                args.run.gpu_lag_ops, args.run.sync_cost_us
             );
             for m in &measurements {
                 if let Some(message) = &m.oom_message {
                     println!("{} / {}: {message}", m.row.workload, m.row.allocator);
                 }
             }
-            if let Some(path) = &args.json {
+            if let Some(path) = &args.run.json {
                 let json =
                     report::to_json(&measurements).map_err(|e| CliError::Output(e.to_string()))?;
                 std::fs::write(path, json + "\n")
                     .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
                 println!("JSON written to {}", path.display());
             }
-            if let Some(dir) = &args.svg {
-                let files = report::write_charts(dir, &measurements, args.iterations)
+            if let Some(dir) = &args.run.svg {
+                let files = report::write_charts(dir, &measurements, args.run.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 println!("charts written: {}", files.join(", "));
             }
@@ -440,7 +422,7 @@ pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
                 WORKLOADS.map(|w| w.name).join(", ")
             ))
         })?;
-        traces.push((w.generate)(args.seed));
+        traces.push((w.generate)(args.run.seed));
     }
     for path in &args.traces {
         let mut trace = load_trace(path)?;
@@ -451,7 +433,7 @@ pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
         traces.push(load_snapshot(path)?);
     }
     if args.workloads.is_empty() && args.traces.is_empty() && args.snapshots.is_empty() {
-        traces.extend(WORKLOADS.iter().map(|w| (w.generate)(args.seed)));
+        traces.extend(WORKLOADS.iter().map(|w| (w.generate)(args.run.seed)));
     }
     // Reports key rows by workload name: a name seen before gets a suffix.
     let mut seen = std::collections::HashSet::new();
@@ -528,30 +510,31 @@ pub fn allocator_specs(args: &AbArgs) -> Result<Vec<String>, CliError> {
 /// plus the minimum-capacity bisection unless turned off. Pairs run on
 /// `--jobs` worker threads; the results come back in (trace, allocator) order.
 pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
-    let capacity = parse_size(&args.capacity)?;
+    let capacity = parse_size(&args.run.capacity)?;
     if capacity == 0 {
         return Err(CliError::Usage(
             "--capacity must be more than 0 bytes".into(),
         ));
     }
-    if args.iterations == 0 {
+    if args.run.iterations == 0 {
         return Err(CliError::Usage("--iterations must be at least 1".into()));
     }
     let specs = allocator_specs(args)?;
-    let sync_cost_ns = sync_cost_ns(args.sync_cost_us)?;
+    let sync_cost_ns = sync_cost_ns(args.run.sync_cost_us)?;
     let traces = collect_traces(args)?;
     let config = ReplayConfig {
-        iterations: args.iterations,
+        iterations: args.run.iterations,
         check_every: args.check_every,
-        record_series: args.svg.is_some(),
+        record_series: args.run.svg.is_some(),
         time_ops: true,
-        gpu_lag_ops: args.gpu_lag_ops,
+        gpu_lag_ops: args.run.gpu_lag_ops,
         sync_cost_ns,
     };
     let jobs: Vec<(usize, &str)> = (0..traces.len())
         .flat_map(|t| specs.iter().map(move |a| (t, a.as_str())))
         .collect();
     let workers = args
+        .run
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .clamp(1, jobs.len().max(1));
@@ -586,7 +569,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
                     capacity,
                     stats[t],
                     &config,
-                    args.no_bisect,
+                    args.run.no_bisect,
                     args.export_snapshot.as_deref(),
                 );
                 bar.inc(1);

@@ -226,16 +226,18 @@ fn repeated_names_are_made_unique() {
         allocators: Some(vec!["classic".into()]),
         allocator_specs: vec![],
         export_snapshot: None,
-        capacity: "80GiB".into(),
-        iterations: 1,
-        json: None,
-        svg: None,
-        no_bisect: true,
-        seed: 1,
         check_every: None,
-        jobs: Some(1),
-        gpu_lag_ops: 64,
-        sync_cost_us: 100.0,
+        run: quilt_bench::cli::RunArgs {
+            capacity: "80GiB".into(),
+            iterations: 1,
+            json: None,
+            svg: None,
+            no_bisect: true,
+            seed: 1,
+            jobs: Some(1),
+            gpu_lag_ops: 64,
+            sync_cost_us: 100.0,
+        },
     };
     let traces = quilt_bench::cli::collect_traces(&args).unwrap();
     let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
