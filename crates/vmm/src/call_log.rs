@@ -19,8 +19,8 @@ use crate::types::{CallKind, DriverStats};
 #[derive(Debug)]
 pub(crate) struct CallLog {
     backend: &'static str,
-    calls: [AtomicU64; 13],
-    failed: [AtomicU64; 13],
+    calls: [AtomicU64; CallKind::COUNT],
+    failed: [AtomicU64; CallKind::COUNT],
     measured_ns: AtomicU64,
     created_bytes: AtomicU64,
 }

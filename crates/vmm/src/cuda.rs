@@ -61,9 +61,13 @@ use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
+use crate::share::{
+    CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle,
+};
 use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// Most driver events kept for reuse after [`Vmm::event_destroy`]; beyond it
 /// `cuEventDestroy` runs.
@@ -310,6 +314,46 @@ fn allocation_prop(ordinal: c_int) -> sys::CUmemAllocationProp {
     }
 }
 
+/// Allocation properties for `props` on device `ordinal`:
+/// `requestedHandleTypes` as CUDA's bit set, `gpuDirectRDMACapable` as asked.
+fn allocation_prop_with(ordinal: c_int, props: CreateProps) -> sys::CUmemAllocationProp {
+    let mut prop = allocation_prop(ordinal);
+    prop.requestedHandleTypes = handle_types_bits(props.handle_types);
+    prop.allocFlags.gpuDirectRDMACapable = u8::from(props.gpu_direct_rdma);
+    prop
+}
+
+/// `CUmemAllocationHandleType` of a set of handle types (a bit set).
+fn handle_types_bits(types: HandleTypes) -> sys::CUmemAllocationHandleType {
+    let mut bits = 0;
+    if types.posix_fd {
+        bits |= sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+    }
+    if types.fabric {
+        bits |= sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0;
+    }
+    sys::CUmemAllocationHandleType(bits)
+}
+
+/// `CUmemAllocationHandleType` of one handle type.
+fn handle_kind_type(kind: HandleKind) -> sys::CUmemAllocationHandleType {
+    match kind {
+        HandleKind::PosixFd => {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        }
+        HandleKind::Fabric => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+    }
+}
+
+/// A boolean device attribute; false where the query fails (an older driver
+/// that does not know the attribute).
+fn device_flag(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> bool {
+    let mut value: c_int = 0;
+    // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
+    let r = unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, device) };
+    r == sys::CUresult::CUDA_SUCCESS && value != 0
+}
+
 impl CudaVmm {
     /// Opens device `ordinal`.
     ///
@@ -411,14 +455,51 @@ impl CudaVmm {
             });
         }
         let granularity = granularity as u64;
-        tracing::debug!(ordinal, %name, driver_version, granularity, "CUDA backend opened");
+        let mut recommended: usize = 0;
+        // SAFETY: as above, with the RECOMMENDED flag.
+        let recommended = match unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut recommended,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        } {
+            sys::CUresult::CUDA_SUCCESS
+                if recommended.is_power_of_two() && recommended as u64 >= granularity =>
+            {
+                recommended as u64
+            }
+            _ => granularity,
+        };
+        use sys::CUdevice_attribute as A;
+        let caps = DeviceCaps {
+            ordinal: ordinal_c.unsigned_abs(),
+            device_count: count.unsigned_abs(),
+            vmm: true,
+            handle_types: HandleTypes {
+                posix_fd: device_flag(
+                    device,
+                    A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                ),
+                fabric: device_flag(device, A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED),
+            },
+            gpu_direct_rdma_with_vmm: device_flag(
+                device,
+                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            ),
+            granularity,
+            recommended_granularity: recommended,
+        };
+        let mut ledger = Ledger::new(granularity, u64::MAX);
+        ledger.set_caps(caps);
+        tracing::debug!(ordinal, %name, driver_version, granularity, ?caps, "CUDA backend opened");
         Ok(CudaVmm {
             ordinal,
             name,
             driver_version,
             total_memory: total_memory as u64,
             granularity,
-            ledger: Mutex::new(Ledger::new(granularity, u64::MAX)),
+            ledger: Mutex::new(ledger),
             sync: Mutex::new(SyncBook::default()),
             log: CallLog::new("cuda"),
             context,
@@ -900,6 +981,165 @@ impl Vmm for CudaVmm {
     fn map_rule(&self) -> MapRule {
         // Always CUDA's documented rule: the ledger was built with it.
         MapRule::WholeHandle
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        lock(&self.ledger).caps()
+    }
+
+    fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
+        let call = CallKind::Create;
+        self.log.time(call, size, || {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_create_with(size, props)?;
+            let size_u = to_usize(call, "size", size)?;
+            let _context = self.bind(call)?;
+            if size > self.total_memory {
+                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
+                return Err(VmmError::OutOfMemory {
+                    call,
+                    requested: size,
+                    available,
+                });
+            }
+            let prop = allocation_prop_with(self.ordinal_c(), props);
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: valid out-pointer and a fully initialised `prop` that
+            // lives across the call; flags must be 0.
+            let r = unsafe { sys::cuMemCreate(&mut handle, size_u, &prop, 0) };
+            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
+                return Err(VmmError::OutOfMemory {
+                    call,
+                    requested: size,
+                    available,
+                });
+            }
+            check(call, r)?;
+            let id = ledger.add_handle(size, handle);
+            ledger.set_handle_types(id, props.handle_types);
+            Ok(id)
+        })
+    }
+
+    fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
+        let call = CallKind::ExportHandle;
+        self.log.time(call, 0, || {
+            let ledger = lock(&self.ledger);
+            let raw = ledger.check_export(handle, kind)?.payload;
+            let _context = self.bind(call)?;
+            match kind {
+                HandleKind::PosixFd => {
+                    let mut fd: c_int = -1;
+                    // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes one
+                    // `int` through the pointer, which is valid and writable;
+                    // `raw` is live and was created requesting this type (ledger).
+                    check(call, unsafe {
+                        sys::cuMemExportToShareableHandle(
+                            (&mut fd as *mut c_int).cast::<c_void>(),
+                            raw,
+                            handle_kind_type(kind),
+                            0,
+                        )
+                    })?;
+                    if fd < 0 {
+                        return Err(driver_error(call, sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+                    }
+                    // SAFETY: the driver returned a new descriptor that nothing
+                    // else owns; the `OwnedFd` closes it once.
+                    Ok(ShareableHandle::PosixFd(unsafe {
+                        OwnedFd::from_raw_fd(fd)
+                    }))
+                }
+                HandleKind::Fabric => {
+                    let mut fabric = sys::CUmemFabricHandle_st { data: [0; 64] };
+                    // SAFETY: for FABRIC the driver writes one `CUmemFabricHandle`
+                    // (64 bytes) through the pointer, which is valid and writable.
+                    check(call, unsafe {
+                        sys::cuMemExportToShareableHandle(
+                            (&mut fabric as *mut sys::CUmemFabricHandle_st).cast::<c_void>(),
+                            raw,
+                            handle_kind_type(kind),
+                            0,
+                        )
+                    })?;
+                    Ok(ShareableHandle::Fabric(fabric.data))
+                }
+            }
+        })
+    }
+
+    fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
+        let call = CallKind::ImportHandle;
+        self.log.time(call, size, || {
+            let mut ledger = lock(&self.ledger);
+            let kind = match shared {
+                ShareableHandle::PosixFd(_) => HandleKind::PosixFd,
+                ShareableHandle::Fabric(_) => HandleKind::Fabric,
+                ShareableHandle::Sim(_) => {
+                    return Err(crate::ledger::invalid(
+                        call,
+                        "osHandle",
+                        0,
+                        "a simulated device's handle cannot be imported by CUDA",
+                    ))
+                }
+            };
+            ledger.check_import(size, kind)?;
+            let _context = self.bind(call)?;
+            let mut raw: sys::CUmemGenericAllocationHandle = 0;
+            let mut fabric_bytes = match shared {
+                ShareableHandle::Fabric(bytes) => sys::CUmemFabricHandle_st { data: *bytes },
+                _ => sys::CUmemFabricHandle_st { data: [0; 64] },
+            };
+            let os_handle: *mut c_void = match shared {
+                // A POSIX descriptor is passed by value, as the pointer's integer.
+                ShareableHandle::PosixFd(fd) => fd.as_raw_fd() as isize as *mut c_void,
+                _ => (&mut fabric_bytes as *mut sys::CUmemFabricHandle_st).cast::<c_void>(),
+            };
+            // SAFETY: valid out-pointer; `os_handle` is a live descriptor we
+            // borrow for the call (the driver does not take ownership), or a
+            // pointer to 64 readable bytes of a fabric handle living across it.
+            check(call, unsafe {
+                sys::cuMemImportFromShareableHandle(&mut raw, os_handle, handle_kind_type(kind))
+            })?;
+            let id = ledger.add_handle(size, raw);
+            ledger.set_handle_types(
+                id,
+                HandleTypes {
+                    posix_fd: kind == HandleKind::PosixFd,
+                    fabric: kind == HandleKind::Fabric,
+                },
+            );
+            Ok(id)
+        })
+    }
+
+    fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
+        let call = CallKind::SetAccess;
+        self.log.time(call, size, || {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_set_access_for(ptr, size, devices)?;
+            let _context = self.bind(call)?;
+            let descs: Vec<sys::CUmemAccessDesc> = devices
+                .iter()
+                .map(|d| sys::CUmemAccessDesc {
+                    location: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: c_int::try_from(*d).unwrap_or(c_int::MAX),
+                    },
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                })
+                .collect();
+            // SAFETY: the range is wholly mapped (ledger); `descs` holds
+            // `descs.len()` fully initialised descriptors, each naming a device
+            // of this process (ledger), and lives across the call.
+            check(call, unsafe {
+                sys::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len())
+            })?;
+            ledger.mark_accessible_for(ptr, size, devices);
+            Ok(())
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! The driver trait: the VMM calls every layer above talks to.
 
-use crate::error::Result;
+use crate::error::{Result, VmmError};
+use crate::share::{CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, ShareableHandle};
 use crate::types::{DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId};
 
 /// CUDA's virtual memory management API for one device, as one trait.
@@ -120,5 +121,81 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// report should say so.
     fn map_rule(&self) -> MapRule {
         MapRule::WholeHandle
+    }
+
+    // ---- sharing between devices and processes (see [`crate::share`]) ----
+
+    /// What the device reports about sharing: its ordinal, the device count,
+    /// the handle types and GPUDirect RDMA it supports, the minimum and
+    /// recommended granularities. By default a lone device that shares nothing.
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps::single(self.granularity())
+    }
+
+    /// `cuMemCreate` with `props.handle_types` as `requestedHandleTypes` and
+    /// `props.gpu_direct_rdma` as `allocFlags.gpuDirectRDMACapable`. A type or
+    /// flag the device does not report ([`Vmm::caps`]) is refused with
+    /// `InvalidArgument`. By default only the empty properties are accepted
+    /// (a plain [`Vmm::create`]).
+    fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
+        if props == CreateProps::default() {
+            self.create(size)
+        } else {
+            Err(unsupported(
+                self.backend_name(),
+                crate::CallKind::Create,
+                "no shareable handle types or RDMA flag",
+            ))
+        }
+    }
+
+    /// `cuMemExportToShareableHandle`: an OS handle of `kind` to the live
+    /// `handle`, which must have been created requesting `kind`.
+    fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
+        let _ = (handle, kind);
+        Err(unsupported(
+            self.backend_name(),
+            crate::CallKind::ExportHandle,
+            "no handle export",
+        ))
+    }
+
+    /// `cuMemImportFromShareableHandle`: a new handle on this device to the
+    /// `size` bytes of memory `shared` names (the size travels with the
+    /// handle, as in PyTorch's and vLLM's IPC). The caller keeps `shared` and
+    /// may drop it afterwards: the new handle holds its own reference.
+    fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
+        let _ = (shared, size);
+        Err(unsupported(
+            self.backend_name(),
+            crate::CallKind::ImportHandle,
+            "no handle import",
+        ))
+    }
+
+    /// `cuMemSetAccess` with one `CUmemAccessDesc` per device of `devices`
+    /// (read-write): one call makes the wholly mapped range reachable from
+    /// each. `devices` is non-empty, without repeats, every ordinal below
+    /// [`DeviceCaps::device_count`]. By default only this device alone is
+    /// accepted (a plain [`Vmm::set_access`]).
+    fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
+        if devices == [self.caps().ordinal] {
+            self.set_access(ptr, size)
+        } else {
+            Err(unsupported(
+                self.backend_name(),
+                crate::CallKind::SetAccess,
+                "no access for peer devices",
+            ))
+        }
+    }
+}
+
+/// The [`VmmError::Unsupported`] error of the backend named `backend` for `call`.
+fn unsupported(backend: &'static str, call: crate::CallKind, reason: &'static str) -> VmmError {
+    VmmError::Unsupported {
+        call,
+        backend,
+        reason,
     }
 }

@@ -66,6 +66,17 @@ pub enum VmmError {
         /// Why, in words.
         reason: String,
     },
+    /// The backend does not implement the call (a default body of the
+    /// [`crate::Vmm`] trait), or the device lacks what the call needs.
+    #[error("{call}: not supported by the {backend} backend: {reason}")]
+    Unsupported {
+        /// The call that failed.
+        call: CallKind,
+        /// The backend's name ([`crate::Vmm::backend_name`]).
+        backend: &'static str,
+        /// What is missing, in words.
+        reason: &'static str,
+    },
     /// The CUDA driver returned an error (or the simulated backend injected one).
     #[error("{call}: {name} ({code}): {text}")]
     Driver {
@@ -89,7 +100,8 @@ impl VmmError {
             | VmmError::NotMapped { call, .. }
             | VmmError::AlreadyMapped { call, .. }
             | VmmError::StillMapped { call, .. }
-            | VmmError::Driver { call, .. } => Some(*call),
+            | VmmError::Driver { call, .. }
+            | VmmError::Unsupported { call, .. } => Some(*call),
             VmmError::Unavailable { .. } => None,
         }
     }

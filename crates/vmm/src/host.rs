@@ -59,6 +59,11 @@ use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
 
+use crate::share::{
+    CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle,
+};
+use std::os::fd::{AsFd, AsRawFd};
+
 use os::OsError;
 
 /// Settings of a [`HostVmm`].
@@ -215,6 +220,11 @@ impl HostVmm {
         };
         let mut ledger = Ledger::new(config.granularity, config.capacity);
         ledger.set_map_rule(map_rule);
+        // One device, POSIX file descriptors (the memfd), no fabric, no RDMA.
+        ledger.set_caps(DeviceCaps {
+            handle_types: HandleTypes::POSIX_FD,
+            ..DeviceCaps::single(config.granularity)
+        });
         Ok(HostVmm {
             config,
             arena_base,
@@ -470,6 +480,86 @@ impl Vmm for HostVmm {
 
     fn map_rule(&self) -> MapRule {
         lock(&self.state).ledger.map_rule()
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        lock(&self.state).ledger.caps()
+    }
+
+    fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
+        self.call(CallKind::Create, size, |state| {
+            let ledger = &mut state.ledger;
+            ledger.check_create_with(size, props)?;
+            let memory =
+                os::create_memory(size).map_err(|e| os_failure(CallKind::Create, size, e))?;
+            let handle = ledger.add_handle(size, memory);
+            ledger.set_handle_types(handle, props.handle_types);
+            Ok(handle)
+        })
+    }
+
+    /// The memfd itself, duplicated: another process that receives it (over a
+    /// Unix socket) and imports it maps the same pages.
+    fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
+        let call = CallKind::ExportHandle;
+        self.call(call, 0, |state| {
+            let entry = state.ledger.check_export(handle, kind)?;
+            let fd = os::share_memory(&entry.payload).map_err(|e| os_failure(call, 0, e))?;
+            Ok(ShareableHandle::PosixFd(fd))
+        })
+    }
+
+    /// Accepts a memfd of exactly `size` bytes (any other descriptor, or
+    /// another size, is `InvalidArgument`); keeps a duplicate of it.
+    fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
+        let call = CallKind::ImportHandle;
+        self.call(call, size, |state| {
+            let ShareableHandle::PosixFd(fd) = shared else {
+                return Err(crate::ledger::invalid(
+                    call,
+                    "shHandleType",
+                    0,
+                    "the host backend imports POSIX file descriptors only",
+                ));
+            };
+            state.ledger.check_import(size, HandleKind::PosixFd)?;
+            let raw = u64::try_from(fd.as_raw_fd()).unwrap_or(u64::MAX);
+            match os::memory_size(fd.as_fd()) {
+                None => {
+                    return Err(crate::ledger::invalid(
+                        call,
+                        "osHandle",
+                        raw,
+                        "is not a memory file descriptor (memfd) exported by a host backend",
+                    ))
+                }
+                Some(actual) if actual != size => {
+                    return Err(crate::ledger::invalid(
+                        call,
+                        "size",
+                        size,
+                        "differs from the size of the memory the descriptor holds",
+                    ))
+                }
+                Some(_) => {}
+            }
+            let memory = os::share_memory(fd).map_err(|e| os_failure(call, size, e))?;
+            let handle = state.ledger.add_handle(size, memory);
+            state.ledger.set_handle_types(handle, HandleTypes::POSIX_FD);
+            Ok(handle)
+        })
+    }
+
+    fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
+        self.call(CallKind::SetAccess, size, |state| {
+            state.ledger.check_set_access_for(ptr, size, devices)?;
+            // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
+            // our memfd mappings (and the one device, 0, is named).
+            unsafe { os::protect_read_write(ptr, size) }
+                .map_err(|e| os_failure(CallKind::SetAccess, size, e))?;
+            state.ledger.mark_accessible_for(ptr, size, devices);
+            Ok(())
+        })
     }
 }
 

@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 
 use crate::error::{Result, VmmError};
 use crate::leak::LeakReport;
+use crate::share::{CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes};
 use crate::types::{CallKind, DevicePtr, MapRule, MemInfo, PhysHandle};
 
 /// The rule a non-zero `offset` breaks under [`MapRule::WholeHandle`].
@@ -59,6 +60,9 @@ pub(crate) struct HandleEntry<P> {
     pub mappings: usize,
     /// The backend's object behind the handle.
     pub payload: P,
+    /// The handle types it can be exported as (requested at create, or the
+    /// kind it was imported from).
+    pub handle_types: HandleTypes,
 }
 
 /// Which granules of a mapping `set_access` has covered.
@@ -124,6 +128,9 @@ pub(crate) struct MappingEntry {
     pub offset: u64,
     /// Which granules `set_access` has covered since the mapping was made.
     pub access: Access,
+    /// The same for other devices (`set_access_for` naming them), by ordinal;
+    /// empty unless peers were named.
+    pub peers: Vec<(DeviceOrdinal, Access)>,
 }
 
 /// Everything still alive, taken out of a ledger so its owner can tear it down.
@@ -150,6 +157,9 @@ pub(crate) struct Ledger<P> {
     reservations: BTreeMap<DevicePtr, u64>,
     handles: BTreeMap<u64, HandleEntry<P>>,
     mappings: BTreeMap<DevicePtr, MappingEntry>,
+    /// What the device supports for sharing (a lone device sharing nothing
+    /// until [`Ledger::set_caps`]).
+    caps: DeviceCaps,
 }
 
 /// An `InvalidArgument` error.
@@ -183,7 +193,20 @@ impl<P> Ledger<P> {
             reservations: BTreeMap::new(),
             handles: BTreeMap::new(),
             mappings: BTreeMap::new(),
+            caps: DeviceCaps::single(granularity),
         }
+    }
+
+    /// Sets what the device supports for sharing (backends call it once, at
+    /// construction): the handle types `create_with` may request, the RDMA
+    /// flag, and the devices `set_access_for` may name.
+    pub fn set_caps(&mut self, caps: DeviceCaps) {
+        self.caps = caps;
+    }
+
+    /// What the device supports for sharing.
+    pub fn caps(&self) -> DeviceCaps {
+        self.caps
     }
 
     /// Sets the map rule. Backends call it once, before the first `map`
@@ -373,6 +396,7 @@ impl<P> Ledger<P> {
                 released: false,
                 mappings: 0,
                 payload,
+                handle_types: HandleTypes::NONE,
             },
         );
         PhysHandle(id)
@@ -484,6 +508,7 @@ impl<P> Ledger<P> {
                 handle: handle.0,
                 offset,
                 access: Access::None,
+                peers: Vec::new(),
             },
         );
     }
@@ -649,6 +674,163 @@ impl<P> Ledger<P> {
         })
     }
 
+    // ---- sharing: handle types, export, import, access for several devices ----
+
+    /// Checks a `create_with(size, props)`: [`Ledger::check_create`], then
+    /// every requested handle type and the RDMA flag against the device's
+    /// capabilities (CUDA refuses a type the device does not support).
+    pub fn check_create_with(&self, size: u64, props: CreateProps) -> Result<()> {
+        self.check_create(size)?;
+        let supported = self.caps.handle_types;
+        if !props.handle_types.is_subset_of(supported) {
+            return Err(invalid(
+                CallKind::Create,
+                "requestedHandleTypes",
+                handle_type_bits(props.handle_types),
+                "requests a handle type the device does not support (DeviceCaps::handle_types)",
+            ));
+        }
+        if props.gpu_direct_rdma && !self.caps.gpu_direct_rdma_with_vmm {
+            return Err(invalid(
+                CallKind::Create,
+                "allocFlags.gpuDirectRDMACapable",
+                1,
+                "the device does not report GPUDirect RDMA with VMM support",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records the handle types a handle was created (or imported) with.
+    pub fn set_handle_types(&mut self, handle: PhysHandle, types: HandleTypes) {
+        if let Some(entry) = self.handles.get_mut(&handle.0) {
+            entry.handle_types = types;
+        }
+    }
+
+    /// Checks an `export_handle(handle, kind)`: a live (unreleased) handle
+    /// created requesting `kind`. Returns its entry.
+    pub fn check_export(&self, handle: PhysHandle, kind: HandleKind) -> Result<&HandleEntry<P>> {
+        let entry = self.live_handle(CallKind::ExportHandle, handle)?;
+        if !entry.handle_types.contains(kind) {
+            return Err(invalid(
+                CallKind::ExportHandle,
+                "handleType",
+                handle_kind_bits(kind),
+                "the handle was not created with this handle type in requestedHandleTypes",
+            ));
+        }
+        Ok(entry)
+    }
+
+    /// Checks an `import_handle` of `size` bytes of `kind`: a kind the device
+    /// supports, a non-zero multiple of the granularity, within capacity
+    /// (an imported handle counts as memory this backend holds).
+    pub fn check_import(&self, size: u64, kind: HandleKind) -> Result<()> {
+        let call = CallKind::ImportHandle;
+        if !self.caps.handle_types.contains(kind) {
+            return Err(invalid(
+                call,
+                "shHandleType",
+                handle_kind_bits(kind),
+                "the device does not support this handle type",
+            ));
+        }
+        self.check_size(call, size)?;
+        let available = self.capacity.saturating_sub(self.used);
+        if size > available {
+            return Err(VmmError::OutOfMemory {
+                call,
+                requested: size,
+                available,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks a `set_access_for(ptr, size, devices)`: the rules of
+    /// [`Ledger::check_set_access`], and `devices` non-empty, without
+    /// repeats, every ordinal a device of this process.
+    pub fn check_set_access_for(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        devices: &[DeviceOrdinal],
+    ) -> Result<()> {
+        let call = CallKind::SetAccess;
+        if devices.is_empty() {
+            return Err(invalid(call, "count", 0, "must name at least one device"));
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if *d >= self.caps.device_count {
+                return Err(invalid(
+                    call,
+                    "location.id",
+                    u64::from(*d),
+                    "is not a device of this process (ordinal >= device count)",
+                ));
+            }
+            if devices[..i].contains(d) {
+                return Err(invalid(
+                    call,
+                    "location.id",
+                    u64::from(*d),
+                    "names the same device twice",
+                ));
+            }
+        }
+        self.check_set_access(ptr, size)
+    }
+
+    /// Marks `[ptr, ptr + size)` accessible from every device of `devices`
+    /// (checked by [`Ledger::check_set_access_for`]).
+    pub fn mark_accessible_for(&mut self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) {
+        let own = self.caps.ordinal;
+        if devices.contains(&own) {
+            self.mark_accessible(ptr, size);
+        }
+        let end = ptr.saturating_add(size);
+        let granularity = self.granularity;
+        for (&start, m) in self.mappings.range_mut(..end).rev() {
+            if start.saturating_add(m.size) <= ptr {
+                break;
+            }
+            let (first, last) = Self::granules(granularity, start, m.size, ptr, end);
+            let granules = (m.size / granularity) as usize;
+            for d in devices.iter().filter(|d| **d != own) {
+                let at = match m.peers.iter().position(|(p, _)| p == d) {
+                    Some(at) => at,
+                    None => {
+                        m.peers.push((*d, Access::None));
+                        m.peers.len() - 1
+                    }
+                };
+                m.peers[at].1.mark(first, last, granules);
+            }
+        }
+    }
+
+    /// The devices from which the whole mapping containing `addr` is
+    /// accessible (this device first when it is one of them), or `None`
+    /// when `addr` is not mapped.
+    pub fn devices_with_access(&self, addr: DevicePtr) -> Option<Vec<DeviceOrdinal>> {
+        let (_, m) = self.mapping_containing(addr)?;
+        let granules = (m.size / self.granularity) as usize;
+        let mut out = Vec::new();
+        if m.access.covers(0, granules) {
+            out.push(self.caps.ordinal);
+        }
+        let mut peers: Vec<DeviceOrdinal> = m
+            .peers
+            .iter()
+            .filter(|(_, a)| a.covers(0, granules))
+            .map(|(d, _)| *d)
+            .collect();
+        peers.sort_unstable();
+        out.extend(peers);
+        Some(out)
+    }
+
     // ---- reports, checks and teardown ----
 
     /// Live handles (unreleased or still mapped), reservations and mappings.
@@ -778,6 +960,19 @@ impl<P> Ledger<P> {
             handles,
             reservations,
         }
+    }
+}
+
+/// `requestedHandleTypes` as CUDA's bit set (POSIX fd 1, FABRIC 8), for errors.
+fn handle_type_bits(types: HandleTypes) -> u64 {
+    u64::from(types.posix_fd) | (u64::from(types.fabric) << 3)
+}
+
+/// One handle type as CUDA's value, for errors.
+fn handle_kind_bits(kind: HandleKind) -> u64 {
+    match kind {
+        HandleKind::PosixFd => 1,
+        HandleKind::Fabric => 8,
     }
 }
 

@@ -37,19 +37,24 @@
 mod call_log;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cudarc_interop;
 pub mod driver;
 pub mod error;
 mod events;
+pub mod fd_pass;
 pub mod host;
 pub mod latency;
 mod leak;
 mod ledger;
+pub mod share;
 pub mod sim;
 pub mod types;
 
 pub use driver::Vmm;
 pub use error::{Result, VmmError};
 pub use leak::LeakReport;
+pub use share::{CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle};
 pub use types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };

@@ -107,11 +107,18 @@ pub enum CallKind {
     StreamWaitEvent,
     /// `cuStreamSynchronize`.
     StreamSynchronize,
+    /// `cuMemExportToShareableHandle`.
+    ExportHandle,
+    /// `cuMemImportFromShareableHandle`.
+    ImportHandle,
 }
 
 impl CallKind {
+    /// How many kinds there are (the length of [`CallKind::ALL`]).
+    pub const COUNT: usize = 15;
+
     /// Every kind, in declaration order (the index of a kind is its position here).
-    pub const ALL: [CallKind; 13] = [
+    pub const ALL: [CallKind; CallKind::COUNT] = [
         CallKind::Reserve,
         CallKind::AddressFree,
         CallKind::Create,
@@ -125,6 +132,8 @@ impl CallKind {
         CallKind::EventDestroy,
         CallKind::StreamWaitEvent,
         CallKind::StreamSynchronize,
+        CallKind::ExportHandle,
+        CallKind::ImportHandle,
     ];
 
     /// Position of this kind in [`CallKind::ALL`].
@@ -148,6 +157,8 @@ impl CallKind {
             CallKind::EventDestroy => "cuEventDestroy",
             CallKind::StreamWaitEvent => "cuStreamWaitEvent",
             CallKind::StreamSynchronize => "cuStreamSynchronize",
+            CallKind::ExportHandle => "cuMemExportToShareableHandle",
+            CallKind::ImportHandle => "cuMemImportFromShareableHandle",
         }
     }
 
@@ -180,9 +191,9 @@ impl fmt::Display for CallKind {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverStats {
     /// Calls by [`CallKind::index`].
-    pub calls: [u64; 13],
+    pub calls: [u64; CallKind::COUNT],
     /// Calls that returned an error, by kind.
-    pub failed: [u64; 13],
+    pub failed: [u64; CallKind::COUNT],
     /// Modelled driver time in nanoseconds (simulated backend; 0 elsewhere),
     /// with `cuMemCreate` costed in proportion to the handle's size.
     pub modelled_ns: u64,

@@ -64,6 +64,25 @@ mod imp {
         Ok(fd)
     }
 
+    /// A second descriptor of the same memory (`fcntl(F_DUPFD_CLOEXEC)`): what
+    /// `export_handle` hands out, and what `import_handle` keeps.
+    pub(crate) fn share_memory(memory: &Memory) -> Result<Memory, OsError> {
+        memory
+            .try_clone()
+            .map_err(|e| os_error(Errno::from_io_error(&e).unwrap_or(Errno::BADF)))
+    }
+
+    /// The size of the memory behind `fd`, which must be a memfd (a regular
+    /// file whose seals can be read: `fcntl(F_GET_SEALS)` fails on anything
+    /// else); `None` for any other descriptor.
+    pub(crate) fn memory_size(fd: std::os::fd::BorrowedFd<'_>) -> Option<u64> {
+        let stat = rustix::fs::fstat(fd).ok()?;
+        let is_file = rustix::fs::FileType::from_raw_mode(stat.st_mode).is_file();
+        (is_file && rustix::fs::fcntl_get_seals(fd).is_ok())
+            .then(|| u64::try_from(stat.st_size).ok())
+            .flatten()
+    }
+
     /// `mmap(NULL, size + alignment, PROT_NONE, PRIVATE | NORESERVE)`, then
     /// `munmap` of the head and tail so that what remains is `size` bytes at a
     /// multiple of `alignment` (a multiple of the page size), placed by the
@@ -265,6 +284,12 @@ mod imp {
     }
     pub(crate) fn reserve_anywhere(_size: u64, _alignment: u64) -> Result<u64, OsError> {
         Err(unsupported())
+    }
+    pub(crate) fn share_memory(memory: &Memory) -> Result<Memory, OsError> {
+        match *memory {}
+    }
+    pub(crate) fn memory_size(_fd: std::os::fd::BorrowedFd<'_>) -> Option<u64> {
+        None
     }
     pub(crate) unsafe fn map_fixed(
         _ptr: u64,

@@ -1,5 +1,6 @@
 //! The simulated backend's configuration and its cost model of the driver.
 
+use crate::share::{DeviceOrdinal, HandleTypes};
 use crate::types::{CallKind, MapRule};
 
 /// Modelled time of each driver call, in nanoseconds.
@@ -48,6 +49,15 @@ pub struct CostModel {
     /// running a training or serving step; it is an estimate, not a
     /// measurement: set it from a GPU when one is at hand.
     pub sync_ns: u64,
+    /// `cuMemExportToShareableHandle`, per call (an estimate, not measured:
+    /// the driver hands out an OS handle to an existing allocation).
+    pub export_ns: u64,
+    /// `cuMemImportFromShareableHandle`, per call (an estimate, not measured).
+    pub import_ns: u64,
+    /// `cuMemSetAccess` with several devices: added per device after the
+    /// first (an estimate, not measured: each device's page tables are
+    /// written, so the default is the one-device figure again).
+    pub set_access_per_peer_ns: u64,
 }
 
 impl Default for CostModel {
@@ -64,6 +74,9 @@ impl Default for CostModel {
             mem_info_ns: 2_000,
             event_ns: 2_000,
             sync_ns: 100_000,
+            export_ns: 10_000,
+            import_ns: 20_000,
+            set_access_per_peer_ns: 36_000,
         }
     }
 }
@@ -85,7 +98,18 @@ impl CostModel {
             | CallKind::EventDestroy
             | CallKind::StreamWaitEvent => self.event_ns,
             CallKind::StreamSynchronize => self.sync_ns,
+            CallKind::ExportHandle => self.export_ns,
+            CallKind::ImportHandle => self.import_ns,
         }
+    }
+
+    /// Modelled time of a `cuMemSetAccess` naming `devices` devices:
+    /// `set_access_ns` for the first, `set_access_per_peer_ns` for each other.
+    pub fn set_access_ns_for(&self, devices: u64) -> u64 {
+        self.set_access_ns.saturating_add(
+            self.set_access_per_peer_ns
+                .saturating_mul(devices.saturating_sub(1)),
+        )
     }
 
     /// Modelled time of a successful `create` of `size` bytes at `granularity`,
@@ -140,6 +164,21 @@ pub struct SimConfig {
     /// default, what unit tests want): only synchronisation and explicit
     /// catch-ups complete work.
     pub gpu_lag_ops: u64,
+    /// Devices of the simulated machine (1 by default): `set_access_for`
+    /// may name ordinals `0..device_count`.
+    pub device_count: u32,
+    /// This device's ordinal (0 by default; below `device_count`).
+    pub ordinal: DeviceOrdinal,
+    /// Handle types the device supports: POSIX file descriptors by default
+    /// (as every Linux data-centre GPU), FABRIC not (it needs an IMEX channel).
+    pub handle_types: HandleTypes,
+    /// Whether the device reports GPUDirect RDMA with VMM (true by default, as
+    /// an A100 or H100 does).
+    pub gpu_direct_rdma: bool,
+    /// The recommended granularity (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`);
+    /// 0 (the default): the granularity itself. Otherwise a power of two
+    /// multiple of the granularity.
+    pub recommended_granularity: u64,
 }
 
 impl Default for SimConfig {
@@ -151,6 +190,11 @@ impl Default for SimConfig {
             va_limit: DEFAULT_VA_LIMIT,
             map_rule: MapRule::WholeHandle,
             gpu_lag_ops: LAG_NEVER,
+            device_count: 1,
+            ordinal: 0,
+            handle_types: HandleTypes::POSIX_FD,
+            gpu_direct_rdma: true,
+            recommended_granularity: 0,
         }
     }
 }

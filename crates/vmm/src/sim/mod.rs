@@ -45,6 +45,7 @@ pub use faults::{cuda_error_for, Fault, FaultTrigger};
 
 use crate::driver::Vmm;
 use crate::error::{Result, VmmError};
+use crate::share::{CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, ShareableHandle};
 use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
@@ -84,6 +85,26 @@ impl SimVmm {
                 rule: "the simulated device's granularity must be a non-zero power of two",
             });
         }
+        let recommended = match config.recommended_granularity {
+            0 => config.granularity,
+            r => r,
+        };
+        if !recommended.is_power_of_two() || recommended < config.granularity {
+            return Err(VmmError::InvalidArgument {
+                call: CallKind::MemInfo,
+                argument: "recommended_granularity",
+                value: recommended,
+                rule: "must be 0 or a power of two at least the granularity",
+            });
+        }
+        if config.ordinal >= config.device_count {
+            return Err(VmmError::InvalidArgument {
+                call: CallKind::MemInfo,
+                argument: "ordinal",
+                value: u64::from(config.ordinal),
+                rule: "must be below the simulated device count",
+            });
+        }
         let mut state = State::new(
             config.granularity,
             config.capacity,
@@ -91,6 +112,15 @@ impl SimVmm {
             config.gpu_lag_ops,
         );
         state.set_map_rule(config.map_rule);
+        state.set_caps(DeviceCaps {
+            ordinal: config.ordinal,
+            device_count: config.device_count,
+            vmm: true,
+            handle_types: config.handle_types,
+            gpu_direct_rdma_with_vmm: config.gpu_direct_rdma,
+            granularity: config.granularity,
+            recommended_granularity: recommended,
+        });
         Ok(SimVmm {
             config,
             inner: Mutex::new(Inner {
@@ -253,11 +283,37 @@ impl SimVmm {
         self.lock().stats = DriverStats::default();
     }
 
+    /// The devices from which the whole mapping containing `addr` is
+    /// accessible (this device first when it is one), as every
+    /// [`Vmm::set_access`] and [`Vmm::set_access_for`] since the mapping was
+    /// made left it; `None` when `addr` is not mapped.
+    pub fn devices_with_access(&self, addr: DevicePtr) -> Option<Vec<DeviceOrdinal>> {
+        self.lock().state.devices_with_access(addr)
+    }
+
+    /// The id of the simulated memory behind a live handle: an imported
+    /// handle has its exporter's (they name the same memory). `None` for a
+    /// handle that is not live.
+    pub fn memory_id(&self, handle: PhysHandle) -> Option<u64> {
+        self.lock().state.memory_id(handle)
+    }
+
     /// Run one driver call: count it, fire a fault or run `op`, cost it, trace it.
     fn call<T>(
         &self,
         kind: CallKind,
         size: u64,
+        op: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<T> {
+        self.call_costing(kind, size, 0, op)
+    }
+
+    /// [`SimVmm::call`], charging `extra_ns` on top of the call's figure.
+    fn call_costing<T>(
+        &self,
+        kind: CallKind,
+        size: u64,
+        extra_ns: u64,
         op: impl FnOnce(&mut State) -> Result<T>,
     ) -> Result<T> {
         let mut guard = self.lock();
@@ -283,8 +339,10 @@ impl SimVmm {
                 (ns, ns)
             }
         };
-        stats.modelled_ns = stats.modelled_ns.saturating_add(modelled);
-        stats.modelled_flat_create_ns = stats.modelled_flat_create_ns.saturating_add(flat);
+        stats.modelled_ns = stats.modelled_ns.saturating_add(modelled + extra_ns);
+        stats.modelled_flat_create_ns = stats
+            .modelled_flat_create_ns
+            .saturating_add(flat + extra_ns);
         match &result {
             Ok(_) => tracing::trace!(target: TARGET, call = %kind, size, ok = true),
             Err(error) => {
@@ -395,6 +453,37 @@ impl Vmm for SimVmm {
 
     fn map_rule(&self) -> MapRule {
         self.config.map_rule
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        self.lock().state.caps()
+    }
+
+    fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
+        self.call(CallKind::Create, size, |s| s.create_with(size, props))
+    }
+
+    fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
+        self.call(CallKind::ExportHandle, 0, |s| s.export_handle(handle, kind))
+    }
+
+    fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
+        self.call(CallKind::ImportHandle, size, |s| {
+            s.import_handle(shared, size)
+        })
+    }
+
+    /// Charged [`CostModel::set_access_ns_for`] the number of devices named.
+    fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
+        let n = devices.len() as u64;
+        let extra = self
+            .config
+            .cost
+            .set_access_ns_for(n)
+            .saturating_sub(self.config.cost.set_access_ns);
+        self.call_costing(CallKind::SetAccess, size, extra, |s| {
+            s.set_access_for(ptr, size, devices)
+        })
     }
 }
 

@@ -14,9 +14,21 @@ use std::collections::{HashMap, VecDeque};
 use crate::error::{Result, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
-use crate::ledger::Ledger;
+use crate::ledger::{invalid, Ledger};
+use crate::share::{
+    CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle, SimShared,
+};
 use crate::sim::LAG_NEVER;
 use crate::types::{CallKind, DevicePtr, EventId, MapRule, MemInfo, PhysHandle, StreamId};
+
+/// Ids of simulated memory, unique in the process (so that a handle exported
+/// by one simulated device names the same memory on every other).
+static NEXT_MEMORY_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A fresh memory id.
+fn next_memory_id() -> u64 {
+    NEXT_MEMORY_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
 
 /// First address handed out by `reserve` (the bump pointer's start).
 pub(crate) const VA_BASE: u64 = 0x7f00_0000_0000;
@@ -50,7 +62,9 @@ struct Event {
 /// All of the simulated device's state.
 #[derive(Debug)]
 pub(crate) struct State {
-    ledger: Ledger<()>,
+    /// Each handle's payload is the id of the memory behind it (the same
+    /// for an exported handle and every import of it).
+    ledger: Ledger<u64>,
     granularity: u64,
     va_limit: u64,
     next_va: u64,
@@ -156,7 +170,101 @@ impl State {
     /// `cuMemCreate`.
     pub(crate) fn create(&mut self, size: u64) -> Result<PhysHandle> {
         self.ledger.check_create(size)?;
-        Ok(self.ledger.add_handle(size, ()))
+        Ok(self.ledger.add_handle(size, next_memory_id()))
+    }
+
+    /// What the device supports for sharing.
+    pub(crate) fn caps(&self) -> DeviceCaps {
+        self.ledger.caps()
+    }
+
+    /// Sets what the device supports for sharing (at construction).
+    pub(crate) fn set_caps(&mut self, caps: DeviceCaps) {
+        self.ledger.set_caps(caps);
+    }
+
+    /// `cuMemCreate` with handle types and flags.
+    pub(crate) fn create_with(&mut self, size: u64, props: CreateProps) -> Result<PhysHandle> {
+        self.ledger.check_create_with(size, props)?;
+        let handle = self.ledger.add_handle(size, next_memory_id());
+        self.ledger.set_handle_types(handle, props.handle_types);
+        Ok(handle)
+    }
+
+    /// `cuMemExportToShareableHandle`: the memory's id, size and kind.
+    pub(crate) fn export_handle(
+        &mut self,
+        handle: PhysHandle,
+        kind: HandleKind,
+    ) -> Result<ShareableHandle> {
+        let entry = self.ledger.check_export(handle, kind)?;
+        Ok(ShareableHandle::Sim(SimShared {
+            id: entry.payload,
+            size: entry.size,
+            kind,
+        }))
+    }
+
+    /// `cuMemImportFromShareableHandle`: a new handle to the same memory.
+    /// Only a simulated handle of the right size is accepted.
+    pub(crate) fn import_handle(
+        &mut self,
+        shared: &ShareableHandle,
+        size: u64,
+    ) -> Result<PhysHandle> {
+        let call = CallKind::ImportHandle;
+        let ShareableHandle::Sim(sim) = shared else {
+            return Err(invalid(
+                call,
+                "osHandle",
+                0,
+                "is not a handle exported by a simulated device",
+            ));
+        };
+        self.ledger.check_import(size, sim.kind)?;
+        if sim.size != size {
+            return Err(invalid(
+                call,
+                "size",
+                size,
+                "differs from the size of the exported memory",
+            ));
+        }
+        let handle = self.ledger.add_handle(size, sim.id);
+        self.ledger.set_handle_types(
+            handle,
+            HandleTypes {
+                posix_fd: sim.kind == HandleKind::PosixFd,
+                fabric: sim.kind == HandleKind::Fabric,
+            },
+        );
+        Ok(handle)
+    }
+
+    /// The id of the memory behind a live handle (an import shares its
+    /// exporter's), or `None` for a dead handle.
+    pub(crate) fn memory_id(&self, handle: PhysHandle) -> Option<u64> {
+        self.ledger
+            .live_handle(CallKind::Create, handle)
+            .ok()
+            .map(|e| e.payload)
+    }
+
+    /// `cuMemSetAccess` for several devices.
+    pub(crate) fn set_access_for(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        devices: &[DeviceOrdinal],
+    ) -> Result<()> {
+        self.ledger.check_set_access_for(ptr, size, devices)?;
+        self.ledger.mark_accessible_for(ptr, size, devices);
+        Ok(())
+    }
+
+    /// Devices from which the whole mapping containing `addr` is accessible.
+    pub(crate) fn devices_with_access(&self, addr: DevicePtr) -> Option<Vec<DeviceOrdinal>> {
+        self.ledger.devices_with_access(addr)
     }
 
     /// `cuMemRelease`.
