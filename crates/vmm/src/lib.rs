@@ -37,8 +37,6 @@
 mod call_log;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-mod cudarc_interop;
 pub mod driver;
 pub mod error;
 mod events;
