@@ -48,6 +48,38 @@ pub enum AllocError {
     /// The operation changed nothing; the allocator stays usable.
     #[error("internal error (a bug in the allocator): {0}")]
     Internal(String),
+    /// The id names no live growable buffer: never created, or released.
+    #[error("unknown growable buffer {id}: never created, or already released")]
+    UnknownGrowable {
+        /// The id passed.
+        id: u64,
+    },
+    /// A resize a growable buffer refuses: past its maximum, `grow_to` below
+    /// its length or `shrink_to` above it. Nothing changed.
+    #[error("growable buffer {id} of {len} bytes (at most {max}) cannot resize to {requested}: {reason}")]
+    InvalidResize {
+        /// The buffer.
+        id: u64,
+        /// Its length in bytes.
+        len: u64,
+        /// Its maximum length in bytes.
+        max: u64,
+        /// The length asked for.
+        requested: u64,
+        /// The rule it broke.
+        reason: &'static str,
+    },
+    /// A sleep or wake that the tag's state refuses (an unknown tag, a
+    /// sleep of a sleeping tag, a wake of an awake one), or an operation on a
+    /// member of a sleeping tag (free, resize, record-stream, release, a new
+    /// tagged allocation). Nothing changed.
+    #[error("tag {tag:?}: {reason}")]
+    TagState {
+        /// The tag.
+        tag: String,
+        /// What was refused, in words.
+        reason: &'static str,
+    },
 }
 
 impl AllocError {

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use quilt_pool::{PageId, PagePool};
 
-use super::state::State;
+use super::state::{Kind, State};
 use crate::error::InvariantViolation;
 
 fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
@@ -32,6 +32,11 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 /// 8. A retired page is touched by no block, backs no pool page of its own,
 ///    and has an entry in the retired queue; the retired count is right; a
 ///    pool page with a hazard is free in the pool.
+/// 9. Growable buffers: each owns one arena of its maximum size (its kind
+///    `Growable`), whose only occupied range is `0 .. len` rounded to 512 B
+///    (none at length 0); every other growable arena is a zombie (released,
+///    nothing occupied, still mapping something) or dead (size 0, its slot
+///    free); no arena is two of these.
 pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), InvariantViolation> {
     pool.check_invariants().map_err(InvariantViolation)?;
     let mut occupied_total = 0usize;
@@ -224,14 +229,20 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
             backing.len()
         ));
     }
+    // 9. growable buffers, zombies, dead arenas.
+    let growable_blocks = check_growables(st)?;
     // 2. block records versus occupied ranges.
-    if occupied_total != st.blocks.len() {
+    if occupied_total != st.blocks.len() + growable_blocks {
         return fail(format!(
-            "{} block records but {occupied_total} occupied ranges",
+            "{} block records and {growable_blocks} growable buffers but {occupied_total} occupied ranges",
             st.blocks.len()
         ));
     }
     let (mut alloc_bytes, mut requested) = (0u64, 0u64);
+    for g in st.growables.values() {
+        alloc_bytes += g.extent();
+        requested += g.len;
+    }
     for (&ptr, b) in &st.blocks {
         let Some(a) = st.arenas.get(b.arena) else {
             return fail(format!("block {ptr:#x} names a missing arena"));
@@ -244,12 +255,12 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
     }
     // 7. statistics.
     let s = &st.stats;
-    let n = st.blocks.len() as u64;
+    let n = st.blocks.len() as u64 + st.growables.len() as u64;
     let checks = [
         ("allocated_bytes", s.allocated_bytes.current, alloc_bytes),
         ("allocation", s.allocation.current, n),
         ("active_bytes", s.active_bytes.current, alloc_bytes),
-        ("active", s.active.current, n),
+        ("active", s.active.current, st.blocks.len() as u64),
         ("requested_bytes", s.requested_bytes.current, requested),
         (
             "reserved_bytes",
@@ -274,4 +285,62 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         }
     }
     Ok(())
+}
+
+/// Invariant 9; returns how many growable buffers occupy a range.
+fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
+    let mut owner: Vec<u8> = vec![0; st.arenas.len()];
+    let mut occupying = 0usize;
+    for (&id, g) in &st.growables {
+        let Some(a) = st.arenas.get(g.arena) else {
+            return fail(format!("growable {id} names a missing arena"));
+        };
+        if st.arena_meta[g.arena].1 != Kind::Growable || a.size != g.max || g.len > g.max {
+            return fail(format!(
+                "growable {id}: arena kind, size {} or length {} (max {}) wrong",
+                a.size, g.len, g.max
+            ));
+        }
+        let extent = g.extent();
+        let want: Vec<(u64, u64)> = if extent > 0 {
+            vec![(0, extent)]
+        } else {
+            Vec::new()
+        };
+        let have: Vec<(u64, u64)> = a.occupied.iter().map(|(&s, &e)| (s, e)).collect();
+        if have != want {
+            return fail(format!(
+                "growable {id}: occupied {have:?}, its length says {want:?}"
+            ));
+        }
+        occupying += usize::from(extent > 0);
+        owner[g.arena] += 1;
+    }
+    for &ai in &st.zombies {
+        let Some(a) = st.arenas.get(ai) else {
+            return fail(format!("zombie arena {ai} is missing"));
+        };
+        if a.size == 0 || !a.occupied.is_empty() || st.arena_meta[ai].1 != Kind::Growable {
+            return fail(format!(
+                "zombie arena {ai} is dead, occupied or not growable"
+            ));
+        }
+        owner[ai] += 1;
+    }
+    for &ai in &st.free_arena_slots {
+        match st.arenas.get(ai) {
+            Some(a) if a.size == 0 && a.pages.is_empty() => owner[ai] += 1,
+            _ => return fail(format!("free arena slot {ai} is not a dead arena")),
+        }
+    }
+    for (ai, &n) in owner.iter().enumerate() {
+        let growable = st.arena_meta[ai].1 == Kind::Growable;
+        if (growable && n != 1) || (!growable && n != 0) {
+            return fail(format!(
+                "arena {ai} ({:?}) is owned {n} times by growables, zombies and free slots",
+                st.arena_meta[ai].1
+            ));
+        }
+    }
+    Ok(occupying)
 }

@@ -31,9 +31,13 @@ mod arena;
 mod backing;
 pub mod conf;
 mod config;
+mod growable;
+mod growable_buffer;
 mod invariants;
 mod placement;
 mod reclaim;
+mod serving;
+mod sleep;
 mod snapshot;
 mod state;
 mod streams;
@@ -44,6 +48,8 @@ use quilt_pool::PagePool;
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
 pub use config::{QuiltConfig, ReclaimPolicy};
+pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, ServingStats};
+pub use growable_buffer::GrowableBuffer;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 
 use crate::api::{Allocation, DeviceAllocator};
@@ -256,6 +262,9 @@ impl Drop for QuiltAllocator {
         state.streams.destroy_events(self.vmm.as_ref());
         let mut give = Vec::new();
         for a in &mut state.arenas {
+            if a.size == 0 {
+                continue; // a released growable buffer's slot: nothing held
+            }
             for p in 0..a.pages.len() as u64 {
                 let slot = a.slot(p);
                 if slot.phys.is_none() && !slot.retired {

@@ -48,11 +48,13 @@ impl State {
             }
             ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
         };
-        if want > 0 {
+        // Growable buffers' spare pages past their allowance come first.
+        self.reclaim_spare_done(ctx, missing(ctx.pool))?;
+        if want > 0 && missing(ctx.pool) > 0 {
             self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
-            if missing(ctx.pool) == 0 {
-                return Ok(());
-            }
+        }
+        if missing(ctx.pool) == 0 {
+            return Ok(());
         }
         if self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
@@ -71,7 +73,11 @@ impl State {
         let all = Reclaim::Move {
             cached_before: u64::MAX,
         };
-        self.reclaim(ctx, want, all)?;
+        // Growable buffers' spare pages before any other cached page.
+        let spare = self.reclaim_spare_all(ctx, want)?;
+        if spare < want {
+            self.reclaim(ctx, want - spare, all)?;
+        }
         if missing(ctx.pool) == 0 || self.try_grow(ctx, missing(ctx.pool))? {
             return Ok(());
         }
@@ -103,7 +109,6 @@ impl State {
         target: u64,
         mode: Reclaim,
     ) -> Result<u64, AllocError> {
-        let tick = self.tick;
         self.keep_reclaim_queue();
         let mut chosen: Vec<(usize, u64)> = Vec::new();
         while (chosen.len() as u64) < target {
@@ -123,11 +128,28 @@ impl State {
             }
             chosen.push((ai, p));
         }
+        self.move_cached(ctx, &chosen, mode == Reclaim::Drain, true)
+    }
+
+    /// Move the cached pages `chosen` to the pool: a page whose freeing work
+    /// is known complete is unmapped, any other retired (with `drain`, the
+    /// streams whose work may still use them are synchronised first, and
+    /// every page is unmapped). A page left cached by an error goes back to
+    /// the front of the reclaim queue when `requeue` (it was taken from it).
+    /// Returns the pages gained.
+    pub(super) fn move_cached(
+        &mut self,
+        ctx: &Ctx<'_>,
+        chosen: &[(usize, u64)],
+        drain: bool,
+        requeue: bool,
+    ) -> Result<u64, AllocError> {
+        let tick = self.tick;
         let mut result: Result<(), AllocError> = Ok(());
-        if mode == Reclaim::Drain {
+        if drain {
             // Per stream, the latest free on a chosen page.
             let mut wait_for: Vec<(u32, u64)> = Vec::new();
-            for &(ai, p) in &chosen {
+            for &(ai, p) in chosen {
                 let slot = self.arenas[ai].slot(p);
                 for s in self.streams.in_mask(slot.freed_by) {
                     match wait_for.iter_mut().find(|w| w.0 == s) {
@@ -144,7 +166,7 @@ impl State {
             }
         }
         let mut give = Vec::with_capacity(chosen.len());
-        for &(ai, p) in &chosen {
+        for &(ai, p) in chosen {
             let slot = self.arenas[ai].slot(p);
             if result.is_ok() && !self.work_done(ctx, slot.freed_by, slot.freed_at, tick) {
                 // Still in use by queued work: move the handle on, leave the
@@ -164,7 +186,7 @@ impl State {
             }
             if result.is_ok() {
                 give.extend(self.arenas[ai].set_unmapped(p));
-            } else {
+            } else if requeue {
                 // Still mapped and cached: back in the queue.
                 self.reclaim_queue.push_front((ai, p, slot.cached_at));
             }
@@ -213,6 +235,7 @@ impl State {
                 self.page_hazards.remove(&id);
             }
         }
+        self.free_empty_zombies(ctx);
         Ok(())
     }
 

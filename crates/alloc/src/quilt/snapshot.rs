@@ -9,6 +9,9 @@ use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
     let mut segments = Vec::new();
     for (ai, a) in st.arenas.iter().enumerate() {
+        if a.size == 0 {
+            continue; // a released growable buffer's slot
+        }
         let (stream, kind) = st.arena_meta[ai];
         let high = a
             .pages
@@ -49,6 +52,8 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
             mapped_size: a.mapped_pages * page,
             stream: stream.unwrap_or_default(),
             kind: match (stream, kind) {
+                (_, Kind::Growable) => "growable",
+                (_, Kind::Tagged(_)) => "tagged",
                 (None, _) => "shared",
                 (_, Kind::Small) => "small",
                 (_, Kind::Large) => "large",

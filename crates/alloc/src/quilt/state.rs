@@ -13,7 +13,9 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::QuiltConfig;
+use super::growable::{GrowRec, MapAhead, ServingStats};
 use super::reclaim::Reclaim;
+use super::sleep::Tags;
 use super::streams::Streams;
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
@@ -26,6 +28,11 @@ pub(crate) enum Kind {
     Small,
     /// Larger requests.
     Large,
+    /// The arena of one growable buffer (its own reservation), or of a
+    /// released one whose retired pages still wait for their work.
+    Growable,
+    /// Allocations carrying a tag (by index), never sharing pages with others.
+    Tagged(u32),
 }
 
 /// What the algorithms need besides the state: the driver, the pool, the policy.
@@ -83,6 +90,22 @@ pub(crate) struct State {
     /// One tick per allocator operation.
     pub(crate) tick: u64,
     pub(crate) stats: AllocatorStats,
+    /// Live growable buffers by id.
+    pub(crate) growables: HashMap<u64, GrowRec>,
+    /// The id of the next growable buffer.
+    pub(crate) next_growable: u64,
+    /// Arenas of released growable buffers that still hold mappings (retired
+    /// pages whose work may still run): their reservation is freed once the
+    /// last is unmapped.
+    pub(crate) zombies: Vec<usize>,
+    /// Dead arenas (size 0, reservation freed), reused by the next growable buffer.
+    pub(crate) free_arena_slots: Vec<usize>,
+    /// Tags by name, with their state.
+    pub(crate) tags: Tags,
+    /// Map-ahead policy of growable buffers.
+    pub(crate) map_ahead: MapAhead,
+    /// Growable-buffer and sleep/wake counters.
+    pub(crate) serving: ServingStats,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -103,7 +126,7 @@ impl State {
     /// Register `stream`, returning its index. When a second stream appears,
     /// every free range so far becomes a hazard of the first stream's work: it
     /// was freed without one, since no other stream could reuse it then.
-    fn stream_index(&mut self, stream: StreamId) -> u32 {
+    pub(super) fn stream_index(&mut self, stream: StreamId) -> u32 {
         let (i, new) = self.streams.index(stream);
         if new && self.streams.len() == 2 {
             let bit = Streams::bit(0);
@@ -151,7 +174,7 @@ impl State {
 
     /// Refresh the statistics derived from the arenas and the streams (the
     /// pool's change only where the pool grows or is trimmed).
-    fn sync_arena_stats(&mut self, ctx: &Ctx<'_>) {
+    pub(super) fn sync_arena_stats(&mut self, ctx: &Ctx<'_>) {
         let touched: u64 = self.arenas.iter().map(|a| a.touched_pages).sum();
         let split = (touched * ctx.page).saturating_sub(self.stats.active_bytes.current);
         set_stat(&mut self.stats.inactive_split_bytes, split);
@@ -196,6 +219,21 @@ impl State {
         size: u64,
         stream: StreamId,
     ) -> Result<Allocation, AllocError> {
+        self.allocate_in(ctx, size, stream, None)
+    }
+
+    /// Allocate `size` bytes on `stream`; with a tag (awake), in the tag's
+    /// own arena, so that its pages are never shared with other blocks.
+    pub(crate) fn allocate_in(
+        &mut self,
+        ctx: &Ctx<'_>,
+        size: u64,
+        stream: StreamId,
+        tag: Option<u32>,
+    ) -> Result<Allocation, AllocError> {
+        if let Some(t) = tag {
+            self.tags.check_awake(t)?;
+        }
         check_size(size)?;
         let rounded = round_up(size, MIN_BLOCK_SIZE).ok_or(AllocError::InvalidSize {
             size,
@@ -203,7 +241,9 @@ impl State {
         })?;
         self.tick += 1;
         let si = self.stream_index(stream);
-        let kind = if ctx.cfg.separate_small_arena && size <= ctx.cfg.small_size {
+        let kind = if let Some(t) = tag {
+            Kind::Tagged(t)
+        } else if ctx.cfg.separate_small_arena && size <= ctx.cfg.small_size {
             Kind::Small
         } else {
             Kind::Large
@@ -256,6 +296,9 @@ impl State {
 
     /// Free the block at `ptr`.
     pub(crate) fn free(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
+        if let Some(b) = self.blocks.get(&ptr) {
+            self.check_arena_awake(b.arena)?;
+        }
         let Some(b) = self.blocks.remove(&ptr) else {
             return Err(if self.freed_recent.contains(&ptr) {
                 AllocError::DoubleFree { ptr }
@@ -308,9 +351,10 @@ impl State {
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        if !self.blocks.contains_key(&ptr) {
+        let Some(b) = self.blocks.get(&ptr) else {
             return Err(AllocError::UnknownPointer { ptr });
-        }
+        };
+        self.check_arena_awake(b.arena)?;
         let si = self.stream_index(stream);
         if let Some(b) = self.blocks.get_mut(&ptr) {
             b.streams |= Streams::bit(si);

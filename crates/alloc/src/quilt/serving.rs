@@ -1,0 +1,157 @@
+//! The serving API of [`QuiltAllocator`]: growable buffers, tags, sleep and
+//! wake, and their counters. The state's side lives in `growable.rs` and
+//! `sleep.rs`; see `docs/serving.md`.
+
+use quilt_vmm::StreamId;
+
+use super::growable::{GrowableId, GrowableInfo, MapAhead, ServingStats};
+use super::QuiltAllocator;
+use crate::api::Allocation;
+use crate::error::AllocError;
+
+impl QuiltAllocator {
+    /// Create a growable buffer of at most `max_bytes` (rounded up to whole
+    /// pages) whose growth is ordered on `stream`. Reserves its virtual range
+    /// (one `cuMemAddressReserve`), maps nothing: its length is 0 until
+    /// [`grow_to`](QuiltAllocator::grow_to). Its address
+    /// ([`GrowableInfo::ptr`]) never changes. Prefer the owning handle,
+    /// [`super::GrowableBuffer`], which releases it when dropped.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let id = alloc.create_growable(256 << 20, StreamId::DEFAULT)?;
+    /// let ptr = alloc.growable_info(id)?.ptr;
+    /// alloc.grow_to(id, 5 << 20)?;          // maps 3 pages of 2 MiB
+    /// alloc.grow_to(id, 100 << 20)?;        // same address, contents kept
+    /// assert_eq!(alloc.growable_info(id)?.ptr, ptr);
+    /// alloc.shrink_to(id, 1 << 20)?;        // pages left become spare
+    /// assert!(alloc.grow_to(id, 1 << 30).is_err()); // beyond its maximum
+    /// alloc.release_growable(id)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn create_growable(
+        &self,
+        max_bytes: u64,
+        stream: StreamId,
+    ) -> Result<GrowableId, AllocError> {
+        let ctx = self.ctx();
+        let id = self
+            .lock()?
+            .growable_create(&ctx, max_bytes, stream, None)?;
+        Ok(id)
+    }
+
+    /// [`create_growable`](QuiltAllocator::create_growable) with a tag: the
+    /// buffer sleeps and wakes with the tag ([`QuiltAllocator::sleep`]).
+    /// Refused while the tag is asleep.
+    pub fn create_growable_tagged(
+        &self,
+        max_bytes: u64,
+        stream: StreamId,
+        tag: &str,
+    ) -> Result<GrowableId, AllocError> {
+        let ctx = self.ctx();
+        let mut st = self.lock()?;
+        let t = st.tags.index(tag);
+        st.growable_create(&ctx, max_bytes, stream, Some(t))
+    }
+
+    /// Grow buffer `id` to `bytes` (at most its maximum; `bytes` below its
+    /// length is [`AllocError::InvalidResize`], equal is a no-op). The pages
+    /// it reaches that are not mapped yet are backed from the pool (growing
+    /// it, or reclaiming cached pages, as an allocation does), ordered after
+    /// any other stream's work on them; pages mapped ahead cost no driver
+    /// call. Its address and its contents do not move. Out of memory is
+    /// [`AllocError::OutOfMemory`] with the usual report and leaves the
+    /// buffer as it was.
+    pub fn grow_to(&self, id: GrowableId, bytes: u64) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        let ahead = {
+            let mut st = self.lock()?;
+            st.growable_grow(&ctx, id, bytes)?;
+            st.map_ahead
+        };
+        self.after_growth(ahead);
+        Ok(())
+    }
+
+    /// Shrink buffer `id` to `bytes` (`bytes` above its length is
+    /// [`AllocError::InvalidResize`], equal is a no-op). Its address and the
+    /// contents below `bytes` do not move. The pages it leaves stay mapped
+    /// as spare pages, with the buffer's streams' work as their hazard (a
+    /// later user on another stream waits for it; nothing synchronises):
+    /// up to [`MapAhead::pages`] of them serve its next growth; the others
+    /// are unmapped at once when their work is known complete, and are the
+    /// first pages reclaimed otherwise, so ordinary allocations reuse them.
+    pub fn shrink_to(&self, id: GrowableId, bytes: u64) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.growable_shrink(&ctx, id, bytes)
+    }
+
+    /// Note that buffer `id` is used on `stream` too (as `record_stream`):
+    /// pages it gives up are reused elsewhere only after that stream's work.
+    pub fn record_growable_stream(
+        &self,
+        id: GrowableId,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        self.lock()?.growable_record_stream(id, stream)
+    }
+
+    /// What buffer `id` is now.
+    pub fn growable_info(&self, id: GrowableId) -> Result<GrowableInfo, AllocError> {
+        self.lock()?.growable_info(id)
+    }
+
+    /// Release buffer `id`: its pages go back to the pool (unmapped when
+    /// their work is known complete; otherwise retired, their pool pages
+    /// carrying that work as a hazard) and its range is freed once nothing
+    /// is mapped in it. The id is dead afterwards
+    /// ([`AllocError::UnknownGrowable`]).
+    pub fn release_growable(&self, id: GrowableId) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.growable_release(&ctx, id)
+    }
+
+    /// Allocate `size` bytes on `stream` carrying `tag`: the block lives in
+    /// the tag's own arena (its pages are never shared with untagged blocks
+    /// or other tags), and sleeps and wakes with the tag
+    /// ([`QuiltAllocator::sleep`]). Free it with
+    /// [`DeviceAllocator::free`](crate::DeviceAllocator::free) as any block.
+    /// Refused while the tag is asleep ([`AllocError::TagState`]).
+    pub fn allocate_tagged(
+        &self,
+        size: u64,
+        stream: StreamId,
+        tag: &str,
+    ) -> Result<Allocation, AllocError> {
+        let ctx = self.ctx();
+        let mut st = self.lock()?;
+        let t = st.tags.index(tag);
+        st.allocate_in(&ctx, size, stream, Some(t))
+    }
+
+    /// The map-ahead policy of growable buffers.
+    pub fn map_ahead(&self) -> MapAhead {
+        self.lock().map(|s| s.map_ahead).unwrap_or(MapAhead::OFF)
+    }
+
+    /// Set the map-ahead policy of growable buffers (see [`MapAhead`]).
+    pub fn set_map_ahead(&self, policy: MapAhead) -> Result<(), AllocError> {
+        self.lock()?.map_ahead = policy;
+        Ok(())
+    }
+
+    /// Counters of growable buffers and sleep/wake.
+    pub fn serving_stats(&self) -> ServingStats {
+        self.lock().map(|s| s.serving).unwrap_or_default()
+    }
+
+    /// After a growth: map ahead as the policy says.
+    fn after_growth(&self, _ahead: MapAhead) {}
+}

@@ -1,0 +1,412 @@
+//! Growable buffers: real bytes on the host backend (address and contents
+//! never move; pages flow between growable buffers and ordinary blocks
+//! through one pool), typed errors, out of memory leaving the buffer as it
+//! was, stream ordering on the simulated device (waits, never a sync), and
+//! a property test of random grow/shrink/allocate/free sequences with the
+//! invariants checked after every operation.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use quilt_alloc::quilt::{
+    AheadMode, GrowableBuffer, GrowableId, MapAhead, MemoryLimit, QuiltAllocator, QuiltConfig,
+};
+use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
+use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{CallKind, StreamId, Vmm};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 64 * KIB;
+
+fn host(capacity: u64) -> Option<Arc<HostVmm>> {
+    match HostVmm::new(HostConfig {
+        granularity: PAGE,
+        capacity,
+    }) {
+        Ok(h) => Some(Arc::new(h)),
+        Err(e) => {
+            eprintln!("SKIPPED: host backend unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// Quilt with `limit` bytes, one page per handle, no growth margin, nothing
+/// mapped ahead (each test sets its own policy).
+fn quilt(vmm: Arc<dyn Vmm>, limit: u64) -> Arc<QuiltAllocator> {
+    let mut config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(limit));
+    config.pool.growth = quilt_alloc::quilt::GrowthPolicy::exact();
+    let a = Arc::new(QuiltAllocator::new(vmm, config).unwrap());
+    a.set_map_ahead(MapAhead::OFF).unwrap();
+    a
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+fn read(h: &HostVmm, ptr: u64, len: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len as usize];
+    h.read_bytes(ptr, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn growable_host_bytes_stay_put_and_pages_flow_both_ways() {
+    let Some(h) = host(4 * MIB) else { return };
+    let a = quilt(h.clone(), 4 * MIB);
+    let buf = GrowableBuffer::new(a.clone(), 3 * MIB, StreamId::DEFAULT).unwrap();
+    let ptr = buf.ptr();
+    buf.grow_to(100 * KIB).unwrap();
+    let first = pattern(7, (100 * KIB) as usize);
+    h.write_bytes(ptr, &first).unwrap();
+    a.check_invariants().unwrap();
+
+    // Grow: same address, old bytes intact.
+    buf.grow_to(2 * MIB).unwrap();
+    assert_eq!(buf.ptr(), ptr);
+    assert_eq!(a.growable_info(buf.id()).unwrap().ptr, ptr);
+    assert_eq!(read(&h, ptr, 100 * KIB), first);
+    let second = pattern(99, (2 * MIB - 100 * KIB) as usize);
+    h.write_bytes(ptr + 100 * KIB, &second).unwrap();
+    a.check_invariants().unwrap();
+
+    // Shrink: what stays below the new length is intact.
+    buf.shrink_to(300 * KIB).unwrap();
+    assert_eq!(read(&h, ptr, 100 * KIB), first);
+    assert_eq!(
+        read(&h, ptr + 100 * KIB, 200 * KIB),
+        second[..(200 * KIB) as usize]
+    );
+    a.check_invariants().unwrap();
+
+    // An ordinary allocation that only fits in the pages the shrink left:
+    // the pool is at its limit, so they must be reused.
+    let reserved_before = a.stats().reserved_bytes.current;
+    let block = a.allocate(3 * MIB + 512 * KIB, StreamId::DEFAULT).unwrap();
+    assert!(a.stats().reserved_bytes.current <= 4 * MIB);
+    assert!(
+        a.serving_stats().spare_pages_reclaimed > 0,
+        "the shrink's pages were not reclaimed first: {:?}",
+        a.serving_stats()
+    );
+    assert!(reserved_before <= 4 * MIB);
+    h.fill(block.ptr, block.size, 0xEE).unwrap();
+    assert_eq!(
+        read(&h, ptr, 100 * KIB),
+        first,
+        "the block overwrote the buffer"
+    );
+    a.check_invariants().unwrap();
+    a.free(block.ptr).unwrap();
+
+    // The other way: the freed block's pages serve the buffer's growth.
+    buf.grow_to(3 * MIB).unwrap();
+    assert_eq!(buf.ptr(), ptr);
+    assert!(a.stats().reserved_bytes.current <= 4 * MIB);
+    assert_eq!(read(&h, ptr, 100 * KIB), first);
+    h.fill(ptr + 300 * KIB, 3 * MIB - 300 * KIB, 0x5A).unwrap();
+    assert!(h
+        .check_filled(ptr + 300 * KIB, 3 * MIB - 300 * KIB, 0x5A)
+        .unwrap());
+    a.check_invariants().unwrap();
+
+    buf.release().unwrap();
+    assert_eq!(a.stats().allocated_bytes.current, 0);
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    drop(a);
+    let leaks = h.leak_report();
+    assert!(leaks.is_empty(), "{leaks}");
+}
+
+#[test]
+fn growable_oom_leaves_the_buffer_as_it_was() {
+    let Some(h) = host(2 * MIB) else { return };
+    let a = quilt(h.clone(), 2 * MIB);
+    let buf = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(3)).unwrap();
+    buf.grow_to(MIB).unwrap();
+    let bytes = pattern(3, MIB as usize);
+    h.write_bytes(buf.ptr(), &bytes).unwrap();
+    let other = a.allocate(512 * KIB, StreamId(3)).unwrap();
+    let before = (
+        a.growable_info(buf.id()).unwrap(),
+        a.stats().allocated_bytes.current,
+    );
+    let err = buf.grow_to(2 * MIB).unwrap_err();
+    let report = err.oom_report().expect("an out-of-memory report");
+    assert_eq!(report.verdict, OomVerdict::Capacity);
+    assert_eq!(report.needed, 16 * PAGE);
+    assert_eq!(
+        (
+            a.growable_info(buf.id()).unwrap(),
+            a.stats().allocated_bytes.current
+        ),
+        before
+    );
+    assert_eq!(read(&h, buf.ptr(), MIB), bytes);
+    a.check_invariants().unwrap();
+    // Growth that fits still works afterwards.
+    a.free(other.ptr).unwrap();
+    buf.grow_to(2 * MIB).unwrap();
+    assert_eq!(read(&h, buf.ptr(), MIB), bytes);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn growable_errors_are_typed_and_change_nothing() {
+    let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 * MIB).unwrap());
+    let a = quilt(vmm, 64 * MIB);
+    let id = a.create_growable(10 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.growable_info(id).unwrap().max_len, 10 * MIB);
+    a.grow_to(id, 4 * MIB).unwrap();
+    let before = a.growable_info(id).unwrap();
+    let stats = a.stats();
+    for r in [
+        a.grow_to(id, 10 * MIB + 1),
+        a.grow_to(id, MIB),
+        a.shrink_to(id, 5 * MIB),
+    ] {
+        assert!(matches!(r, Err(AllocError::InvalidResize { .. })), "{r:?}");
+    }
+    assert!(matches!(
+        a.grow_to(GrowableId(999), MIB),
+        Err(AllocError::UnknownGrowable { id: 999 })
+    ));
+    assert!(matches!(
+        a.create_growable(0, StreamId::DEFAULT),
+        Err(AllocError::InvalidSize { .. })
+    ));
+    assert_eq!(a.growable_info(id).unwrap(), before);
+    assert_eq!(a.stats().allocated_bytes, stats.allocated_bytes);
+    a.grow_to(id, 4 * MIB).unwrap(); // no-op
+    a.shrink_to(id, 4 * MIB).unwrap(); // no-op
+    a.check_invariants().unwrap();
+    a.release_growable(id).unwrap();
+    for r in [
+        a.grow_to(id, 5 * MIB),
+        a.shrink_to(id, 0),
+        a.release_growable(id),
+        a.record_growable_stream(id, StreamId(2)),
+    ] {
+        assert!(
+            matches!(r, Err(AllocError::UnknownGrowable { .. })),
+            "{r:?}"
+        );
+    }
+    a.check_invariants().unwrap();
+}
+
+/// The simulated device never catches up by itself: every stream's work
+/// stays pending unless a test completes it.
+fn sim(capacity: u64) -> (Arc<SimVmm>, Arc<QuiltAllocator>) {
+    let s = Arc::new(SimVmm::with_capacity(capacity).unwrap());
+    let a = quilt(s.clone(), capacity);
+    (s, a)
+}
+
+#[test]
+fn growable_shrunk_pages_reused_on_another_stream_wait_never_sync() {
+    let (s, a) = sim(32 * MIB);
+    let (sa, sb) = (StreamId(1), StreamId(2));
+    let buf = GrowableBuffer::new(a.clone(), 32 * MIB, sa).unwrap();
+    buf.grow_to(32 * MIB).unwrap();
+    let _b_seen = a.allocate(512, sb); // stream B is known; the pool is full
+    buf.shrink_to(0).unwrap();
+    let before = s.driver_stats();
+    // Every page is the buffer's, freed by stream A's pending work: a block on
+    // stream B takes them after a wait, with no synchronisation.
+    let block = a.allocate(16 * MIB, sb).unwrap();
+    let since = s.driver_stats().since(&before);
+    assert_eq!(since.count(CallKind::StreamSynchronize), 0);
+    assert!(since.count(CallKind::StreamWaitEvent) >= 1, "{since:?}");
+    a.check_invariants().unwrap();
+    // And the other way: B's freed block serves the growth of another
+    // buffer on stream A after a wait. (The first buffer's own range keeps
+    // the retired mappings of its pages until A's work is known complete:
+    // growing it back over them would synchronise A, the price of reclaim
+    // under pressure.)
+    a.free(block.ptr).unwrap();
+    let buf2 = GrowableBuffer::new(a.clone(), 32 * MIB, sa).unwrap();
+    let before = s.driver_stats();
+    buf2.grow_to(30 * MIB).unwrap();
+    let since = s.driver_stats().since(&before);
+    assert_eq!(since.count(CallKind::StreamSynchronize), 0);
+    assert!(since.count(CallKind::StreamWaitEvent) >= 1, "{since:?}");
+    a.check_invariants().unwrap();
+    drop(buf);
+    drop(buf2);
+    a.check_invariants().unwrap();
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_regrow_over_spare_pages_makes_no_driver_call() {
+    let (s, a) = sim(256 * MIB);
+    a.set_map_ahead(MapAhead {
+        pages: 4,
+        below_per_mille: 1000,
+        mode: AheadMode::Manual,
+    })
+    .unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 64 * MIB, StreamId(5)).unwrap();
+    buf.grow_to(20 * MIB).unwrap();
+    buf.shrink_to(14 * MIB).unwrap(); // 3 pages of 2 MiB left spare (kept: allowance 4)
+    let before = s.driver_stats();
+    buf.grow_to(20 * MIB).unwrap();
+    assert_eq!(s.driver_stats().since(&before).vmm_calls(), 0);
+    let st = a.serving_stats();
+    assert_eq!(
+        (st.grows, st.grows_already_mapped, st.pages_found_mapped),
+        (2, 1, 3)
+    );
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn growable_release_with_pending_work_frees_its_range_later() {
+    let (s, a) = sim(64 * MIB);
+    let buf = GrowableBuffer::new(a.clone(), 16 * MIB, StreamId(1)).unwrap();
+    let _other = a.allocate(MIB, StreamId(2)).unwrap(); // two streams: hazards tracked
+    buf.grow_to(16 * MIB).unwrap();
+    buf.release().unwrap();
+    a.check_invariants().unwrap();
+    // Its pool pages are free at once; the mappings wait for stream 1.
+    assert_eq!(a.pool().free_pages() * a.pool().page_size(), 16 * MIB);
+    s.complete_all();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    // The slot is reused by the next buffer.
+    let again = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(1)).unwrap();
+    again.grow_to(8 * MIB).unwrap();
+    a.check_invariants().unwrap();
+    drop(again);
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Create { max_pages: u64, stream: u8 },
+    Grow { which: usize, bytes: u64 },
+    Shrink { which: usize, bytes: u64 },
+    Release { which: usize },
+    Alloc { bytes: u64, stream: u8 },
+    Free { which: usize },
+    Record { which: usize, stream: u8 },
+    Complete { stream: u8 },
+    EmptyCache,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (1u64..24, 0u8..3).prop_map(|(max_pages, stream)| Op::Create { max_pages, stream }),
+        4 => (any::<usize>(), 1u64..(24 * 2 * MIB)).prop_map(|(which, bytes)| Op::Grow { which, bytes }),
+        2 => (any::<usize>(), 0u64..(24 * 2 * MIB)).prop_map(|(which, bytes)| Op::Shrink { which, bytes }),
+        1 => (any::<usize>()).prop_map(|which| Op::Release { which }),
+        3 => (1u64..(12 * MIB), 0u8..3).prop_map(|(bytes, stream)| Op::Alloc { bytes, stream }),
+        2 => (any::<usize>()).prop_map(|which| Op::Free { which }),
+        1 => (any::<usize>(), 0u8..3).prop_map(|(which, stream)| Op::Record { which, stream }),
+        1 => (0u8..3).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+fn ahead() -> impl Strategy<Value = MapAhead> {
+    prop_oneof![
+        Just(MapAhead::OFF),
+        (1u64..4, 500u64..1001).prop_map(|(pages, below_per_mille)| MapAhead {
+            pages,
+            below_per_mille,
+            mode: AheadMode::Inline,
+        }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Random growable and ordinary traffic on three streams under a 48 MiB
+    /// limit: invariants after every operation; a failed growth or
+    /// allocation is capacity (never fragmentation) and changes nothing.
+    #[test]
+    fn growable_random_sequences_keep_invariants(ops in proptest::collection::vec(op(), 1..80), policy in ahead()) {
+        let (s, a) = sim(48 * MIB);
+        a.set_map_ahead(policy).unwrap();
+        let mut bufs: Vec<(GrowableId, u64, u64)> = Vec::new(); // id, len, max
+        let mut blocks: BTreeMap<u64, u64> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Create { max_pages, stream } => {
+                    let id = a.create_growable(max_pages * 2 * MIB, StreamId(stream as u64)).unwrap();
+                    bufs.push((id, 0, max_pages * 2 * MIB));
+                }
+                Op::Grow { which, bytes } if !bufs.is_empty() => {
+                    let i = which % bufs.len();
+                    let (id, len, max) = bufs[i];
+                    let before = a.growable_info(id).unwrap();
+                    match a.grow_to(id, bytes) {
+                        Ok(()) => {
+                            prop_assert!(bytes >= len && bytes <= max);
+                            bufs[i].1 = bytes;
+                            prop_assert_eq!(a.growable_info(id).unwrap().ptr, before.ptr);
+                        }
+                        Err(AllocError::InvalidResize { .. }) => prop_assert!(bytes < len || bytes > max),
+                        Err(AllocError::OutOfMemory(r)) => {
+                            prop_assert_eq!(r.verdict, OomVerdict::Capacity);
+                            prop_assert_eq!(a.growable_info(id).unwrap().len, len);
+                        }
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Shrink { which, bytes } if !bufs.is_empty() => {
+                    let i = which % bufs.len();
+                    let (id, len, _) = bufs[i];
+                    let to = bytes.min(len);
+                    a.shrink_to(id, to).unwrap();
+                    bufs[i].1 = to;
+                }
+                Op::Release { which } if !bufs.is_empty() => {
+                    let (id, _, _) = bufs.swap_remove(which % bufs.len());
+                    a.release_growable(id).unwrap();
+                }
+                Op::Alloc { bytes, stream } => match a.allocate(bytes, StreamId(stream as u64)) {
+                    Ok(b) => { blocks.insert(b.ptr, b.size); }
+                    Err(AllocError::OutOfMemory(r)) => prop_assert_eq!(r.verdict, OomVerdict::Capacity),
+                    Err(e) => prop_assert!(false, "unexpected {e}"),
+                },
+                Op::Free { which } if !blocks.is_empty() => {
+                    let p = *blocks.keys().nth(which % blocks.len()).unwrap();
+                    blocks.remove(&p);
+                    a.free(p).unwrap();
+                }
+                Op::Record { which, stream } if !bufs.is_empty() => {
+                    let (id, _, _) = bufs[which % bufs.len()];
+                    a.record_growable_stream(id, StreamId(stream as u64)).unwrap();
+                }
+                Op::Complete { stream } => s.complete_stream(StreamId(stream as u64)),
+                Op::EmptyCache => a.empty_cache().unwrap(),
+                _ => {}
+            }
+            a.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(a.stats().reserved_bytes.current <= 48 * MIB);
+        }
+        for (id, _, _) in bufs {
+            a.release_growable(id).unwrap();
+        }
+        for p in blocks.into_keys() {
+            a.free(p).unwrap();
+        }
+        a.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        drop(a);
+        prop_assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    }
+}
