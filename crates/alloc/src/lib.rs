@@ -6,8 +6,10 @@
 pub mod api;
 pub mod baselines;
 pub mod buffer;
+pub mod comm;
 pub mod error;
 pub mod quilt;
+pub mod share;
 pub mod snapshot;
 pub mod stats;
 pub mod units;
