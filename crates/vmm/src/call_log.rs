@@ -23,6 +23,7 @@ pub(crate) struct CallLog {
     failed: [AtomicU64; CallKind::COUNT],
     measured_ns: AtomicU64,
     created_bytes: AtomicU64,
+    copied_bytes: AtomicU64,
 }
 
 impl CallLog {
@@ -34,6 +35,7 @@ impl CallLog {
             failed: Default::default(),
             measured_ns: AtomicU64::new(0),
             created_bytes: AtomicU64::new(0),
+            copied_bytes: AtomicU64::new(0),
         }
     }
 
@@ -54,6 +56,9 @@ impl CallLog {
             Ok(_) => {
                 if kind == CallKind::Create {
                     self.created_bytes.fetch_add(size, Ordering::Relaxed);
+                }
+                if kind.is_copy() {
+                    self.copied_bytes.fetch_add(size, Ordering::Relaxed);
                 }
                 tracing::trace!(
                     backend = self.backend,
@@ -96,6 +101,7 @@ impl CallLog {
         }
         out.measured_ns = self.measured_ns.load(Ordering::Relaxed);
         out.created_bytes = self.created_bytes.load(Ordering::Relaxed);
+        out.copied_bytes = self.copied_bytes.load(Ordering::Relaxed);
         out
     }
 }

@@ -974,6 +974,26 @@ impl Vmm for CudaVmm {
         })
     }
 
+    /// [`CudaVmm::copy_from_device`] (`cuMemcpyDtoH` to pageable memory,
+    /// which returns once the copy has completed), counted as one
+    /// `cuMemcpyDtoH`. Host memory is pageable, not pinned: the caller's
+    /// buffer is used as it is.
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let len = dst.len() as u64;
+        self.log.time(CallKind::MemcpyDtoH, len, || {
+            self.copy_from_device(src, dst)
+        })
+    }
+
+    /// [`CudaVmm::copy_to_device`] (`cuMemcpyHtoD` from pageable memory, then
+    /// a synchronisation of the legacy default stream so that the bytes have
+    /// landed), counted as one `cuMemcpyHtoD`.
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let len = src.len() as u64;
+        self.log
+            .time(CallKind::MemcpyHtoD, len, || self.copy_to_device(dst, src))
+    }
+
     fn driver_stats(&self) -> DriverStats {
         self.log.stats()
     }

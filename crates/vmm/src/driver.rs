@@ -173,6 +173,58 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
         ))
     }
 
+    /// `cuMemcpyDtoH`: copy `dst.len()` bytes of device memory at `src` to
+    /// the host, synchronously (when it returns the bytes are in `dst`). The
+    /// whole range must be mapped (`NotMapped`) and access-set
+    /// (`InvalidArgument`), and may span neighbouring mappings. The copy is
+    /// not ordered after work queued on any stream: the caller makes that
+    /// work complete first. Counted as one [`crate::CallKind::MemcpyDtoH`]
+    /// of `dst.len()` bytes (in [`crate::DriverStats::copied_bytes`]). By
+    /// default [`VmmError::Unsupported`]; the host backend copies real
+    /// bytes, the simulated one checks, counts and costs the copy (no bytes).
+    ///
+    /// ```
+    /// use quilt_vmm::{sim::SimVmm, CallKind, Vmm};
+    ///
+    /// let vmm = SimVmm::with_capacity(1 << 30)?;
+    /// let g = vmm.granularity();
+    /// let va = vmm.reserve(2 * g, 0)?;
+    /// let h = vmm.create(g)?;
+    /// vmm.map(va, g, h, 0)?;
+    /// vmm.set_access(va, g)?;
+    /// let mut host = vec![0u8; 4096];
+    /// vmm.copy_to_host(va, &mut host)?;
+    /// vmm.copy_from_host(va, &host)?;
+    /// let stats = vmm.driver_stats();
+    /// assert_eq!(stats.count(CallKind::MemcpyDtoH), 1);
+    /// assert_eq!(stats.copied_bytes, 8192);
+    /// assert!(vmm.copy_to_host(va + g, &mut host).is_err()); // not mapped
+    /// # vmm.unmap(va, g)?;
+    /// # vmm.release(h)?;
+    /// # vmm.address_free(va, 2 * g)?;
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let _ = (src, dst);
+        Err(unsupported(
+            self.backend_name(),
+            crate::CallKind::MemcpyDtoH,
+            "no copy to the host",
+        ))
+    }
+
+    /// `cuMemcpyHtoD`: copy `src` to device memory at `dst`, synchronously
+    /// (the bytes have landed when it returns); same rules as
+    /// [`Vmm::copy_to_host`], counted as one [`crate::CallKind::MemcpyHtoD`].
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let _ = (dst, src);
+        Err(unsupported(
+            self.backend_name(),
+            crate::CallKind::MemcpyHtoD,
+            "no copy from the host",
+        ))
+    }
+
     /// `cuMemSetAccess` with one `CUmemAccessDesc` per device of `devices`
     /// (read-write): one call makes the wholly mapped range reachable from
     /// each. `devices` is non-empty, without repeats, every ordinal below

@@ -474,6 +474,20 @@ impl Vmm for HostVmm {
         self.log.time(CallKind::StreamSynchronize, 0, || Ok(()))
     }
 
+    /// [`HostVmm::read_bytes`], counted as one `cuMemcpyDtoH`.
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let len = dst.len() as u64;
+        self.log
+            .time(CallKind::MemcpyDtoH, len, || self.read_bytes(src, dst))
+    }
+
+    /// [`HostVmm::write_bytes`], counted as one `cuMemcpyHtoD`.
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let len = src.len() as u64;
+        self.log
+            .time(CallKind::MemcpyHtoD, len, || self.write_bytes(dst, src))
+    }
+
     fn driver_stats(&self) -> DriverStats {
         self.log.stats()
     }

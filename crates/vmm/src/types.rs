@@ -111,11 +111,15 @@ pub enum CallKind {
     ExportHandle,
     /// `cuMemImportFromShareableHandle`.
     ImportHandle,
+    /// `cuMemcpyDtoH`: device memory copied to the host (its size is the byte count).
+    MemcpyDtoH,
+    /// `cuMemcpyHtoD`: host memory copied to the device (its size is the byte count).
+    MemcpyHtoD,
 }
 
 impl CallKind {
     /// How many kinds there are (the length of [`CallKind::ALL`]).
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 17;
 
     /// Every kind, in declaration order (the index of a kind is its position here).
     pub const ALL: [CallKind; CallKind::COUNT] = [
@@ -134,6 +138,8 @@ impl CallKind {
         CallKind::StreamSynchronize,
         CallKind::ExportHandle,
         CallKind::ImportHandle,
+        CallKind::MemcpyDtoH,
+        CallKind::MemcpyHtoD,
     ];
 
     /// Position of this kind in [`CallKind::ALL`].
@@ -159,7 +165,15 @@ impl CallKind {
             CallKind::StreamSynchronize => "cuStreamSynchronize",
             CallKind::ExportHandle => "cuMemExportToShareableHandle",
             CallKind::ImportHandle => "cuMemImportFromShareableHandle",
+            CallKind::MemcpyDtoH => "cuMemcpyDtoH",
+            CallKind::MemcpyHtoD => "cuMemcpyHtoD",
         }
+    }
+
+    /// True for the copies between host and device ([`CallKind::MemcpyDtoH`],
+    /// [`CallKind::MemcpyHtoD`]).
+    pub fn is_copy(self) -> bool {
+        matches!(self, CallKind::MemcpyDtoH | CallKind::MemcpyHtoD)
     }
 
     /// True for the seven VMM calls the allocator reports on (reserve, create,
@@ -204,6 +218,9 @@ pub struct DriverStats {
     pub created_bytes: u64,
     /// Measured wall time inside driver calls in nanoseconds (real backends; 0 on the simulated one).
     pub measured_ns: u64,
+    /// Bytes copied between host and device by successful
+    /// [`CallKind::MemcpyDtoH`] and [`CallKind::MemcpyHtoD`] calls.
+    pub copied_bytes: u64,
 }
 
 impl DriverStats {
@@ -247,6 +264,7 @@ impl DriverStats {
             .saturating_sub(earlier.modelled_flat_create_ns);
         out.created_bytes = self.created_bytes.saturating_sub(earlier.created_bytes);
         out.measured_ns = self.measured_ns.saturating_sub(earlier.measured_ns);
+        out.copied_bytes = self.copied_bytes.saturating_sub(earlier.copied_bytes);
         out
     }
 }

@@ -58,6 +58,13 @@ pub struct CostModel {
     /// first (an estimate, not measured: each device's page tables are
     /// written, so the default is the one-device figure again).
     pub set_access_per_peer_ns: u64,
+    /// `cuMemcpyDtoH` and `cuMemcpyHtoD`, per call (launch and completion
+    /// latency, about 10 us; an estimate), on top of the bytes' transfer time.
+    pub copy_ns: u64,
+    /// Host-device copy bandwidth in bytes per microsecond (25 000, i.e.
+    /// 25 GB/s: PCIe 4.0 x16 from pinned memory; an estimate): a copy of
+    /// `n` bytes also costs `n / copy_bytes_per_us` us ([`CostModel::copy_bytes_ns`]).
+    pub copy_bytes_per_us: u64,
 }
 
 impl Default for CostModel {
@@ -77,6 +84,8 @@ impl Default for CostModel {
             export_ns: 10_000,
             import_ns: 20_000,
             set_access_per_peer_ns: 36_000,
+            copy_ns: 10_000,
+            copy_bytes_per_us: 25_000,
         }
     }
 }
@@ -100,7 +109,17 @@ impl CostModel {
             CallKind::StreamSynchronize => self.sync_ns,
             CallKind::ExportHandle => self.export_ns,
             CallKind::ImportHandle => self.import_ns,
+            CallKind::MemcpyDtoH | CallKind::MemcpyHtoD => self.copy_ns,
         }
+    }
+
+    /// The transfer time of a copy of `bytes` between host and device, on
+    /// top of its per-call figure (saturating; 0 when the bandwidth is 0).
+    pub fn copy_bytes_ns(&self, bytes: u64) -> u64 {
+        if self.copy_bytes_per_us == 0 {
+            return 0;
+        }
+        bytes.saturating_mul(1000) / self.copy_bytes_per_us
     }
 
     /// Modelled time of a `cuMemSetAccess` naming `devices` devices:

@@ -327,6 +327,13 @@ impl SimVmm {
         let i = kind.index();
         stats.calls[i] += 1;
         let (modelled, flat) = match (kind, &result) {
+            (kind, Ok(_)) if kind.is_copy() => {
+                stats.copied_bytes = stats.copied_bytes.saturating_add(size);
+                let ns = cost
+                    .per_call_ns(kind)
+                    .saturating_add(cost.copy_bytes_ns(size));
+                (ns, ns)
+            }
             (CallKind::Create, Ok(_)) => {
                 stats.created_bytes = stats.created_bytes.saturating_add(size);
                 (
@@ -416,6 +423,20 @@ impl Vmm for SimVmm {
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         self.call(CallKind::SetAccess, size, |s| s.set_access(ptr, size))
+    }
+
+    /// The simulated device holds no bytes: the range is checked (mapped,
+    /// access set), `dst` is left as it is, and the copy is counted and
+    /// costed (per call plus bytes over the copy bandwidth).
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let len = dst.len() as u64;
+        self.call(CallKind::MemcpyDtoH, len, |s| s.check_copy(src, len))
+    }
+
+    /// As [`SimVmm::copy_to_host`]: checked, counted and costed, no bytes moved.
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let len = src.len() as u64;
+        self.call(CallKind::MemcpyHtoD, len, |s| s.check_copy(dst, len))
     }
 
     fn mem_info(&self) -> Result<MemInfo> {

@@ -133,6 +133,12 @@ impl State {
         self.ledger.counts()
     }
 
+    /// A copy between host and `[ptr, ptr + len)`: every byte mapped with
+    /// access set (the ledger's rule, as on the host and CUDA backends).
+    pub(crate) fn check_copy(&self, ptr: DevicePtr, len: u64) -> Result<()> {
+        self.ledger.check_accessible(ptr, len)
+    }
+
     /// `cuMemAddressReserve`: the ledger's rules, then the address-space limit.
     /// Addresses come from a bump pointer, never reused, with one granule of
     /// unreserved gap after each reservation so no two are ever adjacent.
