@@ -25,16 +25,23 @@
 #   2. driver_latency: the driver-call latency micro-benchmark on CUDA (every
 #      VMM call, one thread, 1000 calls of 2 MiB, 200 of 64 MiB); the Markdown
 #      table goes to OUT/driver_latency.md, which docs/benchmarks.md can take;
-#   3. conformance (crates/vmm/tests/conformance.rs): simulated, host and CUDA
-#      backends under the same rules, with PROPTEST_CASES and
-#      PROPTEST_MAX_SHRINK_ITERS bounded;
-#   4. cuda_data (crates/vmm/tests/cuda_data.rs): bytes through stitched
-#      mappings with cuMemcpy, streams, events, contexts, out-of-memory figures;
+#   3. conformance (crates/vmm/tests/conformance.rs) with --ignored: its CUDA
+#      tests, ignored by `cargo test` (every shared check, and the
+#      differential check against the simulated backend, on the CUDA
+#      backend), with PROPTEST_CASES and PROPTEST_MAX_SHRINK_ITERS bounded;
+#   4. cuda_data (crates/vmm/tests/cuda_data.rs) with --include-ignored:
+#      bytes through stitched mappings with cuMemcpy, streams, events,
+#      contexts, out-of-memory figures;
+#      (3 and 4 are skipped when the probe found no CUDA: without a device
+#      their GPU tests fail, as they should);
 #   5. torch_check (scripts/torch_check.py, with libquilt_torch.so): PyTorch
 #      on the GPU under a memory fraction, a fragmenting pattern with the
 #      native allocator and with quilt_torch.enable(), tensor contents, the
 #      mempool() route, a snapshot of the real run; skipped with the reason
-#      where python3, torch or a CUDA device is missing.
+#      where python3, torch or a CUDA device is missing;
+#   6. cudarc_kernel (crates/alloc/examples/cudarc_kernel.rs): a cudarc kernel
+#      reading and writing Quilt buffers through cudarc's traits, on a second
+#      stream, checked element by element.
 #
 # Findings: OUT/gpu-check.json, one object: whether CUDA was available, the GPU,
 # the limits used, each step (name, status, exit_status, seconds, log file), and
@@ -60,10 +67,11 @@ LATENCY_TIMEOUT_S=60
 PROBE_TIMEOUT_S=30
 DATA_TIMEOUT_S=55
 TORCH_TIMEOUT_S=60
+KERNEL_TIMEOUT_S=20
 export PROPTEST_CASES=${PROPTEST_CASES:-32}
 export PROPTEST_MAX_SHRINK_ITERS=${PROPTEST_MAX_SHRINK_ITERS:-64}
 BENCH_ARGS=(--backend cuda --iters 1000 --large-iters 200)
-BINARIES=(map_probe driver_latency conformance cuda_data)  # and libquilt_torch.so
+BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel)  # and libquilt_torch.so
 
 die() {
     echo "gpu-check: $*" >&2
@@ -135,7 +143,11 @@ build_into() {
     local target_dir
     target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
-    for t in driver_latency map_probe; do
+    if ! cargo build --release -p quilt-alloc --example cudarc_kernel >>"$log" 2>&1; then
+        echo "gpu-check: could not build the cudarc_kernel example (see $log)" >&2
+        return 1
+    fi
+    for t in driver_latency map_probe cudarc_kernel; do
         cp "${target_dir:-target}/release/examples/$t" "$dir/$t" || return 1
     done
     if ! cargo build --release -p quilt-torch >>"$log" 2>&1; then
@@ -297,11 +309,16 @@ run_checks() {
             "${BENCH_ARGS[@]}" --out "$OUT_DIR/driver_latency.md"
     fi
 
-    # 3, 4. The tests (they pass without CUDA; the status says whether CUDA ran).
-    SKIP_PATTERN="CUDA backend skipped" test_step conformance "$bin/conformance" \
-        "$STEP_TIMEOUT_S" --test-threads 4 --nocapture
-    SKIP_PATTERN="cuda_data: skipped" test_step cuda_data "$bin/cuda_data" \
-        "$DATA_TIMEOUT_S" --test-threads 1 --nocapture
+    # 3, 4. The tests that need a GPU (ignored by `cargo test`), on CUDA only.
+    if [ "$CUDA_AVAILABLE" = false ]; then
+        record conformance skipped null 0 "" "no CUDA (see map_probe)"
+        record cuda_data skipped null 0 "" "no CUDA (see map_probe)"
+    else
+        SKIP_PATTERN="" test_step conformance "$bin/conformance" \
+            "$STEP_TIMEOUT_S" --ignored --test-threads 4 --nocapture
+        SKIP_PATTERN="" test_step cuda_data "$bin/cuda_data" \
+            "$DATA_TIMEOUT_S" --include-ignored --test-threads 1 --nocapture
+    fi
 
     # 5. PyTorch with Quilt (exit 77: no python3, torch or CUDA device).
     NAME=torch_check
@@ -317,6 +334,13 @@ run_checks() {
             77) record torch_check skipped 77 "$STEP_SECS" torch_check.log "$(head -c 200 "$OUT_DIR/torch_check.json")" ;;
             *) record torch_check "$(status_of "$STEP_RC")" "$STEP_RC" "$STEP_SECS" torch_check.log "" ;;
         esac
+    fi
+
+    # 6. A cudarc kernel on Quilt buffers.
+    if [ "$CUDA_AVAILABLE" = false ]; then
+        record cudarc_kernel skipped null 0 "" "no CUDA (see map_probe)"
+    else
+        SKIP_PATTERN="" test_step cudarc_kernel "$bin/cudarc_kernel" "$KERNEL_TIMEOUT_S"
     fi
 
     write_findings "$gpu" "$probe_json"

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
-use crate::error::{AllocError, InvariantViolation};
+use crate::error::{AllocError, InvariantViolation, OomReport};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 
@@ -94,6 +94,55 @@ pub trait DeviceAllocator: Send + Sync {
 
     /// The driver backend underneath (for driver statistics and leak reports).
     fn vmm(&self) -> &Arc<dyn Vmm>;
+
+    /// The report of the last request that ran out of memory, kept until
+    /// the next one replaces it (`None` before any). Every allocator of this
+    /// crate keeps it; the default, for allocators that never run out of
+    /// memory or do not keep one, is `None`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    /// use quilt_alloc::{DeviceAllocator, OomVerdict};
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 << 20)?);
+    /// let alloc = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+    /// assert!(alloc.last_oom().is_none());
+    /// let err = alloc.allocate(100 << 20, StreamId::DEFAULT).unwrap_err();
+    /// let last = alloc.last_oom().expect("kept");
+    /// assert_eq!(Some(&last), err.oom_report());
+    /// assert_eq!((last.requested, last.verdict), (100 << 20, OomVerdict::Capacity));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn last_oom(&self) -> Option<OomReport> {
+        None
+    }
+
+    /// A text summary of the memory in the spirit of
+    /// `torch.cuda.memory_summary()`: current and peak allocated, reserved,
+    /// cached, active blocks, segments, driver calls, and the last
+    /// out-of-memory report ([`crate::summary::MemorySummary`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(300 << 20, StreamId::DEFAULT)?;
+    /// let text = alloc.memory_summary();
+    /// assert!(text.contains("quilt memory summary"));
+    /// assert!(text.contains("Allocated memory"));
+    /// println!("{text}");
+    /// # alloc.free(a.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn memory_summary(&self) -> String {
+        crate::summary::MemorySummary::of(self).to_string()
+    }
 }
 
 /// The largest single request any allocator accepts: 1 TiB. Larger sizes are

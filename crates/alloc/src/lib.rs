@@ -7,11 +7,14 @@ pub mod api;
 pub mod baselines;
 pub mod buffer;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda_buffer;
 pub mod error;
 pub mod quilt;
 pub mod share;
 pub mod snapshot;
 pub mod stats;
+pub mod summary;
 pub mod units;
 
 pub use api::{Allocation, DeviceAllocator, MAX_ALLOCATION, MIN_BLOCK_SIZE, SMALL_SIZE};
@@ -19,3 +22,4 @@ pub use buffer::Buffer;
 pub use error::{AllocError, InvariantViolation, OomReport, OomVerdict};
 pub use snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 pub use stats::{AllocatorStats, Stat};
+pub use summary::MemorySummary;

@@ -37,6 +37,8 @@
 mod call_log;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cudarc_interop;
 pub mod driver;
 pub mod error;
 mod events;

@@ -3,8 +3,13 @@
 //!
 //! - simulated: always;
 //! - host: always on Linux (64 MiB capacity, 2 MiB granularity);
-//! - CUDA: device 0 when it constructs; otherwise the suite prints
-//!   "conformance: CUDA backend skipped: <error>" and goes on without it.
+//! - CUDA: device 0, in two tests of their own that are ignored by default
+//!   (`cuda_backend_passes_the_shared_checks` runs every shared check on it,
+//!   `cuda_agrees_with_the_simulated_one` the differential check), so that
+//!   `cargo test` reports them as ignored rather than passed where there is
+//!   no GPU. On a GPU machine: `cargo test --release -p quilt-vmm --test
+//!   conformance -- --ignored` (`scripts/gpu-check.sh` does); there a
+//!   missing device is a failure.
 //!
 //! Every check takes a [`Backend`] and uses only the trait, so a backend passes
 //! exactly when it follows the same rules with the same typed errors. The
@@ -109,31 +114,115 @@ fn host_backend_with(_map_rule: MapRule) -> Option<Backend> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_backend() -> Option<Backend> {
-    eprintln!("conformance: CUDA backend skipped: built without the `cuda` feature");
-    None
+fn cuda_backend() -> Backend {
+    panic!("the CUDA checks need the `cuda` feature");
 }
 
+/// The CUDA backend on device 0; a missing device fails the test (only the
+/// ignored CUDA tests ask for it).
 #[cfg(feature = "cuda")]
-fn cuda_backend() -> Option<Backend> {
+fn cuda_backend() -> Backend {
     match quilt_vmm::cuda::CudaVmm::new(0) {
-        Ok(vmm) => Some(Backend {
+        Ok(vmm) => Backend {
             vmm: Arc::new(vmm),
             exhaustible: None,
-        }),
-        Err(error) => {
-            eprintln!("conformance: CUDA backend skipped: {error}");
-            None
-        }
+        },
+        Err(error) => panic!("the CUDA checks need CUDA device 0: {error}"),
     }
 }
 
-/// Every backend available here, simulated first.
+thread_local! {
+    /// Set by `cuda_backend_passes_the_shared_checks` on its thread:
+    /// [`backends`] is then the CUDA backend alone.
+    static CUDA_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The backends of the shared checks: simulated and host, or, in the CUDA
+/// test, CUDA alone.
 fn backends() -> Vec<Backend> {
+    if CUDA_ONLY.with(|c| c.get()) {
+        return vec![cuda_backend()];
+    }
     let mut out = vec![sim_backend()];
     out.extend(host_backend());
-    out.extend(cuda_backend());
     out
+}
+
+/// Every shared check, on CUDA device 0.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
+fn cuda_backend_passes_the_shared_checks() {
+    CUDA_ONLY.with(|c| c.set(true));
+    let checks: [(&str, fn()); 19] = [
+        (
+            "granularity_is_a_power_of_two",
+            granularity_is_a_power_of_two,
+        ),
+        ("mem_info_reports_capacity", mem_info_reports_capacity),
+        (
+            "reserve_rejects_bad_sizes_and_alignments",
+            reserve_rejects_bad_sizes_and_alignments,
+        ),
+        (
+            "reservations_are_aligned_and_disjoint_and_free_whole",
+            reservations_are_aligned_and_disjoint_and_free_whole,
+        ),
+        (
+            "address_free_while_mapped_is_rejected",
+            address_free_while_mapped_is_rejected,
+        ),
+        ("create_rejects_bad_sizes", create_rejects_bad_sizes),
+        (
+            "create_and_release_move_free_memory",
+            create_and_release_move_free_memory,
+        ),
+        (
+            "exhausting_capacity_is_out_of_memory_with_the_size_asked",
+            exhausting_capacity_is_out_of_memory_with_the_size_asked,
+        ),
+        ("map_rejects_bad_arguments", map_rejects_bad_arguments),
+        (
+            "map_refuses_an_offset_or_a_part_of_a_handle_by_default",
+            map_refuses_an_offset_or_a_part_of_a_handle_by_default,
+        ),
+        (
+            "map_over_a_mapping_is_already_mapped",
+            map_over_a_mapping_is_already_mapped,
+        ),
+        (
+            "stitch_whole_handles_and_unmap_neighbours_together",
+            stitch_whole_handles_and_unmap_neighbours_together,
+        ),
+        (
+            "unmap_rejects_bad_arguments_holes_and_partial_mappings",
+            unmap_rejects_bad_arguments_holes_and_partial_mappings,
+        ),
+        (
+            "set_access_needs_a_fully_mapped_range",
+            set_access_needs_a_fully_mapped_range,
+        ),
+        (
+            "release_while_mapped_keeps_memory_until_the_last_unmap",
+            release_while_mapped_keeps_memory_until_the_last_unmap,
+        ),
+        (
+            "events_record_query_synchronize_destroy",
+            events_record_query_synchronize_destroy,
+        ),
+        (
+            "events_reject_unknown_and_destroyed_events",
+            events_reject_unknown_and_destroyed_events,
+        ),
+        (
+            "every_call_is_counted_and_failures_apart",
+            every_call_is_counted_and_failures_apart,
+        ),
+        ("threads_share_one_backend", threads_share_one_backend),
+    ];
+    for (name, check) in checks {
+        eprintln!("conformance on CUDA: {name}");
+        check();
+    }
 }
 
 /// Runs `check` against every backend (CUDA's map rule), with the backend's
@@ -1056,45 +1145,62 @@ fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
 proptest::proptest! {
     #![proptest_config(proptest_config(64))]
 
-    /// Every backend gives the same outcome, call by call, as a simulated one of
-    /// the same granularity and map rule on random workloads (capacity
-    /// exhaustion included on the small backends; the CUDA device, shared by
-    /// every case, is never exhausted), and the workload tears down cleanly on
-    /// each: under CUDA's rule on the host and CUDA backends, under the relaxed
-    /// rule on the host backend.
+    /// The host backend gives the same outcome, call by call, as a simulated
+    /// one of the same granularity and map rule on random workloads (capacity
+    /// exhaustion included), and the workload tears down cleanly: under
+    /// CUDA's rule and under the relaxed rule.
     #[test]
     fn backends_agree_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
         let mut others: Vec<Backend> = host_backend().into_iter().collect();
-        others.extend(shared_cuda_backend());
         others.extend(host_backend_with(MapRule::AnyOffset));
         for b in others {
-            let reference = SimVmm::new(SimConfig {
-                capacity: b.exhaustible.unwrap_or(1 << 50),
-                granularity: b.vmm.granularity(),
-                map_rule: b.vmm.map_rule(),
-                ..SimConfig::default()
-            })
-            .unwrap();
-            let exact = b.exhaustible.is_some();
-            let expected = replay(&reference, &ops, exact, &|| {});
-            proptest::prop_assert!(reference.leak_report().is_empty());
-            let got = replay(&*b.vmm, &ops, exact, &|| {});
-            proptest::prop_assert_eq!(&got, &expected, "{} differs from simulated on {:?}", b.name(), ops);
+            agrees_with_the_simulated_one(&b, &ops)?;
         }
+    }
+
+    /// The same on CUDA device 0 (shared by every case, never exhausted).
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
+    fn cuda_agrees_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
+        agrees_with_the_simulated_one(&shared_cuda_backend(), &ops)?;
     }
 }
 
-/// One CUDA backend for every case of the differential check (a context per case
-/// would be slow); `None` where CUDA is unavailable.
-fn shared_cuda_backend() -> Option<Backend> {
-    static SHARED: std::sync::OnceLock<Option<Arc<dyn Vmm>>> = std::sync::OnceLock::new();
-    SHARED
-        .get_or_init(|| cuda_backend().map(|b| b.vmm))
-        .as_ref()
-        .map(|vmm| Backend {
-            vmm: Arc::clone(vmm),
-            exhaustible: None,
-        })
+/// `b` gives the same outcome as a simulated backend of its granularity and
+/// map rule (and its capacity where it is exhaustible) on `ops`.
+fn agrees_with_the_simulated_one(
+    b: &Backend,
+    ops: &[Op],
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let reference = SimVmm::new(SimConfig {
+        capacity: b.exhaustible.unwrap_or(1 << 50),
+        granularity: b.vmm.granularity(),
+        map_rule: b.vmm.map_rule(),
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let exact = b.exhaustible.is_some();
+    let expected = replay(&reference, ops, exact, &|| {});
+    proptest::prop_assert!(reference.leak_report().is_empty());
+    let got = replay(&*b.vmm, ops, exact, &|| {});
+    proptest::prop_assert_eq!(
+        &got,
+        &expected,
+        "{} differs from simulated on {:?}",
+        b.name(),
+        ops
+    );
+    Ok(())
+}
+
+/// One CUDA backend for every case of the differential check (a context per
+/// case would be slow).
+fn shared_cuda_backend() -> Backend {
+    static SHARED: std::sync::OnceLock<Arc<dyn Vmm>> = std::sync::OnceLock::new();
+    Backend {
+        vmm: Arc::clone(SHARED.get_or_init(|| cuda_backend().vmm)),
+        exhaustible: None,
+    }
 }
 
 // ================================================================ simulated only

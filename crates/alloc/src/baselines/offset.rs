@@ -80,6 +80,8 @@ struct State {
     chunks: Vec<Chunk>,
     mapped: u64,
     stats: AllocatorStats,
+    /// The report of the last request that ran out of memory.
+    last_oom: Option<OomReport>,
 }
 
 /// The `offset-allocator` crate over one lazily backed arena (see the module docs).
@@ -156,6 +158,7 @@ impl OffsetAllocator {
                 chunks: Vec::new(),
                 mapped: 0,
                 stats: AllocatorStats::default(),
+                last_oom: None,
             }),
         })
     }
@@ -243,7 +246,7 @@ impl OffsetAllocator {
         } else {
             OomVerdict::Capacity
         };
-        AllocError::OutOfMemory(Box::new(OomReport {
+        let oom_report = OomReport {
             allocator: "offset".into(),
             requested,
             needed,
@@ -254,7 +257,9 @@ impl OffsetAllocator {
             reclaimable,
             largest_free_extent: u64::from(report.largest_free_region) * UNIT,
             verdict,
-        }))
+        };
+        st.last_oom = Some(oom_report.clone());
+        AllocError::OutOfMemory(Box::new(oom_report))
     }
 }
 
@@ -418,6 +423,10 @@ impl DeviceAllocator for OffsetAllocator {
                 blocks,
             }],
         }
+    }
+
+    fn last_oom(&self) -> Option<OomReport> {
+        self.lock().ok().and_then(|st| st.last_oom.clone())
     }
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {

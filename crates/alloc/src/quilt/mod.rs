@@ -236,6 +236,10 @@ impl DeviceAllocator for QuiltAllocator {
         self.mapped_segments()
     }
 
+    fn last_oom(&self) -> Option<crate::error::OomReport> {
+        self.lock().ok().and_then(|st| st.last_oom.clone())
+    }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
         invariants::check(&st, &self.pool, self.page)

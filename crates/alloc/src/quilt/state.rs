@@ -106,6 +106,9 @@ pub(crate) struct State {
     pub(crate) map_ahead: MapAhead,
     /// Growable-buffer and sleep/wake counters.
     pub(crate) serving: ServingStats,
+    /// The report of the last request that ran out of memory
+    /// ([`crate::DeviceAllocator::last_oom`]).
+    pub(crate) last_oom: Option<OomReport>,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -404,6 +407,7 @@ impl State {
             },
         };
         tracing::debug!(%report, "quilt out of memory");
+        self.last_oom = Some(report.clone());
         AllocError::OutOfMemory(Box::new(report))
     }
 }

@@ -74,6 +74,9 @@ macro_rules! delegate_to_engine {
             fn vmm(&self) -> &std::sync::Arc<dyn quilt_vmm::Vmm> {
                 self.engine.vmm()
             }
+            fn last_oom(&self) -> Option<$crate::error::OomReport> {
+                self.engine.last_oom()
+            }
         }
     };
 }
@@ -103,6 +106,8 @@ pub(crate) struct State {
     /// Driver resources a failed call left behind (a handle whose release
     /// failed, a range whose free failed); retried at drop.
     orphans: Vec<Orphan>,
+    /// The report of the last request that ran out of memory.
+    last_oom: Option<crate::error::OomReport>,
 }
 
 /// A driver resource the allocator no longer uses but could not give back.
@@ -759,9 +764,19 @@ impl CachingEngine {
     /// The out-of-memory error for a request nothing could serve (§3.8).
     fn out_of_memory(&self, st: &mut State, p: &Params) -> AllocError {
         st.stats.num_ooms += 1;
-        report::oom(
+        let err = report::oom(
             self.name, &*self.vmm, &self.cfg, st, p.orig, p.size, p.pool, p.stream,
-        )
+        );
+        st.last_oom = err.oom_report().cloned();
+        err
+    }
+
+    /// The report of the last request that ran out of memory.
+    pub fn last_oom(&self) -> Option<crate::error::OomReport> {
+        match self.state.lock() {
+            Ok(st) => st.last_oom.clone(),
+            Err(poisoned) => poisoned.into_inner().last_oom.clone(),
+        }
     }
 }
 
