@@ -50,6 +50,7 @@ use quilt_vmm::{DevicePtr, StreamId, Vmm};
 pub use config::{QuiltConfig, ReclaimPolicy};
 pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, ServingStats};
 pub use growable_buffer::GrowableBuffer;
+pub use sleep::SleepMode;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 
 use crate::api::{Allocation, DeviceAllocator};

@@ -5,6 +5,7 @@
 use quilt_vmm::StreamId;
 
 use super::growable::{GrowableId, GrowableInfo, MapAhead, ServingStats};
+use super::sleep::SleepMode;
 use super::QuiltAllocator;
 use crate::api::Allocation;
 use crate::error::AllocError;
@@ -134,6 +135,70 @@ impl QuiltAllocator {
         let mut st = self.lock()?;
         let t = st.tags.index(tag);
         st.allocate_in(&ctx, size, stream, Some(t))
+    }
+
+    /// Put every member of `tag` to sleep: the streams that used them are
+    /// synchronised, their contents copied to host memory
+    /// ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]), and
+    /// their pages unmapped and returned to the pool (free pool pages,
+    /// usable by any allocation; [`crate::DeviceAllocator::empty_cache`]
+    /// releases them to the device). Their addresses stay reserved and
+    /// their blocks live. Driver calls: one `cuStreamSynchronize` per stream
+    /// with work not known complete, one `cuMemcpyDtoH` per member
+    /// (offload), one `cuMemUnmap` per page. An unknown tag, or one already
+    /// asleep, is [`AllocError::TagState`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig, SleepMode};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let weights = alloc.allocate_tagged(300 << 20, StreamId::DEFAULT, "weights")?;
+    /// alloc.sleep("weights", SleepMode::Offload)?;
+    /// assert!(alloc.is_asleep("weights")?);
+    /// let other = alloc.allocate(300 << 20, StreamId::DEFAULT)?; // the same pages
+    /// alloc.free(other.ptr)?;
+    /// alloc.wake("weights")?; // same address, bytes copied back
+    /// alloc.free(weights.ptr)?;
+    /// alloc.check_invariants()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn sleep(&self, tag: &str, mode: SleepMode) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.sleep(&ctx, tag, mode)
+    }
+
+    /// Wake `tag`: map pages again under its members, at the same addresses
+    /// (taking free pool pages, growing the pool or reclaiming cached pages
+    /// as an allocation does), and copy their contents back (offload). Out of
+    /// memory is [`AllocError::OutOfMemory`] and leaves the tag asleep with
+    /// its host copy intact. Driver calls: one `cuMemMap` per page, one
+    /// `cuMemSetAccess` per contiguous run, one `cuMemcpyHtoD` per member.
+    /// A tag that is awake is [`AllocError::TagState`].
+    pub fn wake(&self, tag: &str) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.wake(&ctx, tag)
+    }
+
+    /// True while `tag` sleeps ([`AllocError::TagState`] for an unknown tag).
+    pub fn is_asleep(&self, tag: &str) -> Result<bool, AllocError> {
+        let st = self.lock()?;
+        let known = st.tags.lookup(tag);
+        match known {
+            Some(t) => Ok(st.tags.is_asleep(t)),
+            None => Err(AllocError::TagState {
+                tag: tag.to_string(),
+                reason: "unknown tag: no allocation or growable buffer ever carried it",
+            }),
+        }
+    }
+
+    /// Bytes of host memory holding sleeping tags' contents.
+    pub fn host_bytes(&self) -> u64 {
+        self.lock().map(|s| s.tags.host_bytes()).unwrap_or(0)
     }
 
     /// The map-ahead policy of growable buffers.

@@ -1,16 +1,61 @@
 //! Tags, and putting a tag's memory to sleep and waking it.
+//!
+//! A tag's members are the blocks allocated with it (in arenas of their own,
+//! `Kind::Tagged`, so that no page is shared with another tag or with
+//! untagged blocks) and the growable buffers created with it. `sleep` makes
+//! the work queued on the members' memory complete (a synchronisation of
+//! each stream that used it: what a sleep costs), copies their contents to
+//! host memory (`SleepMode::Offload`) or not (`SleepMode::Discard`), and
+//! unmaps every page of their arenas, returning the pool pages: they are
+//! free pool pages while the tag sleeps. The virtual ranges stay reserved and
+//! the blocks stay live (at the same addresses, counted as allocated), so
+//! pointers held elsewhere (a captured CUDA graph) stay valid across a wake.
+//! `wake` backs the members' pages again, at the same addresses, and copies
+//! the contents back. A wake that cannot get its pages is an out-of-memory
+//! that leaves the tag asleep with its host copy intact; a driver failure
+//! half-way leaves it asleep too, and a later wake maps only what is still
+//! unmapped. While asleep a tag refuses new members and every operation on
+//! its members (free, resize, record-stream, release) with
+//! [`AllocError::TagState`].
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::state::{Kind, State};
+use quilt_vmm::DevicePtr;
+
+use super::state::{pool_err, Ctx, Kind, State};
 use crate::error::AllocError;
+
+/// What a sleep does with the contents of the tag's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    /// Copy them to host memory (pageable memory owned by the allocator);
+    /// `wake` copies them back: every byte of every member is as it was.
+    Offload,
+    /// Drop them: after `wake` the members' bytes are undefined (vLLM's
+    /// level-2 sleep, e.g. for a KV cache that is rebuilt anyway).
+    Discard,
+}
+
+/// The host copy of one member: its device range and its bytes.
+#[derive(Debug)]
+struct Saved {
+    ptr: DevicePtr,
+    bytes: Vec<u8>,
+}
+
+/// A sleeping tag.
+#[derive(Debug)]
+struct Sleeping {
+    mode: SleepMode,
+    saved: Vec<Saved>,
+}
 
 /// Every tag seen, by dense index, with its state.
 #[derive(Debug, Default)]
 pub(crate) struct Tags {
     names: Vec<String>,
     index: HashMap<String, u32>,
-    asleep: Vec<bool>,
+    asleep: Vec<Option<Sleeping>>,
 }
 
 impl Tags {
@@ -22,8 +67,29 @@ impl Tags {
         let i = self.names.len() as u32;
         self.names.push(name.to_string());
         self.index.insert(name.to_string(), i);
-        self.asleep.push(false);
+        self.asleep.push(None);
         i
+    }
+
+    /// The index of `name`, if it was ever used.
+    pub(crate) fn lookup(&self, name: &str) -> Option<u32> {
+        self.index.get(name).copied()
+    }
+
+    /// The index of `name`, or the error for an unknown tag.
+    fn find(&self, name: &str) -> Result<u32, AllocError> {
+        self.index
+            .get(name)
+            .copied()
+            .ok_or_else(|| AllocError::TagState {
+                tag: name.to_string(),
+                reason: "unknown tag: no allocation or growable buffer ever carried it",
+            })
+    }
+
+    /// How many tags were seen.
+    pub(crate) fn len(&self) -> u32 {
+        self.names.len() as u32
     }
 
     /// The name of tag `i`.
@@ -33,7 +99,17 @@ impl Tags {
 
     /// True when tag `i` is asleep.
     pub(crate) fn is_asleep(&self, i: u32) -> bool {
-        self.asleep.get(i as usize).copied().unwrap_or(false)
+        self.asleep.get(i as usize).is_some_and(Option::is_some)
+    }
+
+    /// Bytes held on the host for sleeping tags.
+    pub(crate) fn host_bytes(&self) -> u64 {
+        self.asleep
+            .iter()
+            .flatten()
+            .flat_map(|s| &s.saved)
+            .map(|s| s.bytes.len() as u64)
+            .sum()
     }
 
     /// An error unless tag `i` is awake.
@@ -46,6 +122,18 @@ impl Tags {
         }
         Ok(())
     }
+
+    /// For a sleeping tag `i` in offload mode, its host copies as (device
+    /// address, length); `None` when awake or discarded.
+    pub(crate) fn saved_ranges(&self, i: u32) -> Option<Vec<(DevicePtr, u64)>> {
+        let s = self.asleep.get(i as usize)?.as_ref()?;
+        (s.mode == SleepMode::Offload).then(|| {
+            s.saved
+                .iter()
+                .map(|c| (c.ptr, c.bytes.len() as u64))
+                .collect()
+        })
+    }
 }
 
 impl State {
@@ -55,5 +143,192 @@ impl State {
             Some(&(_, Kind::Tagged(t))) => self.tags.check_awake(t),
             _ => Ok(()),
         }
+    }
+
+    /// The arenas of tag `t`: its tagged arenas and its growable buffers'.
+    pub(crate) fn tag_arenas(&self, t: u32) -> Vec<usize> {
+        let mut out: Vec<usize> = (0..self.arenas.len())
+            .filter(|&ai| self.arena_meta[ai].1 == Kind::Tagged(t))
+            .collect();
+        out.extend(
+            self.growables
+                .values()
+                .filter(|g| g.tag == Some(t))
+                .map(|g| g.arena),
+        );
+        out.sort_unstable();
+        out
+    }
+
+    /// The members of tag `t` as (device address, bytes, streams mask):
+    /// its blocks (their rounded size) and its growable buffers (their length).
+    pub(crate) fn tag_members(&self, t: u32) -> Vec<(DevicePtr, u64, u64)> {
+        let mut out: Vec<(DevicePtr, u64, u64)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| self.arena_meta[b.arena].1 == Kind::Tagged(t))
+            .map(|(&p, b)| (p, b.size, b.streams))
+            .collect();
+        out.extend(
+            self.growables
+                .values()
+                .filter(|g| g.tag == Some(t) && g.len > 0)
+                .map(|g| (self.arenas[g.arena].base, g.len, g.streams)),
+        );
+        out.sort_unstable();
+        out
+    }
+
+    /// Put tag `name` to sleep (see the module documentation).
+    pub(crate) fn sleep(
+        &mut self,
+        ctx: &Ctx<'_>,
+        name: &str,
+        mode: SleepMode,
+    ) -> Result<(), AllocError> {
+        let t = self.tags.find(name)?;
+        if self.tags.is_asleep(t) {
+            return Err(AllocError::TagState {
+                tag: name.to_string(),
+                reason: "the tag is already asleep",
+            });
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let arenas = self.tag_arenas(t);
+        let members = self.tag_members(t);
+        // 1. The work queued on the memory completes: every stream that used
+        // a member or freed on one of the arenas' pages.
+        let mut mask = members.iter().fold(0u64, |m, &(_, _, s)| m | s);
+        for &ai in &arenas {
+            for slot in &self.arenas[ai].pages {
+                if slot.phys.is_some() || slot.retired {
+                    mask |= slot.freed_by;
+                }
+            }
+        }
+        for s in self.streams.in_mask(mask) {
+            if self.streams.complete(ctx.vmm, s, tick, tick)? {
+                self.serving.sleep_syncs += 1;
+            }
+        }
+        // 2. The contents, copied out before anything is unmapped.
+        let mut saved = Vec::new();
+        if mode == SleepMode::Offload {
+            for &(ptr, len, _) in &members {
+                let mut bytes = vec![0u8; len as usize];
+                ctx.vmm.copy_to_host(ptr, &mut bytes)?;
+                saved.push(Saved { ptr, bytes });
+            }
+        }
+        let offloaded: u64 = saved.iter().map(|s| s.bytes.len() as u64).sum();
+        self.serving.bytes_offloaded += offloaded;
+        self.serving.sleeps += 1;
+        if let Some(slot) = self.tags.asleep.get_mut(t as usize) {
+            *slot = Some(Sleeping { mode, saved });
+        }
+        // 3. Every page of the tag's arenas unmapped, its pool page returned
+        // (a failure leaves the rest mapped; a wake maps what is missing).
+        let mut give = Vec::new();
+        let mut result = Ok(());
+        'arenas: for &ai in &arenas {
+            for p in 0..self.arenas[ai].pages.len() as u64 {
+                let slot = self.arenas[ai].slot(p);
+                if slot.phys.is_none() && !slot.retired {
+                    continue;
+                }
+                if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                    result = Err(e.into());
+                    break 'arenas;
+                }
+                if slot.retired {
+                    self.arenas[ai].clear_retired(p);
+                } else {
+                    give.extend(self.arenas[ai].set_unmapped(p));
+                }
+            }
+        }
+        let given = ctx.pool.give_back(&give).map_err(pool_err);
+        self.sync_stats(ctx);
+        result.and(given)
+    }
+
+    /// Wake tag `name` (see the module documentation).
+    pub(crate) fn wake(&mut self, ctx: &Ctx<'_>, name: &str) -> Result<(), AllocError> {
+        let t = self.tags.find(name)?;
+        if !self.tags.is_asleep(t) {
+            return Err(AllocError::TagState {
+                tag: name.to_string(),
+                reason: "the tag is awake",
+            });
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let arenas = self.tag_arenas(t);
+        let need: Vec<(usize, Vec<u64>)> = arenas
+            .iter()
+            .map(|&ai| {
+                let a = &self.arenas[ai];
+                let pages = (0..a.pages.len() as u64)
+                    .filter(|&p| {
+                        let s = a.slot(p);
+                        s.touch > 0 && s.phys.is_none()
+                    })
+                    .collect();
+                (ai, pages)
+            })
+            .collect();
+        let total: u64 = need.iter().map(|(_, p)| p.len() as u64).sum();
+        if total > 0 {
+            let bytes = total * ctx.page;
+            if total > ctx.pool.limit_pages() {
+                return Err(self.oom(ctx, bytes, total, 0));
+            }
+            let obtained = self.obtain_free_pages(ctx, bytes, total);
+            self.sync_stats(ctx);
+            obtained?;
+        }
+        for (ai, at) in need {
+            if at.is_empty() {
+                continue;
+            }
+            let pages = ctx.pool.take(at.len() as u64).map_err(pool_err)?;
+            // Pages whose last use elsewhere may still run: that work
+            // completes before the copy writes them.
+            let mut done = Ok(());
+            for pg in &pages {
+                if let Some(&(mask, k)) = self.page_hazards.get(&pg.id) {
+                    for s in self.streams.in_mask(mask) {
+                        if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
+                            done = Err(AllocError::from(e));
+                        }
+                    }
+                }
+            }
+            if let Err(e) = done {
+                ctx.pool.give_back(&pages).map_err(pool_err)?;
+                return Err(e);
+            }
+            for pg in &pages {
+                self.page_hazards.remove(&pg.id);
+            }
+            let mapped = self.map_pages(ctx, ai, &at, &pages);
+            self.sync_stats(ctx);
+            mapped?;
+        }
+        // The contents, back at the same addresses.
+        if let Some(Some(s)) = self.tags.asleep.get(t as usize) {
+            for c in &s.saved {
+                ctx.vmm.copy_from_host(c.ptr, &c.bytes)?;
+            }
+        }
+        let sleeping = self.tags.asleep.get_mut(t as usize).and_then(Option::take);
+        if let Some(s) = sleeping {
+            self.serving.bytes_restored +=
+                s.saved.iter().map(|c| c.bytes.len() as u64).sum::<u64>();
+        }
+        self.serving.wakes += 1;
+        self.sync_arena_stats(ctx);
+        Ok(())
     }
 }

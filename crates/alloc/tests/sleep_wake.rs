@@ -1,0 +1,396 @@
+//! Sleep and wake on the host backend, with real bytes: a tag's blocks and
+//! growable buffers are copied to the host (or discarded), their pages go
+//! back to the pool and serve other allocations, and a wake puts every byte
+//! back at every address; out of memory on wake leaves the tag asleep with
+//! its copy intact; on the simulated device a sleep's synchronisations and
+//! copies are counted and costed; a property test over random tags, sizes
+//! and grow/shrink sequences checks the invariants after every operation.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use quilt_alloc::quilt::{
+    GrowableBuffer, GrowthPolicy, MapAhead, MemoryLimit, QuiltAllocator, QuiltConfig, SleepMode,
+};
+use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
+use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{CallKind, StreamId, Vmm};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 64 * KIB;
+
+fn host(capacity: u64) -> Option<Arc<HostVmm>> {
+    match HostVmm::new(HostConfig {
+        granularity: PAGE,
+        capacity,
+    }) {
+        Ok(h) => Some(Arc::new(h)),
+        Err(e) => {
+            eprintln!("SKIPPED: host backend unavailable: {e}");
+            None
+        }
+    }
+}
+
+fn quilt(vmm: Arc<dyn Vmm>, limit: u64) -> Arc<QuiltAllocator> {
+    let mut config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(limit));
+    config.pool.growth = GrowthPolicy::exact();
+    let a = Arc::new(QuiltAllocator::new(vmm, config).unwrap());
+    a.set_map_ahead(MapAhead::OFF).unwrap();
+    a
+}
+
+fn pattern(seed: u8, len: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_mul(31).wrapping_add((i % 253) as u8))
+        .collect()
+}
+
+fn read(h: &HostVmm, ptr: u64, len: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len as usize];
+    h.read_bytes(ptr, &mut out).unwrap();
+    out
+}
+
+fn is_tag_state(r: Result<impl std::fmt::Debug, AllocError>) -> bool {
+    matches!(r, Err(AllocError::TagState { .. }))
+}
+
+#[test]
+fn sleep_wake_offload_restores_every_byte_at_every_address() {
+    let Some(h) = host(4 * MIB) else { return };
+    let a = quilt(h.clone(), 4 * MIB);
+    let s = StreamId::DEFAULT;
+    let m1 = a.allocate_tagged(300 * KIB, s, "model").unwrap();
+    let m2 = a.allocate_tagged(MIB, s, "model").unwrap();
+    let kv = GrowableBuffer::new_tagged(a.clone(), 2 * MIB, s, "model").unwrap();
+    kv.grow_to(700 * KIB).unwrap();
+    let plain = a.allocate(200 * KIB, s).unwrap();
+    let members = [
+        (m1.ptr, m1.size, 1u8),
+        (m2.ptr, m2.size, 2),
+        (kv.ptr(), 700 * KIB, 3),
+    ];
+    for &(p, len, seed) in &members {
+        h.write_bytes(p, &pattern(seed, len)).unwrap();
+    }
+    h.write_bytes(plain.ptr, &pattern(9, 200 * KIB)).unwrap();
+    let free_before = a.pool().free_pages();
+    a.sleep("model", SleepMode::Offload).unwrap();
+    a.check_invariants().unwrap();
+    assert!(a.is_asleep("model").unwrap());
+    assert_eq!(a.host_bytes(), m1.size + m2.size + 700 * KIB);
+    let freed = a.pool().free_pages() - free_before;
+    assert!(
+        freed * PAGE >= m1.size + m2.size + 700 * KIB,
+        "{freed} pages"
+    );
+
+    // Asleep: its members refuse everything; the rest works.
+    assert!(is_tag_state(a.free(m1.ptr)));
+    assert!(is_tag_state(a.allocate_tagged(KIB, s, "model")));
+    assert!(is_tag_state(kv.grow_to(MIB)));
+    assert!(is_tag_state(a.sleep("model", SleepMode::Discard)));
+    assert!(is_tag_state(a.record_stream(m2.ptr, StreamId(4))));
+
+    // Other memory in the pages it freed: only they can serve this at the limit.
+    let other = a.allocate(4 * MIB - 4 * PAGE, s).unwrap();
+    assert!(a.stats().reserved_bytes.current <= 4 * MIB);
+    h.fill(other.ptr, other.size, 0xAB).unwrap();
+    a.check_invariants().unwrap();
+    a.free(other.ptr).unwrap();
+
+    a.wake("model").unwrap();
+    a.check_invariants().unwrap();
+    assert!(!a.is_asleep("model").unwrap());
+    assert_eq!(a.host_bytes(), 0);
+    assert_eq!(kv.ptr(), members[2].0);
+    assert_eq!(a.growable_info(kv.id()).unwrap().ptr, members[2].0);
+    for &(p, len, seed) in &members {
+        assert_eq!(read(&h, p, len), pattern(seed, len), "member at {p:#x}");
+    }
+    assert_eq!(read(&h, plain.ptr, 200 * KIB), pattern(9, 200 * KIB));
+    let st = a.serving_stats();
+    assert_eq!((st.sleeps, st.wakes), (1, 1));
+    assert_eq!(st.bytes_offloaded, st.bytes_restored);
+    // Awake again: its members work as any block.
+    kv.grow_to(MIB).unwrap();
+    a.free(m1.ptr).unwrap();
+    a.free(m2.ptr).unwrap();
+    a.free(plain.ptr).unwrap();
+    kv.release().unwrap();
+    a.check_invariants().unwrap();
+    drop(a);
+    assert!(h.leak_report().is_empty(), "{}", h.leak_report());
+}
+
+#[test]
+fn sleep_wake_discard_maps_again_without_copies() {
+    let Some(h) = host(2 * MIB) else { return };
+    let a = quilt(h.clone(), 2 * MIB);
+    let kv = a.allocate_tagged(MIB, StreamId(2), "kv").unwrap();
+    h.fill(kv.ptr, kv.size, 7).unwrap();
+    a.sleep("kv", SleepMode::Discard).unwrap();
+    assert_eq!(a.host_bytes(), 0);
+    a.check_invariants().unwrap();
+    a.wake("kv").unwrap();
+    a.check_invariants().unwrap();
+    // Mapped and writable at the same address; nothing was copied.
+    h.fill(kv.ptr, kv.size, 8).unwrap();
+    assert!(h.check_filled(kv.ptr, kv.size, 8).unwrap());
+    let d = h.driver_stats();
+    assert_eq!(
+        d.count(CallKind::MemcpyDtoH) + d.count(CallKind::MemcpyHtoD),
+        0
+    );
+    assert!(is_tag_state(a.wake("kv")));
+    assert!(is_tag_state(a.sleep("never-used", SleepMode::Discard)));
+    a.free(kv.ptr).unwrap();
+}
+
+#[test]
+fn sleep_wake_out_of_memory_on_wake_leaves_the_tag_asleep_and_its_copy_intact() {
+    let Some(h) = host(2 * MIB) else { return };
+    let a = quilt(h.clone(), 2 * MIB);
+    let w = a
+        .allocate_tagged(MIB, StreamId::DEFAULT, "weights")
+        .unwrap();
+    let bytes = pattern(5, w.size);
+    h.write_bytes(w.ptr, &bytes).unwrap();
+    a.sleep("weights", SleepMode::Offload).unwrap();
+    let filler = a.allocate(2 * MIB - PAGE, StreamId::DEFAULT).unwrap();
+    h.fill(filler.ptr, filler.size, 0xFF).unwrap();
+    let err = a.wake("weights").unwrap_err();
+    assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::Capacity);
+    assert!(a.is_asleep("weights").unwrap());
+    assert_eq!(a.host_bytes(), w.size);
+    a.check_invariants().unwrap();
+    assert!(h.check_filled(filler.ptr, filler.size, 0xFF).unwrap());
+    a.free(filler.ptr).unwrap();
+    a.wake("weights").unwrap();
+    assert_eq!(read(&h, w.ptr, w.size), bytes);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn sleep_wake_on_the_simulator_counts_syncs_and_costs_copies() {
+    let sim = Arc::new(SimVmm::with_capacity(1 << 30).unwrap());
+    let a = quilt(sim.clone(), 1 << 30);
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let w = a.allocate_tagged(100 * MIB, s1, "weights").unwrap();
+    a.record_stream(w.ptr, s2).unwrap();
+    let g = GrowableBuffer::new_tagged(a.clone(), 64 * MIB, s1, "weights").unwrap();
+    g.grow_to(10 * MIB).unwrap();
+    let before = sim.driver_stats();
+    a.sleep("weights", SleepMode::Offload).unwrap();
+    let d = sim.driver_stats().since(&before);
+    // Both streams' work may still use the memory: each is synchronised.
+    assert_eq!(d.count(CallKind::StreamSynchronize), 2);
+    assert_eq!(a.serving_stats().sleep_syncs, 2);
+    assert_eq!(d.count(CallKind::MemcpyDtoH), 2);
+    assert_eq!(d.copied_bytes, 110 * MIB);
+    let copy_ns = 110 * MIB * 1000 / sim.config().cost.copy_bytes_per_us;
+    assert!(d.modelled_ns >= copy_ns, "{} < {copy_ns}", d.modelled_ns);
+    assert_eq!(d.count(CallKind::Unmap), 55);
+    a.check_invariants().unwrap();
+    let before = sim.driver_stats();
+    a.wake("weights").unwrap();
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(
+        (d.count(CallKind::MemcpyHtoD), d.copied_bytes),
+        (2, 110 * MIB)
+    );
+    assert_eq!(d.count(CallKind::Map), 55);
+    assert_eq!(d.count(CallKind::StreamSynchronize), 0);
+    a.check_invariants().unwrap();
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { bytes: u64, tag: u8 },
+    Free { which: usize },
+    Create { max_pages: u64, tag: u8 },
+    Grow { which: usize, bytes: u64 },
+    Shrink { which: usize, bytes: u64 },
+    Release { which: usize },
+    Sleep { tag: u8, offload: bool },
+    Wake { tag: u8 },
+}
+
+const TAGS: [&str; 2] = ["a", "b"];
+
+fn tag_of(t: u8) -> Option<&'static str> {
+    TAGS.get(t as usize).copied()
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (1u64..(600 * KIB), 0u8..3).prop_map(|(bytes, tag)| Op::Alloc { bytes, tag }),
+        2 => any::<usize>().prop_map(|which| Op::Free { which }),
+        1 => (1u64..16, 0u8..3).prop_map(|(max_pages, tag)| Op::Create { max_pages, tag }),
+        3 => (any::<usize>(), 1u64..(16 * PAGE)).prop_map(|(which, bytes)| Op::Grow { which, bytes }),
+        2 => (any::<usize>(), 0u64..(16 * PAGE)).prop_map(|(which, bytes)| Op::Shrink { which, bytes }),
+        1 => any::<usize>().prop_map(|which| Op::Release { which }),
+        2 => (0u8..2, any::<bool>()).prop_map(|(tag, offload)| Op::Sleep { tag, offload }),
+        2 => (0u8..2).prop_map(|tag| Op::Wake { tag }),
+    ]
+}
+
+/// A live member the model tracks: its bytes are its seed's pattern while
+/// `valid` (after a discard they are undefined until written again).
+#[derive(Clone, Debug)]
+struct Member {
+    len: u64,
+    seed: u8,
+    tag: Option<u8>,
+    valid: bool,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Random tagged and untagged blocks and growable buffers, grown and
+    /// shrunk, slept (offload or discard) and woken, on real bytes under a
+    /// 6 MiB limit: invariants after every operation, every byte of every
+    /// offloaded member back after its wake, untouched memory never changed,
+    /// members of a sleeping tag refused.
+    #[test]
+    fn sleep_wake_random_tags_keep_bytes_and_invariants(ops in proptest::collection::vec(op(), 1..60)) {
+        let Some(h) = host(8 * MIB) else { return Ok(()) };
+        let a = quilt(h.clone(), 6 * MIB);
+        let s = StreamId::DEFAULT;
+        let mut blocks: BTreeMap<u64, Member> = BTreeMap::new();
+        let mut bufs: Vec<(quilt_alloc::quilt::GrowableId, u64, Member)> = Vec::new(); // id, ptr, member
+        let mut asleep = [false; 2];
+        let mut seed = 0u8;
+        for op in ops {
+            seed = seed.wrapping_add(1);
+            match op {
+                Op::Alloc { bytes, tag } => {
+                    let r = match tag_of(tag) {
+                        Some(name) => a.allocate_tagged(bytes, s, name),
+                        None => a.allocate(bytes, s),
+                    };
+                    match r {
+                        Ok(b) => {
+                            prop_assert!(tag_of(tag).is_none() || !asleep[tag as usize]);
+                            h.write_bytes(b.ptr, &pattern(seed, bytes)).unwrap();
+                            let m = Member { len: bytes, seed, tag: tag_of(tag).map(|_| tag), valid: true };
+                            blocks.insert(b.ptr, m);
+                        }
+                        Err(AllocError::TagState { .. }) => prop_assert!(asleep[tag as usize]),
+                        Err(AllocError::OutOfMemory(r)) => prop_assert_eq!(r.verdict, OomVerdict::Capacity),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Free { which } if !blocks.is_empty() => {
+                    let p = *blocks.keys().nth(which % blocks.len()).unwrap();
+                    let m = blocks[&p].clone();
+                    match a.free(p) {
+                        Ok(()) => { blocks.remove(&p); }
+                        Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Create { max_pages, tag } => {
+                    let r = match tag_of(tag) {
+                        Some(name) => a.create_growable_tagged(max_pages * PAGE, s, name),
+                        None => a.create_growable(max_pages * PAGE, s),
+                    };
+                    match r {
+                        Ok(id) => {
+                            let ptr = a.growable_info(id).unwrap().ptr;
+                            bufs.push((id, ptr, Member { len: 0, seed, tag: tag_of(tag).map(|_| tag), valid: true }));
+                        }
+                        Err(AllocError::TagState { .. }) => prop_assert!(asleep[tag as usize]),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Grow { which, bytes } if !bufs.is_empty() => {
+                    let i = which % bufs.len();
+                    let (id, ptr, m) = bufs[i].clone();
+                    match a.grow_to(id, bytes) {
+                        Ok(()) => {
+                            // The new part gets this buffer's pattern at its offsets.
+                            if bytes > m.len {
+                                let full = pattern(m.seed, bytes);
+                                h.write_bytes(ptr + m.len, &full[m.len as usize..]).unwrap();
+                            }
+                            bufs[i].2.len = bytes;
+                        }
+                        Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
+                        Err(AllocError::InvalidResize { .. }) => prop_assert!(bytes < m.len || bytes > a.growable_info(id).unwrap().max_len),
+                        Err(AllocError::OutOfMemory(r)) => prop_assert_eq!(r.verdict, OomVerdict::Capacity),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Shrink { which, bytes } if !bufs.is_empty() => {
+                    let i = which % bufs.len();
+                    let (id, _, m) = bufs[i].clone();
+                    let to = bytes.min(m.len);
+                    match a.shrink_to(id, to) {
+                        Ok(()) => bufs[i].2.len = to,
+                        Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Release { which } if !bufs.is_empty() => {
+                    let i = which % bufs.len();
+                    let (id, _, m) = bufs[i].clone();
+                    match a.release_growable(id) {
+                        Ok(()) => { bufs.swap_remove(i); }
+                        Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Sleep { tag, offload } => {
+                    let name = TAGS[tag as usize];
+                    let mode = if offload { SleepMode::Offload } else { SleepMode::Discard };
+                    match a.sleep(name, mode) {
+                        Ok(()) => {
+                            prop_assert!(!asleep[tag as usize]);
+                            asleep[tag as usize] = true;
+                            if !offload {
+                                for m in blocks.values_mut().chain(bufs.iter_mut().map(|b| &mut b.2)) {
+                                    if m.tag == Some(tag) { m.valid = false; }
+                                }
+                            }
+                        }
+                        Err(AllocError::TagState { .. }) => {}
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::Wake { tag } => match a.wake(TAGS[tag as usize]) {
+                    Ok(()) => {
+                        prop_assert!(asleep[tag as usize]);
+                        asleep[tag as usize] = false;
+                    }
+                    Err(AllocError::TagState { .. }) => prop_assert!(!asleep[tag as usize]),
+                    Err(AllocError::OutOfMemory(r)) => {
+                        prop_assert_eq!(r.verdict, OomVerdict::Capacity);
+                        prop_assert!(a.is_asleep(TAGS[tag as usize]).unwrap());
+                    }
+                    Err(e) => prop_assert!(false, "unexpected {e}"),
+                },
+                _ => {}
+            }
+            a.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(a.stats().reserved_bytes.current <= 6 * MIB);
+            // Every awake, valid member holds its bytes.
+            for (&p, m) in &blocks {
+                if m.valid && !m.tag.is_some_and(|t| asleep[t as usize]) {
+                    prop_assert_eq!(read(&h, p, m.len), pattern(m.seed, m.len), "block {:#x}", p);
+                }
+            }
+            for (_, p, m) in &bufs {
+                if m.valid && m.len > 0 && !m.tag.is_some_and(|t| asleep[t as usize]) {
+                    prop_assert_eq!(read(&h, *p, m.len), pattern(m.seed, m.len), "buffer {:#x}", p);
+                }
+            }
+        }
+    }
+}
