@@ -11,6 +11,7 @@ pub mod comm;
 pub mod cuda_buffer;
 pub mod error;
 pub mod quilt;
+pub mod registry;
 pub mod share;
 pub mod snapshot;
 pub mod stats;

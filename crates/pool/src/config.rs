@@ -1,5 +1,7 @@
 //! The pool's policies: page size, growth ahead of demand and the memory limit.
 
+use quilt_vmm::CreateProps;
+
 /// How much the pool holds at most.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MemoryLimit {
@@ -104,6 +106,11 @@ pub struct PoolConfig {
     pub growth: GrowthPolicy,
     /// The most the pool holds.
     pub limit: MemoryLimit,
+    /// What each page's `cuMemCreate` requests beyond its size: the handle
+    /// types it can be exported as and GPUDirect RDMA (none by default: a
+    /// plain [`quilt_vmm::Vmm::create`]). Pages of a pool that requests POSIX
+    /// file descriptors can be shared with another process.
+    pub create_props: CreateProps,
 }
 
 impl Default for PoolConfig {
@@ -112,6 +119,7 @@ impl Default for PoolConfig {
             page_size: PageSize::Granularity,
             growth: GrowthPolicy::default(),
             limit: MemoryLimit::Device,
+            create_props: CreateProps::default(),
         }
     }
 }

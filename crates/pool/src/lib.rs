@@ -377,7 +377,13 @@ impl PagePool {
     fn create_handles(&self, pages: u64) -> Result<Vec<PhysHandle>, PoolError> {
         let mut out = Vec::with_capacity(pages as usize);
         for _ in 0..pages {
-            match self.vmm.create(self.page_size) {
+            let props = self.config.create_props;
+            let created = if props == quilt_vmm::CreateProps::default() {
+                self.vmm.create(self.page_size)
+            } else {
+                self.vmm.create_with(self.page_size, props)
+            };
+            match created {
                 Ok(h) => out.push(h),
                 Err(e) => {
                     for h in out {

@@ -21,6 +21,7 @@ fn pool(vmm: &Arc<SimVmm>, growth: GrowthPolicy, limit: MemoryLimit) -> PagePool
             page_size: PageSize::Granularity,
             growth,
             limit,
+            create_props: quilt_vmm::CreateProps::default(),
         },
     )
     .unwrap()

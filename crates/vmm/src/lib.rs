@@ -54,7 +54,9 @@ pub mod types;
 pub use driver::Vmm;
 pub use error::{Result, VmmError};
 pub use leak::LeakReport;
-pub use share::{CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle};
+pub use share::{
+    CreateProps, DeviceCaps, DeviceOrdinal, DeviceSet, HandleKind, HandleTypes, ShareableHandle,
+};
 pub use types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };

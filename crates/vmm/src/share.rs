@@ -229,3 +229,74 @@ impl SimShared {
         self.size
     }
 }
+
+/// A set of device ordinals below 64 (a bit set; `Copy`, so that
+/// configurations holding one stay `Copy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DeviceSet(u64);
+
+impl DeviceSet {
+    /// The empty set.
+    pub const EMPTY: DeviceSet = DeviceSet(0);
+
+    /// Most devices a set can name (ordinals `0..CAPACITY`).
+    pub const CAPACITY: u32 = 64;
+
+    /// The set of `devices`; `None` when one is `CAPACITY` or more.
+    pub fn of(devices: &[DeviceOrdinal]) -> Option<DeviceSet> {
+        devices.iter().try_fold(DeviceSet::EMPTY, |s, d| s.with(*d))
+    }
+
+    /// Devices `0..count`, all of them (at most [`DeviceSet::CAPACITY`]).
+    pub fn all(count: u32) -> DeviceSet {
+        match count {
+            0 => DeviceSet::EMPTY,
+            c if c >= DeviceSet::CAPACITY => DeviceSet(u64::MAX),
+            c => DeviceSet((1u64 << c) - 1),
+        }
+    }
+
+    /// The set with `device` added; `None` when it is `CAPACITY` or more.
+    pub fn with(self, device: DeviceOrdinal) -> Option<DeviceSet> {
+        (device < DeviceSet::CAPACITY).then(|| DeviceSet(self.0 | (1u64 << device)))
+    }
+
+    /// The set without `device`.
+    pub fn without(self, device: DeviceOrdinal) -> DeviceSet {
+        if device < DeviceSet::CAPACITY {
+            DeviceSet(self.0 & !(1u64 << device))
+        } else {
+            self
+        }
+    }
+
+    /// True when `device` is in the set.
+    pub fn contains(self, device: DeviceOrdinal) -> bool {
+        device < DeviceSet::CAPACITY && self.0 & (1u64 << device) != 0
+    }
+
+    /// True for the empty set.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// How many devices it holds.
+    pub fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+
+    /// Its devices in increasing order.
+    pub fn to_vec(self) -> Vec<DeviceOrdinal> {
+        (0..DeviceSet::CAPACITY)
+            .filter(|d| self.contains(*d))
+            .collect()
+    }
+
+    /// `first`, then the set's other devices in increasing order: the
+    /// descriptor order of a `cuMemSetAccess` for `first` and these peers.
+    pub fn access_list(self, first: DeviceOrdinal) -> Vec<DeviceOrdinal> {
+        std::iter::once(first)
+            .chain(self.without(first).to_vec())
+            .collect()
+    }
+}

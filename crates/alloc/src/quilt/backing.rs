@@ -91,7 +91,7 @@ impl State {
             }
             mapped += 1;
             if ctx.cfg.access_per_map {
-                if let Err(e) = ctx.vmm.set_access(addr, page) {
+                if let Err(e) = set_access(ctx, addr, page) {
                     result = Err(e);
                     break;
                 }
@@ -105,7 +105,7 @@ impl State {
                     j += 1;
                 }
                 let addr = self.arenas[ai].page_addr(at[i]);
-                if let Err(e) = ctx.vmm.set_access(addr, (j - i) as u64 * page) {
+                if let Err(e) = set_access(ctx, addr, (j - i) as u64 * page) {
                     result = Err(e);
                     break;
                 }
@@ -138,4 +138,14 @@ impl State {
             }
         }
     }
+}
+
+/// `cuMemSetAccess` over `addr..addr + size` for this device, and for the
+/// peers of [`crate::quilt::QuiltConfig::peer_access`] in the same call.
+fn set_access(ctx: &Ctx<'_>, addr: quilt_vmm::DevicePtr, size: u64) -> Result<(), VmmError> {
+    if ctx.cfg.peer_access.is_empty() {
+        return ctx.vmm.set_access(addr, size);
+    }
+    let devices = ctx.cfg.peer_access.access_list(ctx.vmm.caps().ordinal);
+    ctx.vmm.set_access_for(addr, size, &devices)
 }

@@ -2,6 +2,7 @@
 //! of [`QuiltConfig`], not two allocators.
 
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
+use quilt_vmm::DeviceSet;
 
 use crate::error::AllocError;
 
@@ -71,6 +72,11 @@ pub struct QuiltConfig {
     /// Below the stitch threshold, reuse a cached free block only if it is at most
     /// this many times the request (GMLake's `reuseLimit`; 0 = no limit).
     pub reuse_limit: u64,
+    /// Other devices every mapping is made accessible from: each
+    /// `cuMemSetAccess` names this device and these peers (one call, one
+    /// access descriptor per device; `cuMemMap`ped memory is not covered by
+    /// `cudaEnablePeerAccess`). Empty by default: this device only.
+    pub peer_access: DeviceSet,
 }
 
 impl Default for QuiltConfig {
@@ -89,6 +95,7 @@ impl Default for QuiltConfig {
             placement_candidates: 8,
             stitch_threshold: 0,
             reuse_limit: 0,
+            peer_access: DeviceSet::EMPTY,
         }
     }
 }
@@ -119,6 +126,7 @@ impl QuiltConfig {
                 page_size: PageSize::Granularity,
                 growth: GrowthPolicy::exact(),
                 limit: MemoryLimit::Device,
+                create_props: quilt_vmm::CreateProps::default(),
             },
             small_size: 1 << 20,
             shared_arena: false,
@@ -129,6 +137,7 @@ impl QuiltConfig {
             placement_candidates: 1,
             stitch_threshold: 512 << 20,
             reuse_limit: 10,
+            peer_access: DeviceSet::EMPTY,
         }
     }
 
