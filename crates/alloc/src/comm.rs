@@ -50,6 +50,10 @@ use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 use crate::stats::AllocatorStats;
 
+/// `CUDA_ERROR_NOT_PERMITTED` and `CUDA_ERROR_NOT_SUPPORTED`: what
+/// `cuMemCreate` answers a FABRIC request without an IMEX channel.
+const FABRIC_REFUSED: [u32; 2] = [800, 801];
+
 /// Settings of a [`CommAllocator`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CommConfig {
@@ -98,6 +102,8 @@ pub struct CommAllocator {
     props: CreateProps,
     access: Vec<DeviceOrdinal>,
     unit: u64,
+    /// Set once a create requesting FABRIC was refused.
+    fabric_refused: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
 }
 
@@ -152,6 +158,7 @@ impl CommAllocator {
             props,
             access,
             unit: caps.recommended_granularity.max(caps.granularity),
+            fabric_refused: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State::default()),
         })
     }
@@ -161,9 +168,17 @@ impl CommAllocator {
         self.unit
     }
 
-    /// What every `cuMemCreate` requests.
+    /// What every `cuMemCreate` requests (FABRIC dropped once the driver
+    /// refused it).
     pub fn props(&self) -> CreateProps {
-        self.props
+        let mut props = self.props;
+        if self
+            .fabric_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            props.handle_types.fabric = false;
+        }
+        props
     }
 
     /// The devices every buffer is accessible from (this one first).
@@ -179,7 +194,18 @@ impl CommAllocator {
     /// bytes (a multiple of the unit); undoes what it did on failure.
     fn make(&self, size: u64) -> Result<(DevicePtr, PhysHandle), VmmError> {
         let vmm = &self.vmm;
-        let handle = vmm.create_with(size, self.props)?;
+        let handle = match vmm.create_with(size, self.props()) {
+            // FABRIC reported but refused (no IMEX channel): fall back to the
+            // other types from now on, as NCCL does.
+            Err(VmmError::Driver { code, .. })
+                if self.props().handle_types.fabric && FABRIC_REFUSED.contains(&code) =>
+            {
+                self.fabric_refused
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                vmm.create_with(size, self.props())?
+            }
+            other => other?,
+        };
         let ptr = match vmm.reserve(size, self.unit) {
             Ok(ptr) => ptr,
             Err(e) => {
