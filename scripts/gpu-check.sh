@@ -8,7 +8,7 @@
 #                                              (default target/gpu-check)
 #   scripts/gpu-check.sh OUT --prebuilt BIN    run the checks from binaries made by
 #                                              --build (a GPU machine without Rust)
-#   scripts/gpu-check.sh --build BIN           only build the four binaries into BIN
+#   scripts/gpu-check.sh --build BIN           only build the binaries into BIN
 #                                              (on a machine with cargo; no GPU needed)
 #   scripts/gpu-check.sh --prebuilt BIN        as before: findings in $GPU_CHECK_OUT
 #                                              (default target/gpu-check)
@@ -41,7 +41,16 @@
 #      where python3, torch or a CUDA device is missing;
 #   6. cudarc_kernel (crates/alloc/examples/cudarc_kernel.rs): a cudarc kernel
 #      reading and writing Quilt buffers through cudarc's traits, on a second
-#      stream, checked element by element.
+#      stream, checked element by element;
+#   7. cuda_buffer (crates/alloc/tests/cuda_buffer.rs) with --ignored: cudarc's
+#      copies through Quilt buffers across two streams, typed errors, frees;
+#   8. cuda_share (crates/vmm/tests/cuda_share.rs) with --ignored: the sharing
+#      flags the device reports (POSIX fd, FABRIC, GPUDirect RDMA with VMM,
+#      recommended granularity: one "cuda_share: caps {...}" line), peer
+#      access for every device in one cuMemSetAccess (skipped with a message
+#      on a machine with one device), and export / import of a handle between
+#      two processes on device 0 (the test re-runs itself as the child; the
+#      fd crosses a Unix socket), bytes both ways.
 #
 # Findings: OUT/gpu-check.json, one object: whether CUDA was available, the GPU,
 # the limits used, each step (name, status, exit_status, seconds, log file), and
@@ -68,10 +77,11 @@ PROBE_TIMEOUT_S=30
 DATA_TIMEOUT_S=55
 TORCH_TIMEOUT_S=60
 KERNEL_TIMEOUT_S=20
+SHARE_TIMEOUT_S=30
 export PROPTEST_CASES=${PROPTEST_CASES:-32}
 export PROPTEST_MAX_SHRINK_ITERS=${PROPTEST_MAX_SHRINK_ITERS:-64}
 BENCH_ARGS=(--backend cuda --iters 1000 --large-iters 200)
-BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel)  # and libquilt_torch.so
+BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel cuda_buffer cuda_share)  # and libquilt_torch.so
 
 die() {
     echo "gpu-check: $*" >&2
@@ -117,7 +127,7 @@ EOF
     fi
 }
 
-# Builds the two test binaries, the two examples and libquilt_torch.so into
+# Builds the three test binaries, the three examples and libquilt_torch.so into
 # $1; logs to $2.
 # Returns non-zero (with the reason on stderr) when something did not build.
 build_into() {
@@ -125,7 +135,7 @@ build_into() {
     need_cargo || return 1
     mkdir -p "$dir" || return 1
     local exe t
-    for t in conformance cuda_data; do
+    for t in conformance cuda_data cuda_share; do
         exe=$(cargo test --release -p quilt-vmm --test "$t" --no-run 2>&1 |
             tee -a "$log" |
             sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -n 1)
@@ -143,6 +153,14 @@ build_into() {
     local target_dir
     target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+    exe=$(cargo test --release -p quilt-alloc --test cuda_buffer --no-run 2>&1 |
+        tee -a "$log" |
+        sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -n 1)
+    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+        echo "gpu-check: could not build test cuda_buffer (see $log)" >&2
+        return 1
+    fi
+    cp "$exe" "$dir/cuda_buffer" || return 1
     if ! cargo build --release -p quilt-alloc --example cudarc_kernel >>"$log" 2>&1; then
         echo "gpu-check: could not build the cudarc_kernel example (see $log)" >&2
         return 1
@@ -343,6 +361,22 @@ run_checks() {
         SKIP_PATTERN="" test_step cudarc_kernel "$bin/cudarc_kernel" "$KERNEL_TIMEOUT_S"
     fi
 
+    # 7. CudaBuffer's tests (ignored by `cargo test`).
+    if [ "$CUDA_AVAILABLE" = false ]; then
+        record cuda_buffer skipped null 0 "" "no CUDA (see map_probe)"
+    else
+        SKIP_PATTERN="" test_step cuda_buffer "$bin/cuda_buffer" "$KERNEL_TIMEOUT_S" \
+            --ignored --test-threads 1 --nocapture
+    fi
+
+    # 8. Sharing: device flags, peer access (two or more devices), two-process IPC.
+    if [ "$CUDA_AVAILABLE" = false ]; then
+        record cuda_share skipped null 0 "" "no CUDA (see map_probe)"
+    else
+        SKIP_PATTERN="cuda_share: SKIPPED" test_step cuda_share "$bin/cuda_share" \
+            "$SHARE_TIMEOUT_S" --ignored --test-threads 1 --nocapture
+    fi
+
     write_findings "$gpu" "$probe_json"
 }
 
@@ -370,7 +404,7 @@ write_findings() {
         echo "  \"gpu\": $gpu_json,"
         echo "  \"passed\": $passed,"
         echo "  \"total_seconds\": $((SECONDS - STARTED)),"
-        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
+        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"kernel_timeout_s\": $KERNEL_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
         echo "  \"steps\": ["
         local i n=${#STEPS_JSON[@]}
         for ((i = 0; i < n; i++)); do

@@ -157,7 +157,7 @@ impl fmt::Display for MemorySummary {
         line(
             f,
             &format!(
-                "OOMs: {}   alloc retries: {}   cross-stream waits: {}",
+                "OOMs: {}, alloc retries: {}, cross-stream waits: {}",
                 s.num_ooms, s.num_alloc_retries, s.num_stream_waits
             ),
         )?;

@@ -154,7 +154,7 @@ fn the_last_out_of_memory_report_is_kept_and_replaced() {
         assert_eq!(report.verdict, OomVerdict::Capacity, "{name}");
 
         let text = alloc.memory_summary();
-        assert!(text.contains("OOMs: 1 "), "{name}:\n{text}");
+        assert!(text.contains("OOMs: 1, "), "{name}:\n{text}");
         let flat = text
             .lines()
             .map(|l| l.trim_matches('|').trim())
