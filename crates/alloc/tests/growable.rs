@@ -410,3 +410,95 @@ proptest! {
         prop_assert!(s.leak_report().is_empty(), "{}", s.leak_report());
     }
 }
+
+fn ahead_policy(pages: u64, below_per_mille: u64, mode: AheadMode) -> MapAhead {
+    MapAhead {
+        pages,
+        below_per_mille,
+        mode,
+    }
+}
+
+#[test]
+fn growable_map_ahead_inline_serves_each_growth_from_mapped_pages() {
+    let (s, a) = sim(256 * MIB);
+    a.set_map_ahead(ahead_policy(2, 1000, AheadMode::Inline))
+        .unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 64 * MIB, StreamId(1)).unwrap();
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 4 * MIB);
+    for i in 1..=10u64 {
+        buf.grow_to(i * 2 * MIB).unwrap();
+        a.check_invariants().unwrap();
+    }
+    let st = a.serving_stats();
+    assert_eq!((st.grows, st.grows_already_mapped), (10, 10));
+    assert_eq!(st.pages_mapped_on_grow, 0);
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 24 * MIB);
+    drop(buf);
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_map_ahead_manual_makes_growth_free_of_driver_calls_and_stops_under_pressure() {
+    let (s, a) = sim(32 * MIB);
+    a.set_map_ahead(ahead_policy(4, 500, AheadMode::Manual))
+        .unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    assert_eq!(a.map_ahead_now().unwrap(), 4);
+    let before = s.driver_stats();
+    buf.grow_to(8 * MIB).unwrap();
+    assert_eq!(s.driver_stats().since(&before).vmm_calls(), 0);
+    // With this block the pool holds 14 MiB of 32: 4 more pages would take
+    // it past 16 MiB (500 per mille), so nothing is mapped ahead.
+    let block = a.allocate(6 * MIB, StreamId(1)).unwrap();
+    assert_eq!(a.map_ahead_now().unwrap(), 0, "mapped ahead under pressure");
+    a.free(block.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn growable_pages_mapped_ahead_are_reclaimed_before_ordinary_cached_pages() {
+    let (_s, a) = sim(16 * MIB);
+    a.set_map_ahead(ahead_policy(2, 1000, AheadMode::Manual))
+        .unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 16 * MIB, StreamId(1)).unwrap();
+    buf.grow_to(2 * MIB).unwrap();
+    assert_eq!(a.map_ahead_now().unwrap(), 2);
+    // An ordinary block, freed: its 2 pages are cached in the shared arena.
+    let old = a.allocate(4 * MIB, StreamId(1)).unwrap();
+    a.free(old.ptr).unwrap();
+    let cached_ordinary = a.cached_bytes() - 4 * MIB; // less the 2 pages ahead
+    assert_eq!(cached_ordinary, 4 * MIB);
+    // 14 MiB more at the 16 MiB limit: the buffer holds 1 page and 2 ahead,
+    // the cache 2, the pool can grow by 3; 2 more must be reclaimed, and the
+    // pages ahead go first.
+    let big = a.allocate(14 * MIB, StreamId(1)).unwrap();
+    assert_eq!(a.serving_stats().spare_pages_reclaimed, 2);
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 2 * MIB);
+    a.check_invariants().unwrap();
+    a.free(big.ptr).unwrap();
+}
+
+#[test]
+fn growable_map_ahead_background_worker_maps_and_stops_with_the_allocator() {
+    let (s, a) = sim(256 * MIB);
+    a.set_map_ahead(ahead_policy(3, 1000, AheadMode::Background))
+        .unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 64 * MIB, StreamId(1)).unwrap();
+    buf.grow_to(MIB).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while a.growable_info(buf.id()).unwrap().mapped_bytes < 6 * MIB {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker mapped nothing ahead"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    a.check_invariants().unwrap();
+    buf.grow_to(6 * MIB).unwrap();
+    assert!(a.serving_stats().grows_already_mapped >= 1);
+    drop(buf);
+    drop(a); // stops and joins the worker
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}

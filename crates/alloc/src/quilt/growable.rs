@@ -455,6 +455,65 @@ impl State {
         moved.map(|_| ())
     }
 
+    /// Map up to [`MapAhead::pages`] pages past buffer `id`'s end that are
+    /// not mapped yet, from free pool pages, or from growth while the pool
+    /// stays below [`MapAhead::below_per_mille`] of its limit; nothing under
+    /// memory pressure, and nothing for a sleeping tag's buffer. The pages are
+    /// spare pages: cached, first to be reclaimed. Returns the pages mapped.
+    pub(crate) fn map_ahead_for(
+        &mut self,
+        ctx: &Ctx<'_>,
+        id: GrowableId,
+    ) -> Result<u64, AllocError> {
+        let Some(g) = self.growables.get(&id.0).cloned() else {
+            return Ok(0); // released since
+        };
+        if g.tag.is_some_and(|t| self.tags.is_asleep(t)) {
+            return Ok(0);
+        }
+        let policy = self.map_ahead;
+        let a = &self.arenas[g.arena];
+        let first = g.extent().div_ceil(ctx.page);
+        let end = (first + policy.pages).min(g.max / ctx.page);
+        // Stop at a retired page: mapping there would wait for its work.
+        let need: Vec<u64> = (first..end)
+            .take_while(|&p| !a.slot(p).retired)
+            .filter(|&p| a.slot(p).phys.is_none())
+            .collect();
+        let n = need.len() as u64;
+        if n == 0 {
+            return Ok(0);
+        }
+        let free = ctx.pool.free_pages();
+        if free < n {
+            let after = ctx.pool.total_pages() + (n - free);
+            if after.saturating_mul(1000)
+                > ctx
+                    .pool
+                    .limit_pages()
+                    .saturating_mul(policy.below_per_mille)
+                || !self.try_grow(ctx, n - free)?
+            {
+                return Ok(0);
+            }
+        }
+        self.tick += 1;
+        let backed = self.back_pages(ctx, g.arena, n * ctx.page, &need, g.stream);
+        let tick = self.tick;
+        if self.reclaim_queue_kept {
+            for &p in &need {
+                let s = self.arenas[g.arena].slot(p);
+                if s.is_cached() && s.cached_at == tick {
+                    self.reclaim_queue.push_back((g.arena, p, tick));
+                }
+            }
+        }
+        self.sync_stats(ctx);
+        backed?;
+        self.serving.pages_mapped_ahead += n;
+        Ok(n)
+    }
+
     /// Free the reservation of every zombie arena that no longer holds a
     /// mapping; its slot is reused by the next growable buffer.
     pub(crate) fn free_empty_zombies(&mut self, ctx: &Ctx<'_>) {

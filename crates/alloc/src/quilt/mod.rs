@@ -27,6 +27,7 @@
 //! See `docs/design.md` for the data structures and the invariants, and
 //! `docs/benchmarks.md` for the figures.
 
+mod ahead;
 mod arena;
 mod backing;
 pub mod conf;
@@ -50,8 +51,8 @@ use quilt_vmm::{DevicePtr, StreamId, Vmm};
 pub use config::{QuiltConfig, ReclaimPolicy};
 pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, ServingStats};
 pub use growable_buffer::GrowableBuffer;
-pub use sleep::SleepMode;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
+pub use sleep::SleepMode;
 
 use crate::api::{Allocation, DeviceAllocator};
 use crate::error::{AllocError, InvariantViolation};
@@ -62,6 +63,15 @@ use state::{pool_err, Ctx, State};
 /// The Quilt allocator for one device. `Send + Sync`: one lock guards its state.
 #[derive(Debug)]
 pub struct QuiltAllocator {
+    core: Arc<Core>,
+    /// The map-ahead worker of growable buffers (started on first use).
+    ahead: ahead::Worker,
+}
+
+/// What the allocator and its map-ahead worker share: the worker holds a
+/// `Weak` of it, so dropping the allocator stops the worker.
+#[derive(Debug)]
+pub(crate) struct Core {
     vmm: Arc<dyn Vmm>,
     pool: PagePool,
     config: QuiltConfig,
@@ -69,6 +79,23 @@ pub struct QuiltAllocator {
     arena_va: u64,
     name: &'static str,
     state: Mutex<State>,
+}
+
+impl Core {
+    fn lock(&self) -> Result<MutexGuard<'_, State>, AllocError> {
+        self.state.lock().map_err(|_| AllocError::Poisoned)
+    }
+
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            vmm: self.vmm.as_ref(),
+            pool: &self.pool,
+            cfg: &self.config,
+            page: self.page,
+            arena_va: self.arena_va,
+            name: self.name,
+        }
+    }
 }
 
 impl QuiltAllocator {
@@ -101,7 +128,7 @@ impl QuiltAllocator {
         } else {
             "quilt"
         };
-        Ok(QuiltAllocator {
+        let core = Arc::new(Core {
             vmm,
             pool,
             config,
@@ -109,38 +136,35 @@ impl QuiltAllocator {
             arena_va,
             name,
             state: Mutex::new(State::default()),
+        });
+        Ok(QuiltAllocator {
+            core,
+            ahead: ahead::Worker::default(),
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &QuiltConfig {
-        &self.config
+        &self.core.config
     }
 
     /// The physical page pool underneath.
     pub fn pool(&self) -> &PagePool {
-        &self.pool
+        &self.core.pool
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>, AllocError> {
-        self.state.lock().map_err(|_| AllocError::Poisoned)
+        self.core.lock()
     }
 
     fn ctx(&self) -> Ctx<'_> {
-        Ctx {
-            vmm: self.vmm.as_ref(),
-            pool: &self.pool,
-            cfg: &self.config,
-            page: self.page,
-            arena_va: self.arena_va,
-            name: self.name,
-        }
+        self.core.ctx()
     }
 
     /// Pages that are mapped but back no block (the cache), over all arenas.
     pub fn cached_bytes(&self) -> u64 {
         self.lock()
-            .map(|s| s.cached_pages() * self.page)
+            .map(|s| s.cached_pages() * self.core.page)
             .unwrap_or(0)
     }
 
@@ -169,9 +193,9 @@ impl QuiltAllocator {
     /// ```
     pub fn mapped_segments(&self) -> MemorySnapshot {
         match self.lock() {
-            Ok(st) => snapshot::mapped_segments(&st, self.name, self.page),
+            Ok(st) => snapshot::mapped_segments(&st, self.core.name, self.core.page),
             Err(_) => MemorySnapshot {
-                allocator: self.name.to_string(),
+                allocator: self.core.name.to_string(),
                 segments: Vec::new(),
             },
         }
@@ -181,14 +205,14 @@ impl QuiltAllocator {
     /// the physical memory blocks hold.
     pub fn touched_bytes(&self) -> u64 {
         self.lock()
-            .map(|s| s.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * self.page)
+            .map(|s| s.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * self.core.page)
             .unwrap_or(0)
     }
 }
 
 impl DeviceAllocator for QuiltAllocator {
     fn name(&self) -> &str {
-        self.name
+        self.core.name
     }
 
     fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
@@ -219,15 +243,15 @@ impl DeviceAllocator for QuiltAllocator {
             }
             Err(_) => AllocatorStats::default(),
         };
-        s.driver = self.vmm.driver_stats();
+        s.driver = self.core.vmm.driver_stats();
         s
     }
 
     fn snapshot(&self) -> MemorySnapshot {
         match self.lock() {
-            Ok(st) => snapshot::snapshot(&st, self.name, self.page),
+            Ok(st) => snapshot::snapshot(&st, self.core.name, self.core.page),
             Err(_) => MemorySnapshot {
-                allocator: self.name.to_string(),
+                allocator: self.core.name.to_string(),
                 segments: Vec::new(),
             },
         }
@@ -243,28 +267,30 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
-        invariants::check(&st, &self.pool, self.page)
+        invariants::check(&st, &self.core.pool, self.core.page)
     }
 
     fn vmm(&self) -> &Arc<dyn Vmm> {
-        &self.vmm
+        &self.core.vmm
     }
 }
 
 impl Drop for QuiltAllocator {
     fn drop(&mut self) {
-        let page = self.page;
-        let state = match self.state.get_mut() {
+        self.ahead.stop();
+        let page = self.core.page;
+        let mut guard = match self.core.state.lock() {
             Ok(s) => s,
             Err(p) => p.into_inner(),
         };
+        let state = &mut *guard;
         if !state.blocks.is_empty() {
             tracing::warn!(
                 live = state.blocks.len(),
                 "quilt allocator dropped with live allocations; releasing their memory"
             );
         }
-        state.streams.destroy_events(self.vmm.as_ref());
+        state.streams.destroy_events(self.core.vmm.as_ref());
         let mut give = Vec::new();
         for a in &mut state.arenas {
             if a.size == 0 {
@@ -275,20 +301,20 @@ impl Drop for QuiltAllocator {
                 if slot.phys.is_none() && !slot.retired {
                     continue;
                 }
-                match self.vmm.unmap(a.page_addr(p), page) {
+                match self.core.vmm.unmap(a.page_addr(p), page) {
                     Ok(()) if slot.retired => a.clear_retired(p),
                     Ok(()) => give.extend(a.set_unmapped(p)),
                     Err(e) => tracing::warn!(error = %e, "unmap at drop failed"),
                 }
             }
-            if let Err(e) = self.vmm.address_free(a.base, a.size) {
+            if let Err(e) = self.core.vmm.address_free(a.base, a.size) {
                 tracing::warn!(error = %e, "address free at drop failed");
             }
         }
-        if let Err(e) = self.pool.give_back(&give) {
+        if let Err(e) = self.core.pool.give_back(&give) {
             tracing::warn!(error = %e, "returning pages to the pool at drop failed");
         }
-        if let Err(e) = self.pool.trim(0) {
+        if let Err(e) = self.core.pool.trim(0) {
             tracing::warn!(error = %e, "releasing pages at drop failed");
         }
     }

@@ -41,9 +41,14 @@ impl QuiltAllocator {
         stream: StreamId,
     ) -> Result<GrowableId, AllocError> {
         let ctx = self.ctx();
-        let id = self
-            .lock()?
-            .growable_create(&ctx, max_bytes, stream, None)?;
+        let (id, ahead) = {
+            let mut st = self.lock()?;
+            (
+                st.growable_create(&ctx, max_bytes, stream, None)?,
+                st.map_ahead,
+            )
+        };
+        self.ahead.after_growth(&self.core, id, ahead);
         Ok(id)
     }
 
@@ -57,9 +62,16 @@ impl QuiltAllocator {
         tag: &str,
     ) -> Result<GrowableId, AllocError> {
         let ctx = self.ctx();
-        let mut st = self.lock()?;
-        let t = st.tags.index(tag);
-        st.growable_create(&ctx, max_bytes, stream, Some(t))
+        let (id, ahead) = {
+            let mut st = self.lock()?;
+            let t = st.tags.index(tag);
+            (
+                st.growable_create(&ctx, max_bytes, stream, Some(t))?,
+                st.map_ahead,
+            )
+        };
+        self.ahead.after_growth(&self.core, id, ahead);
+        Ok(id)
     }
 
     /// Grow buffer `id` to `bytes` (at most its maximum; `bytes` below its
@@ -77,7 +89,7 @@ impl QuiltAllocator {
             st.growable_grow(&ctx, id, bytes)?;
             st.map_ahead
         };
-        self.after_growth(ahead);
+        self.ahead.after_growth(&self.core, id, ahead);
         Ok(())
     }
 
@@ -217,6 +229,26 @@ impl QuiltAllocator {
         self.lock().map(|s| s.serving).unwrap_or_default()
     }
 
-    /// After a growth: map ahead as the policy says.
-    fn after_growth(&self, _ahead: MapAhead) {}
+    /// Map ahead of every live growable buffer now, on this thread, as the
+    /// policy says (its pages and pressure bound, whatever its mode): the
+    /// deterministic form of the background worker, for tests. Returns the
+    /// pages mapped.
+    pub fn map_ahead_now(&self) -> Result<u64, AllocError> {
+        let ctx = self.ctx();
+        let mut st = self.lock()?;
+        let mut ids: Vec<u64> = st.growables.keys().copied().collect();
+        ids.sort_unstable();
+        let mut n = 0;
+        for id in ids {
+            n += st.map_ahead_for(&ctx, GrowableId(id))?;
+        }
+        Ok(n)
+    }
+
+    /// Stop the map-ahead worker if it runs (it starts again on the next
+    /// growth under [`super::AheadMode::Background`]); the allocator's drop
+    /// does this too.
+    pub fn stop_map_ahead_worker(&self) {
+        self.ahead.stop();
+    }
 }
