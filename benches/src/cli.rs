@@ -1,4 +1,11 @@
-//! The `quilt-bench` command line: `ab` (the A/B harness) and `list`.
+//! The `quilt-bench` command line: `ab` (the A/B harness), `sweep`, `scale`
+//! and `list`.
+//!
+//! Exit status: 0 when every pair was measured; 1 when the run finished and
+//! wrote its report but something in it failed (a pair failed: its allocator
+//! could not be built, the trace was inconsistent, the allocator failed; or
+//! every allocator ran out of memory on some workload); 2 when the command
+//! could not run (a bad argument, an unreadable or empty input).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -16,10 +23,11 @@ use crate::live::trace_stats;
 use crate::replay::{
     replay_fresh_then, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
 };
-use crate::report::{self, Measurement};
+use crate::report::{self, CostModelParameters, Failure, Measurement, Outcome, RunParameters};
 use crate::snapshot::load_snapshot;
-use crate::trace::{load_trace, Trace, TraceError};
-use crate::units::{gib, parse_size, SizeError};
+use crate::table::{self, Layout, RunContext};
+use crate::trace::{load_trace, Event, Trace, TraceError};
+use crate::units::{gib, parse_size, size_text, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
 use crate::{scale, sweep};
 
@@ -82,15 +90,21 @@ pub struct ScaleArgs {
 /// files, the bisection, the simulated GPU.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
-    /// Simulated device capacity of the main replay (80GiB, 512MiB, 1.5GiB, bytes).
+    /// Simulated device capacity of the main replay, with its unit: 80GiB,
+    /// 1.5GiB, 512MiB, 4096B (a number without a unit is refused).
     #[arg(long, default_value = "80GiB")]
     pub capacity: String,
     /// Times the non-pre-existing part of each trace is replayed.
     #[arg(long, default_value_t = 1)]
     pub iterations: u32,
-    /// Write the JSON report here.
+    /// Write the JSON report (`{"parameters": {...}, "rows": [...]}`) here;
+    /// `-`: to standard output, the table then going to standard error.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Print every column (one line per workload and allocator, wider than
+    /// 100 characters) instead of the claims.
+    #[arg(long)]
+    pub wide: bool,
     /// Write SVG charts into this folder.
     #[arg(long, value_name = "DIR")]
     pub svg: Option<PathBuf>,
@@ -135,9 +149,12 @@ pub struct SweepArgs {
     pub run: RunArgs,
 }
 
+/// A sweep's result: the key, its values, the run's parameters and one
+/// outcome per value, in order.
+pub type SweepResult = (String, Vec<String>, RunParameters, Vec<Outcome>);
+
 /// Run a sweep: the A/B of the one trace through the spec with each value.
-/// Returns the values and the measurements, in order.
-pub fn run_sweep(args: &SweepArgs) -> Result<(String, Vec<String>, Vec<Measurement>), CliError> {
+pub fn run_sweep(args: &SweepArgs) -> Result<SweepResult, CliError> {
     let (key, values) = sweep::parse_vary(&args.vary).map_err(CliError::Usage)?;
     let (workloads, traces) = match (&args.workload, &args.trace) {
         (Some(w), None) => (vec![w.clone()], vec![]),
@@ -167,8 +184,8 @@ pub fn run_sweep(args: &SweepArgs) -> Result<(String, Vec<String>, Vec<Measureme
             ..args.run.clone()
         },
     };
-    let measurements = run_ab(&ab)?;
-    Ok((key, values, measurements))
+    let (parameters, outcomes) = run_ab(&ab)?;
+    Ok((key, values, parameters, outcomes))
 }
 
 /// Arguments of `quilt-bench ab`.
@@ -221,7 +238,8 @@ pub fn sync_cost_ns(us: f64) -> Result<u64, CliError> {
     Ok(ns as u64)
 }
 
-/// Why a command failed. Every variant exits with status 2.
+/// Why a command failed: [`CliError::Failed`] exits with status 1 (the
+/// report was written), every other variant with status 2 (nothing ran).
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// An argument is wrong.
@@ -230,24 +248,115 @@ pub enum CliError {
     /// A size could not be parsed.
     #[error(transparent)]
     Size(#[from] SizeError),
-    /// A trace or snapshot could not be read.
-    #[error(transparent)]
-    Trace(#[from] TraceError),
-    /// One (workload, allocator) pair failed at one capacity.
-    #[error("{workload} / {allocator} at capacity {capacity} bytes: {source}")]
-    Pair {
-        /// The workload.
-        workload: String,
-        /// The allocator.
-        allocator: String,
-        /// The capacity of the failing replay.
-        capacity: u64,
-        /// What failed.
-        source: Box<ReplayError>,
+    /// A trace or snapshot file cannot be replayed: unreadable, malformed,
+    /// of the other format, or empty.
+    #[error("{path}: {message}")]
+    Input {
+        /// The file.
+        path: String,
+        /// What is wrong, and what to do.
+        message: String,
     },
     /// A report could not be written.
     #[error("{0}")]
     Output(String),
+    /// The run finished and its report was written, but something in it
+    /// failed (a pair, or every allocator on a workload).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    /// The process exit status of this error: 1 for [`CliError::Failed`], else 2.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Failed(_) => 1,
+            _ => 2,
+        }
+    }
+}
+
+/// `--capacity`: a size with its unit (`80GiB`, `1.5GiB`, `512MiB`,
+/// `4096B`), more than 0 bytes. A bare number is refused: `1.5` is far more
+/// likely meant as GiB than as one byte.
+pub fn parse_capacity(text: &str) -> Result<u64, CliError> {
+    let t = text.trim();
+    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(CliError::Usage(if t.contains('.') {
+            format!("--capacity {t}: give a unit, e.g. {t}GiB, 80GiB or 512MiB")
+        } else {
+            format!("--capacity {t}: give a unit, e.g. 80GiB or 512MiB ({t}B for bytes)")
+        }));
+    }
+    let bytes = parse_size(t)?;
+    if bytes == 0 {
+        return Err(CliError::Usage(
+            "--capacity must be more than 0 bytes".into(),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Where a report goes: `--json -` sends the JSON to standard output and
+/// everything else to standard error.
+fn say(json_to_stdout: bool, text: &str) {
+    if json_to_stdout {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
+}
+
+/// Write `json` to `path` (`-`: standard output); the line saying where it
+/// went, if anywhere.
+fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
+    if path == Path::new("-") {
+        println!("{json}");
+        return Ok(None);
+    }
+    std::fs::write(path, format!("{json}\n"))
+        .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
+    Ok(Some(format!("JSON written to {}\n", path.display())))
+}
+
+/// What failed in a finished run: pairs that failed, and workloads on which
+/// every allocator ran out of memory. `Ok` when nothing did.
+fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
+    let mut problems = Vec::new();
+    let failed = outcomes.iter().filter(|o| o.is_err()).count();
+    if failed > 0 {
+        problems.push(format!(
+            "{failed} of {} (workload, allocator) pairs failed (see FAILED above)",
+            outcomes.len()
+        ));
+    }
+    let mut workloads: Vec<&str> = Vec::new();
+    for m in outcomes.iter().filter_map(|o| o.as_ref().ok()) {
+        if !workloads.contains(&m.row.workload.as_str()) {
+            workloads.push(&m.row.workload);
+        }
+    }
+    for w in workloads {
+        let rows: Vec<&Measurement> = outcomes
+            .iter()
+            .filter_map(|o| o.as_ref().ok())
+            .filter(|m| m.row.workload == w)
+            .collect();
+        if rows.iter().all(|m| !m.row.completed) {
+            let least = rows.iter().filter_map(|m| m.row.min_capacity_bytes).min();
+            problems.push(format!(
+                "every allocator ran out of memory on {w} at {}: nothing completed to \
+                 compare; give a larger --capacity{}",
+                size_text(capacity),
+                least.map_or_else(String::new, |b| format!(" (at least {})", size_text(b)))
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Failed(problems.join("; ")))
+    }
 }
 
 /// Run a parsed command; the report goes to stdout, progress to stderr.
@@ -301,53 +410,72 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             }
         }
         Command::Sweep(args) => {
-            let (key, values, measurements) = run_sweep(&args)?;
-            print!("{}", report::table(&measurements));
+            let (key, values, parameters, outcomes) = run_sweep(&args)?;
+            let to_stdout = json_to_stdout(&args.run);
+            say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json = sweep::to_json(&values, &measurements)
+                let json = report::sweep_json(&parameters, &key, &values, &outcomes)
                     .map_err(|e| CliError::Output(e.to_string()))?;
-                std::fs::write(path, json + "\n")
-                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-                println!("JSON written to {}", path.display());
-            }
-            if let Some(dir) = &args.run.svg {
-                let workload = measurements
-                    .first()
-                    .map(|m| m.row.workload.clone())
-                    .unwrap_or_default();
-                let file = sweep::write_chart(dir, &workload, &key, &values, &measurements)
-                    .map_err(CliError::Output)?;
-                println!("chart written: {file}");
-            }
-            Ok(())
-        }
-        Command::Ab(args) => {
-            let measurements = run_ab(&args)?;
-            print!("{}", report::table(&measurements));
-            println!(
-                "simulated GPU: {} operations behind the host, {} us per stream synchronisation",
-                args.run.gpu_lag_ops, args.run.sync_cost_us
-            );
-            for m in &measurements {
-                if let Some(message) = &m.oom_message {
-                    println!("{} / {}: {message}", m.row.workload, m.row.allocator);
+                if let Some(line) = write_json(path, &json)? {
+                    say(to_stdout, &line);
                 }
             }
+            if let Some(dir) = &args.run.svg {
+                let file =
+                    sweep::write_chart(dir, &key, &values, &outcomes).map_err(CliError::Output)?;
+                say(to_stdout, &format!("chart written: {file}\n"));
+            }
+            run_verdict(&outcomes, parameters.capacity_bytes)
+        }
+        Command::Ab(args) => {
+            let (parameters, outcomes) = run_ab(&args)?;
+            let to_stdout = json_to_stdout(&args.run);
+            say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json =
-                    report::to_json(&measurements).map_err(|e| CliError::Output(e.to_string()))?;
-                std::fs::write(path, json + "\n")
-                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-                println!("JSON written to {}", path.display());
+                let json = report::to_json(&parameters, &outcomes)
+                    .map_err(|e| CliError::Output(e.to_string()))?;
+                if let Some(line) = write_json(path, &json)? {
+                    say(to_stdout, &line);
+                }
             }
             if let Some(dir) = &args.run.svg {
+                let measurements: Vec<Measurement> = outcomes
+                    .iter()
+                    .filter_map(|o| o.as_ref().ok())
+                    .cloned()
+                    .collect();
                 let files = report::write_charts(dir, &measurements, args.run.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
-                println!("charts written: {}", files.join(", "));
+                say(
+                    to_stdout,
+                    &format!("charts written: {}\n", files.join(", ")),
+                );
             }
-            Ok(())
+            run_verdict(&outcomes, parameters.capacity_bytes)
         }
     }
+}
+
+/// Whether `--json -` sends the JSON to standard output.
+fn json_to_stdout(run: &RunArgs) -> bool {
+    run.json.as_deref() == Some(Path::new("-"))
+}
+
+/// The text report of a run in the layout `--wide` picks.
+fn text_report(outcomes: &[Outcome], run: &RunArgs, parameters: &RunParameters) -> String {
+    let layout = if run.wide {
+        Layout::Wide
+    } else {
+        Layout::Narrow
+    };
+    let ctx = RunContext {
+        capacity_bytes: parameters.capacity_bytes,
+        iterations: parameters.iterations,
+        gpu_lag_ops: run.gpu_lag_ops,
+        sync_cost_us: run.sync_cost_us,
+        bisection: parameters.bisection,
+    };
+    table::report(outcomes, layout, &ctx)
 }
 
 /// Upper bounds (inclusive) of the size classes of `list --sizes`.
@@ -425,12 +553,12 @@ pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
         traces.push((w.generate)(args.run.seed));
     }
     for path in &args.traces {
-        let mut trace = load_trace(path)?;
+        let mut trace = load_trace_file(path)?;
         trace.preexisting = preexisting_from_stats(path)?.unwrap_or(0);
         traces.push(trace);
     }
     for path in &args.snapshots {
-        traces.push(load_snapshot(path)?);
+        traces.push(load_snapshot_file(path)?);
     }
     if args.workloads.is_empty() && args.traces.is_empty() && args.snapshots.is_empty() {
         traces.extend(WORKLOADS.iter().map(|w| (w.generate)(args.run.seed)));
@@ -446,6 +574,122 @@ pub fn collect_traces(args: &AbArgs) -> Result<Vec<Trace>, CliError> {
         }
     }
     Ok(traces)
+}
+
+/// The first bytes of `path` (for telling formats apart), or the error
+/// naming the file.
+fn head(path: &Path) -> Result<Vec<u8>, CliError> {
+    use std::io::Read;
+    let input = |message: String| CliError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let mut head = Vec::with_capacity(512);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(512).read_to_end(&mut head))
+        .map_err(|e| input(e.to_string()))?;
+    Ok(head)
+}
+
+/// A pickle starts with the PROTO opcode (protocol 2 and later).
+fn looks_like_pickle(head: &[u8]) -> bool {
+    head.first() == Some(&0x80)
+}
+
+/// JSON starts with `{` or `[`.
+fn looks_like_json(head: &[u8]) -> bool {
+    matches!(
+        head.iter().find(|b| !b.is_ascii_whitespace()),
+        Some(b'{' | b'[')
+    )
+}
+
+/// A text trace: text whose first line starts with a one-letter event kind.
+fn looks_like_text_trace(head: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(head);
+    let Some(line) = text.lines().map(str::trim).find(|l| !l.is_empty()) else {
+        return false;
+    };
+    let kind = line.split_ascii_whitespace().next().unwrap_or("");
+    kind.len() == 1 && kind.chars().all(|c| c.is_ascii_lowercase())
+}
+
+/// `TraceError` as the message of a [`CliError::Input`] on `path` (its I/O
+/// variant names the file already).
+fn input_error(path: &Path, e: TraceError) -> CliError {
+    let message = match e {
+        TraceError::Io { source, .. } => source.to_string(),
+        other => other.to_string(),
+    };
+    CliError::Input {
+        path: path.display().to_string(),
+        message,
+    }
+}
+
+/// A text trace given by `--trace`: read, with errors naming the file, a
+/// hint when it is a pickle or JSON, and an error when it allocates nothing.
+pub fn load_trace_file(path: &Path) -> Result<Trace, CliError> {
+    let input = |message: String| CliError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let head = head(path)?;
+    if looks_like_pickle(&head) {
+        return Err(input(
+            "a pickle, not a text trace: give PyTorch memory snapshots with --snapshot".into(),
+        ));
+    }
+    if looks_like_json(&head) {
+        let stats = path.file_name().is_some_and(|f| f == "stats.json");
+        return Err(input(if stats {
+            "not a trace: this stats.json lists the converted traces beside it (their \
+             pre-existing allocations are read from it); give the traces: --trace DIR/*.trace"
+                .into()
+        } else {
+            "JSON, not a trace: --trace takes the text format (`a ID SIZE STREAM`, `f ID`)".into()
+        }));
+    }
+    let trace = load_trace(path).map_err(|e| input_error(path, e))?;
+    if !trace
+        .events
+        .iter()
+        .any(|e| matches!(e, Event::Alloc { .. }))
+    {
+        return Err(input(
+            "no allocation in this trace: nothing to replay".into(),
+        ));
+    }
+    Ok(trace)
+}
+
+/// A PyTorch snapshot given by `--snapshot`: read, with errors naming the
+/// file, a hint when it is a text trace, and an error when it recorded no
+/// allocation history.
+pub fn load_snapshot_file(path: &Path) -> Result<Trace, CliError> {
+    let input = |message: String| CliError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let head = head(path)?;
+    if !looks_like_pickle(&head) {
+        return Err(input(if looks_like_text_trace(&head) {
+            "a text trace, not a snapshot pickle: give text traces with --trace".into()
+        } else {
+            "not a pickle (a PyTorch snapshot, torch.cuda.memory._snapshot(), is one)".into()
+        }));
+    }
+    let trace = load_snapshot(path).map_err(|e| input_error(path, e))?;
+    // Without history the import holds only the blocks live at the snapshot
+    // (its pre-existing prefix): nothing happened to replay.
+    if trace.events.len() <= trace.preexisting {
+        return Err(input(
+            "the snapshot recorded no allocation history: nothing to replay (call \
+             torch.cuda.memory._record_memory_history() before the work, then _snapshot())"
+                .into(),
+        ));
+    }
+    Ok(trace)
 }
 
 /// The pre-existing prefix of a converted trace, from the `stats.json` beside it
@@ -508,14 +752,11 @@ pub fn allocator_specs(args: &AbArgs) -> Result<Vec<String>, CliError> {
 
 /// Run the A/B: every trace through every allocator, at the given capacity,
 /// plus the minimum-capacity bisection unless turned off. Pairs run on
-/// `--jobs` worker threads; the results come back in (trace, allocator) order.
-pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
-    let capacity = parse_size(&args.run.capacity)?;
-    if capacity == 0 {
-        return Err(CliError::Usage(
-            "--capacity must be more than 0 bytes".into(),
-        ));
-    }
+/// `--jobs` worker threads; the outcomes come back in (trace, allocator)
+/// order, a pair that failed as a [`Failure`] (the others go on), with the
+/// run's parameters.
+pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> {
+    let capacity = parse_capacity(&args.run.capacity)?;
     if args.run.iterations == 0 {
         return Err(CliError::Usage("--iterations must be at least 1".into()));
     }
@@ -548,8 +789,7 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
         bar.set_style(style);
     }
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Measurement, CliError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let results: Mutex<Vec<Option<Outcome>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
     let stats: Vec<u64> = traces
         .iter()
         .map(|t| trace_stats(t).peak_live_bytes)
@@ -586,11 +826,21 @@ pub fn run_ab(args: &AbArgs) -> Result<Vec<Measurement>, CliError> {
     let mut out = Vec::with_capacity(slots.len());
     for slot in slots {
         match slot {
-            Some(result) => out.push(result?),
+            Some(result) => out.push(result),
             None => return Err(CliError::Output("a worker thread panicked".into())),
         }
     }
-    Ok(out)
+    let parameters = RunParameters {
+        version: report::version(),
+        allocators: specs,
+        workloads: traces.iter().map(|t| t.name.clone()).collect(),
+        capacity_bytes: capacity,
+        iterations: args.run.iterations,
+        seed: args.run.seed,
+        bisection: !args.run.no_bisect,
+        cost_model: CostModelParameters::of(&config.sim_config(capacity)),
+    };
+    Ok((parameters, out))
 }
 
 /// Write `alloc`'s snapshot pickle into `dir` as `WORKLOAD__ALLOCATOR.pickle`
@@ -623,7 +873,8 @@ fn export_snapshot(
         .map_err(|e| CliError::Output(format!("writing a snapshot into {}: {e}", dir.display())))
 }
 
-/// One (trace, allocator) pair: the main replay and the bisection.
+/// One (trace, allocator) pair: the main replay and the bisection; a
+/// [`Failure`] when either could not run to a result.
 fn measure(
     trace: &Trace,
     allocator: &str,
@@ -632,28 +883,38 @@ fn measure(
     config: &ReplayConfig,
     no_bisect: bool,
     export: Option<&Path>,
-) -> Result<Measurement, CliError> {
-    let pair = |capacity: u64, source: ReplayError| CliError::Pair {
+) -> Outcome {
+    let failure = |error: String| Failure {
         workload: trace.name.clone(),
         allocator: allocator.to_string(),
-        capacity,
-        source: Box::new(source),
+        capacity_bytes: capacity,
+        completed: false,
+        error,
     };
+    let at =
+        |capacity: u64, e: ReplayError| failure(format!("at a capacity of {capacity} bytes: {e}"));
     let (result, exported) = replay_fresh_then(trace, allocator, capacity, config, |alloc| {
         export.map(|dir| export_snapshot(dir, &trace.name, allocator, alloc))
     })
-    .map_err(|e| pair(capacity, e))?;
-    exported.transpose()?;
+    .map_err(|e| match e {
+        // Building the allocator failed: no capacity to name.
+        ReplayError::Registry(r) => failure(r.to_string()),
+        e => at(capacity, e),
+    })?;
+    exported
+        .transpose()
+        .map_err(|e| failure(format!("exporting its snapshot: {e}")))?;
     let min = if no_bisect {
         None
     } else {
         min_capacity_bytes(trace, allocator, peak_live, config)
-            .map_err(|e| pair(e.capacity, e.source))?
+            .map_err(|e| at(e.capacity, e.source))?
     };
     Ok(Measurement::new(
         &trace.name,
         allocator,
         capacity,
+        config.iterations,
         result,
         min,
     ))

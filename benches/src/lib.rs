@@ -5,8 +5,9 @@
 //! - [`replay`]: a trace through an allocator on a simulated device, with
 //!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
 //!   minimum capacity at which it completes.
-//! - [`allocators`]: the registry of allocators by name; [`report`]: JSON, table
-//!   and charts; [`cli`]: the `quilt-bench` command line; [`units`]: byte sizes.
+//! - [`allocators`]: the registry of allocators by name; [`report`]: rows, JSON
+//!   and charts; [`table`]: the text table, its legend and summary; [`cli`]:
+//!   the `quilt-bench` command line; [`units`]: byte sizes.
 #![forbid(unsafe_code)]
 
 pub mod allocators;
@@ -19,6 +20,7 @@ pub mod scale;
 pub mod snapshot;
 pub mod spec;
 pub mod sweep;
+pub mod table;
 pub mod trace;
 pub mod units;
 pub mod workloads;

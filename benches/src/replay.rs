@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation};
+use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation, OomReport};
 use quilt_vmm::sim::{CostModel, SimConfig, SimVmm};
 use quilt_vmm::{DevicePtr, DriverStats, StreamId, Vmm};
 
@@ -113,6 +113,9 @@ pub struct ReplayResult {
     pub ooms: u64,
     /// The out-of-memory error's message, if one ended the replay.
     pub oom_message: Option<String>,
+    /// The allocator's report of that error (`None` when a driver call, not
+    /// the allocator, reported it, or when the replay completed).
+    pub oom_report: Option<OomReport>,
     /// Events replayed.
     pub events: u64,
     /// Peak of the live requested bytes.
@@ -221,6 +224,8 @@ struct Run<'a> {
     /// its event: a sample keeps both, so that no peak falls between samples.
     bucket: Option<((u64, u64), (u64, u64))>,
     op_ns: Vec<u32>,
+    /// The allocator's report of the last out-of-memory error.
+    oom_report: Option<OomReport>,
 }
 
 /// What applying one event came to.
@@ -260,7 +265,10 @@ impl Run<'_> {
                 self.live.tracker.add(size);
                 Ok(Step::Done)
             }
-            Err(e) if is_oom(&e) => Ok(Step::OutOfMemory(e.to_string())),
+            Err(e) if is_oom(&e) => {
+                self.oom_report = e.oom_report().cloned();
+                Ok(Step::OutOfMemory(e.to_string()))
+            }
             Err(source) => Err(ReplayError::Allocator {
                 allocator: self.alloc.name().to_string(),
                 event: index,
@@ -432,6 +440,7 @@ pub fn replay(
         } else {
             0
         }),
+        oom_report: None,
     };
     let pre: Vec<(usize, u64, u64, u64)> = trace.events[..pre_len]
         .iter()
@@ -485,6 +494,11 @@ pub fn replay(
     Ok(ReplayResult {
         completed: oom.is_none(),
         ooms: u64::from(oom.is_some()),
+        oom_report: if oom.is_some() {
+            run.oom_report.take()
+        } else {
+            None
+        },
         oom_message: oom,
         events: run.events,
         peak_live_bytes: peak_live,

@@ -1,18 +1,19 @@
-//! Reports of an A/B run: the JSON rows, the stdout table and the SVG charts.
+//! Reports of an A/B run: the rows, the JSON report (the run's parameters and
+//! the rows) and the SVG charts. The text table is [`crate::table`].
 
-use std::fmt::Write as _;
 use std::path::Path;
 
 use plotters::prelude::*;
+use quilt_alloc::{OomReport, OomVerdict};
+use quilt_vmm::sim::SimConfig;
 use quilt_vmm::{CallKind, DriverStats};
 use serde::Serialize;
 
 use crate::replay::{ReplayResult, SeriesPoint};
-use crate::units::gib;
 
 /// The seven VMM driver calls, counted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct DriverCalls {
+pub struct VmmCalls {
     /// `cuMemAddressReserve`.
     pub reserve: u64,
     /// `cuMemCreate`.
@@ -29,10 +30,10 @@ pub struct DriverCalls {
     pub address_free: u64,
 }
 
-impl DriverCalls {
+impl VmmCalls {
     /// The counts of `stats`.
     pub fn from_stats(stats: &DriverStats) -> Self {
-        DriverCalls {
+        VmmCalls {
             reserve: stats.count(CallKind::Reserve),
             create: stats.count(CallKind::Create),
             map: stats.count(CallKind::Map),
@@ -92,13 +93,84 @@ impl StreamCalls {
     }
 }
 
-/// One JSON object of the report: one (workload, allocator) pair. The fields
-/// are exactly these, in this order.
+/// The out-of-memory error that ended a replay, as a row carries it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OomRow {
+    /// `capacity` or `fragmentation` (the allocator's diagnosis); `null` when
+    /// a driver call, not the allocator, reported the shortage.
+    pub verdict: Option<&'static str>,
+    /// The error as the allocator worded it.
+    pub message: String,
+    /// The allocator's figures (`null` with the verdict).
+    pub report: Option<OomFigures>,
+}
+
+/// The figures of an [`OomReport`], in bytes (see its fields' documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct OomFigures {
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The request after the allocator's rounding.
+    pub needed: u64,
+    /// Bytes of physical memory the allocator had to add for it.
+    pub needed_unbacked: u64,
+    /// Device capacity or the allocator's limit.
+    pub capacity: u64,
+    /// Bytes reserved from the driver.
+    pub reserved: u64,
+    /// Bytes of live allocations.
+    pub allocated: u64,
+    /// Bytes the device could still create for this allocator.
+    pub device_free: u64,
+    /// Bytes held but backing no live allocation.
+    pub reclaimable: u64,
+    /// The largest extent the allocator could hand out whole.
+    pub largest_free_extent: u64,
+}
+
+/// The verdict's name in reports.
+pub fn verdict_name(verdict: OomVerdict) -> &'static str {
+    match verdict {
+        OomVerdict::Capacity => "capacity",
+        OomVerdict::Fragmentation => "fragmentation",
+    }
+}
+
+impl OomRow {
+    /// The row's account of an out-of-memory error: its message and, when
+    /// the allocator diagnosed it, its report.
+    pub fn new(message: String, report: Option<&OomReport>) -> Self {
+        OomRow {
+            verdict: report.map(|r| verdict_name(r.verdict)),
+            message,
+            report: report.map(|r| OomFigures {
+                requested: r.requested,
+                needed: r.needed,
+                needed_unbacked: r.needed_unbacked,
+                capacity: r.capacity,
+                reserved: r.reserved,
+                allocated: r.allocated,
+                device_free: r.device_free,
+                reclaimable: r.reclaimable,
+                largest_free_extent: r.largest_free_extent,
+            }),
+        }
+    }
+}
+
+/// One measured (workload, allocator) pair: a JSON row of the report. The
+/// fields are exactly these, in this order. The table's columns name them:
+/// `done` (`completed`), `peak live GiB`, `peak reserved GiB`, `eff.`
+/// (`efficiency`), `ideal GiB`, `min cap GiB` (`min_capacity_bytes`), `VMM
+/// calls` (`vmm_calls`), `calls after 1st` (`vmm_calls_after_first_iteration`),
+/// `syncs` and `syncs after 1st` (`stream_calls.synchronize`), `waits`
+/// (`stream_calls.wait_event`), `driver ms` (`modelled_driver_us`), `CPU
+/// ns/op` (`cpu_ns_per_op`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReportRow {
     /// Workload (generator name, trace file stem or snapshot stem).
     pub workload: String,
-    /// Allocator name.
+    /// Allocator spec, as given.
     pub allocator: String,
     /// Simulated device capacity of the main replay.
     pub capacity_bytes: u64,
@@ -106,6 +178,8 @@ pub struct ReportRow {
     pub completed: bool,
     /// Out-of-memory errors in the main replay.
     pub ooms: u64,
+    /// The out-of-memory error that ended the main replay (`null` when it completed).
+    pub oom: Option<OomRow>,
     /// Events replayed.
     pub events: u64,
     /// Peak live requested bytes.
@@ -119,14 +193,14 @@ pub struct ReportRow {
     /// Minimum capacity at which the replay completes (null under `--no-bisect`,
     /// or when it does not complete at twice the peak live bytes).
     pub min_capacity_bytes: Option<u64>,
-    /// Driver calls over the replay.
-    pub driver_calls: DriverCalls,
-    /// Driver calls over iterations 2..N.
-    pub driver_calls_after_first_iteration: DriverCalls,
+    /// VMM driver calls over the replay.
+    pub vmm_calls: VmmCalls,
+    /// VMM driver calls over iterations 2..N (null when one iteration ran).
+    pub vmm_calls_after_first_iteration: Option<VmmCalls>,
     /// Stream and event calls over the replay.
     pub stream_calls: StreamCalls,
-    /// Stream and event calls over iterations 2..N.
-    pub stream_calls_after_first_iteration: StreamCalls,
+    /// Stream and event calls over iterations 2..N (null when one iteration ran).
+    pub stream_calls_after_first_iteration: Option<StreamCalls>,
     /// Modelled driver time in microseconds (create costed by size; every
     /// call of the cost model, stream synchronisations included).
     pub modelled_driver_us: f64,
@@ -134,29 +208,29 @@ pub struct ReportRow {
     pub cpu_ns_per_op: u64,
 }
 
-/// A row with what the JSON leaves out: the flat-create driver time, the
-/// out-of-memory message and the memory series.
+/// A row with what the JSON leaves out: the flat-create driver time and the
+/// memory series.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Measurement {
     /// The JSON row.
     pub row: ReportRow,
     /// Modelled driver time with every create costed flat, in microseconds.
     pub modelled_flat_create_us: f64,
-    /// The out-of-memory error that ended the main replay, if any.
-    pub oom_message: Option<String>,
-    /// Live and reserved bytes over the main replay.
+    /// Live and reserved memory over the main replay.
     pub series: Vec<SeriesPoint>,
 }
 
 impl Measurement {
-    /// Assemble a measurement from a replay's result.
+    /// Assemble a measurement from a replay of `iterations` iterations.
     pub fn new(
         workload: &str,
         allocator: &str,
         capacity_bytes: u64,
+        iterations: u32,
         result: ReplayResult,
         min_capacity_bytes: Option<u64>,
     ) -> Self {
+        let looped = iterations > 1;
         Measurement {
             row: ReportRow {
                 workload: workload.to_string(),
@@ -164,145 +238,209 @@ impl Measurement {
                 capacity_bytes,
                 completed: result.completed,
                 ooms: result.ooms,
+                oom: result
+                    .oom_message
+                    .map(|m| OomRow::new(m, result.oom_report.as_ref())),
                 events: result.events,
                 peak_live_bytes: result.peak_live_bytes,
                 peak_reserved_bytes: result.peak_reserved_bytes,
                 efficiency: result.efficiency,
                 ideal_bytes: result.ideal_bytes,
                 min_capacity_bytes,
-                driver_calls: DriverCalls::from_stats(&result.driver),
-                driver_calls_after_first_iteration: DriverCalls::from_stats(
-                    &result.driver_after_first_iteration,
-                ),
+                vmm_calls: VmmCalls::from_stats(&result.driver),
+                vmm_calls_after_first_iteration: looped
+                    .then(|| VmmCalls::from_stats(&result.driver_after_first_iteration)),
                 stream_calls: StreamCalls::from_stats(&result.driver),
-                stream_calls_after_first_iteration: StreamCalls::from_stats(
-                    &result.driver_after_first_iteration,
-                ),
+                stream_calls_after_first_iteration: looped
+                    .then(|| StreamCalls::from_stats(&result.driver_after_first_iteration)),
                 modelled_driver_us: result.driver.modelled_ns as f64 / 1000.0,
                 cpu_ns_per_op: result.cpu_ns_per_op,
             },
             modelled_flat_create_us: result.driver.modelled_flat_create_ns as f64 / 1000.0,
-            oom_message: result.oom_message,
             series: result.series,
         }
     }
 }
 
-/// The JSON report: an array of [`ReportRow`] objects.
-pub fn to_json(measurements: &[Measurement]) -> Result<String, serde_json::Error> {
-    let rows: Vec<&ReportRow> = measurements.iter().map(|m| &m.row).collect();
-    serde_json::to_string_pretty(&rows)
+/// A (workload, allocator) pair that gave no measurement: its allocator
+/// could not be built, the trace was inconsistent, or the allocator failed
+/// other than by running out of memory. A JSON row of its own.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Failure {
+    /// The workload.
+    pub workload: String,
+    /// The allocator spec, as given.
+    pub allocator: String,
+    /// The device capacity of the main replay.
+    pub capacity_bytes: u64,
+    /// Always false.
+    pub completed: bool,
+    /// What failed.
+    pub error: String,
 }
 
-/// `a / b` as `1.23x`, or `-` when it has no meaning.
-fn ratio(a: Option<f64>, b: Option<f64>) -> String {
-    match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
-        _ => "-".to_string(),
-    }
+/// What one (workload, allocator) pair came to.
+pub type Outcome = Result<Measurement, Failure>;
+
+/// The simulated device's cost model as the JSON report gives it (the
+/// latencies in microseconds).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CostModelParameters {
+    /// Allocator operations the simulated GPU runs behind the host.
+    pub gpu_lag_ops: u64,
+    /// Allocation granularity (the size of one `create` unit) in bytes.
+    pub granularity_bytes: u64,
+    /// `cuStreamSynchronize`, per call.
+    pub sync_us: f64,
+    /// `cuMemAddressReserve`, per call.
+    pub reserve_us: f64,
+    /// `cuMemCreate`, per granule (the proportional model of `driver ms`).
+    pub create_us_per_granule: f64,
+    /// `cuMemCreate`, per call (the flat model of `flat-create ms`).
+    pub create_flat_us: f64,
+    /// `cuMemMap`, per call.
+    pub map_us: f64,
+    /// `cuMemSetAccess`, per call.
+    pub set_access_us: f64,
+    /// `cuMemUnmap`, per call.
+    pub unmap_us: f64,
+    /// `cuMemRelease`, per call.
+    pub release_us: f64,
+    /// `cuMemAddressFree`, per call.
+    pub address_free_us: f64,
+    /// `cuMemGetInfo`, per call.
+    pub mem_info_us: f64,
+    /// Event record, query, destroy and stream-wait-event, per call.
+    pub event_us: f64,
 }
 
-/// The readable table: one row per workload and allocator, with ratios to the
-/// `classic` row of the same workload (where there is one).
-pub fn table(measurements: &[Measurement]) -> String {
-    let header = [
-        "workload",
-        "allocator",
-        "done",
-        "live GiB",
-        "reserved GiB",
-        "eff %",
-        "ideal GiB",
-        "min cap GiB",
-        "min/ideal %",
-        "min cap/classic",
-        "reserved/classic",
-        "driver calls",
-        "calls/classic",
-        "calls after 1st",
-        "syncs",
-        "syncs after 1st",
-        "waits",
-        "driver ms",
-        "time/classic",
-        "flat-create ms",
-        "ns/op",
-    ];
-    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
-    for m in measurements {
-        let r = &m.row;
-        let classic = measurements
-            .iter()
-            .find(|c| c.row.workload == r.workload && c.row.allocator == "classic")
-            .map(|c| &c.row);
-        let min_cap = r.min_capacity_bytes.map(|b| b as f64);
-        let calls = r.driver_calls.total() as f64;
-        rows.push(vec![
-            r.workload.clone(),
-            r.allocator.clone(),
-            if r.completed {
-                "yes".into()
-            } else {
-                "OOM".into()
-            },
-            gib(r.peak_live_bytes),
-            gib(r.peak_reserved_bytes),
-            format!("{:.1}", 100.0 * r.efficiency),
-            gib(r.ideal_bytes),
-            r.min_capacity_bytes.map(gib).unwrap_or_else(|| "-".into()),
-            match r.min_capacity_bytes {
-                Some(b) if r.ideal_bytes > 0 => {
-                    format!("{:.1}", 100.0 * b as f64 / r.ideal_bytes as f64)
-                }
-                _ => "-".into(),
-            },
-            ratio(
-                min_cap,
-                classic.and_then(|c| c.min_capacity_bytes.map(|b| b as f64)),
-            ),
-            ratio(
-                Some(r.peak_reserved_bytes as f64),
-                classic.map(|c| c.peak_reserved_bytes as f64),
-            ),
-            r.driver_calls.total().to_string(),
-            ratio(Some(calls), classic.map(|c| c.driver_calls.total() as f64)),
-            r.driver_calls_after_first_iteration.total().to_string(),
-            r.stream_calls.synchronize.to_string(),
-            r.stream_calls_after_first_iteration.synchronize.to_string(),
-            r.stream_calls.wait_event.to_string(),
-            format!("{:.1}", r.modelled_driver_us / 1000.0),
-            ratio(
-                Some(r.modelled_driver_us),
-                classic.map(|c| c.modelled_driver_us),
-            ),
-            format!("{:.1}", m.modelled_flat_create_us / 1000.0),
-            r.cpu_ns_per_op.to_string(),
-        ]);
-    }
-    let columns = header.len();
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for (i, row) in rows.iter().enumerate() {
-        let line: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(c, cell)| {
-                if c < 2 {
-                    format!("{cell:<w$}", w = widths[c])
-                } else {
-                    format!("{cell:>w$}", w = widths[c])
-                }
-            })
-            .collect();
-        let _ = writeln!(out, "{}", line.join("  ").trim_end());
-        if i == 0 {
-            let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-            let _ = writeln!(out, "{}", rule.join("  "));
+impl CostModelParameters {
+    /// The figures of the simulated device `sim`.
+    pub fn of(sim: &SimConfig) -> Self {
+        let us = |ns: u64| ns as f64 / 1000.0;
+        let c = &sim.cost;
+        CostModelParameters {
+            gpu_lag_ops: sim.gpu_lag_ops,
+            granularity_bytes: sim.granularity,
+            sync_us: us(c.sync_ns),
+            reserve_us: us(c.reserve_ns),
+            create_us_per_granule: us(c.create_ns_per_granule),
+            create_flat_us: us(c.create_flat_ns),
+            map_us: us(c.map_ns),
+            set_access_us: us(c.set_access_ns),
+            unmap_us: us(c.unmap_ns),
+            release_us: us(c.release_ns),
+            address_free_us: us(c.address_free_ns),
+            mem_info_us: us(c.mem_info_ns),
+            event_us: us(c.event_ns),
         }
     }
-    out
+}
+
+/// The run's parameters, the `parameters` object of the JSON report.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunParameters {
+    /// `quilt-bench` version and the git commit it was built from
+    /// (`0.1.0 (abc123def456)`; `unknown` where git was not available).
+    pub version: String,
+    /// The allocator specs, in report order, as given.
+    pub allocators: Vec<String>,
+    /// The workloads, in report order (names made unique).
+    pub workloads: Vec<String>,
+    /// Device capacity of the main replay.
+    pub capacity_bytes: u64,
+    /// Times the non-pre-existing part of each trace was replayed.
+    pub iterations: u32,
+    /// Seed of the built-in workload generators.
+    pub seed: u64,
+    /// Whether the minimum capacity was bisected (`--no-bisect`: false).
+    pub bisection: bool,
+    /// The simulated device's cost model.
+    pub cost_model: CostModelParameters,
+}
+
+/// The version string of [`RunParameters::version`].
+pub fn version() -> String {
+    format!(
+        "{} ({})",
+        env!("CARGO_PKG_VERSION"),
+        option_env!("QUILT_BENCH_GIT_COMMIT").unwrap_or("unknown")
+    )
+}
+
+/// A row of the JSON report: a measurement or a failure.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum JsonRow<'a> {
+    Measured(&'a ReportRow),
+    Failed(&'a Failure),
+}
+
+impl<'a> JsonRow<'a> {
+    fn of(outcome: &'a Outcome) -> Self {
+        match outcome {
+            Ok(m) => JsonRow::Measured(&m.row),
+            Err(f) => JsonRow::Failed(f),
+        }
+    }
+}
+
+/// The JSON report: `{"parameters": {...}, "rows": [...]}`, a row per
+/// outcome, in order ([`ReportRow`]s, and [`Failure`]s where a pair failed).
+pub fn to_json(
+    parameters: &RunParameters,
+    outcomes: &[Outcome],
+) -> Result<String, serde_json::Error> {
+    #[derive(Serialize)]
+    struct Report<'a> {
+        parameters: &'a RunParameters,
+        rows: Vec<JsonRow<'a>>,
+    }
+    serde_json::to_string_pretty(&Report {
+        parameters,
+        rows: outcomes.iter().map(JsonRow::of).collect(),
+    })
+}
+
+/// The JSON report of a sweep: as [`to_json`], with each row's `value` of
+/// the swept key, and `vary` (the key) among the parameters.
+pub fn sweep_json(
+    parameters: &RunParameters,
+    key: &str,
+    values: &[String],
+    outcomes: &[Outcome],
+) -> Result<String, serde_json::Error> {
+    #[derive(Serialize)]
+    struct SweepParameters<'a> {
+        #[serde(flatten)]
+        run: &'a RunParameters,
+        vary: &'a str,
+    }
+    #[derive(Serialize)]
+    struct SweepRow<'a> {
+        #[serde(flatten)]
+        row: JsonRow<'a>,
+        value: &'a str,
+    }
+    #[derive(Serialize)]
+    struct Report<'a> {
+        parameters: SweepParameters<'a>,
+        rows: Vec<SweepRow<'a>>,
+    }
+    serde_json::to_string_pretty(&Report {
+        parameters: SweepParameters {
+            run: parameters,
+            vary: key,
+        },
+        rows: values
+            .iter()
+            .zip(outcomes)
+            .map(|(value, o)| SweepRow {
+                row: JsonRow::of(o),
+                value,
+            })
+            .collect(),
+    })
 }
 
 /// A chart could not be written.

@@ -1,14 +1,13 @@
 //! `quilt-bench sweep`: one knob of one allocator spec, one replay (and
 //! bisection) per value, on one trace or workload: the usual report columns
-//! per value, JSON rows with the value, and a chart of minimum capacity,
-//! efficiency and modelled driver time against it.
+//! per value, JSON rows with the value ([`crate::report::sweep_json`]), and a
+//! chart of minimum capacity, efficiency and modelled driver time against it.
 
 use std::path::Path;
 
 use plotters::prelude::*;
-use serde::Serialize;
 
-use crate::report::{Measurement, ReportRow};
+use crate::report::Outcome;
 
 /// The spec `base` with `key` set to `value` (replacing a setting of the same
 /// key): `gmlake:frag_limit=32MiB` + `reuse_limit=4` gives
@@ -45,36 +44,25 @@ pub fn parse_vary(text: &str) -> Result<(String, Vec<String>), String> {
     Ok((key.to_string(), values))
 }
 
-/// One JSON row of a sweep: the report row and the value, as given.
-#[derive(Serialize)]
-struct SweepRow<'a> {
-    #[serde(flatten)]
-    row: &'a ReportRow,
-    value: &'a str,
-}
-
-/// The JSON report of a sweep: one row per value, in order.
-pub fn to_json(
-    values: &[String],
-    measurements: &[Measurement],
-) -> Result<String, serde_json::Error> {
-    let rows: Vec<SweepRow<'_>> = values
-        .iter()
-        .zip(measurements)
-        .map(|(value, m)| SweepRow { row: &m.row, value })
-        .collect();
-    serde_json::to_string_pretty(&rows)
-}
-
 /// The chart `DIR/sweep-KEY.svg`: minimum capacity (GiB), efficiency at the
-/// main capacity and modelled driver time (ms), each against the value.
+/// main capacity and modelled driver time (ms), each against the value (a
+/// value whose pair failed has no point).
 pub fn write_chart(
     dir: &Path,
-    workload: &str,
     key: &str,
     values: &[String],
-    measurements: &[Measurement],
+    outcomes: &[Outcome],
 ) -> Result<String, String> {
+    let workload = outcomes
+        .iter()
+        .map(|o| match o {
+            Ok(m) => m.row.workload.as_str(),
+            Err(f) => f.workload.as_str(),
+        })
+        .next()
+        .unwrap_or_default();
+    let measurements: Vec<Option<&crate::report::Measurement>> =
+        outcomes.iter().map(|o| o.as_ref().ok()).collect();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let safe: String = key
         .chars()
@@ -87,21 +75,24 @@ pub fn write_chart(
             "minimum capacity (GiB)",
             measurements
                 .iter()
-                .map(|m| m.row.min_capacity_bytes.map(|b| b as f64 / gib))
+                .map(|m| {
+                    m.and_then(|m| m.row.min_capacity_bytes)
+                        .map(|b| b as f64 / gib)
+                })
                 .collect(),
         ),
         (
             "efficiency (peak live / peak reserved)",
             measurements
                 .iter()
-                .map(|m| Some(m.row.efficiency))
+                .map(|m| m.map(|m| m.row.efficiency))
                 .collect(),
         ),
         (
             "modelled driver time (ms)",
             measurements
                 .iter()
-                .map(|m| Some(m.row.modelled_driver_us / 1000.0))
+                .map(|m| m.map(|m| m.row.modelled_driver_us / 1000.0))
                 .collect(),
         ),
     ];

@@ -8,6 +8,15 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// Bytes with their unit, for messages: MiB below a GiB, else GiB, two decimals.
+pub fn size_text(bytes: u64) -> String {
+    if bytes < 1 << 30 {
+        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{} GiB", gib(bytes))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use quilt_alloc::{AllocError, DeviceAllocator, MAX_ALLOCATION};
+use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict, MAX_ALLOCATION};
 use quilt_bench::allocators::{self, RegistryError, ALLOCATOR_NAMES};
 use quilt_bench::replay::{replay_fresh, ReplayConfig, ReplayError};
 use quilt_bench::snapshot::import_snapshot;
@@ -789,4 +789,76 @@ fn deeply_nested_pickles_do_not_overflow_the_stack() {
         .unwrap_or(20_000);
     let m = snapshot_error(&nested_lists_pickle(depth));
     assert!(m.contains("top-level"), "{m}");
+}
+
+/// The out-of-memory report of `alloc.allocate(size)`, which must fail so.
+fn oom_report(alloc: &dyn DeviceAllocator, size: u64) -> quilt_alloc::OomReport {
+    match alloc.allocate(size, StreamId(0)) {
+        Err(e @ AllocError::OutOfMemory(_)) => {
+            // The allocator names itself once, at the start.
+            let text = e.to_string();
+            assert!(
+                text.starts_with(&format!("{}: out of memory", alloc.name())),
+                "{text}"
+            );
+            assert_eq!(text.matches(alloc.name()).count(), 1, "{text}");
+            e.oom_report().unwrap().clone()
+        }
+        other => panic!("{}: allocate({size}): {other:?}", alloc.name()),
+    }
+}
+
+#[test]
+fn oom_reports_give_the_figures_their_fields_document() {
+    const DEVICE: u64 = 64 * MIB;
+    for name in ALLOCATOR_NAMES {
+        let sim = Arc::new(SimVmm::with_capacity(DEVICE).unwrap());
+        let alloc = allocators::build(name, sim.clone()).unwrap();
+        let alloc = alloc.as_ref();
+        // Larger than the empty device: the whole device is still free.
+        let r = oom_report(alloc, 100 * MIB);
+        assert_eq!(r.verdict, OomVerdict::Capacity, "{name}: {r}");
+        assert_eq!(r.requested, 100 * MIB, "{name}: {r}");
+        assert_eq!(r.needed, 100 * MIB, "{name}: {r}");
+        assert_eq!(r.needed_unbacked, 100 * MIB, "{name}: {r}");
+        assert_eq!(r.capacity, DEVICE, "{name}: {r}");
+        assert_eq!(r.device_free, DEVICE, "{name}: {r}");
+        assert_eq!(
+            (r.reserved, r.allocated, r.reclaimable),
+            (0, 0, 0),
+            "{name}: {r}"
+        );
+        // An odd size: the request rounded, as the allocator rounds it.
+        let odd = 65 * MIB + 1;
+        let r = oom_report(alloc, odd);
+        assert_eq!(r.requested, odd, "{name}: {r}");
+        assert!(
+            r.needed >= odd && r.needed.is_multiple_of(512),
+            "{name}: {r}"
+        );
+        assert!(
+            r.needed_unbacked >= r.needed.min(r.needed_unbacked),
+            "{name}: {r}"
+        );
+        if name == "quilt" || name == "gmlake" {
+            // Whole 2 MiB pages: 65 MiB + 512 B takes 33 of them.
+            assert_eq!(r.needed, 66 * MIB, "{name}: {r}");
+            assert_eq!(r.needed_unbacked, 66 * MIB, "{name}: {r}");
+        }
+        // 40 MiB live, then 30 MiB: 24 MiB free on the device, nothing cached.
+        let live = alloc.allocate(40 * MIB, StreamId(0)).unwrap();
+        let r = oom_report(alloc, 30 * MIB);
+        assert_eq!(r.verdict, OomVerdict::Capacity, "{name}: {r}");
+        assert_eq!(r.needed, 30 * MIB, "{name}: {r}");
+        assert_eq!(r.needed_unbacked, 30 * MIB, "{name}: {r}");
+        assert_eq!(r.allocated, 40 * MIB, "{name}: {r}");
+        assert_eq!(r.device_free, DEVICE - r.reserved, "{name}: {r}");
+        assert!(
+            r.reclaimable + r.device_free < r.needed_unbacked,
+            "{name}: {r}"
+        );
+        alloc.free(live.ptr).unwrap();
+        alloc.check_invariants().unwrap();
+        sim.check_invariants().unwrap();
+    }
 }

@@ -63,9 +63,18 @@ fn ab_on_a_tiny_trace_writes_json_and_charts() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("tiny") && stdout.contains("classic") && stdout.contains("quilt"));
 
-    let rows: serde_json::Value =
+    let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let rows = rows.as_array().unwrap();
+    let parameters = &report["parameters"];
+    assert_eq!(
+        parameters["allocators"],
+        serde_json::json!(["classic", "quilt"])
+    );
+    assert_eq!(parameters["workloads"], serde_json::json!(["tiny"]));
+    assert_eq!(parameters["capacity_bytes"], 1u64 << 30);
+    assert_eq!(parameters["iterations"], 2);
+    assert_eq!(parameters["bisection"], true);
+    let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     for (row, allocator) in rows.iter().zip(["classic", "quilt"]) {
         assert_eq!(row["workload"], "tiny");
@@ -198,16 +207,21 @@ fn list_names_every_workload() {
     }
 }
 
-#[test]
-fn converted_traces_take_their_prefix_from_stats_json() {
-    let dir = PathBuf::from(concat!(
+/// `../shared/traces/converted`, the real traces beside the clone.
+fn shared_converted() -> PathBuf {
+    PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../shared/traces/converted"
-    ));
-    if !dir.join("stats.json").exists() {
-        eprintln!("skipping: {} not present", dir.display());
-        return;
-    }
+    ))
+}
+
+#[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
+fn converted_traces_take_their_prefix_from_stats_json() {
+    let dir = shared_converted();
     // stats.json lists 396 pre-existing allocations for this trace.
     let n = quilt_bench::cli::preexisting_from_stats(&dir.join("bert_large_infer.trace")).unwrap();
     assert_eq!(n, Some(396));
@@ -232,6 +246,7 @@ fn repeated_names_are_made_unique() {
             iterations: 1,
             json: None,
             svg: None,
+            wide: false,
             no_bisect: true,
             seed: 1,
             jobs: Some(1),
@@ -270,11 +285,11 @@ fn ab_rows(
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let rows: serde_json::Value =
+    let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
-        rows.as_array().unwrap().clone(),
+        report["rows"].as_array().unwrap().clone(),
     )
 }
 
@@ -287,14 +302,12 @@ fn gpu_lag_and_sync_cost_flags_reach_the_report() {
         "a 0 4194304 0\na 1 3145728 1\nf 0\na 2 25165824 1\nf 1\na 3 100 0\nf 2\nf 3\n",
     )
     .unwrap();
-    let (stdout, default) = ab_rows(&dir, &trace, "default", &[]);
+    let (stdout, default) = ab_rows(&dir, &trace, "default", &["--wide"]);
     for column in ["syncs", "syncs after 1st", "waits"] {
         assert!(stdout.contains(column), "no `{column}` column: {stdout}");
     }
     assert!(
-        stdout.contains(
-            "simulated GPU: 64 operations behind the host, 100 us per stream synchronisation"
-        ),
+        stdout.contains("GPU 64 ops behind the host, 100 us per sync"),
         "{stdout}"
     );
     let (stdout, free) = ab_rows(
@@ -304,7 +317,7 @@ fn gpu_lag_and_sync_cost_flags_reach_the_report() {
         &["--gpu-lag-ops", "0", "--sync-cost-us", "0"],
     );
     assert!(
-        stdout.contains("simulated GPU: 0 operations behind the host, 0 us"),
+        stdout.contains("GPU 0 ops behind the host, 0 us per sync"),
         "{stdout}"
     );
     let (_, dear) = ab_rows(
@@ -387,7 +400,7 @@ fn allocator_specs_are_experiments_reported_as_given() {
     assert!(out.status.success(), "{}", text(&out));
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let names: Vec<&str> = rows
+    let names: Vec<&str> = rows["rows"]
         .as_array()
         .unwrap()
         .iter()
@@ -420,7 +433,7 @@ fn allocator_specs_are_experiments_reported_as_given() {
     assert!(out.status.success(), "{}", text(&out));
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let reserved: Vec<u64> = rows
+    let reserved: Vec<u64> = rows["rows"]
         .as_array()
         .unwrap()
         .iter()
@@ -524,9 +537,10 @@ fn sweep_writes_one_row_per_value_and_a_chart() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let rows: serde_json::Value =
+    let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let rows = rows.as_array().unwrap();
+    assert_eq!(report["parameters"]["vary"], "frag_limit");
+    let rows = report["rows"].as_array().unwrap();
     let values: Vec<&str> = rows.iter().map(|r| r["value"].as_str().unwrap()).collect();
     assert_eq!(values, ["0", "32MiB", "512MiB"]);
     assert_eq!(rows[1]["allocator"], "gmlake:frag_limit=32MiB");
@@ -584,4 +598,360 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// The lines of `text` wider than `width` characters.
+fn wider_than(text: &str, width: usize) -> Vec<&str> {
+    text.lines().filter(|l| l.chars().count() > width).collect()
+}
+
+#[test]
+fn the_main_command_fits_100_columns_with_a_legend_and_a_summary() {
+    // The README's main command, as it stands: every built-in workload,
+    // every allocator, one iteration, bisection.
+    let out = bin().arg("ab").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(wider_than(&stdout, 100), Vec::<&str>::new(), "{stdout}");
+    assert!(
+        stdout.starts_with("device 80 GiB (simulated), 1 iteration,"),
+        "{stdout}"
+    );
+    // The claims' columns, each in the legend.
+    for column in [
+        "min cap GiB",
+        "min cap/ideal",
+        "eff.",
+        "driver ms",
+        "calls after 1st",
+        "syncs",
+        "waits",
+    ] {
+        assert!(
+            stdout.contains(&format!("  {column}: ")),
+            "no legend of `{column}`: {stdout}"
+        );
+    }
+    // One iteration: no steady state to report, said as such.
+    assert!(stdout.contains("-: one iteration ran"), "{stdout}");
+    assert!(
+        stdout.contains("calls after 1st (fewest): - (one iteration ran"),
+        "{stdout}"
+    );
+    // The summary names a winner per column.
+    let summary = stdout.split("best per column").nth(1).unwrap();
+    for line in [
+        "min cap GiB (lowest): ",
+        "eff. (highest): ",
+        "driver ms (lowest): ",
+    ] {
+        let l = summary
+            .lines()
+            .find(|l| l.trim_start().starts_with(line))
+            .unwrap();
+        let winner = l.split(':').nth(1).unwrap().trim();
+        assert!(
+            ["quilt", "classic", "expandable", "gmlake", "offset"]
+                .iter()
+                .any(|a| winner.starts_with(a)),
+            "{l}"
+        );
+    }
+    // A row per workload and allocator, each with its figures.
+    let rows = stdout
+        .lines()
+        .filter(|l| l.starts_with("  quilt ") && l.contains(" yes "))
+        .count();
+    assert_eq!(rows, 4, "{stdout}");
+}
+
+#[test]
+fn wide_prints_every_column_and_json_dash_keeps_stdout_for_the_json() {
+    let out = bin()
+        .args(["ab", "--workload", "train-varlen", "--iterations", "2"])
+        .args(["--allocators", "quilt,classic", "--no-bisect", "--wide"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for column in [
+        "peak live GiB",
+        "peak reserved GiB",
+        "ideal GiB",
+        "VMM calls",
+        "calls after 1st",
+        "syncs after 1st",
+        "time/classic",
+        "flat-create ms",
+        "CPU ns/op",
+    ] {
+        assert!(stdout.contains(column), "no `{column}`: {stdout}");
+    }
+    let out = bin()
+        .args(["ab", "--workload", "train-varlen", "--iterations", "2"])
+        .args([
+            "--allocators",
+            "quilt,classic",
+            "--no-bisect",
+            "--json",
+            "-",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not the JSON alone: {e}: {}", text(&out)));
+    let p = &report["parameters"];
+    assert!(p["version"]
+        .as_str()
+        .unwrap()
+        .starts_with(env!("CARGO_PKG_VERSION")));
+    assert_eq!(p["allocators"], serde_json::json!(["quilt", "classic"]));
+    assert_eq!(p["capacity_bytes"], 80u64 << 30);
+    assert_eq!(p["iterations"], 2);
+    assert_eq!(p["seed"], 42);
+    assert_eq!(p["bisection"], false);
+    assert_eq!(p["cost_model"]["gpu_lag_ops"], 64);
+    assert_eq!(p["cost_model"]["sync_us"], 100.0);
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert_eq!(r["completed"], true);
+        assert!(r["oom"].is_null());
+        assert!(r["vmm_calls_after_first_iteration"].is_object(), "{r}");
+    }
+    // The table went to standard error.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("train-varlen: peak live") && stderr.contains("best per column"));
+}
+
+/// A 24 MiB step after 4 MiB.
+fn step_trace(dir: &std::path::Path) -> PathBuf {
+    let trace = dir.join("step.trace");
+    std::fs::write(&trace, "a 0 4194304 0\na 1 25165824 0\nf 1\nf 0\n").unwrap();
+    trace
+}
+
+#[test]
+fn a_failing_allocator_is_reported_in_its_row_and_the_others_go_on() {
+    let dir = temp_dir("failing");
+    let trace = step_trace(&dir);
+    let json = dir.join("out.json");
+    let out = bin()
+        .args(["ab", "--trace"])
+        .arg(&trace)
+        .args(["--allocators", "quilt,classic", "--capacity", "1GiB"])
+        // Parses, but its page size is not a multiple of the granularity.
+        .args(["--allocator", "quilt:page_size=3MiB", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("step / quilt:page_size=3MiB: FAILED: building allocator"),
+        "{stdout}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 of 3"),
+        "{}",
+        text(&out)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0]["completed"], true);
+    assert_eq!(rows[1]["completed"], true);
+    assert!(rows[0]["min_capacity_bytes"].as_u64().unwrap() >= 28 << 20);
+    assert_eq!(rows[2]["allocator"], "quilt:page_size=3MiB");
+    assert_eq!(rows[2]["completed"], false);
+    assert!(
+        rows[2]["error"].as_str().unwrap().contains("page size"),
+        "{}",
+        rows[2]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn every_allocator_out_of_memory_exits_1_and_each_oom_is_told_once() {
+    let dir = temp_dir("oom");
+    let trace = step_trace(&dir);
+    let json = dir.join("out.json");
+    let out = bin()
+        .args(["ab", "--trace"])
+        .arg(&trace)
+        .args(["--allocators", "quilt,classic", "--capacity", "16MiB"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("every allocator ran out of memory on step at 16.00 MiB")
+            && stderr.contains("give a larger --capacity (at least 2"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for allocator in ["quilt", "classic"] {
+        let note = format!("step / {allocator}: out of memory after ");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&note))
+            .unwrap_or_else(|| {
+                panic!("no `{note}`: {stdout}");
+            });
+        assert!(line.ends_with("verdict: capacity"), "{line}");
+        assert_eq!(line.matches(allocator).count(), 1, "{line}");
+    }
+    // The report's figures, as the allocator gave them, in the row: Quilt
+    // fails on the 24 MiB step with 4 MiB live; classic already on the 4 MiB
+    // block, whose 20 MiB segment (PyTorch's size for it) the device lacks.
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    for (row, (asked, new, live)) in rows.iter().zip([
+        (24u64 << 20, 24u64 << 20, 4u64 << 20),
+        (4 << 20, 20 << 20, 0),
+    ]) {
+        let oom = &row["oom"];
+        assert_eq!(oom["verdict"], "capacity", "{row}");
+        let r = &oom["report"];
+        assert_eq!(r["requested"], asked, "{row}");
+        assert_eq!(r["needed"], asked, "{row}");
+        assert_eq!(r["needed_unbacked"], new, "{row}");
+        assert_eq!(r["capacity"], 16u64 << 20, "{row}");
+        assert_eq!(r["allocated"], live, "{row}");
+        assert_eq!(r["device_free"], (16u64 << 20) - live, "{row}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn inputs_that_cannot_be_replayed_name_the_file_and_what_to_do() {
+    let dir = temp_dir("inputs");
+    let stats = dir.join("stats.json");
+    std::fs::write(&stats, r#"[{"file": "x.trace", "preexisting_allocs": 0}]"#).unwrap();
+    let pickle = dir.join("snap.pickle");
+    std::fs::write(
+        &pickle,
+        serde_pickle::to_vec(&vec![1u8, 2], Default::default()).unwrap(),
+    )
+    .unwrap();
+    let empty = dir.join("empty.trace");
+    std::fs::write(&empty, "\n\n").unwrap();
+    let text_trace = step_trace(&dir);
+    let history = dir.join("history.pickle");
+    std::fs::write(&history, no_history_snapshot()).unwrap();
+    let p = |path: &PathBuf| path.display().to_string();
+    let cases: Vec<(Vec<String>, Vec<String>)> = vec![
+        (
+            vec!["--capacity".into(), "1.5".into()],
+            vec!["--capacity 1.5: give a unit".into(), "1.5GiB".into()],
+        ),
+        (
+            vec!["--capacity".into(), "4096".into()],
+            vec!["--capacity 4096: give a unit".into(), "4096B".into()],
+        ),
+        (
+            vec!["--trace".into(), p(&stats)],
+            vec![
+                format!("{}: not a trace", p(&stats)),
+                "--trace DIR/*.trace".into(),
+            ],
+        ),
+        (
+            vec!["--trace".into(), p(&pickle)],
+            vec![format!("{}: a pickle", p(&pickle)), "--snapshot".into()],
+        ),
+        (
+            vec!["--snapshot".into(), p(&text_trace)],
+            vec![
+                format!("{}: a text trace", p(&text_trace)),
+                "--trace".into(),
+            ],
+        ),
+        (
+            vec!["--trace".into(), p(&empty)],
+            vec![format!("{}: no allocation", p(&empty))],
+        ),
+        (
+            vec!["--snapshot".into(), p(&history)],
+            vec![
+                format!(
+                    "{}: the snapshot recorded no allocation history",
+                    p(&history)
+                ),
+                "_record_memory_history".into(),
+            ],
+        ),
+    ];
+    for (args, needles) in cases {
+        let out = bin()
+            .arg("ab")
+            .args(&args)
+            .arg("--no-bisect")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for needle in needles {
+            assert!(
+                stderr.contains(&needle),
+                "{args:?}: no `{needle}`: {stderr}"
+            );
+        }
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out));
+    }
+    // `1.5GiB` and `4096B` are sizes.
+    for capacity in ["1.5GiB", "4096B"] {
+        let out = bin()
+            .args(["ab", "--trace"])
+            .arg(&text_trace)
+            .args([
+                "--capacity",
+                capacity,
+                "--no-bisect",
+                "--allocators",
+                "classic",
+            ])
+            .output()
+            .unwrap();
+        assert_ne!(out.status.code(), Some(2), "{capacity}: {}", text(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A snapshot pickle in PyTorch's layout with a segment but no trace
+/// entries (history was not recorded).
+fn no_history_snapshot() -> Vec<u8> {
+    use serde_pickle::{HashableValue, Value};
+    let s = |t: &str| HashableValue::String(t.into());
+    let dict = |items: Vec<(&str, Value)>| {
+        Value::Dict(items.into_iter().map(|(k, v)| (s(k), v)).collect())
+    };
+    let block = dict(vec![
+        ("address", Value::I64(1 << 30)),
+        ("size", Value::I64(2 << 20)),
+        ("requested_size", Value::I64(2 << 20)),
+        ("state", Value::String("active_allocated".into())),
+    ]);
+    let segment = dict(vec![
+        ("device", Value::I64(0)),
+        ("address", Value::I64(1 << 30)),
+        ("total_size", Value::I64(2 << 20)),
+        ("allocated_size", Value::I64(2 << 20)),
+        ("active_size", Value::I64(2 << 20)),
+        ("requested_size", Value::I64(2 << 20)),
+        ("stream", Value::I64(0)),
+        ("segment_type", Value::String("large".into())),
+        ("blocks", Value::List(vec![block])),
+    ]);
+    let top = dict(vec![
+        ("segments", Value::List(vec![segment])),
+        ("device_traces", Value::List(vec![Value::List(vec![])])),
+    ]);
+    serde_pickle::value_to_vec(&top, serde_pickle::SerOptions::new()).unwrap()
 }

@@ -586,19 +586,23 @@ fn sweep_workloads(full: bool) -> Vec<Workload> {
 }
 
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn fault_sweep_real_cnn() {
-    let Some(w) = real_trace("cnn_counterfactual_eor", 1500) else {
-        return;
-    };
+    let w = real_trace("cnn_counterfactual_eor", 1500).expect("the real trace");
     let tried = sweep(&w, Some(DEFAULT_POINTS));
     assert!(tried > 0);
 }
 
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn fault_sweep_real_opt_zo() {
-    let Some(w) = real_trace("opt_zo_fedlearn_finetune", 1500) else {
-        return;
-    };
+    let w = real_trace("opt_zo_fedlearn_finetune", 1500).expect("the real trace");
     let tried = sweep(&w, Some(DEFAULT_POINTS));
     assert!(tried > 0);
 }
@@ -932,10 +936,12 @@ fn fault_sweep_under_pressure_llm_serving() {
 }
 
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn fault_sweep_under_pressure_real_opt_zo() {
-    let Some(w) = real_trace("opt_zo_fedlearn_finetune", 3000) else {
-        return;
-    };
+    let w = real_trace("opt_zo_fedlearn_finetune", 3000).expect("the real trace");
     assert!(pressure_sweep(&w, 32) > 0);
 }
 

@@ -3,8 +3,9 @@
 //! at 80 GiB a looped trace makes no VMM call after its first iteration and
 //! no stream synchronisation at all, also with its tensors spread over four
 //! streams, where cross-stream waits stay rare; and the invariants hold after
-//! every event of a whole trace. Every test skips, saying so, when the traces
-//! folder is absent. (Figures for other policies: `quilt-bench ab
+//! every event of a whole trace. Without the traces folder (at build time)
+//! every test is ignored, with the reason; `cargo test -- --ignored` runs
+//! them, and then fails saying the folder is absent. (Figures for other policies: `quilt-bench ab
 //! --allocator quilt:KEY=VALUE`, `docs/benchmarks.md`.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
@@ -29,10 +30,8 @@ fn traces_dir() -> PathBuf {
 
 /// Every trace, with its pre-existing prefix from `stats.json`.
 fn traces() -> Vec<Trace> {
-    let Ok(rd) = std::fs::read_dir(traces_dir()) else {
-        eprintln!("skipping: {} is absent", traces_dir().display());
-        return Vec::new();
-    };
+    let rd = std::fs::read_dir(traces_dir())
+        .unwrap_or_else(|e| panic!("{}: {e} (the real traces)", traces_dir().display()));
     let mut paths: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "trace"))
@@ -51,6 +50,10 @@ fn traces() -> Vec<Trace> {
 }
 
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn every_trace_looped_makes_no_driver_call_after_its_first_iteration() {
     let config = ReplayConfig {
         iterations: 3,
@@ -79,6 +82,10 @@ fn every_trace_looped_makes_no_driver_call_after_its_first_iteration() {
 /// cross-stream reuse is constant): no synchronisation, and waits well under
 /// one per allocation, each one counted by the allocator and the driver alike.
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn every_trace_on_four_streams_syncs_never_and_waits_rarely() {
     for mut t in traces() {
         let mut allocations = 0u64;
@@ -113,6 +120,10 @@ fn every_trace_on_four_streams_syncs_never_and_waits_rarely() {
 }
 
 #[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
 fn invariants_hold_after_every_event_of_a_whole_trace() {
     let Some(t) = traces()
         .into_iter()

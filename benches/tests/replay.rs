@@ -13,7 +13,7 @@ use quilt_bench::live::trace_stats;
 use quilt_bench::replay::{
     replay, replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
 };
-use quilt_bench::report::{to_json, Measurement, StreamCalls};
+use quilt_bench::report::{to_json, CostModelParameters, Measurement, RunParameters, StreamCalls};
 use quilt_bench::trace::{parse_trace, Trace};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, DevicePtr, EventId, StreamId, Vmm};
@@ -172,13 +172,56 @@ fn inconsistent_traces_are_errors() {
     ));
 }
 
+/// The parameters of a JSON report over `capacity` at the default replay.
+fn parameters(capacity: u64, iterations: u32) -> RunParameters {
+    let config = ReplayConfig {
+        iterations,
+        ..ReplayConfig::default()
+    };
+    RunParameters {
+        version: quilt_bench::report::version(),
+        allocators: vec!["classic".into()],
+        workloads: vec!["json".into()],
+        capacity_bytes: capacity,
+        iterations,
+        seed: 42,
+        bisection: false,
+        cost_model: CostModelParameters::of(&config.sim_config(capacity)),
+    }
+}
+
 #[test]
 fn json_has_exactly_the_listed_fields() {
     let t = trace("json", "a 0 3145728 0\na 1 100 1\nf 0\n", 0);
-    let r = replay_fresh(&t, "classic", 64 * MIB, &ReplayConfig::default()).unwrap();
-    let m = Measurement::new("json", "classic", 64 * MIB, r, None);
-    let json: serde_json::Value = serde_json::from_str(&to_json(&[m]).unwrap()).unwrap();
-    let rows = json.as_array().unwrap();
+    let config = ReplayConfig {
+        iterations: 2,
+        ..ReplayConfig::default()
+    };
+    let r = replay_fresh(&t, "classic", 64 * MIB, &config).unwrap();
+    let m = Measurement::new("json", "classic", 64 * MIB, 2, r, None);
+    let text = to_json(&parameters(64 * MIB, 2), &[Ok(m)]).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut top: Vec<&str> = json
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str())
+        .collect();
+    top.sort_unstable();
+    assert_eq!(top, ["parameters", "rows"]);
+    let p = &json["parameters"];
+    assert!(p["version"]
+        .as_str()
+        .unwrap()
+        .starts_with(env!("CARGO_PKG_VERSION")));
+    assert_eq!(p["allocators"], serde_json::json!(["classic"]));
+    assert_eq!(p["capacity_bytes"], 64 * MIB);
+    assert_eq!(p["iterations"], 2);
+    assert_eq!(p["seed"], 42);
+    assert_eq!(p["cost_model"]["gpu_lag_ops"], 64);
+    assert_eq!(p["cost_model"]["sync_us"], 100.0);
+    assert_eq!(p["cost_model"]["create_us_per_granule"], 193.0);
+    let rows = json["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 1);
     let row = rows[0].as_object().unwrap();
     let mut keys: Vec<&str> = row.keys().map(|k| k.as_str()).collect();
@@ -189,14 +232,15 @@ fn json_has_exactly_the_listed_fields() {
         "capacity_bytes",
         "completed",
         "ooms",
+        "oom",
         "events",
         "peak_live_bytes",
         "peak_reserved_bytes",
         "efficiency",
         "ideal_bytes",
         "min_capacity_bytes",
-        "driver_calls",
-        "driver_calls_after_first_iteration",
+        "vmm_calls",
+        "vmm_calls_after_first_iteration",
         "stream_calls",
         "stream_calls_after_first_iteration",
         "modelled_driver_us",
@@ -205,6 +249,7 @@ fn json_has_exactly_the_listed_fields() {
     want.sort_unstable();
     assert_eq!(keys, want);
     assert!(row["min_capacity_bytes"].is_null());
+    assert!(row["oom"].is_null());
     let calls = [
         "address_free",
         "create",
@@ -214,7 +259,7 @@ fn json_has_exactly_the_listed_fields() {
         "set_access",
         "unmap",
     ];
-    for field in ["driver_calls", "driver_calls_after_first_iteration"] {
+    for field in ["vmm_calls", "vmm_calls_after_first_iteration"] {
         let mut k: Vec<&str> = row[field]
             .as_object()
             .unwrap()
@@ -242,8 +287,36 @@ fn json_has_exactly_the_listed_fields() {
         assert_eq!(k, stream, "{field}");
     }
     assert_eq!(row["workload"], "json");
-    assert_eq!(row["events"], 3);
+    // Three events, twice.
+    assert_eq!(row["events"], 6);
     assert_eq!(row["peak_live_bytes"], 3145728 + 100);
+}
+
+#[test]
+fn one_iteration_has_no_after_first_figures_and_an_oom_row_its_report() {
+    // 8 MiB, then 60 MiB on a 64 MiB device: the second cannot fit.
+    let t = trace("json", "a 0 8388608 0\na 1 62914560 0\n", 0);
+    let r = replay_fresh(&t, "classic", 64 * MIB, &ReplayConfig::default()).unwrap();
+    assert!(!r.completed);
+    let m = Measurement::new("json", "classic", 64 * MIB, 1, r, None);
+    let text = to_json(&parameters(64 * MIB, 1), &[Ok(m)]).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let row = &json["rows"][0];
+    assert!(row["vmm_calls_after_first_iteration"].is_null());
+    assert!(row["stream_calls_after_first_iteration"].is_null());
+    assert_eq!(row["completed"], false);
+    let oom = &row["oom"];
+    assert_eq!(oom["verdict"], "capacity");
+    assert!(oom["message"].as_str().unwrap().contains("out of memory"));
+    let report = &oom["report"];
+    assert_eq!(report["requested"], 62914560);
+    assert_eq!(report["needed"], 62914560);
+    assert_eq!(report["capacity"], 64 * MIB);
+    assert_eq!(report["allocated"], 8388608);
+    assert_eq!(report["needed_unbacked"], 62914560);
+    // The 8 MiB block took a 20 MiB segment (PyTorch's size for 1 to 10 MiB):
+    // 44 MiB stay free on the device.
+    assert_eq!(report["device_free"], 44 * MIB);
 }
 
 #[test]
@@ -446,7 +519,7 @@ fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
         charged.driver.modelled_ns - free.driver.modelled_ns,
         syncs * 250_000
     );
-    let m = Measurement::new("churn", "probe", 64 * MIB, charged.clone(), None);
+    let m = Measurement::new("churn", "probe", 64 * MIB, 2, charged.clone(), None);
     assert_eq!(
         m.row.stream_calls,
         StreamCalls {
@@ -457,7 +530,12 @@ fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
             event_destroy: 80,
         }
     );
-    assert_eq!(m.row.stream_calls_after_first_iteration.synchronize, 40);
+    assert_eq!(
+        m.row
+            .stream_calls_after_first_iteration
+            .map(|s| s.synchronize),
+        Some(40)
+    );
     assert_eq!(
         m.row.modelled_driver_us,
         charged.driver.modelled_ns as f64 / 1000.0

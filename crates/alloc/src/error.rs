@@ -123,15 +123,26 @@ pub struct OomReport {
     pub allocator: String,
     /// Bytes asked for.
     pub requested: u64,
-    /// Bytes the request needed after rounding (whole pages where it needs pages).
+    /// The request after the allocator's rounding: for Quilt, rounded to
+    /// 512 B and then up to whole pages; for the caching baselines, the block
+    /// size; for `offset`, its allocation units.
     pub needed: u64,
+    /// Bytes of physical memory the allocator had to add to serve the
+    /// request: for Quilt, the pages of its range not backed already (at most
+    /// `needed`, less where the range shares a backed page); for `classic`,
+    /// the segment it would create (20 MiB for a 4 MiB block, as PyTorch);
+    /// for `expandable`, `needed` rounded to the granularity; for `offset`,
+    /// `needed`. The verdict weighs this against `reclaimable + device_free`.
+    pub needed_unbacked: u64,
     /// Device capacity (or the allocator's memory limit) in bytes.
     pub capacity: u64,
     /// Bytes reserved from the driver (physical memory held).
     pub reserved: u64,
     /// Bytes handed out to live allocations.
     pub allocated: u64,
-    /// Bytes the device could still create.
+    /// Bytes the allocator could still create on the device (within its
+    /// limit), whatever the request: a request larger than an empty
+    /// device still sees the whole device here.
     pub device_free: u64,
     /// Bytes held but not backing any live allocation that could serve this
     /// request after reclaiming caches (free pages plus reclaimable cached pages).
@@ -153,14 +164,15 @@ impl fmt::Display for OomReport {
         };
         write!(
             f,
-            "{}: out of memory allocating {} bytes ({:.2} MiB, {:.2} MiB needed); \
-             capacity {:.2} MiB, reserved {:.2} MiB, allocated {:.2} MiB, \
+            "{}: out of memory allocating {} bytes ({:.2} MiB, {:.2} MiB needed, {:.2} MiB of it \
+             new); capacity {:.2} MiB, reserved {:.2} MiB, allocated {:.2} MiB, \
              device free {:.2} MiB, free or reclaimable {:.2} MiB, largest free extent {:.2} MiB; \
              verdict: {}",
             self.allocator,
             self.requested,
             mib(self.requested),
             mib(self.needed),
+            mib(self.needed_unbacked),
             mib(self.capacity),
             mib(self.reserved),
             mib(self.allocated),

@@ -250,6 +250,7 @@ impl OffsetAllocator {
             allocator: "offset".into(),
             requested,
             needed,
+            needed_unbacked: needed,
             capacity: self.arena_bytes.min(info.total.max(st.mapped)),
             reserved: st.mapped,
             allocated: st.stats.allocated_bytes.current,

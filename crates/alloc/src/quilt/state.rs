@@ -389,11 +389,19 @@ impl State {
         let page = ctx.page;
         let free = ctx.pool.free_pages();
         let cached = self.cached_pages();
+        // What the pool could still grow by, whatever the caller knew (a
+        // request refused before any growth was tried passes 0).
+        let growable = ctx.pool.growable_pages().unwrap_or(growable);
         let usable = free + cached + growable;
+        // The request as placed: rounded to blocks, then to whole pages.
+        let needed = round_up(size, MIN_BLOCK_SIZE).map_or(u64::MAX, |rounded| {
+            rounded.div_ceil(page).saturating_mul(page)
+        });
         let report = OomReport {
             allocator: ctx.name.to_string(),
             requested: size,
-            needed: n * page,
+            needed,
+            needed_unbacked: n.saturating_mul(page),
             capacity: ctx.pool.limit_pages() * page,
             reserved: ctx.pool.total_pages() * page,
             allocated: self.stats.allocated_bytes.current,

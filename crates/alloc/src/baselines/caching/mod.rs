@@ -765,7 +765,15 @@ impl CachingEngine {
     fn out_of_memory(&self, st: &mut State, p: &Params) -> AllocError {
         st.stats.num_ooms += 1;
         let err = report::oom(
-            self.name, &*self.vmm, &self.cfg, st, p.orig, p.size, p.pool, p.stream,
+            self.name,
+            &*self.vmm,
+            &self.cfg,
+            st,
+            p.orig,
+            p.size,
+            p.alloc_size,
+            p.pool,
+            p.stream,
         );
         st.last_oom = err.oom_report().cloned();
         err

@@ -68,7 +68,11 @@ pub(super) fn snapshot(name: &str, st: &State) -> MemorySnapshot {
 
 /// Build the out-of-memory error: figures after the retry chain ran, and the
 /// verdict (fragmentation when free cached bytes plus device free cover the
-/// rounded request, capacity otherwise).
+/// new memory the request needed, capacity otherwise). `needed` is the
+/// rounded request (the block), `segment` the size of the segment a fixed
+/// segment allocator would have created for it (PyTorch's allocation size);
+/// with expandable segments the new memory is the block rounded to the
+/// granularity (the pages mapped at a segment's end).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn oom(
     name: &str,
@@ -77,6 +81,7 @@ pub(super) fn oom(
     st: &State,
     requested: u64,
     needed: u64,
+    segment: u64,
     pool: PoolKind,
     stream: StreamId,
 ) -> AllocError {
@@ -97,7 +102,12 @@ pub(super) fn oom(
         .map_or(0, |(k, _)| k.1);
     let gran = vmm.granularity().max(1);
     let largest_free_extent = largest_cached.max(device_free / gran * gran);
-    let verdict = if reclaimable.saturating_add(device_free) >= needed {
+    let needed_unbacked = if cfg.expandable {
+        needed.div_ceil(gran).saturating_mul(gran)
+    } else {
+        segment.max(needed)
+    };
+    let verdict = if reclaimable.saturating_add(device_free) >= needed_unbacked {
         OomVerdict::Fragmentation
     } else {
         OomVerdict::Capacity
@@ -106,6 +116,7 @@ pub(super) fn oom(
         allocator: name.to_string(),
         requested,
         needed,
+        needed_unbacked,
         capacity,
         reserved,
         allocated: st.stats.allocated_bytes.current,

@@ -1,0 +1,625 @@
+//! The text report of an A/B run: a line saying what ran, the table, a
+//! legend of its columns, the out-of-memory and failure notes, and a summary
+//! naming the best allocator per column.
+//!
+//! The default layout ([`Layout::Narrow`]) shows the columns that carry the
+//! claims, one block per workload, within [`MAX_WIDTH`] characters;
+//! [`Layout::Wide`] shows every column, a line per (workload, allocator).
+//! Column names are those of `docs/benchmarks.md`; the legend names the JSON
+//! field behind each.
+
+use crate::report::{Failure, Measurement, Outcome, ReportRow};
+use crate::units::{gib, size_text as size};
+
+/// The widest line the narrow layout prints (allocator specs longer than
+/// [`NARROW_ALLOCATOR_WIDTH`] go on a line of their own).
+pub const MAX_WIDTH: usize = 100;
+
+/// Allocator specs up to this many characters share their row's line.
+pub const NARROW_ALLOCATOR_WIDTH: usize = 12;
+
+/// Which columns the table shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The claims: done, min cap, min cap/ideal, eff., driver ms, calls after
+    /// 1st, syncs, waits; a block per workload headed by its peak live and
+    /// ideal bytes.
+    Narrow,
+    /// Every column, a line per (workload, allocator).
+    Wide,
+}
+
+/// What the run was, for the line above the table and the legend.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunContext {
+    /// Device capacity of the main replay.
+    pub capacity_bytes: u64,
+    /// Iterations of each trace.
+    pub iterations: u32,
+    /// Allocator operations the simulated GPU runs behind the host.
+    pub gpu_lag_ops: u64,
+    /// Modelled cost of one stream synchronisation, in microseconds.
+    pub sync_cost_us: f64,
+    /// Whether the minimum capacity was bisected.
+    pub bisection: bool,
+}
+
+/// The figures a cell is made from.
+struct Cell<'a> {
+    m: &'a Measurement,
+    classic: Option<&'a ReportRow>,
+}
+
+/// One column: its heading (as in `docs/benchmarks.md`), its line of the
+/// legend, whether the narrow layout shows it, and its cell.
+struct Column {
+    name: &'static str,
+    legend: &'static str,
+    narrow: bool,
+    cell: fn(&Cell<'_>) -> String,
+}
+
+/// `a / b` as `1.23x`, or `-` when it has no meaning.
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "-".to_string(),
+    }
+}
+
+fn min_cap_over_ideal(r: &ReportRow) -> Option<f64> {
+    match r.min_capacity_bytes {
+        Some(b) if r.ideal_bytes > 0 => Some(b as f64 / r.ideal_bytes as f64),
+        _ => None,
+    }
+}
+
+const COLUMNS: &[Column] = &[
+    Column {
+        name: "done",
+        legend: "yes: the replay completed on the device; OOM: it ran out of memory (figures up to then)",
+        narrow: true,
+        cell: |c| if c.m.row.completed { "yes" } else { "OOM" }.into(),
+    },
+    Column {
+        name: "peak live GiB",
+        legend: "peak of the live requested bytes",
+        narrow: false,
+        cell: |c| gib(c.m.row.peak_live_bytes),
+    },
+    Column {
+        name: "peak reserved GiB",
+        legend: "peak of the bytes the allocator held from the driver",
+        narrow: false,
+        cell: |c| gib(c.m.row.peak_reserved_bytes),
+    },
+    Column {
+        name: "ideal GiB",
+        legend: "page-granular lower bound: the least any 2 MiB-page allocator could hold",
+        narrow: false,
+        cell: |c| gib(c.m.row.ideal_bytes),
+    },
+    Column {
+        name: "min cap GiB",
+        legend: "smallest device, to 2 MiB, on which the replay completes (bisection; -: --no-bisect)",
+        narrow: true,
+        cell: |c| c.m.row.min_capacity_bytes.map(gib).unwrap_or_else(|| "-".into()),
+    },
+    Column {
+        name: "min cap/ideal",
+        legend: "min cap / ideal GiB, the page-granular lower bound: 1.0000 is no overhead",
+        narrow: true,
+        cell: |c| min_cap_over_ideal(&c.m.row).map_or_else(|| "-".into(), |r| format!("{r:.4}")),
+    },
+    Column {
+        name: "min cap/classic",
+        legend: "min cap over classic's on the same workload (X/classic: the same ratio for X)",
+        narrow: false,
+        cell: |c| {
+            ratio(
+                c.m.row.min_capacity_bytes.map(|b| b as f64),
+                c.classic.and_then(|k| k.min_capacity_bytes.map(|b| b as f64)),
+            )
+        },
+    },
+    Column {
+        name: "eff.",
+        legend: "efficiency: peak live / peak reserved bytes on the device (1.000: none held idle)",
+        narrow: true,
+        cell: |c| format!("{:.3}", c.m.row.efficiency),
+    },
+    Column {
+        name: "reserved/classic",
+        legend: "peak reserved over classic's",
+        narrow: false,
+        cell: |c| {
+            ratio(
+                Some(c.m.row.peak_reserved_bytes as f64),
+                c.classic.map(|k| k.peak_reserved_bytes as f64),
+            )
+        },
+    },
+    Column {
+        name: "VMM calls",
+        legend: "reserve, create, map, set-access, unmap, release and address-free calls",
+        narrow: false,
+        cell: |c| c.m.row.vmm_calls.total().to_string(),
+    },
+    Column {
+        name: "calls/classic",
+        legend: "VMM calls over classic's",
+        narrow: false,
+        cell: |c| {
+            ratio(
+                Some(c.m.row.vmm_calls.total() as f64),
+                c.classic.map(|k| k.vmm_calls.total() as f64),
+            )
+        },
+    },
+    Column {
+        name: "calls after 1st",
+        legend: "VMM calls in iterations 2..N, steady state (-: one iteration ran; --iterations 3)",
+        narrow: true,
+        cell: |c| {
+            c.m.row
+                .vmm_calls_after_first_iteration
+                .map_or_else(|| "-".into(), |v| v.total().to_string())
+        },
+    },
+    Column {
+        name: "syncs",
+        legend: "cuStreamSynchronize calls, each a drain of the GPU's queue",
+        narrow: true,
+        cell: |c| c.m.row.stream_calls.synchronize.to_string(),
+    },
+    Column {
+        name: "syncs after 1st",
+        legend: "cuStreamSynchronize calls in iterations 2..N (-: one iteration ran)",
+        narrow: false,
+        cell: |c| {
+            c.m.row
+                .stream_calls_after_first_iteration
+                .map_or_else(|| "-".into(), |s| s.synchronize.to_string())
+        },
+    },
+    Column {
+        name: "waits",
+        legend: "cuStreamWaitEvent calls: one stream ordered after another's work",
+        narrow: true,
+        cell: |c| c.m.row.stream_calls.wait_event.to_string(),
+    },
+    Column {
+        name: "driver ms",
+        legend: "modelled driver time: every call priced, creates by size, syncs as drains",
+        narrow: true,
+        cell: |c| format!("{:.1}", c.m.row.modelled_driver_us / 1000.0),
+    },
+    Column {
+        name: "time/classic",
+        legend: "driver ms over classic's",
+        narrow: false,
+        cell: |c| {
+            ratio(
+                Some(c.m.row.modelled_driver_us),
+                c.classic.map(|k| k.modelled_driver_us),
+            )
+        },
+    },
+    Column {
+        name: "flat-create ms",
+        legend: "driver ms with every create priced flat, whatever its size",
+        narrow: false,
+        cell: |c| format!("{:.1}", c.m.modelled_flat_create_us / 1000.0),
+    },
+    Column {
+        name: "CPU ns/op",
+        legend: "median host ns per allocate or free (noisy: compare within one run only)",
+        narrow: false,
+        cell: |c| c.m.row.cpu_ns_per_op.to_string(),
+    },
+];
+
+/// The columns of `layout`, in order.
+fn columns(layout: Layout) -> Vec<&'static Column> {
+    COLUMNS
+        .iter()
+        .filter(|c| layout == Layout::Wide || c.narrow)
+        .collect()
+}
+
+/// The figures of the run, on one line.
+pub fn run_line(ctx: &RunContext) -> String {
+    let capacity = if ctx.capacity_bytes.is_multiple_of(1 << 30) {
+        (ctx.capacity_bytes >> 30).to_string()
+    } else {
+        gib(ctx.capacity_bytes)
+    };
+    format!(
+        "device {capacity} GiB (simulated), {} iteration{}, GPU {} ops behind the host, \
+         {} us per sync{}",
+        ctx.iterations,
+        if ctx.iterations == 1 { "" } else { "s" },
+        ctx.gpu_lag_ops,
+        ctx.sync_cost_us,
+        if ctx.bisection { "" } else { ", no bisection" }
+    )
+}
+
+/// The workloads of `outcomes`, in order of first appearance.
+fn workloads(outcomes: &[Outcome]) -> Vec<&str> {
+    let mut out: Vec<&str> = Vec::new();
+    for o in outcomes {
+        let w = workload_of(o);
+        if !out.contains(&w) {
+            out.push(w);
+        }
+    }
+    out
+}
+
+fn workload_of(o: &Outcome) -> &str {
+    match o {
+        Ok(m) => &m.row.workload,
+        Err(f) => &f.workload,
+    }
+}
+
+fn allocator_of(o: &Outcome) -> &str {
+    match o {
+        Ok(m) => &m.row.allocator,
+        Err(f) => &f.allocator,
+    }
+}
+
+/// `classic`'s row on `workload`, if measured.
+fn classic_row<'a>(outcomes: &'a [Outcome], workload: &str) -> Option<&'a ReportRow> {
+    outcomes.iter().find_map(|o| match o {
+        Ok(m) if m.row.workload == workload && m.row.allocator == "classic" => Some(&m.row),
+        _ => None,
+    })
+}
+
+/// Lines of cells, aligned: the first `left` columns to the left, the others
+/// to the right; a rule under the first line; each line prefixed by `indent`.
+fn aligned(rows: &[Vec<String>], left: usize, indent: &str) -> Vec<String> {
+    let n = rows.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..n)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, |s| s.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| {
+                if c < left {
+                    format!("{cell:<w$}", w = widths[c])
+                } else {
+                    format!("{cell:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push(
+            format!("{indent}{}", cells.join("  "))
+                .trim_end()
+                .to_string(),
+        );
+        if i == 0 {
+            let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+            out.push(format!("{indent}{}", rule.join("  ")));
+        }
+    }
+    out
+}
+
+/// The table of `outcomes` in `layout` (no legend; see [`report`]).
+pub fn table(outcomes: &[Outcome], layout: Layout) -> String {
+    let cols = columns(layout);
+    let mut lines = Vec::new();
+    match layout {
+        Layout::Wide => {
+            let mut rows = vec![["workload", "allocator"]
+                .into_iter()
+                .chain(cols.iter().map(|c| c.name))
+                .map(str::to_string)
+                .collect::<Vec<_>>()];
+            for o in outcomes {
+                let Ok(m) = o else { continue };
+                let cell = Cell {
+                    m,
+                    classic: classic_row(outcomes, &m.row.workload),
+                };
+                let mut row = vec![m.row.workload.clone(), m.row.allocator.clone()];
+                row.extend(cols.iter().map(|c| (c.cell)(&cell)));
+                rows.push(row);
+            }
+            lines.extend(aligned(&rows, 2, ""));
+            for f in outcomes.iter().filter_map(|o| o.as_ref().err()) {
+                lines.push(format!(
+                    "{}  {}  FAILED (see below)",
+                    f.workload, f.allocator
+                ));
+            }
+        }
+        Layout::Narrow => {
+            let header: Vec<String> = std::iter::once("allocator")
+                .chain(cols.iter().map(|c| c.name))
+                .map(str::to_string)
+                .collect();
+            for (i, w) in workloads(outcomes).into_iter().enumerate() {
+                let mine: Vec<&Outcome> = outcomes.iter().filter(|o| workload_of(o) == w).collect();
+                let measured: Vec<&Measurement> =
+                    mine.iter().filter_map(|o| o.as_ref().ok()).collect();
+                if i > 0 {
+                    lines.push(String::new());
+                }
+                let peak = measured.iter().map(|m| m.row.peak_live_bytes).max();
+                let ideal = measured.iter().map(|m| m.row.ideal_bytes).max();
+                lines.push(match (peak, ideal) {
+                    (Some(p), Some(i)) => {
+                        format!("{w}: peak live {} GiB, ideal {} GiB", gib(p), gib(i))
+                    }
+                    _ => format!("{w}:"),
+                });
+                let mut rows = vec![header.clone()];
+                // Specs too long for the column go on a line of their own,
+                // above an unnamed row: (row index, spec).
+                let mut long_names: Vec<(usize, String)> = Vec::new();
+                for o in &mine {
+                    let name = allocator_of(o);
+                    let short = name.chars().count() <= NARROW_ALLOCATOR_WIDTH;
+                    if !short {
+                        long_names.push((rows.len(), name.to_string()));
+                    }
+                    let mut row = vec![if short {
+                        name.to_string()
+                    } else {
+                        String::new()
+                    }];
+                    match o {
+                        Ok(m) => {
+                            let cell = Cell {
+                                m,
+                                classic: classic_row(outcomes, w),
+                            };
+                            row.extend(cols.iter().map(|c| (c.cell)(&cell)));
+                        }
+                        Err(_) => {
+                            row.push("FAILED".into());
+                            row.extend(cols.iter().skip(1).map(|_| String::new()));
+                        }
+                    }
+                    rows.push(row);
+                }
+                let block = aligned(&rows, 1, "  ");
+                for (k, line) in block.into_iter().enumerate() {
+                    // Row r of `rows` is line r + 1 of the block (the rule).
+                    if let Some((_, name)) = long_names.iter().find(|(r, _)| *r + 1 == k) {
+                        lines.push(format!("  {name}"));
+                    }
+                    lines.push(line);
+                }
+            }
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
+}
+
+/// The legend of `layout`'s columns: a line per column.
+pub fn legend(layout: Layout) -> String {
+    let mut out = String::from("columns:\n");
+    for c in columns(layout) {
+        out.push_str(&format!("  {}: {}\n", c.name, c.legend));
+    }
+    out
+}
+
+/// The out-of-memory errors, a note per row that ran out (its verdict, the
+/// request, the device, the allocator's memory), and the failed pairs.
+pub fn notes(outcomes: &[Outcome]) -> String {
+    let mut out = String::new();
+    for o in outcomes {
+        match o {
+            Ok(m) => {
+                let Some(oom) = &m.row.oom else { continue };
+                let who = format!("{} / {}", m.row.workload, m.row.allocator);
+                match (&oom.report, oom.verdict) {
+                    (Some(r), Some(verdict)) => {
+                        out.push_str(&format!(
+                            "{who}: out of memory after {} events; verdict: {verdict}\n",
+                            m.row.events
+                        ));
+                        out.push_str(&format!(
+                            "    asked {}, needed {} ({} of it new); device {}, {} free\n",
+                            size(r.requested),
+                            size(r.needed),
+                            size(r.needed_unbacked),
+                            size(r.capacity),
+                            size(r.device_free)
+                        ));
+                        out.push_str(&format!(
+                            "    held {}, live {}, reclaimable {}, largest free extent {}\n",
+                            size(r.reserved),
+                            size(r.allocated),
+                            size(r.reclaimable),
+                            size(r.largest_free_extent)
+                        ));
+                    }
+                    _ => out.push_str(&format!(
+                        "{who}: out of memory after {} events: {}\n",
+                        m.row.events, oom.message
+                    )),
+                }
+            }
+            Err(Failure {
+                workload,
+                allocator,
+                error,
+                ..
+            }) => out.push_str(&format!("{workload} / {allocator}: FAILED: {error}\n")),
+        }
+    }
+    out
+}
+
+/// Which way a column is better, and its figure (rounded as printed) in a
+/// row, where the row competes.
+struct Claim {
+    name: &'static str,
+    better: &'static str,
+    lower_is_better: bool,
+    figure: fn(&ReportRow) -> Option<f64>,
+}
+
+const CLAIMS: &[Claim] = &[
+    Claim {
+        name: "min cap GiB",
+        better: "lowest",
+        lower_is_better: true,
+        figure: |r| r.min_capacity_bytes.map(|b| b as f64),
+    },
+    Claim {
+        name: "eff.",
+        better: "highest",
+        lower_is_better: false,
+        figure: |r| r.completed.then(|| (r.efficiency * 1000.0).round()),
+    },
+    Claim {
+        name: "driver ms",
+        better: "lowest",
+        lower_is_better: true,
+        figure: |r| r.completed.then(|| (r.modelled_driver_us / 100.0).round()),
+    },
+    Claim {
+        name: "calls after 1st",
+        better: "fewest",
+        lower_is_better: true,
+        figure: |r| {
+            r.completed
+                .then_some(r.vmm_calls_after_first_iteration)
+                .flatten()
+                .map(|v| v.total() as f64)
+        },
+    },
+    Claim {
+        name: "syncs",
+        better: "fewest",
+        lower_is_better: true,
+        figure: |r| r.completed.then_some(r.stream_calls.synchronize as f64),
+    },
+    Claim {
+        name: "waits",
+        better: "fewest",
+        lower_is_better: true,
+        figure: |r| r.completed.then_some(r.stream_calls.wait_event as f64),
+    },
+];
+
+/// The best allocator per column: for each claim, how many workloads each
+/// allocator is best on (ties count for each; only rows that completed
+/// compete, except for min cap), the winner first.
+pub fn summary(outcomes: &[Outcome]) -> String {
+    let ws = workloads(outcomes);
+    let mut allocators: Vec<&str> = Vec::new();
+    for o in outcomes {
+        let a = allocator_of(o);
+        if !allocators.contains(&a) {
+            allocators.push(a);
+        }
+    }
+    let mut out = format!(
+        "best per column ({} allocator{} on {} workload{}; ties count for each):\n",
+        allocators.len(),
+        if allocators.len() == 1 { "" } else { "s" },
+        ws.len(),
+        if ws.len() == 1 { "" } else { "s" },
+    );
+    let label_width = CLAIMS
+        .iter()
+        .map(|c| c.name.len() + c.better.len() + 4)
+        .max()
+        .unwrap_or(0);
+    for claim in CLAIMS {
+        let mut wins = vec![0usize; allocators.len()];
+        let mut contested = 0;
+        for w in &ws {
+            let figures: Vec<(usize, f64)> = outcomes
+                .iter()
+                .filter_map(|o| o.as_ref().ok())
+                .filter(|m| m.row.workload == *w)
+                .filter_map(|m| {
+                    let a = allocators.iter().position(|a| *a == m.row.allocator)?;
+                    Some((a, (claim.figure)(&m.row)?))
+                })
+                .collect();
+            let best = figures.iter().map(|f| f.1).reduce(|x, y| {
+                if claim.lower_is_better {
+                    x.min(y)
+                } else {
+                    x.max(y)
+                }
+            });
+            let Some(best) = best else { continue };
+            contested += 1;
+            for (a, f) in figures {
+                if f == best {
+                    wins[a] += 1;
+                }
+            }
+        }
+        let label = format!("{} ({}):", claim.name, claim.better);
+        let text = if contested == 0 {
+            if claim.name == "calls after 1st" {
+                "- (one iteration ran: --iterations 3 gives the steady state)".to_string()
+            } else {
+                "- (no row to compare)".to_string()
+            }
+        } else {
+            let mut ranked: Vec<(usize, &str)> = wins
+                .iter()
+                .copied()
+                .zip(allocators.iter().copied())
+                .filter(|(n, _)| *n > 0)
+                .collect();
+            ranked.sort_by_key(|r| std::cmp::Reverse(r.0));
+            let all_tie =
+                ranked.len() == allocators.len() && ranked.iter().all(|r| r.0 == contested);
+            if all_tie && allocators.len() > 1 {
+                "all tie".to_string()
+            } else {
+                let parts: Vec<String> = ranked
+                    .iter()
+                    .map(|(n, a)| format!("{a} {n}/{contested}"))
+                    .collect();
+                parts.join(", ")
+            }
+        };
+        out.push_str(&format!("  {label:<label_width$} {text}\n"));
+    }
+    out
+}
+
+/// The whole text report: the run line, the table, the legend, the notes
+/// and the summary.
+pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String {
+    let mut out = run_line(ctx);
+    out.push_str("\n\n");
+    out.push_str(&table(outcomes, layout));
+    out.push('\n');
+    out.push_str(&legend(layout));
+    let notes = notes(outcomes);
+    if !notes.is_empty() {
+        out.push('\n');
+        out.push_str(&notes);
+    }
+    out.push('\n');
+    out.push_str(&summary(outcomes));
+    out
+}
