@@ -216,3 +216,87 @@ fn peer_sets_and_registry_errors() {
         "a one-device backend cannot grant peers"
     );
 }
+
+/// One step of a generated workload: allocate `size` MiB (plus `extra`
+/// bytes) on a stream, or free the `index`th live allocation.
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { mib: u64, extra: u64, stream: u64 },
+    Free { index: usize },
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => (1u64..48, 0u64..4096, 0u64..3).prop_map(|(mib, extra, stream)| Op::Alloc { mib, extra, stream }),
+        2 => any::<usize>().prop_map(|index| Op::Free { index }),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+    /// Any device count, any peer set, any workload: every page of every live
+    /// allocation is accessible from exactly this device and its peers, after
+    /// every operation, and the calls match a run without peers.
+    #[test]
+    fn peer_access_holds_for_any_workload_and_peer_set(
+        devices in 1u32..7,
+        mask in 0u64..64,
+        device in 0u32..7,
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let device = device % devices;
+        let peers = DeviceSet::of(&(0..devices).filter(|d| mask & (1 << d) != 0).collect::<Vec<_>>()).unwrap();
+        let run = |peer_access: PeerAccess| {
+            let opened: Opened = Arc::default();
+            let record = opened.clone();
+            let factory: VmmFactory = Box::new(move |ordinal| {
+                let sim = Arc::new(SimVmm::new(SimConfig {
+                    capacity: 1 << 30,
+                    device_count: devices,
+                    ordinal,
+                    ..SimConfig::default()
+                })?);
+                record.lock().unwrap().push((ordinal, sim.clone()));
+                Ok(sim as Arc<dyn Vmm>)
+            });
+            let reg = DeviceRegistry::new(devices, factory, QuiltConfig::default(), CommConfig::default(), peer_access).unwrap();
+            let quilt = reg.quilt(device).unwrap();
+            let sim = sim_of(&opened, device);
+            let expected = reg.peers_of(device).access_list(device);
+            let mut live: Vec<Allocation> = Vec::new();
+            for op in &ops {
+                match *op {
+                    Op::Alloc { mib, extra, stream } => {
+                        // Out of memory is a fine answer at 1 GiB; anything else is not.
+                        match quilt.allocate(mib * MIB + extra, StreamId(stream)) {
+                            Ok(a) => live.push(a),
+                            Err(e) => assert!(matches!(e, quilt_alloc::AllocError::OutOfMemory(_)), "{e}"),
+                        }
+                    }
+                    Op::Free { index } if !live.is_empty() => {
+                        let a = live.swap_remove(index % live.len());
+                        quilt.free(a.ptr).unwrap();
+                    }
+                    Op::Free { .. } => {}
+                }
+                quilt.check_invariants().unwrap();
+                for a in &live {
+                    assert_access(&sim, a, &expected);
+                }
+            }
+            sim.check_invariants().unwrap();
+            sim.driver_stats()
+        };
+        let with_peers = run(PeerAccess::Devices(peers));
+        let alone = run(PeerAccess::None);
+        proptest::prop_assert_eq!(with_peers.calls, alone.calls);
+        let extra = peers.without(device).len() as u64;
+        let cost = SimConfig::default().cost;
+        proptest::prop_assert_eq!(
+            with_peers.modelled_ns - alone.modelled_ns,
+            with_peers.count(CallKind::SetAccess) * extra * cost.set_access_per_peer_ns
+        );
+    }
+}
