@@ -69,6 +69,22 @@ impl MemorySummary {
 
     /// Bytes reserved from the driver and not allocated: free pages, cached
     /// blocks, and blocks waiting on other streams' work.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::{DeviceAllocator, MemorySummary};
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(8 << 20, StreamId::DEFAULT)?;
+    /// alloc.free(a.ptr)?; // cached, not given back
+    /// let summary = MemorySummary::of(&alloc);
+    /// assert_eq!(summary.cached_bytes(), summary.stats.reserved_bytes.current);
+    /// assert!(summary.cached_bytes() >= 8 << 20);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn cached_bytes(&self) -> u64 {
         self.stats
             .reserved_bytes
@@ -78,7 +94,15 @@ impl MemorySummary {
 }
 
 /// `bytes` in the largest binary unit that keeps it at least 1, two decimals
-/// (whole bytes below 1 KiB).
+/// (whole bytes below 1 KiB), as the summary shows them.
+///
+/// ```
+/// use quilt_alloc::summary::format_bytes;
+///
+/// assert_eq!(format_bytes(512), "512 B");
+/// assert_eq!(format_bytes(3 << 19), "1.50 MiB");
+/// assert_eq!(format_bytes(80 << 30), "80.00 GiB");
+/// ```
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
     if bytes < 1024 {
