@@ -6,6 +6,10 @@
 //! invariants checked after every operation.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+#[allow(dead_code)] // its `main` is the example's, run by a test here
+#[path = "../examples/serving.rs"]
+mod serving_example;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -501,4 +505,12 @@ fn growable_map_ahead_background_worker_maps_and_stops_with_the_allocator() {
     drop(buf);
     drop(a); // stops and joins the worker
     assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_serving_example_runs() {
+    if host(MIB).is_none() {
+        return;
+    }
+    serving_example::main().unwrap();
 }
