@@ -446,10 +446,12 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                     .collect();
                 let files = report::write_charts(dir, &measurements, args.run.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
-                say(
-                    to_stdout,
-                    &format!("charts written: {}\n", files.join(", ")),
-                );
+                let mut text = format!("charts written into {}:\n", dir.display());
+                for file in &files {
+                    let name = Path::new(file).file_name().map(|f| f.to_string_lossy());
+                    text.push_str(&format!("  {}\n", name.unwrap_or_default()));
+                }
+                say(to_stdout, &text);
             }
             run_verdict(&outcomes, parameters.capacity_bytes)
         }
