@@ -167,3 +167,98 @@ fn ipc_an_importer_that_vanishes_ends_its_export() {
     assert!(host.leak_report().is_empty());
     let _ = std::fs::remove_file(path);
 }
+
+#[test]
+fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
+    use quilt_alloc::share::{
+        recv_export, ExportedAllocation, ImportedAllocation, SharedDescriptor, SharedPiece,
+    };
+    use quilt_vmm::{CreateProps, HandleTypes};
+    let exporter = host();
+    let importer = host();
+    let g = 2 * MIB;
+    let props = CreateProps {
+        handle_types: HandleTypes::POSIX_FD,
+        gpu_direct_rdma: false,
+    };
+    // Two handles (one and two granules) stitched at one address.
+    let (h1, h2) = (
+        exporter.create_with(g, props).unwrap(),
+        exporter.create_with(2 * g, props).unwrap(),
+    );
+    let va = exporter.reserve(3 * g, 0).unwrap();
+    exporter.map(va, g, h1, 0).unwrap();
+    exporter.map(va + g, 2 * g, h2, 0).unwrap();
+    exporter.set_access(va, 3 * g).unwrap();
+    exporter.write_bytes(va + g - 4, b"across!!").unwrap();
+    let export = ExportedAllocation {
+        descriptor: SharedDescriptor {
+            id: va,
+            size: 3 * g,
+            pieces: vec![
+                SharedPiece { offset: 0, size: g },
+                SharedPiece {
+                    offset: g,
+                    size: 2 * g,
+                },
+            ],
+        },
+        handles: vec![
+            exporter.export_handle(h1, HandleKind::PosixFd).unwrap(),
+            exporter.export_handle(h2, HandleKind::PosixFd).unwrap(),
+        ],
+    };
+    // Through a socket pair in this process: the descriptors are duplicated.
+    let (a, b) = UnixStream::pair().unwrap();
+    send_export(&a, &export).unwrap();
+    drop(export);
+    let received = recv_export(&b).unwrap();
+    assert_eq!(received.handles.len(), 2);
+    let before = importer.driver_stats();
+    let imported = ImportedAllocation::import(importer.clone(), &received, &[]).unwrap();
+    let d = importer.driver_stats().since(&before);
+    for (kind, n) in [
+        (CallKind::Reserve, 1),
+        (CallKind::ImportHandle, 2),
+        (CallKind::Map, 2),
+        (CallKind::SetAccess, 1),
+    ] {
+        assert_eq!(d.count(kind), n, "{kind}");
+    }
+    let mut out = [0u8; 8];
+    importer
+        .read_bytes(imported.ptr() + g - 4, &mut out)
+        .unwrap();
+    assert_eq!(&out, b"across!!", "both pieces, in order");
+    // A descriptor whose handles do not match it is refused, nothing kept.
+    let wrong = ExportedAllocation {
+        descriptor: SharedDescriptor {
+            id: va,
+            size: 3 * g,
+            pieces: vec![
+                SharedPiece {
+                    offset: 0,
+                    size: 2 * g,
+                },
+                SharedPiece {
+                    offset: 2 * g,
+                    size: g,
+                },
+            ],
+        },
+        handles: received.handles,
+    };
+    assert!(ImportedAllocation::import(importer.clone(), &wrong, &[]).is_err());
+    assert_eq!(imported.release().unwrap(), va);
+    assert!(
+        importer.leak_report().is_empty(),
+        "{}",
+        importer.leak_report()
+    );
+    exporter.unmap(va, 3 * g).unwrap();
+    for h in [h1, h2] {
+        exporter.release(h).unwrap();
+    }
+    exporter.address_free(va, 3 * g).unwrap();
+    assert!(exporter.leak_report().is_empty());
+}

@@ -239,3 +239,54 @@ fn the_limit_can_change_but_not_below_what_is_held() {
     assert_eq!(pool.total_pages(), held);
     pool.check_invariants().unwrap();
 }
+
+#[test]
+fn pages_request_the_configured_handle_types() {
+    let vmm = sim(64 * MIB);
+    let v: Arc<dyn Vmm> = vmm.clone();
+    let shareable = PagePool::new(
+        v.clone(),
+        PoolConfig {
+            create_props: quilt_vmm::CreateProps {
+                handle_types: quilt_vmm::HandleTypes::POSIX_FD,
+                gpu_direct_rdma: true,
+            },
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    shareable.grow(2).unwrap();
+    let pages = shareable.take(2).unwrap();
+    for pg in &pages {
+        assert!(vmm
+            .export_handle(pg.handle, quilt_vmm::HandleKind::PosixFd)
+            .is_ok());
+    }
+    shareable.give_back(&pages).unwrap();
+    let plain = PagePool::new(v, PoolConfig::default()).unwrap();
+    plain.grow(1).unwrap();
+    let pages = plain.take(1).unwrap();
+    assert!(vmm
+        .export_handle(pages[0].handle, quilt_vmm::HandleKind::PosixFd)
+        .is_err());
+    plain.give_back(&pages).unwrap();
+    // A type the device does not report fails the growth, typed, and
+    // leaves the pool as it was.
+    let fabric = PagePool::new(
+        vmm.clone(),
+        PoolConfig {
+            create_props: quilt_vmm::CreateProps {
+                handle_types: quilt_vmm::HandleTypes {
+                    posix_fd: false,
+                    fabric: true,
+                },
+                gpu_direct_rdma: false,
+            },
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    assert!(fabric.grow(1).is_err());
+    assert_eq!(fabric.total_pages(), 0);
+    fabric.check_invariants().unwrap();
+}
