@@ -47,6 +47,12 @@ fn main() {
         if let Some(head) = git(&["rev-parse", "--git-path", "HEAD"]) {
             println!("cargo:rerun-if-changed={}", manifest.join(&head).display());
         }
+        if let Some(packed) = git(&["rev-parse", "--git-path", "packed-refs"]) {
+            let path = manifest.join(packed);
+            if path.is_file() {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
         if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
             if let Some(path) = git(&["rev-parse", "--git-path", &branch]) {
                 let path = manifest.join(path);
