@@ -27,6 +27,15 @@ use crate::quilt::{QuiltAllocator, QuiltConfig};
 /// Opens the driver of one device.
 pub type VmmFactory = Box<dyn Fn(DeviceOrdinal) -> Result<Arc<dyn Vmm>, VmmError> + Send + Sync>;
 
+/// The factory of a GPU machine: `CudaVmm::new(i)` for device `i`.
+#[cfg(feature = "cuda")]
+pub fn cuda_factory() -> VmmFactory {
+    Box::new(|device| {
+        let vmm = quilt_vmm::cuda::CudaVmm::new(device as usize)?;
+        Ok(Arc::new(vmm) as Arc<dyn Vmm>)
+    })
+}
+
 /// Which other devices reach each device's memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PeerAccess {
