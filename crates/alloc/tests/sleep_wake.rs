@@ -394,3 +394,112 @@ proptest! {
         }
     }
 }
+
+/// One scripted serving sequence (growable buffer and tagged block, growth,
+/// shrink, sleep, reuse of the freed pages, wake, growth, release) on a
+/// simulated device with `fault` armed: every operation either succeeds or
+/// fails leaving the allocator consistent (invariants after each), a failed
+/// growth leaves its buffer's length as it was, a failed wake leaves the tag
+/// asleep; at the end, faults cleared, everything is woken and released and
+/// nothing leaks. Returns the VMM calls the run made.
+fn faulted_run(fault: Option<quilt_vmm::sim::Fault>) -> u64 {
+    let sim = Arc::new(SimVmm::with_capacity(64 * MIB).unwrap());
+    let a = quilt(sim.clone(), 64 * MIB);
+    a.set_map_ahead(MapAhead {
+        pages: 1,
+        below_per_mille: 1000,
+        mode: quilt_alloc::quilt::AheadMode::Inline,
+    })
+    .unwrap();
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    if let Some(f) = fault {
+        sim.inject(f);
+    }
+    let check = |what: &str| {
+        a.check_invariants()
+            .unwrap_or_else(|e| panic!("after {what}: {e}"));
+    };
+    let buf = a.create_growable_tagged(32 * MIB, s1, "t").ok();
+    check("create");
+    let w = a.allocate_tagged(6 * MIB, s2, "t").ok();
+    check("allocate_tagged");
+    let grow = |bytes: u64, what: &str| {
+        if let Some(id) = buf {
+            let before = a.growable_info(id).unwrap().len;
+            if a.grow_to(id, bytes).is_err() {
+                assert_eq!(a.growable_info(id).unwrap().len, before, "{what}");
+            }
+            check(what);
+        }
+    };
+    grow(10 * MIB, "grow");
+    if let Ok(b) = a.allocate(8 * MIB, s1) {
+        check("allocate");
+        let _ = a.free(b.ptr);
+    }
+    check("free");
+    if let Some(id) = buf {
+        let _ = a.shrink_to(id, 3 * MIB);
+    }
+    check("shrink");
+    let _ = a.sleep("t", SleepMode::Offload);
+    check("sleep");
+    if let Ok(b) = a.allocate(40 * MIB, s2) {
+        check("allocate while asleep");
+        let _ = a.free(b.ptr);
+    }
+    let asleep = a.is_asleep("t").unwrap();
+    if a.wake("t").is_err() {
+        assert_eq!(
+            a.is_asleep("t").unwrap(),
+            asleep,
+            "a failed wake changed the tag"
+        );
+    }
+    check("wake");
+    grow(20 * MIB, "grow after wake");
+    if let Some(id) = buf {
+        let _ = a.release_growable(id);
+    }
+    check("release");
+    sim.clear_faults();
+    let calls = sim.driver_stats().vmm_calls();
+    if a.is_asleep("t").unwrap_or(false) {
+        a.wake("t").unwrap();
+    }
+    if let Some(id) = buf {
+        if a.growable_info(id).is_ok() {
+            a.release_growable(id).unwrap();
+        }
+    }
+    if let Some(w) = w {
+        a.free(w.ptr).unwrap();
+    }
+    check("cleanup");
+    a.empty_cache().unwrap();
+    check("empty_cache");
+    drop(a);
+    assert!(sim.leak_report().is_empty(), "{}", sim.leak_report());
+    calls
+}
+
+#[test]
+fn sleep_wake_and_growable_survive_a_driver_fault_at_every_call() {
+    use quilt_vmm::sim::Fault;
+    let calls = faulted_run(None);
+    assert!(calls > 20, "{calls}");
+    for k in 1..=calls + 1 {
+        faulted_run(Some(Fault::nth_overall(k)));
+    }
+    for kind in [
+        CallKind::MemcpyDtoH,
+        CallKind::MemcpyHtoD,
+        CallKind::StreamSynchronize,
+        CallKind::EventRecord,
+        CallKind::StreamWaitEvent,
+    ] {
+        for n in 1..=3 {
+            faulted_run(Some(Fault::nth(kind, n)));
+        }
+    }
+}
