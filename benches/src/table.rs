@@ -437,7 +437,7 @@ pub fn notes(outcomes: &[Outcome]) -> String {
                             m.row.events
                         ));
                         out.push_str(&format!(
-                            "    asked {}, needed {} ({} of it new); device {}, {} free\n",
+                            "    asked {}, {} rounded, {} of new memory; device {}, {} free\n",
                             size(r.requested),
                             size(r.needed),
                             size(r.needed_unbacked),

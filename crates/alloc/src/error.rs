@@ -164,8 +164,8 @@ impl fmt::Display for OomReport {
         };
         write!(
             f,
-            "{}: out of memory allocating {} bytes ({:.2} MiB, {:.2} MiB needed, {:.2} MiB of it \
-             new); capacity {:.2} MiB, reserved {:.2} MiB, allocated {:.2} MiB, \
+            "{}: out of memory allocating {} bytes ({:.2} MiB, {:.2} MiB rounded, {:.2} MiB of \
+             new memory); capacity {:.2} MiB, reserved {:.2} MiB, allocated {:.2} MiB, \
              device free {:.2} MiB, free or reclaimable {:.2} MiB, largest free extent {:.2} MiB; \
              verdict: {}",
             self.allocator,
