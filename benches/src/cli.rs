@@ -45,6 +45,13 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Replay workloads through allocators and compare them (A/B).
+    ///
+    /// Prints a block per workload with the columns that carry the claims, a
+    /// legend and the best allocator per column (`--wide`: every column).
+    /// Exit status: 0 when every (workload, allocator) pair was measured; 1
+    /// when the report was written but a pair failed (its row says why) or
+    /// every allocator ran out of memory on a workload; 2 when an argument or
+    /// an input file is wrong.
     Ab(Box<AbArgs>),
     /// One knob of one allocator, one replay per value (and its bisection):
     /// the usual columns per value, JSON rows with `value`, a chart.
