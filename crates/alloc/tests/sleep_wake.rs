@@ -259,9 +259,14 @@ proptest! {
     /// offloaded member back after its wake, untouched memory never changed,
     /// members of a sleeping tag refused.
     #[test]
-    fn sleep_wake_random_tags_keep_bytes_and_invariants(ops in proptest::collection::vec(op(), 1..60)) {
+    fn sleep_wake_random_tags_keep_bytes_and_invariants(ops in proptest::collection::vec(op(), 1..60), tier in any::<bool>()) {
         let Some(h) = host(8 * MIB) else { return Ok(()) };
         let a = quilt(h.clone(), 6 * MIB);
+        if tier {
+            // Tag "a" may be sent to the host whenever a request runs out of memory.
+            a.set_offload_tier(quilt_alloc::quilt::OffloadTier::OffloadableTags).unwrap();
+            a.set_offloadable("a", true).unwrap();
+        }
         let s = StreamId::DEFAULT;
         let mut blocks: BTreeMap<u64, Member> = BTreeMap::new();
         let mut bufs: Vec<(quilt_alloc::quilt::GrowableId, u64, Member)> = Vec::new(); // id, ptr, member
@@ -380,6 +385,12 @@ proptest! {
             }
             a.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert!(a.stats().reserved_bytes.current <= 6 * MIB);
+            // The offload tier may have put tag "a" to sleep (offload: its bytes kept).
+            for (t, name) in TAGS.iter().enumerate() {
+                let now = a.is_asleep(name).unwrap_or(false);
+                prop_assert!(!now || asleep[t] || (tier && t == 0), "tag {} fell asleep", name);
+                asleep[t] = now;
+            }
             // Every awake, valid member holds its bytes.
             for (&p, m) in &blocks {
                 if m.valid && !m.tag.is_some_and(|t| asleep[t as usize]) {
@@ -502,4 +513,37 @@ fn sleep_wake_and_growable_survive_a_driver_fault_at_every_call() {
             faulted_run(Some(Fault::nth(kind, n)));
         }
     }
+}
+
+#[test]
+fn sleep_wake_offload_tier_sends_offloadable_tags_to_the_host_on_out_of_memory() {
+    use quilt_alloc::quilt::OffloadTier;
+    let Some(h) = host(4 * MIB) else { return };
+    let a = quilt(h.clone(), 4 * MIB);
+    let s = StreamId::DEFAULT;
+    let cold = a.allocate_tagged(2 * MIB, s, "cold").unwrap();
+    let hot = a.allocate_tagged(MIB, s, "hot").unwrap();
+    h.write_bytes(cold.ptr, &pattern(1, cold.size)).unwrap();
+    h.write_bytes(hot.ptr, &pattern(2, hot.size)).unwrap();
+    a.set_offloadable("cold", true).unwrap();
+    // Off by default: out of memory.
+    assert!(a.allocate(2 * MIB + 512 * KIB, s).is_err());
+    a.set_offload_tier(OffloadTier::OffloadableTags).unwrap();
+    // More than offloading could free: nothing is put to sleep.
+    assert!(a.allocate(4 * MIB - PAGE, s).is_err());
+    assert!(!a.is_asleep("cold").unwrap());
+    // Fits once "cold" is on the host; "hot" is not offloadable.
+    let big = a.allocate(2 * MIB + 512 * KIB, s).unwrap();
+    assert!(a.is_asleep("cold").unwrap() && !a.is_asleep("hot").unwrap());
+    let st = a.serving_stats();
+    assert_eq!((st.tier_offloads, st.tier_rescues), (1, 1));
+    assert_eq!(read(&h, hot.ptr, hot.size), pattern(2, hot.size));
+    a.check_invariants().unwrap();
+    // Waking needs the memory back: the block goes first.
+    assert!(a.wake("cold").is_err());
+    assert!(a.is_asleep("cold").unwrap());
+    a.free(big.ptr).unwrap();
+    a.wake("cold").unwrap();
+    assert_eq!(read(&h, cold.ptr, cold.size), pattern(1, cold.size));
+    a.check_invariants().unwrap();
 }

@@ -135,6 +135,10 @@ pub struct ServingStats {
     /// Stream synchronisations made by sleeps (the work on the memory must be
     /// complete before it is copied or unmapped).
     pub sleep_syncs: u64,
+    /// Tags the offload tier put to sleep.
+    pub tier_offloads: u64,
+    /// Requests the offload tier saved from running out of memory.
+    pub tier_rescues: u64,
 }
 
 /// One live growable buffer.

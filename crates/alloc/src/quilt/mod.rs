@@ -35,6 +35,7 @@ mod config;
 mod growable;
 mod growable_buffer;
 mod invariants;
+mod offload;
 mod placement;
 mod reclaim;
 mod serving;
@@ -51,6 +52,7 @@ use quilt_vmm::{DevicePtr, StreamId, Vmm};
 pub use config::{QuiltConfig, ReclaimPolicy};
 pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, ServingStats};
 pub use growable_buffer::GrowableBuffer;
+pub use offload::OffloadTier;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 pub use sleep::SleepMode;
 
@@ -217,7 +219,8 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
         let ctx = self.ctx();
-        self.lock()?.allocate(&ctx, size, stream)
+        self.lock()?
+            .with_offload_tier(&ctx, None, |st, ctx| st.allocate(ctx, size, stream))
     }
 
     fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {

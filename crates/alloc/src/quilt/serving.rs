@@ -5,6 +5,7 @@
 use quilt_vmm::StreamId;
 
 use super::growable::{GrowableId, GrowableInfo, MapAhead, ServingStats};
+use super::offload::OffloadTier;
 use super::sleep::SleepMode;
 use super::QuiltAllocator;
 use crate::api::Allocation;
@@ -86,7 +87,8 @@ impl QuiltAllocator {
         let ctx = self.ctx();
         let ahead = {
             let mut st = self.lock()?;
-            st.growable_grow(&ctx, id, bytes)?;
+            let tag = st.growable(id)?.tag;
+            st.with_offload_tier(&ctx, tag, |st, ctx| st.growable_grow(ctx, id, bytes))?;
             st.map_ahead
         };
         self.ahead.after_growth(&self.core, id, ahead);
@@ -146,7 +148,9 @@ impl QuiltAllocator {
         let ctx = self.ctx();
         let mut st = self.lock()?;
         let t = st.tags.index(tag);
-        st.allocate_in(&ctx, size, stream, Some(t))
+        st.with_offload_tier(&ctx, Some(t), |st, ctx| {
+            st.allocate_in(ctx, size, stream, Some(t))
+        })
     }
 
     /// Put every member of `tag` to sleep: the streams that used them are
@@ -192,7 +196,9 @@ impl QuiltAllocator {
     /// A tag that is awake is [`AllocError::TagState`].
     pub fn wake(&self, tag: &str) -> Result<(), AllocError> {
         let ctx = self.ctx();
-        self.lock()?.wake(&ctx, tag)
+        let mut st = self.lock()?;
+        let exclude = st.tags.lookup(tag);
+        st.with_offload_tier(&ctx, exclude, |st, ctx| st.wake(ctx, tag))
     }
 
     /// True while `tag` sleeps ([`AllocError::TagState`] for an unknown tag).
@@ -206,6 +212,25 @@ impl QuiltAllocator {
                 reason: "unknown tag: no allocation or growable buffer ever carried it",
             }),
         }
+    }
+
+    /// Set what happens when a request would run out of memory (see
+    /// [`OffloadTier`]; `Off` by default).
+    pub fn set_offload_tier(&self, tier: OffloadTier) -> Result<(), AllocError> {
+        self.lock()?.offload_tier = tier;
+        Ok(())
+    }
+
+    /// Let the offload tier put `tag` to sleep when a request would
+    /// otherwise run out of memory (`true`), or not (`false`, the default).
+    /// The owner of an offloadable tag must check
+    /// [`is_asleep`](QuiltAllocator::is_asleep) and `wake` it before its
+    /// memory is used again.
+    pub fn set_offloadable(&self, tag: &str, offloadable: bool) -> Result<(), AllocError> {
+        let mut st = self.lock()?;
+        let t = st.tags.index(tag);
+        st.tags.set_offloadable(t, offloadable);
+        Ok(())
     }
 
     /// Bytes of host memory holding sleeping tags' contents.

@@ -56,6 +56,8 @@ pub(crate) struct Tags {
     names: Vec<String>,
     index: HashMap<String, u32>,
     asleep: Vec<Option<Sleeping>>,
+    /// Whether the offload tier may put the tag to sleep.
+    offloadable: Vec<bool>,
 }
 
 impl Tags {
@@ -68,7 +70,20 @@ impl Tags {
         self.names.push(name.to_string());
         self.index.insert(name.to_string(), i);
         self.asleep.push(None);
+        self.offloadable.push(false);
         i
+    }
+
+    /// True when the offload tier may put tag `i` to sleep.
+    pub(crate) fn is_offloadable(&self, i: u32) -> bool {
+        self.offloadable.get(i as usize).copied().unwrap_or(false)
+    }
+
+    /// Let the offload tier put tag `i` to sleep, or not.
+    pub(crate) fn set_offloadable(&mut self, i: u32, yes: bool) {
+        if let Some(o) = self.offloadable.get_mut(i as usize) {
+            *o = yes;
+        }
     }
 
     /// The index of `name`, if it was ever used.

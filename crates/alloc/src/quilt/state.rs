@@ -14,6 +14,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 use super::arena::Arena;
 use super::config::QuiltConfig;
 use super::growable::{GrowRec, MapAhead, ServingStats};
+use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
 use super::sleep::Tags;
 use super::streams::Streams;
@@ -106,6 +107,8 @@ pub(crate) struct State {
     pub(crate) map_ahead: MapAhead,
     /// Growable-buffer and sleep/wake counters.
     pub(crate) serving: ServingStats,
+    /// What happens when a request would run out of memory.
+    pub(crate) offload_tier: OffloadTier,
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
