@@ -547,3 +547,45 @@ fn sleep_wake_offload_tier_sends_offloadable_tags_to_the_host_on_out_of_memory()
     assert_eq!(read(&h, cold.ptr, cold.size), pattern(1, cold.size));
     a.check_invariants().unwrap();
 }
+
+/// On a real GPU: a tagged block and a growable buffer keep every byte
+/// through growth (same address) and through sleep, reuse of their pages by
+/// another block, and wake. `cargo test --release -p quilt-alloc --test
+/// sleep_wake -- --ignored` on a GPU machine.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
+fn sleep_wake_on_cuda_keeps_every_byte() {
+    let cuda: Arc<dyn Vmm> = Arc::new(quilt_vmm::cuda::CudaVmm::new(0).unwrap());
+    let a = quilt(cuda.clone(), 1 << 30);
+    let s = StreamId::DEFAULT;
+    let get = |p: u64, len: u64| {
+        let mut out = vec![0u8; len as usize];
+        cuda.copy_to_host(p, &mut out).unwrap();
+        out
+    };
+    let w = a.allocate_tagged(64 * MIB, s, "weights").unwrap();
+    cuda.copy_from_host(w.ptr, &pattern(1, w.size)).unwrap();
+    let kv = GrowableBuffer::new_tagged(a.clone(), 256 * MIB, s, "weights").unwrap();
+    kv.grow_to(10 * MIB).unwrap();
+    cuda.copy_from_host(kv.ptr(), &pattern(2, 10 * MIB))
+        .unwrap();
+    kv.grow_to(30 * MIB).unwrap();
+    assert_eq!(get(kv.ptr(), 10 * MIB), pattern(2, 10 * MIB));
+    cuda.copy_from_host(kv.ptr(), &pattern(3, 30 * MIB))
+        .unwrap();
+    a.sleep("weights", SleepMode::Offload).unwrap();
+    let other = a
+        .allocate(1024 * MIB - 4 * cuda.granularity(), StreamId::DEFAULT)
+        .unwrap();
+    cuda.copy_from_host(other.ptr, &vec![0xFF; 8 * MIB as usize])
+        .unwrap();
+    a.free(other.ptr).unwrap();
+    a.wake("weights").unwrap();
+    assert_eq!(get(w.ptr, w.size), pattern(1, w.size));
+    assert_eq!(get(kv.ptr(), 30 * MIB), pattern(3, 30 * MIB));
+    a.check_invariants().unwrap();
+    a.free(w.ptr).unwrap();
+    kv.release().unwrap();
+    a.check_invariants().unwrap();
+}
