@@ -374,5 +374,11 @@ fn check_sleeping_tags(st: &State) -> Result<HashSet<usize>, InvariantViolation>
             }
         }
     }
+    let sleeping = (0..st.tags.len()).filter(|&t| st.tags.is_asleep(t)).count();
+    if st.tags.any_asleep() != (sleeping > 0) {
+        return fail(format!(
+            "{sleeping} tags asleep, but the count says otherwise"
+        ));
+    }
     Ok(asleep)
 }

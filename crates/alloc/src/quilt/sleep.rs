@@ -58,6 +58,8 @@ pub(crate) struct Tags {
     asleep: Vec<Option<Sleeping>>,
     /// Whether the offload tier may put the tag to sleep.
     offloadable: Vec<bool>,
+    /// How many tags are asleep.
+    sleeping: usize,
 }
 
 impl Tags {
@@ -112,6 +114,11 @@ impl Tags {
         self.names.get(i as usize).map(String::as_str).unwrap_or("")
     }
 
+    /// True when some tag is asleep.
+    pub(crate) fn any_asleep(&self) -> bool {
+        self.sleeping > 0
+    }
+
     /// True when tag `i` is asleep.
     pub(crate) fn is_asleep(&self, i: u32) -> bool {
         self.asleep.get(i as usize).is_some_and(Option::is_some)
@@ -152,8 +159,12 @@ impl Tags {
 }
 
 impl State {
-    /// An error when arena `ai` belongs to a sleeping tag.
+    /// An error when arena `ai` belongs to a sleeping tag (nothing to look
+    /// up while no tag sleeps: the free path pays nothing for tags).
     pub(crate) fn check_arena_awake(&self, ai: usize) -> Result<(), AllocError> {
+        if !self.tags.any_asleep() {
+            return Ok(());
+        }
         match self.arena_meta.get(ai) {
             Some(&(_, Kind::Tagged(t))) => self.tags.check_awake(t),
             _ => Ok(()),
@@ -241,6 +252,7 @@ impl State {
         self.serving.sleeps += 1;
         if let Some(slot) = self.tags.asleep.get_mut(t as usize) {
             *slot = Some(Sleeping { mode, saved });
+            self.tags.sleeping += 1;
         }
         // 3. Every page of the tag's arenas unmapped, its pool page returned
         // (a failure leaves the rest mapped; a wake maps what is missing).
@@ -339,6 +351,7 @@ impl State {
         }
         let sleeping = self.tags.asleep.get_mut(t as usize).and_then(Option::take);
         if let Some(s) = sleeping {
+            self.tags.sleeping -= 1;
             self.serving.bytes_restored +=
                 s.saved.iter().map(|c| c.bytes.len() as u64).sum::<u64>();
         }
