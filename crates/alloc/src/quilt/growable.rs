@@ -197,6 +197,14 @@ impl State {
         }
         self.tick += 1;
         let si = self.stream_index(stream);
+        if !self.zombies.is_empty() {
+            // A driver call follows: learn how far the streams got, and
+            // unmap the retired pages of released buffers whose work is
+            // done, freeing their ranges (else they would pile up while the
+            // pool never runs short).
+            self.streams.refresh(ctx.vmm, self.tick);
+            self.unmap_retired(ctx, false)?;
+        }
         let base = ctx.vmm.reserve(max, 0)?;
         let arena = Arena::new(base, max, ctx.page);
         let ai = match self.free_arena_slots.pop() {
@@ -438,10 +446,11 @@ impl State {
         let tick = self.tick;
         let ai = g.arena;
         let from = g.extent();
-        let track = self.streams.len() > 1;
         self.set_extent(ai, from, 0, Some((g.streams, tick)));
+        // An event on each of its streams (if none covers their frees yet),
+        // so that a later operation learns when its retired pages are free.
         for s in self.streams.in_mask(g.streams) {
-            self.streams.note_free(ctx.vmm, s, tick, track);
+            self.streams.note_free(ctx.vmm, s, tick, true);
         }
         self.stats.allocated_bytes.decrease(from);
         self.stats.active_bytes.decrease(from);
