@@ -537,3 +537,45 @@ fn growable_released_buffers_do_not_pile_up_while_the_pool_has_room() {
     );
     assert_eq!(s.driver_stats().count(CallKind::StreamSynchronize), 0);
 }
+
+#[test]
+fn growable_threads_grow_and_shrink_their_buffers_beside_the_map_ahead_worker() {
+    let Some(h) = host(32 * MIB) else { return };
+    let a = quilt(h.clone(), 32 * MIB);
+    a.set_map_ahead(ahead_policy(2, 900, AheadMode::Background))
+        .unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..4u8 {
+            let (a, h) = (a.clone(), h.clone());
+            scope.spawn(move || {
+                let stream = StreamId(t as u64 + 1);
+                let buf = GrowableBuffer::new(a.clone(), 6 * MIB, stream).unwrap();
+                let mut len = 0u64;
+                for i in 0..200u64 {
+                    let next = if i % 50 == 49 {
+                        len / 3
+                    } else {
+                        (len + 40 * KIB).min(6 * MIB)
+                    };
+                    if next > len {
+                        buf.grow_to(next).unwrap();
+                        h.fill(buf.ptr() + len, next - len, t + 1).unwrap();
+                    } else {
+                        buf.shrink_to(next).unwrap();
+                    }
+                    len = next;
+                    if len > 0 {
+                        assert!(h.check_filled(buf.ptr(), len, t + 1).unwrap());
+                    }
+                }
+                let block = a.allocate(MIB, stream).unwrap();
+                h.fill(block.ptr, block.size, 0xCC).unwrap();
+                assert!(h.check_filled(buf.ptr(), len, t + 1).unwrap() || len == 0);
+                a.free(block.ptr).unwrap();
+            });
+        }
+    });
+    a.check_invariants().unwrap();
+    assert_eq!(a.serving_stats().growables, 0);
+    assert!(a.serving_stats().grows_already_mapped > 0);
+}
