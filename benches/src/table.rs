@@ -623,3 +623,112 @@ pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String 
     out.push_str(&summary(outcomes));
     out
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+    use super::*;
+    use crate::report::{StreamCalls, VmmCalls};
+
+    fn row(workload: &str, allocator: &str, completed: bool, eff: f64, min: u64) -> Outcome {
+        Ok(Measurement {
+            row: ReportRow {
+                workload: workload.into(),
+                allocator: allocator.into(),
+                capacity_bytes: 80 << 30,
+                completed,
+                ooms: u64::from(!completed),
+                oom: None,
+                events: 10,
+                peak_live_bytes: 1 << 30,
+                peak_reserved_bytes: 1 << 30,
+                efficiency: eff,
+                ideal_bytes: 1 << 30,
+                min_capacity_bytes: Some(min),
+                vmm_calls: VmmCalls::default(),
+                vmm_calls_after_first_iteration: None,
+                stream_calls: StreamCalls::default(),
+                stream_calls_after_first_iteration: None,
+                modelled_driver_us: 1000.0,
+                cpu_ns_per_op: 100,
+            },
+            modelled_flat_create_us: 1000.0,
+            series: Vec::new(),
+        })
+    }
+
+    fn line<'a>(text: &'a str, start: &str) -> &'a str {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(start))
+            .unwrap_or_else(|| panic!("no `{start}` in {text}"))
+    }
+
+    #[test]
+    fn the_summary_counts_ties_for_each_and_lets_only_completed_rows_win() {
+        let outcomes = vec![
+            // w1: `a` ran out of memory, so its higher efficiency does not count.
+            row("w1", "a", false, 0.99, 4 << 30),
+            row("w1", "b", true, 0.90, 2 << 30),
+            // w2: a tie in efficiency, `a` the smaller minimum capacity.
+            row("w2", "a", true, 0.95, 1 << 30),
+            row("w2", "b", true, 0.95, 2 << 30),
+        ];
+        let s = summary(&outcomes);
+        assert!(
+            s.starts_with("best per column (2 allocators on 2 workloads"),
+            "{s}"
+        );
+        assert!(line(&s, "eff. (highest):").ends_with("b 2/2, a 1/2"), "{s}");
+        assert!(
+            line(&s, "min cap GiB (lowest):").ends_with("a 1/2, b 1/2"),
+            "{s}"
+        );
+        // Equal driver time: on w1 only `b` completed, on w2 both tie.
+        assert!(
+            line(&s, "driver ms (lowest):").ends_with("b 2/2, a 1/2"),
+            "{s}"
+        );
+        let both = vec![
+            row("w", "a", true, 0.9, 1 << 30),
+            row("w", "b", true, 0.9, 1 << 30),
+        ];
+        assert!(line(&summary(&both), "eff. (highest):").ends_with("all tie"));
+        assert!(
+            line(&s, "calls after 1st (fewest):").contains("one iteration ran"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn the_narrow_table_puts_long_specs_on_their_own_line_and_fits_100_columns() {
+        let long = "gmlake:frag_limit=32MiB,reuse_limit=4";
+        let mut outcomes = vec![row("w", "quilt", true, 0.99, 1 << 30)];
+        outcomes.push(row("w", long, true, 0.98, 1 << 30));
+        outcomes.push(Err(Failure {
+            workload: "w".into(),
+            allocator: "classic".into(),
+            capacity_bytes: 80 << 30,
+            completed: false,
+            error: "it broke".into(),
+        }));
+        let t = table(&outcomes, Layout::Narrow);
+        assert!(t.lines().all(|l| l.chars().count() <= MAX_WIDTH), "{t}");
+        let lines: Vec<&str> = t.lines().collect();
+        let at = lines.iter().position(|l| l.trim() == long).unwrap();
+        assert!(lines[at + 1].trim_start().starts_with("yes"), "{t}");
+        assert!(line(&t, "classic").contains("FAILED"), "{t}");
+        assert!(notes(&outcomes).contains("w / classic: FAILED: it broke"));
+        // Every column of the narrow layout has a legend line within the width.
+        let narrow = legend(Layout::Narrow);
+        assert!(
+            narrow.lines().all(|l| l.chars().count() <= MAX_WIDTH),
+            "{narrow}"
+        );
+        assert_eq!(narrow.lines().count(), 1 + columns(Layout::Narrow).len());
+        let wide = legend(Layout::Wide);
+        assert!(
+            wide.lines().all(|l| l.chars().count() <= MAX_WIDTH),
+            "{wide}"
+        );
+    }
+}
