@@ -643,7 +643,7 @@ fn fault_sweep_llm_serving() {
 /// thousands). `QUILT_FULL_SWEEP_ONLY=<substring>` keeps the workloads whose
 /// name contains it. Tens of minutes in release.
 #[test]
-#[ignore]
+#[ignore = "every call index, tens of minutes: run with --ignored (docs/reliability.md)"]
 fn fault_sweep_full() {
     let only = std::env::var("QUILT_FULL_SWEEP_ONLY").unwrap_or_default();
     let mut total = 0;
