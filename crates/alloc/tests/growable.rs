@@ -16,6 +16,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use quilt_alloc::quilt::{
     AheadMode, GrowableBuffer, GrowableId, MapAhead, MemoryLimit, QuiltAllocator, QuiltConfig,
+    Recycle,
 };
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::host::{HostConfig, HostVmm};
@@ -278,6 +279,7 @@ fn growable_regrow_over_spare_pages_makes_no_driver_call() {
 #[test]
 fn growable_release_with_pending_work_frees_its_range_later() {
     let (s, a) = sim(64 * MIB);
+    a.set_recycle(Recycle::OFF).unwrap(); // released ranges are not kept
     let buf = GrowableBuffer::new(a.clone(), 16 * MIB, StreamId(1)).unwrap();
     let _other = a.allocate(MIB, StreamId(2)).unwrap(); // two streams: hazards tracked
     buf.grow_to(16 * MIB).unwrap();
@@ -578,4 +580,47 @@ fn growable_threads_grow_and_shrink_their_buffers_beside_the_map_ahead_worker() 
     a.check_invariants().unwrap();
     assert_eq!(a.serving_stats().growables, 0);
     assert!(a.serving_stats().grows_already_mapped > 0);
+}
+
+#[test]
+fn growable_released_range_serves_the_next_buffer_on_its_mapped_pages() {
+    let (s, a) = sim(64 * MIB);
+    a.set_recycle(Recycle { max_buffers: 4 }).unwrap();
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let first = GrowableBuffer::new(a.clone(), 32 * MIB, s1).unwrap();
+    let ptr = first.ptr();
+    first.grow_to(20 * MIB).unwrap();
+    drop(first);
+    a.check_invariants().unwrap();
+    // The next buffer of the same maximum starts on its mapped pages.
+    let second = GrowableBuffer::new(a.clone(), 32 * MIB, s1).unwrap();
+    assert_eq!(second.ptr(), ptr);
+    let before = s.driver_stats();
+    second.grow_to(20 * MIB).unwrap();
+    assert_eq!(s.driver_stats().since(&before).vmm_calls(), 0);
+    assert_eq!(a.serving_stats().recycled, 1);
+    // Another maximum: a fresh range.
+    let other = GrowableBuffer::new(a.clone(), 16 * MIB, s1).unwrap();
+    assert_ne!(other.ptr(), ptr);
+    drop(other);
+    a.check_invariants().unwrap();
+    // On another stream, the reuse waits for the first stream's work.
+    let _seen = a.allocate(512, s2).unwrap(); // two streams: hazards tracked
+    drop(second);
+    let third = GrowableBuffer::new(a.clone(), 32 * MIB, s2).unwrap();
+    let before = s.driver_stats();
+    third.grow_to(20 * MIB).unwrap();
+    let since = s.driver_stats().since(&before);
+    assert_eq!(since.vmm_calls(), 0);
+    assert_eq!(since.count(CallKind::StreamSynchronize), 0);
+    assert!(since.count(CallKind::StreamWaitEvent) >= 1, "{since:?}");
+    drop(third);
+    // Under pressure its pages go before any other: an ordinary block
+    // takes the whole device.
+    let all = a.allocate(64 * MIB - 2 * MIB, s1).unwrap();
+    assert!(a.serving_stats().spare_pages_reclaimed >= 10);
+    a.free(all.ptr).unwrap();
+    a.check_invariants().unwrap();
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
 }

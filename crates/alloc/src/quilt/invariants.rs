@@ -34,9 +34,10 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 ///    pool page with a hazard is free in the pool.
 /// 9. Growable buffers: each owns one arena of its maximum size (its kind
 ///    `Growable`), whose only occupied range is `0 .. len` rounded to 512 B
-///    (none at length 0); every other growable arena is a zombie (released,
-///    nothing occupied, still mapping something) or dead (size 0, its slot
-///    free); no arena is two of these.
+///    (none at length 0); every other growable arena is recycled (released,
+///    kept whole, nothing occupied), a zombie (released, nothing occupied,
+///    still mapping something) or dead (size 0, its slot free); no arena is
+///    two of these.
 /// 10. Only the arenas of a sleeping tag may have touched pages unmapped
 ///     (until a wake maps them); in offload mode a sleeping tag's host
 ///     copies are exactly its members' ranges.
@@ -327,6 +328,17 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         if a.size == 0 || !a.occupied.is_empty() || st.arena_meta[ai].1 != Kind::Growable {
             return fail(format!(
                 "zombie arena {ai} is dead, occupied or not growable"
+            ));
+        }
+        owner[ai] += 1;
+    }
+    for &ai in &st.recycled {
+        let Some(a) = st.arenas.get(ai) else {
+            return fail(format!("recycled arena {ai} is missing"));
+        };
+        if a.size == 0 || !a.occupied.is_empty() || st.arena_meta[ai].1 != Kind::Growable {
+            return fail(format!(
+                "recycled arena {ai} is dead, occupied or not growable"
             ));
         }
         owner[ai] += 1;

@@ -50,7 +50,7 @@ use quilt_pool::PagePool;
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
 pub use config::{QuiltConfig, ReclaimPolicy};
-pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, ServingStats};
+pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, Recycle, ServingStats};
 pub use growable_buffer::GrowableBuffer;
 pub use offload::OffloadTier;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};

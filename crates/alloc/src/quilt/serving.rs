@@ -4,7 +4,7 @@
 
 use quilt_vmm::StreamId;
 
-use super::growable::{GrowableId, GrowableInfo, MapAhead, ServingStats};
+use super::growable::{GrowableId, GrowableInfo, MapAhead, Recycle, ServingStats};
 use super::offload::OffloadTier;
 use super::sleep::SleepMode;
 use super::QuiltAllocator;
@@ -246,6 +246,12 @@ impl QuiltAllocator {
     /// Set the map-ahead policy of growable buffers (see [`MapAhead`]).
     pub fn set_map_ahead(&self, policy: MapAhead) -> Result<(), AllocError> {
         self.lock()?.map_ahead = policy;
+        Ok(())
+    }
+
+    /// Set what happens to released growable buffers' ranges (see [`Recycle`]).
+    pub fn set_recycle(&self, policy: Recycle) -> Result<(), AllocError> {
+        self.lock()?.recycle = policy;
         Ok(())
     }
 

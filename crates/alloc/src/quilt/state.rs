@@ -13,7 +13,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::QuiltConfig;
-use super::growable::{GrowRec, MapAhead, ServingStats};
+use super::growable::{GrowRec, MapAhead, Recycle, ServingStats};
 use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
 use super::sleep::Tags;
@@ -109,6 +109,11 @@ pub(crate) struct State {
     pub(crate) serving: ServingStats,
     /// What happens when a request would run out of memory.
     pub(crate) offload_tier: OffloadTier,
+    /// Arenas of released growable buffers kept whole (pages mapped) for
+    /// the next buffer of the same maximum.
+    pub(crate) recycled: Vec<usize>,
+    /// How many of them are kept.
+    pub(crate) recycle: Recycle,
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
