@@ -589,3 +589,30 @@ fn sleep_wake_on_cuda_keeps_every_byte() {
     kv.release().unwrap();
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn sleep_wake_on_the_simulator_costs_large_copies_without_host_memory() {
+    const GIB: u64 = 1 << 30;
+    let sim = Arc::new(SimVmm::with_capacity(80 * GIB).unwrap());
+    let a = quilt(sim.clone(), 80 * GIB);
+    // 40 GiB of weights: kept on the host on a real device; the simulated
+    // one holds no bytes, so its copies are costed through a scratch buffer
+    // and nothing is kept (this test would exhaust a small machine otherwise).
+    let w = a
+        .allocate_tagged(40 * GIB, StreamId::DEFAULT, "big")
+        .unwrap();
+    let before = sim.driver_stats();
+    a.sleep("big", SleepMode::Offload).unwrap();
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(
+        (d.count(CallKind::MemcpyDtoH), d.copied_bytes),
+        (40, 40 * GIB)
+    );
+    assert_eq!(a.host_bytes(), 40 * GIB);
+    let other = a.allocate(70 * GIB, StreamId::DEFAULT).unwrap();
+    a.free(other.ptr).unwrap();
+    a.wake("big").unwrap();
+    assert_eq!(sim.driver_stats().since(&before).copied_bytes, 80 * GIB);
+    a.check_invariants().unwrap();
+    a.free(w.ptr).unwrap();
+}

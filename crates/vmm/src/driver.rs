@@ -123,6 +123,14 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
         MapRule::WholeHandle
     }
 
+    /// True when the backend's memory holds real bytes (CUDA, host), so that
+    /// [`Vmm::copy_to_host`] fills its buffer and a caller offloading device
+    /// memory must keep what it copied; false for the simulated device, whose
+    /// copies move nothing (they are only checked, counted and costed).
+    fn holds_bytes(&self) -> bool {
+        true
+    }
+
     // ---- sharing between devices and processes (see [`crate::share`]) ----
 
     /// What the device reports about sharing: its ordinal, the device count,

@@ -36,11 +36,67 @@ pub enum SleepMode {
     Discard,
 }
 
-/// The host copy of one member: its device range and its bytes.
+/// The host copy of one member: its device range and its bytes (empty on a
+/// backend whose memory holds no bytes: the copy was only costed).
 #[derive(Debug)]
 struct Saved {
     ptr: DevicePtr,
+    len: u64,
     bytes: Vec<u8>,
+}
+
+/// On a backend without bytes, copies go through one scratch buffer of at
+/// most this many bytes (zeroed by the allocator, never touched: no host
+/// memory is used), one copy per this many bytes of a member.
+const SCRATCH_MAX: u64 = 1 << 30;
+
+/// Copy the `len` bytes at `ptr` to the host: into a buffer kept for the
+/// wake when the backend holds bytes, else through a scratch buffer (the
+/// copies are counted and costed, nothing is kept).
+fn copy_out(ctx: &Ctx<'_>, ptr: DevicePtr, len: u64) -> Result<Saved, AllocError> {
+    let host_oom = || {
+        AllocError::Driver(quilt_vmm::VmmError::OutOfMemory {
+            call: quilt_vmm::CallKind::MemcpyDtoH,
+            requested: len,
+            available: 0,
+        })
+    };
+    let size = usize::try_from(len).map_err(|_| host_oom())?;
+    if ctx.vmm.holds_bytes() {
+        let mut bytes = Vec::new();
+        bytes.try_reserve_exact(size).map_err(|_| host_oom())?;
+        bytes.resize(size, 0);
+        ctx.vmm.copy_to_host(ptr, &mut bytes)?;
+        return Ok(Saved { ptr, len, bytes });
+    }
+    let mut scratch = vec![0u8; len.min(SCRATCH_MAX) as usize];
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(SCRATCH_MAX) as usize;
+        ctx.vmm.copy_to_host(ptr + off, &mut scratch[..n])?;
+        off += n as u64;
+    }
+    Ok(Saved {
+        ptr,
+        len,
+        bytes: Vec::new(),
+    })
+}
+
+/// Copy a member back (see [`copy_out`]).
+fn copy_back(ctx: &Ctx<'_>, saved: &Saved) -> Result<(), AllocError> {
+    if saved.bytes.len() as u64 == saved.len {
+        ctx.vmm.copy_from_host(saved.ptr, &saved.bytes)?;
+        return Ok(());
+    }
+    let scratch = vec![0u8; saved.len.min(SCRATCH_MAX) as usize];
+    let mut off = 0;
+    while off < saved.len {
+        let n = (saved.len - off).min(SCRATCH_MAX) as usize;
+        ctx.vmm.copy_from_host(saved.ptr + off, &scratch[..n])?;
+        off += n as u64;
+    }
+    Ok(())
 }
 
 /// A sleeping tag.
@@ -130,7 +186,7 @@ impl Tags {
             .iter()
             .flatten()
             .flat_map(|s| &s.saved)
-            .map(|s| s.bytes.len() as u64)
+            .map(|s| s.len)
             .sum()
     }
 
@@ -149,12 +205,7 @@ impl Tags {
     /// address, length); `None` when awake or discarded.
     pub(crate) fn saved_ranges(&self, i: u32) -> Option<Vec<(DevicePtr, u64)>> {
         let s = self.asleep.get(i as usize)?.as_ref()?;
-        (s.mode == SleepMode::Offload).then(|| {
-            s.saved
-                .iter()
-                .map(|c| (c.ptr, c.bytes.len() as u64))
-                .collect()
-        })
+        (s.mode == SleepMode::Offload).then(|| s.saved.iter().map(|c| (c.ptr, c.len)).collect())
     }
 }
 
@@ -242,12 +293,10 @@ impl State {
         let mut saved = Vec::new();
         if mode == SleepMode::Offload {
             for &(ptr, len, _) in &members {
-                let mut bytes = vec![0u8; len as usize];
-                ctx.vmm.copy_to_host(ptr, &mut bytes)?;
-                saved.push(Saved { ptr, bytes });
+                saved.push(copy_out(ctx, ptr, len)?);
             }
         }
-        let offloaded: u64 = saved.iter().map(|s| s.bytes.len() as u64).sum();
+        let offloaded: u64 = saved.iter().map(|s| s.len).sum();
         self.serving.bytes_offloaded += offloaded;
         self.serving.sleeps += 1;
         if let Some(slot) = self.tags.asleep.get_mut(t as usize) {
@@ -346,14 +395,13 @@ impl State {
         // The contents, back at the same addresses.
         if let Some(Some(s)) = self.tags.asleep.get(t as usize) {
             for c in &s.saved {
-                ctx.vmm.copy_from_host(c.ptr, &c.bytes)?;
+                copy_back(ctx, c)?;
             }
         }
         let sleeping = self.tags.asleep.get_mut(t as usize).and_then(Option::take);
         if let Some(s) = sleeping {
             self.tags.sleeping -= 1;
-            self.serving.bytes_restored +=
-                s.saved.iter().map(|c| c.bytes.len() as u64).sum::<u64>();
+            self.serving.bytes_restored += s.saved.iter().map(|c| c.len).sum::<u64>();
         }
         self.serving.wakes += 1;
         self.sync_arena_stats(ctx);

@@ -433,6 +433,11 @@ impl Vmm for SimVmm {
         self.call(CallKind::MemcpyDtoH, len, |s| s.check_copy(src, len))
     }
 
+    /// No bytes: a copy moves nothing.
+    fn holds_bytes(&self) -> bool {
+        false
+    }
+
     /// As [`SimVmm::copy_to_host`]: checked, counted and costed, no bytes moved.
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         let len = src.len() as u64;
