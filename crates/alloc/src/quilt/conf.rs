@@ -16,6 +16,13 @@
 //! | `reuse_limit` | a whole number, with a `frag_limit` (`frag_limit=0` clears it) | [`QuiltConfig::reuse_limit`] |
 //! | `growth_divisor` | pages held per page of margin; 0: exactly what is needed | [`GrowthPolicy`] |
 //! | `access_per_map` | `true` / `false` | [`QuiltConfig::access_per_map`] |
+//! | `map_ahead_pages` | pages mapped past each growable buffer's end (0: none) | [`QuiltConfig::map_ahead`] |
+//! | `map_ahead_mode` | `background`, `inline`, `manual` | its [`AheadMode`] |
+//! | `map_ahead_permille` | 0 to 1000: map ahead while the pool is below this share of its limit | its bound |
+//! | `recycle_buffers` | released growable ranges kept (0: none) | [`QuiltConfig::recycle`] |
+//! | `offload_tier` | `off`, `offloadable_tags` | [`QuiltConfig::offload_tier`] |
+//!
+//! The last five ([`SERVING_KEYS`]) are the serving policies (`docs/serving.md`).
 //!
 //! A key the other settings would ignore (`cached_permille` without
 //! `reclaim=cached_above`, ...) is refused rather than silently dead.
@@ -23,9 +30,12 @@
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize};
 
 use super::config::{QuiltConfig, ReclaimPolicy};
+use super::growable::{AheadMode, Recycle};
+use super::offload::OffloadTier;
 use crate::units::parse_size;
 
-/// Every key [`apply`] knows, in the table's order.
+/// Quilt's placement and reclaim keys, in the table's order (the serving
+/// policies' are [`SERVING_KEYS`]).
 pub const KEYS: [&str; 11] = [
     "page_size",
     "reclaim",
@@ -39,6 +49,20 @@ pub const KEYS: [&str; 11] = [
     "growth_divisor",
     "access_per_map",
 ];
+
+/// The serving policies' keys (growable buffers, the offload tier), beside [`KEYS`].
+pub const SERVING_KEYS: [&str; 5] = [
+    "map_ahead_pages",
+    "map_ahead_mode",
+    "map_ahead_permille",
+    "recycle_buffers",
+    "offload_tier",
+];
+
+/// Every key [`apply`] knows: [`KEYS`] then [`SERVING_KEYS`].
+pub fn all_keys() -> Vec<&'static str> {
+    KEYS.iter().chain(SERVING_KEYS.iter()).copied().collect()
+}
 
 /// The values of `reclaim`.
 pub const RECLAIM_VALUES: [&str; 4] = ["when_full", "always", "cached_above", "idle_for"];
@@ -98,9 +122,9 @@ fn flag(key: &str, value: &str) -> Result<bool, ConfError> {
     }
 }
 
-/// True when `key` is one of Quilt's policy keys.
+/// True when `key` is one of Quilt's policy keys ([`KEYS`] or [`SERVING_KEYS`]).
 pub fn is_key(key: &str) -> bool {
-    KEYS.contains(&key)
+    KEYS.contains(&key) || SERVING_KEYS.contains(&key)
 }
 
 /// `base` with `settings` (key, value) applied, checked; `base` itself is
@@ -111,6 +135,8 @@ pub fn is_key(key: &str) -> bool {
 ///
 /// let c = conf::apply(QuiltConfig::default(), &[("reclaim", "cached_above"), ("cached_permille", "20")])?;
 /// assert_eq!(c.reclaim, ReclaimPolicy::CachedAbove(20));
+/// let s = conf::apply(QuiltConfig::default(), &[("map_ahead_pages", "2"), ("map_ahead_mode", "inline")])?;
+/// assert_eq!((s.map_ahead.pages, s.map_ahead.mode), (2, quilt_alloc::quilt::AheadMode::Inline));
 /// assert!(conf::apply(QuiltConfig::default(), &[("colour", "blue")]).is_err());
 /// # Ok::<(), quilt_alloc::quilt::conf::ConfError>(())
 /// ```
@@ -180,10 +206,43 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
                 };
             }
             "access_per_map" => c.access_per_map = flag(key, value)?,
+            "map_ahead_pages" => c.map_ahead.pages = count(key, value)?,
+            "map_ahead_mode" => {
+                c.map_ahead.mode = match value {
+                    "background" => AheadMode::Background,
+                    "inline" => AheadMode::Inline,
+                    "manual" => AheadMode::Manual,
+                    _ => return Err(bad(key, value, "expected background, inline or manual")),
+                }
+            }
+            "map_ahead_permille" => {
+                let n = count(key, value)?;
+                if n > 1000 {
+                    return Err(bad(
+                        key,
+                        value,
+                        "expected 0 to 1000 (thousandths of the limit)",
+                    ));
+                }
+                c.map_ahead.below_per_mille = n;
+            }
+            "recycle_buffers" => {
+                c.recycle = Recycle {
+                    max_buffers: usize::try_from(count(key, value)?)
+                        .map_err(|_| bad(key, value, "too large"))?,
+                }
+            }
+            "offload_tier" => {
+                c.offload_tier = match value {
+                    "off" => OffloadTier::Off,
+                    "offloadable_tags" => OffloadTier::OffloadableTags,
+                    _ => return Err(bad(key, value, "expected off or offloadable_tags")),
+                }
+            }
             _ => {
                 return Err(ConfError::UnknownKey {
                     key: key.to_string(),
-                    valid: KEYS.to_vec(),
+                    valid: all_keys(),
                 })
             }
         }
@@ -264,7 +323,7 @@ pub fn parse(base: QuiltConfig, text: &str) -> Result<QuiltConfig, ConfError> {
             k => {
                 return Err(ConfError::UnknownKey {
                     key: k.to_string(),
-                    valid: KEYS.iter().chain(LIMIT_KEYS.iter()).copied().collect(),
+                    valid: all_keys().into_iter().chain(LIMIT_KEYS).collect(),
                 })
             }
         }

@@ -4,6 +4,9 @@
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 use quilt_vmm::DeviceSet;
 
+use super::growable::{MapAhead, Recycle};
+use super::offload::OffloadTier;
+
 use crate::error::AllocError;
 
 /// When cached pages (mapped, touched by no block) are unmapped and returned
@@ -77,6 +80,15 @@ pub struct QuiltConfig {
     /// access descriptor per device; `cuMemMap`ped memory is not covered by
     /// `cudaEnablePeerAccess`). Empty by default: this device only.
     pub peer_access: DeviceSet,
+    /// Growable buffers: pages mapped ahead of each buffer's end, and by whom
+    /// ([`MapAhead`]; `QuiltAllocator::set_map_ahead` changes it at run time).
+    pub map_ahead: MapAhead,
+    /// Growable buffers: released ranges kept whole for the next buffer
+    /// ([`Recycle`]; off by default).
+    pub recycle: Recycle,
+    /// What happens when a request would run out of memory ([`OffloadTier`];
+    /// off by default).
+    pub offload_tier: OffloadTier,
 }
 
 impl Default for QuiltConfig {
@@ -96,6 +108,9 @@ impl Default for QuiltConfig {
             stitch_threshold: 0,
             reuse_limit: 0,
             peer_access: DeviceSet::EMPTY,
+            map_ahead: MapAhead::default(),
+            recycle: Recycle::default(),
+            offload_tier: OffloadTier::Off,
         }
     }
 }
@@ -138,6 +153,9 @@ impl QuiltConfig {
             stitch_threshold: 512 << 20,
             reuse_limit: 10,
             peer_access: DeviceSet::EMPTY,
+            map_ahead: MapAhead::default(),
+            recycle: Recycle::default(),
+            offload_tier: OffloadTier::Off,
         }
     }
 
@@ -174,6 +192,9 @@ impl QuiltConfig {
                     "ReclaimPolicy::CachedAbove takes thousandths of the pool: at most 1000",
                 );
             }
+        }
+        if self.map_ahead.below_per_mille > 1000 {
+            return fail("MapAhead::below_per_mille takes thousandths of the limit: at most 1000");
         }
         if self.reuse_limit > 0 && self.stitch_threshold == 0 {
             return fail("reuse_limit applies only with a stitch_threshold above 0");

@@ -202,6 +202,15 @@ fn extent_of(len: u64) -> u64 {
 }
 
 impl State {
+    /// An empty state with the serving policies of `config`.
+    pub(crate) fn with_serving_policies(config: &super::QuiltConfig) -> State {
+        let mut st = State::default();
+        st.map_ahead = config.map_ahead;
+        st.recycle = config.recycle;
+        st.offload_tier = config.offload_tier;
+        st
+    }
+
     /// The live growable buffer `id`.
     pub(crate) fn growable(&self, id: GrowableId) -> Result<&GrowRec, AllocError> {
         self.growables

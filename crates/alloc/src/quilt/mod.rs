@@ -137,7 +137,7 @@ impl QuiltAllocator {
             page,
             arena_va,
             name,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::with_serving_policies(&config)),
         });
         Ok(QuiltAllocator {
             core,
