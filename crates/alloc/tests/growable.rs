@@ -302,8 +302,8 @@ fn growable_release_with_pending_work_frees_its_range_later() {
 #[derive(Clone, Debug)]
 enum Op {
     Create { max_pages: u64, stream: u8 },
-    Grow { which: usize, bytes: u64 },
-    Shrink { which: usize, bytes: u64 },
+    Grow { which: usize, per_mille: u64 },
+    Shrink { which: usize, per_mille: u64 },
     Release { which: usize },
     Alloc { bytes: u64, stream: u8 },
     Free { which: usize },
@@ -314,9 +314,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        1 => (1u64..24, 0u8..3).prop_map(|(max_pages, stream)| Op::Create { max_pages, stream }),
-        4 => (any::<usize>(), 1u64..(24 * 2 * MIB)).prop_map(|(which, bytes)| Op::Grow { which, bytes }),
-        2 => (any::<usize>(), 0u64..(24 * 2 * MIB)).prop_map(|(which, bytes)| Op::Shrink { which, bytes }),
+        3 => (1u64..24, 0u8..3).prop_map(|(max_pages, stream)| Op::Create { max_pages, stream }),
+        6 => (any::<usize>(), 0u64..1100).prop_map(|(which, per_mille)| Op::Grow { which, per_mille }),
+        3 => (any::<usize>(), 0u64..=1000).prop_map(|(which, per_mille)| Op::Shrink { which, per_mille }),
         1 => (any::<usize>()).prop_map(|which| Op::Release { which }),
         3 => (1u64..(12 * MIB), 0u8..3).prop_map(|(bytes, stream)| Op::Alloc { bytes, stream }),
         2 => (any::<usize>()).prop_map(|which| Op::Free { which }),
@@ -324,6 +324,16 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3).prop_map(|stream| Op::Complete { stream }),
         1 => Just(Op::EmptyCache),
     ]
+}
+
+/// The length a `Grow` op asks for: `per_mille` of the way from the length
+/// to the maximum; past 1000 beyond the maximum, past 1050 below the length.
+fn grow_target(len: u64, max: u64, per_mille: u64) -> u64 {
+    match per_mille {
+        0..=1000 => len + (max - len) * per_mille / 1000,
+        1001..=1050 => max + per_mille,
+        _ => len.saturating_sub(1),
+    }
 }
 
 fn ahead() -> impl Strategy<Value = MapAhead> {
@@ -338,13 +348,13 @@ fn ahead() -> impl Strategy<Value = MapAhead> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// Random growable and ordinary traffic on three streams under a 48 MiB
     /// limit: invariants after every operation; a failed growth or
     /// allocation is capacity (never fragmentation) and changes nothing.
     #[test]
-    fn growable_random_sequences_keep_invariants(ops in proptest::collection::vec(op(), 1..80), policy in ahead()) {
+    fn growable_random_sequences_keep_invariants(ops in proptest::collection::vec(op(), 1..120), policy in ahead()) {
         let (s, a) = sim(48 * MIB);
         a.set_map_ahead(policy).unwrap();
         let mut bufs: Vec<(GrowableId, u64, u64)> = Vec::new(); // id, len, max
@@ -355,9 +365,10 @@ proptest! {
                     let id = a.create_growable(max_pages * 2 * MIB, StreamId(stream as u64)).unwrap();
                     bufs.push((id, 0, max_pages * 2 * MIB));
                 }
-                Op::Grow { which, bytes } if !bufs.is_empty() => {
+                Op::Grow { which, per_mille } if !bufs.is_empty() => {
                     let i = which % bufs.len();
                     let (id, len, max) = bufs[i];
+                    let bytes = grow_target(len, max, per_mille);
                     let before = a.growable_info(id).unwrap();
                     match a.grow_to(id, bytes) {
                         Ok(()) => {
@@ -373,10 +384,10 @@ proptest! {
                         Err(e) => prop_assert!(false, "unexpected {e}"),
                     }
                 }
-                Op::Shrink { which, bytes } if !bufs.is_empty() => {
+                Op::Shrink { which, per_mille } if !bufs.is_empty() => {
                     let i = which % bufs.len();
                     let (id, len, _) = bufs[i];
-                    let to = bytes.min(len);
+                    let to = len * per_mille / 1000;
                     a.shrink_to(id, to).unwrap();
                     bufs[i].1 = to;
                 }

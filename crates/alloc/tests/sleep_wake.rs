@@ -214,11 +214,21 @@ enum Op {
     Alloc { bytes: u64, tag: u8 },
     Free { which: usize },
     Create { max_pages: u64, tag: u8 },
-    Grow { which: usize, bytes: u64 },
-    Shrink { which: usize, bytes: u64 },
+    Grow { which: usize, per_mille: u64 },
+    Shrink { which: usize, per_mille: u64 },
     Release { which: usize },
     Sleep { tag: u8, offload: bool },
     Wake { tag: u8 },
+}
+
+/// The length a `Grow` op asks for: `per_mille` of the way from the length
+/// to the maximum; past 1000 beyond the maximum, past 1050 below the length.
+fn grow_target(len: u64, max: u64, per_mille: u64) -> u64 {
+    match per_mille {
+        0..=1000 => len + (max - len) * per_mille / 1000,
+        1001..=1050 => max + per_mille,
+        _ => len.saturating_sub(1),
+    }
 }
 
 const TAGS: [&str; 2] = ["a", "b"];
@@ -231,9 +241,9 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (1u64..(600 * KIB), 0u8..3).prop_map(|(bytes, tag)| Op::Alloc { bytes, tag }),
         2 => any::<usize>().prop_map(|which| Op::Free { which }),
-        1 => (1u64..16, 0u8..3).prop_map(|(max_pages, tag)| Op::Create { max_pages, tag }),
-        3 => (any::<usize>(), 1u64..(16 * PAGE)).prop_map(|(which, bytes)| Op::Grow { which, bytes }),
-        2 => (any::<usize>(), 0u64..(16 * PAGE)).prop_map(|(which, bytes)| Op::Shrink { which, bytes }),
+        2 => (1u64..16, 0u8..3).prop_map(|(max_pages, tag)| Op::Create { max_pages, tag }),
+        3 => (any::<usize>(), 0u64..1100).prop_map(|(which, per_mille)| Op::Grow { which, per_mille }),
+        2 => (any::<usize>(), 0u64..=1000).prop_map(|(which, per_mille)| Op::Shrink { which, per_mille }),
         1 => any::<usize>().prop_map(|which| Op::Release { which }),
         2 => (0u8..2, any::<bool>()).prop_map(|(tag, offload)| Op::Sleep { tag, offload }),
         2 => (0u8..2).prop_map(|tag| Op::Wake { tag }),
@@ -315,9 +325,11 @@ proptest! {
                         Err(e) => prop_assert!(false, "unexpected {e}"),
                     }
                 }
-                Op::Grow { which, bytes } if !bufs.is_empty() => {
+                Op::Grow { which, per_mille } if !bufs.is_empty() => {
                     let i = which % bufs.len();
                     let (id, ptr, m) = bufs[i].clone();
+                    let max = a.growable_info(id).unwrap().max_len;
+                    let bytes = grow_target(m.len, max, per_mille);
                     match a.grow_to(id, bytes) {
                         Ok(()) => {
                             // The new part gets this buffer's pattern at its offsets.
@@ -328,15 +340,15 @@ proptest! {
                             bufs[i].2.len = bytes;
                         }
                         Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
-                        Err(AllocError::InvalidResize { .. }) => prop_assert!(bytes < m.len || bytes > a.growable_info(id).unwrap().max_len),
+                        Err(AllocError::InvalidResize { .. }) => prop_assert!(bytes < m.len || bytes > max),
                         Err(AllocError::OutOfMemory(r)) => prop_assert_eq!(r.verdict, OomVerdict::Capacity),
                         Err(e) => prop_assert!(false, "unexpected {e}"),
                     }
                 }
-                Op::Shrink { which, bytes } if !bufs.is_empty() => {
+                Op::Shrink { which, per_mille } if !bufs.is_empty() => {
                     let i = which % bufs.len();
                     let (id, _, m) = bufs[i].clone();
-                    let to = bytes.min(m.len);
+                    let to = m.len * per_mille / 1000;
                     match a.shrink_to(id, to) {
                         Ok(()) => bufs[i].2.len = to,
                         Err(AllocError::TagState { .. }) => prop_assert!(m.tag.is_some_and(|t| asleep[t as usize])),
