@@ -211,14 +211,36 @@ fn sleep_wake_on_the_simulator_counts_syncs_and_costs_copies() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { bytes: u64, tag: u8 },
-    Free { which: usize },
-    Create { max_pages: u64, tag: u8 },
-    Grow { which: usize, per_mille: u64 },
-    Shrink { which: usize, per_mille: u64 },
-    Release { which: usize },
-    Sleep { tag: u8, offload: bool },
-    Wake { tag: u8 },
+    Alloc {
+        bytes: u64,
+        tag: u8,
+    },
+    Free {
+        which: usize,
+    },
+    Create {
+        max_pages: u64,
+        tag: u8,
+    },
+    Grow {
+        which: usize,
+        per_mille: u64,
+    },
+    Shrink {
+        which: usize,
+        per_mille: u64,
+    },
+    Release {
+        which: usize,
+    },
+    Sleep {
+        tag: u8,
+        offload: bool,
+        release: bool,
+    },
+    Wake {
+        tag: u8,
+    },
 }
 
 /// The length a `Grow` op asks for: `per_mille` of the way from the length
@@ -245,7 +267,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (any::<usize>(), 0u64..1100).prop_map(|(which, per_mille)| Op::Grow { which, per_mille }),
         2 => (any::<usize>(), 0u64..=1000).prop_map(|(which, per_mille)| Op::Shrink { which, per_mille }),
         1 => any::<usize>().prop_map(|which| Op::Release { which }),
-        2 => (0u8..2, any::<bool>()).prop_map(|(tag, offload)| Op::Sleep { tag, offload }),
+        2 => (0u8..2, any::<bool>(), any::<bool>()).prop_map(|(tag, offload, release)| Op::Sleep { tag, offload, release }),
         2 => (0u8..2).prop_map(|tag| Op::Wake { tag }),
     ]
 }
@@ -364,10 +386,15 @@ proptest! {
                         Err(e) => prop_assert!(false, "unexpected {e}"),
                     }
                 }
-                Op::Sleep { tag, offload } => {
+                Op::Sleep { tag, offload, release } => {
                     let name = TAGS[tag as usize];
                     let mode = if offload { SleepMode::Offload } else { SleepMode::Discard };
-                    match a.sleep(name, mode) {
+                    let pages = if release {
+                        quilt_alloc::quilt::SleepPages::ReleaseToDevice
+                    } else {
+                        quilt_alloc::quilt::SleepPages::KeepInPool
+                    };
+                    match a.sleep_with(name, mode, pages) {
                         Ok(()) => {
                             prop_assert!(!asleep[tag as usize]);
                             asleep[tag as usize] = true;
@@ -627,4 +654,31 @@ fn sleep_wake_on_the_simulator_costs_large_copies_without_host_memory() {
     assert_eq!(sim.driver_stats().since(&before).copied_bytes, 80 * GIB);
     a.check_invariants().unwrap();
     a.free(w.ptr).unwrap();
+}
+
+#[test]
+fn sleep_wake_releasing_pages_to_the_device_and_creating_them_again() {
+    use quilt_alloc::quilt::SleepPages;
+    let Some(h) = host(4 * MIB) else { return };
+    let a = quilt(h.clone(), 4 * MIB);
+    let w = a.allocate_tagged(2 * MIB, StreamId::DEFAULT, "w").unwrap();
+    let keep = a.allocate(MIB, StreamId::DEFAULT).unwrap();
+    h.write_bytes(w.ptr, &pattern(4, w.size)).unwrap();
+    h.fill(keep.ptr, keep.size, 0x11).unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    let before = h.driver_stats();
+    a.sleep_with("w", SleepMode::Offload, SleepPages::ReleaseToDevice)
+        .unwrap();
+    // Its 32 pages of 64 KiB are gone from the device, not only unmapped.
+    let d = h.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::Release), 32);
+    assert_eq!(a.stats().reserved_bytes.current, reserved - 2 * MIB);
+    assert!(h.check_filled(keep.ptr, keep.size, 0x11).unwrap());
+    a.check_invariants().unwrap();
+    a.wake("w").unwrap();
+    assert_eq!(h.driver_stats().since(&before).count(CallKind::Create), 32);
+    assert_eq!(read(&h, w.ptr, w.size), pattern(4, w.size));
+    a.check_invariants().unwrap();
+    a.free(w.ptr).unwrap();
+    a.free(keep.ptr).unwrap();
 }

@@ -54,7 +54,7 @@ pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, Recycle, Servi
 pub use growable_buffer::GrowableBuffer;
 pub use offload::OffloadTier;
 pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
-pub use sleep::SleepMode;
+pub use sleep::{SleepMode, SleepPages};
 
 use crate::api::{Allocation, DeviceAllocator};
 use crate::error::{AllocError, InvariantViolation};

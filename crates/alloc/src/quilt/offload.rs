@@ -9,7 +9,7 @@
 //! memory again (a kernel reading an unmapped address faults; nothing wakes
 //! a tag behind the program's back).
 
-use super::sleep::SleepMode;
+use super::sleep::{SleepMode, SleepPages};
 use super::state::{Ctx, State};
 use crate::error::AllocError;
 
@@ -67,7 +67,10 @@ impl State {
         let mut last = first;
         for (_, t) in candidates {
             let name = self.tags.name(t).to_string();
-            if self.sleep(ctx, &name, SleepMode::Offload).is_err() {
+            if self
+                .sleep(ctx, &name, SleepMode::Offload, SleepPages::KeepInPool)
+                .is_err()
+            {
                 break;
             }
             self.serving.tier_offloads += 1;

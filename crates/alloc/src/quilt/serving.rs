@@ -6,7 +6,7 @@ use quilt_vmm::StreamId;
 
 use super::growable::{GrowableId, GrowableInfo, MapAhead, Recycle, ServingStats};
 use super::offload::OffloadTier;
-use super::sleep::SleepMode;
+use super::sleep::{SleepMode, SleepPages};
 use super::QuiltAllocator;
 use crate::api::Allocation;
 use crate::error::AllocError;
@@ -157,8 +157,8 @@ impl QuiltAllocator {
     /// synchronised, their contents copied to host memory
     /// ([`SleepMode::Offload`]) or dropped ([`SleepMode::Discard`]), and
     /// their pages unmapped and returned to the pool (free pool pages,
-    /// usable by any allocation; [`crate::DeviceAllocator::empty_cache`]
-    /// releases them to the device). Their addresses stay reserved and
+    /// usable by any allocation; [`QuiltAllocator::sleep_with`] can release
+    /// them to the device instead). Their addresses stay reserved and
     /// their blocks live. Driver calls: one `cuStreamSynchronize` per stream
     /// with work not known complete, one `cuMemcpyDtoH` per member
     /// (offload), one `cuMemUnmap` per page. An unknown tag, or one already
@@ -183,8 +183,21 @@ impl QuiltAllocator {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn sleep(&self, tag: &str, mode: SleepMode) -> Result<(), AllocError> {
+        self.sleep_with(tag, mode, SleepPages::KeepInPool)
+    }
+
+    /// [`sleep`](QuiltAllocator::sleep), choosing where the pages go: kept
+    /// in the pool, or released to the device (one `cuMemRelease` per page,
+    /// so that other programs can use the memory; the wake creates them
+    /// again with `cuMemCreate`).
+    pub fn sleep_with(
+        &self,
+        tag: &str,
+        mode: SleepMode,
+        pages: SleepPages,
+    ) -> Result<(), AllocError> {
         let ctx = self.ctx();
-        self.lock()?.sleep(&ctx, tag, mode)
+        self.lock()?.sleep(&ctx, tag, mode, pages)
     }
 
     /// Wake `tag`: map pages again under its members, at the same addresses

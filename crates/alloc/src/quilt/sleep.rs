@@ -36,6 +36,18 @@ pub enum SleepMode {
     Discard,
 }
 
+/// Where a sleeping tag's pages go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SleepPages {
+    /// Back to the pool: free pool pages, which any allocation of this
+    /// allocator uses (no driver call).
+    #[default]
+    KeepInPool,
+    /// Released to the device (`cuMemRelease` each), so that other programs
+    /// can use the memory (vLLM's sleep mode); the wake creates pages again.
+    ReleaseToDevice,
+}
+
 /// The host copy of one member: its device range and its bytes (empty on a
 /// backend whose memory holds no bytes: the copy was only costed).
 #[derive(Debug)]
@@ -262,6 +274,7 @@ impl State {
         ctx: &Ctx<'_>,
         name: &str,
         mode: SleepMode,
+        pages: SleepPages,
     ) -> Result<(), AllocError> {
         let t = self.tags.find(name)?;
         if self.tags.is_asleep(t) {
@@ -324,7 +337,14 @@ impl State {
                 }
             }
         }
-        let given = ctx.pool.give_back(&give).map_err(pool_err);
+        let n = give.len() as u64;
+        let mut given = ctx.pool.give_back(&give).map_err(pool_err);
+        if given.is_ok() && pages == SleepPages::ReleaseToDevice && n > 0 {
+            // The pool's free pages are a stack: the `n` on top are the ones
+            // just given back (their work complete), and trimming releases them.
+            let keep = ctx.pool.total_pages().saturating_sub(n) * ctx.page;
+            given = ctx.pool.trim(keep).map(|_| ()).map_err(pool_err);
+        }
         self.sync_stats(ctx);
         result.and(given)
     }
