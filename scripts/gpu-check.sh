@@ -50,7 +50,10 @@
 #      access for every device in one cuMemSetAccess (skipped with a message
 #      on a machine with one device), and export / import of a handle between
 #      two processes on device 0 (the test re-runs itself as the child; the
-#      fd crosses a Unix socket), bytes both ways.
+#      fd crosses a Unix socket), bytes both ways;
+#   9. sleep_wake (crates/alloc/tests/sleep_wake.rs) with --ignored: a tagged
+#      block and a growable buffer keep every byte through growth, sleep
+#      (offload), reuse of their pages by another block, and wake, on the GPU.
 #
 # Findings: OUT/gpu-check.json, one object: whether CUDA was available, the GPU,
 # the limits used, each step (name, status, exit_status, seconds, log file), and
@@ -78,10 +81,11 @@ DATA_TIMEOUT_S=55
 TORCH_TIMEOUT_S=60
 KERNEL_TIMEOUT_S=20
 SHARE_TIMEOUT_S=30
+SLEEP_TIMEOUT_S=30
 export PROPTEST_CASES=${PROPTEST_CASES:-32}
 export PROPTEST_MAX_SHRINK_ITERS=${PROPTEST_MAX_SHRINK_ITERS:-64}
 BENCH_ARGS=(--backend cuda --iters 1000 --large-iters 200)
-BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel cuda_buffer cuda_share)  # and libquilt_torch.so
+BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel cuda_buffer cuda_share sleep_wake)  # and libquilt_torch.so
 
 die() {
     echo "gpu-check: $*" >&2
@@ -127,7 +131,8 @@ EOF
     fi
 }
 
-# Builds the three test binaries, the three examples and libquilt_torch.so into
+# Builds the test binaries (conformance, cuda_data, cuda_share, cuda_buffer,
+# sleep_wake), the three examples and libquilt_torch.so into
 # $1; logs to $2.
 # Returns non-zero (with the reason on stderr) when something did not build.
 build_into() {
@@ -153,14 +158,16 @@ build_into() {
     local target_dir
     target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
-    exe=$(cargo test --release -p quilt-alloc --test cuda_buffer --no-run 2>&1 |
-        tee -a "$log" |
-        sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -n 1)
-    if [ -z "$exe" ] || [ ! -x "$exe" ]; then
-        echo "gpu-check: could not build test cuda_buffer (see $log)" >&2
-        return 1
-    fi
-    cp "$exe" "$dir/cuda_buffer" || return 1
+    for t in cuda_buffer sleep_wake; do
+        exe=$(cargo test --release -p quilt-alloc --test "$t" --no-run 2>&1 |
+            tee -a "$log" |
+            sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -n 1)
+        if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+            echo "gpu-check: could not build test $t (see $log)" >&2
+            return 1
+        fi
+        cp "$exe" "$dir/$t" || return 1
+    done
     if ! cargo build --release -p quilt-alloc --example cudarc_kernel >>"$log" 2>&1; then
         echo "gpu-check: could not build the cudarc_kernel example (see $log)" >&2
         return 1
@@ -377,6 +384,14 @@ run_checks() {
             "$SHARE_TIMEOUT_S" --ignored --test-threads 1 --nocapture
     fi
 
+    # 9. Sleep and wake on the GPU (ignored by `cargo test`).
+    if [ "$CUDA_AVAILABLE" = false ]; then
+        record sleep_wake skipped null 0 "" "no CUDA (see map_probe)"
+    else
+        SKIP_PATTERN="" test_step sleep_wake "$bin/sleep_wake" "$SLEEP_TIMEOUT_S" \
+            --ignored --test-threads 1 --nocapture
+    fi
+
     write_findings "$gpu" "$probe_json"
 }
 
@@ -404,7 +419,7 @@ write_findings() {
         echo "  \"gpu\": $gpu_json,"
         echo "  \"passed\": $passed,"
         echo "  \"total_seconds\": $((SECONDS - STARTED)),"
-        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"kernel_timeout_s\": $KERNEL_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
+        echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"kernel_timeout_s\": $KERNEL_TIMEOUT_S, \"sleep_wake_timeout_s\": $SLEEP_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
         echo "  \"steps\": ["
         local i n=${#STEPS_JSON[@]}
         for ((i = 0; i < n; i++)); do

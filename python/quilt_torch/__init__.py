@@ -17,6 +17,12 @@ snapshot). This package wraps both sides:
   :func:`last_error`, :func:`record_history`, :func:`empty_cache` and
   :func:`set_memory_fraction` talk to the library directly through
   :mod:`ctypes`. They do not need torch.
+* :func:`tag` (a context manager), :func:`sleep`, :func:`wake` and
+  :func:`is_asleep`: the tensors allocated inside ``with tag("weights"):``
+  carry the tag; ``sleep("weights")`` frees their device memory (contents to
+  host memory, or dropped) while their addresses stay valid, and
+  ``wake("weights")`` brings them back at the same addresses, so captured
+  CUDA graphs stay valid. Through :mod:`ctypes` too.
 
 Quilt is configured by the environment variable ``QUILT_ALLOC_CONF``, read
 once, when the library is first used: comma-separated ``key:value`` pairs such
@@ -35,6 +41,7 @@ Example::
     print(quilt_torch.memory_summary())
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -52,6 +59,12 @@ __all__ = [
     "record_history",
     "empty_cache",
     "set_memory_fraction",
+    "QuiltError",
+    "tag",
+    "current_tag",
+    "sleep",
+    "wake",
+    "is_asleep",
 ]
 
 # The environment variable that overrides where the library is looked for.
@@ -120,6 +133,18 @@ def _declare(lib):
         "quilt_record_history": ([i32, size], i32),
         # int quilt_dump_snapshot(const char* path)
         "quilt_dump_snapshot": ([ctypes.c_char_p], i32),
+        # int quilt_set_tag(const char* tag)
+        "quilt_set_tag": ([ctypes.c_char_p], i32),
+        # int quilt_clear_tag(void)
+        "quilt_clear_tag": ([], i32),
+        # size_t quilt_current_tag(char* buf, size_t len)
+        "quilt_current_tag": ([ctypes.c_char_p, size], size),
+        # int quilt_sleep(const char* tag, int flags)
+        "quilt_sleep": ([ctypes.c_char_p, i32], i32),
+        # int quilt_wake(const char* tag)
+        "quilt_wake": ([ctypes.c_char_p], i32),
+        # int quilt_is_asleep(const char* tag)
+        "quilt_is_asleep": ([ctypes.c_char_p], i32),
     }
     for name, (argtypes, restype) in prototypes.items():
         fn = getattr(lib, name)
@@ -334,6 +359,120 @@ def set_memory_fraction(fraction, device=0):
     :func:`last_error` if the fraction is refused.
     """
     _library().quilt_set_memory_fraction(float(fraction), int(device))
+
+
+# -- tags, sleep and wake ----------------------------------------------------
+
+# quilt_sleep's flags.
+_SLEEP_DISCARD = 1
+_SLEEP_RELEASE = 2
+
+
+class QuiltError(RuntimeError):
+    """An operation the library refused; the message is its last error."""
+
+
+def _tag_bytes(name):
+    """The tag as the C functions take it: a non-empty str without NUL."""
+    if not isinstance(name, str):
+        raise TypeError("a tag is a str, not {}".format(type(name).__name__))
+    if not name:
+        raise ValueError("a tag is not empty")
+    if "\0" in name:
+        raise ValueError("a tag holds no NUL character: {!r}".format(name))
+    return name.encode("utf-8")
+
+
+def _check(rc, call):
+    """Raise QuiltError with the thread's last error unless rc is 0."""
+    if rc != 0:
+        raise QuiltError("{} failed: {}".format(call, last_error()))
+
+
+def current_tag():
+    """Return the tag this thread's allocations carry now (None if none)."""
+    return _read_string(_library().quilt_current_tag) or None
+
+
+@contextlib.contextmanager
+def tag(name):
+    """Make this thread's allocations inside the block carry the tag ``name``.
+
+    Like torch_memory_saver's ``region(tag)`` and vLLM's
+    ``use_memory_pool(tag)``::
+
+        with quilt_torch.tag("weights"):
+            model = load_model().cuda()      # every block carries "weights"
+        quilt_torch.sleep("weights")         # device memory freed
+        quilt_torch.wake("weights")          # back, same addresses
+
+    Tagged blocks live in pages of their own (never shared with other tags or
+    untagged blocks). The tag belongs to the calling thread: allocations
+    PyTorch makes on other threads (autograd's backward threads, for one) do
+    not carry it. Blocks nest: the tag in force before the block is restored
+    after it, even when it raises.
+
+    Raises:
+        TypeError, ValueError: for a tag that is not a non-empty str
+            without NUL characters.
+        QuiltError: if the library refuses the tag.
+    """
+    encoded = _tag_bytes(name)
+    lib = _library()
+    previous = current_tag()
+    _check(lib.quilt_set_tag(encoded), "quilt_set_tag({!r})".format(name))
+    try:
+        yield name
+    finally:
+        if previous is None:
+            lib.quilt_clear_tag()
+        else:
+            lib.quilt_set_tag(previous.encode("utf-8"))
+
+
+def sleep(name, offload=True, release=False):
+    """Put every block carrying the tag ``name`` to sleep, on every device.
+
+    The work queued on them completes; their contents are copied to host
+    memory (``offload=True``) or dropped (``offload=False``: after
+    :func:`wake` their bytes are undefined, e.g. for a KV cache rebuilt
+    anyway); their pages are unmapped and go back to Quilt's pool, where
+    other allocations use them, or with ``release=True`` to the device
+    (``cuMemRelease``), where other programs can use them. Their addresses
+    stay reserved: pointers held elsewhere (a captured CUDA graph) are valid
+    again after :func:`wake`. While asleep, the tensors must not be used,
+    freed or given new members.
+
+    Raises:
+        QuiltError: for an unknown tag, one already asleep, or a failure;
+            the message says which.
+    """
+    encoded = _tag_bytes(name)
+    flags = (0 if offload else _SLEEP_DISCARD) | (_SLEEP_RELEASE if release else 0)
+    _check(_library().quilt_sleep(encoded, flags), "quilt_sleep({!r})".format(name))
+
+
+def wake(name):
+    """Wake the tag ``name``: its blocks are backed again at the same
+    addresses and their contents copied back (if they were offloaded).
+
+    Raises:
+        QuiltError: for an unknown tag, one that is awake, or a failure (out
+            of memory leaves the tag asleep with its host copy intact).
+    """
+    _check(_library().quilt_wake(_tag_bytes(name)), "quilt_wake({!r})".format(name))
+
+
+def is_asleep(name):
+    """Return True while the tag ``name`` sleeps.
+
+    Raises:
+        QuiltError: for a tag no allocation carried.
+    """
+    rc = _library().quilt_is_asleep(_tag_bytes(name))
+    if rc < 0:
+        raise QuiltError("quilt_is_asleep({!r}) failed: {}".format(name, last_error()))
+    return rc == 1
 
 
 # -- the summary -------------------------------------------------------------

@@ -127,6 +127,12 @@ def load_library(path):
         "quilt_last_error": ([ctypes.c_char_p, size], size),
         "quilt_record_history": ([i32, size], i32),
         "quilt_dump_snapshot": ([ctypes.c_char_p], i32),
+        "quilt_set_tag": ([ctypes.c_char_p], i32),
+        "quilt_clear_tag": ([], i32),
+        "quilt_current_tag": ([ctypes.c_char_p, size], size),
+        "quilt_sleep": ([ctypes.c_char_p, i32], i32),
+        "quilt_wake": ([ctypes.c_char_p], i32),
+        "quilt_is_asleep": ([ctypes.c_char_p], i32),
     }
     for name, (argtypes, restype) in prototypes.items():
         fn = getattr(lib, name)
@@ -800,7 +806,134 @@ def scenario_bad_config(lib, backend, *words):
     json.loads(read_string(lib.quilt_stats_json, DEVICE))
 
 
+def import_package():
+    """The quilt_torch package of this repository (it loads the same library
+    file as `lib`, so both talk to one instance)."""
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import quilt_torch
+
+    return quilt_torch
+
+
+def expect_raises(kind, words, fn, *args, **kwargs):
+    """fn(*args, **kwargs) must raise `kind` whose message holds every word."""
+    try:
+        fn(*args, **kwargs)
+    except kind as exc:
+        for word in words:
+            check(word in str(exc), "{!r} lacks {!r}", str(exc), word)
+        return str(exc)
+    raise AssertionError("{} did not raise {}".format(fn.__name__, kind.__name__))
+
+
+def scenario_sleep_wake(lib, backend):
+    """Tagged allocations sleep (their pages serve others) and wake at the
+    same addresses with their bytes; the C functions refuse bad tags."""
+    host = backend == "host"
+    qt = import_package()
+    check(qt.current_tag() is None, "a tag before any: {!r}", qt.current_tag())
+
+    # Tags through the package's context manager, nested and restored.
+    sizes = [40 * MiB, 30 * MiB + 7, 50 * MiB]
+    with qt.tag("weights"):
+        check(qt.current_tag() == "weights", "inside: {!r}", qt.current_tag())
+        with qt.tag("cache"):
+            cache = malloc_ok(lib, 10 * MiB)
+        check(qt.current_tag() == "weights", "restored: {!r}", qt.current_tag())
+        weights = [malloc_ok(lib, size) for size in sizes]
+    check(qt.current_tag() is None, "after: {!r}", qt.current_tag())
+    try:
+        with qt.tag("raised"):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    check(qt.current_tag() is None, "after a raise: {!r}", qt.current_tag())
+    other = malloc_ok(lib, 60 * MiB)
+    if host:
+        for k, (ptr, size) in enumerate(zip(weights, sizes)):
+            write_pattern(ptr, size, k)
+        write_pattern(other, 60 * MiB, 9)
+
+    # 120 MiB more do not fit beside 190 MiB in 256 MiB, until the weights sleep.
+    big = 120 * MiB
+    before, ptr, err = in_fresh_thread(lib, lambda: lib.quilt_malloc(big, DEVICE, None))
+    check(ptr is None, "120 MiB fit beside the weights")
+    check(qt.is_asleep("weights") is False, "asleep before sleep")
+    qt.sleep("weights")
+    check(qt.is_asleep("weights") is True, "awake after sleep")
+    check(qt.is_asleep("cache") is False, "the nested tag slept too")
+    spare = malloc_ok(lib, big)
+    if host:
+        write_pattern(spare, big, 5)
+        verify_pattern(spare, big, 5)
+        verify_pattern(other, 60 * MiB, 9)
+    lib.quilt_free(spare, big, DEVICE, None)
+    qt.wake("weights")
+    check(qt.is_asleep("weights") is False, "asleep after wake")
+    if host:
+        for k, (ptr, size) in enumerate(zip(weights, sizes)):
+            verify_pattern(ptr, size, k)
+
+    # Discard, pages released to the device: reserved memory drops.
+    reserved = stats(lib)["reserved_bytes"]["current"]
+    qt.sleep("cache", offload=False, release=True)
+    dropped = reserved - stats(lib)["reserved_bytes"]["current"]
+    check(dropped >= 10 * MiB, "released only {} bytes", dropped)
+    qt.wake("cache")
+    if host:
+        write_pattern(cache, 10 * MiB, 3)
+        verify_pattern(cache, 10 * MiB, 3)
+
+    # A tag set on another thread is that thread's only.
+    def tagged_elsewhere():
+        check(lib.quilt_set_tag(b"elsewhere") == 0, "set_tag: {}", last_error(lib))
+        return read_string(lib.quilt_current_tag)
+
+    _, theirs, _ = in_fresh_thread(lib, tagged_elsewhere)
+    check(theirs == "elsewhere", "their tag: {!r}", theirs)
+    check(qt.current_tag() is None, "their tag leaked here: {!r}", qt.current_tag())
+
+    # Errors from the package: typed, with the library's message.
+    expect_raises(qt.QuiltError, ["unknown tag"], qt.sleep, "nobody")
+    expect_raises(qt.QuiltError, ["awake"], qt.wake, "weights")
+    expect_raises(qt.QuiltError, ["unknown tag"], qt.is_asleep, "nobody")
+    expect_raises(TypeError, ["str"], qt.sleep, b"weights")
+    expect_raises(ValueError, ["NUL"], qt.wake, "wei\0ghts")
+    expect_raises(ValueError, ["empty"], lambda: qt.tag("").__enter__())
+    qt.sleep("weights", offload=True)
+    expect_raises(qt.QuiltError, ["already asleep"], qt.sleep, "weights")
+    with qt.tag("weights"):
+        check(lib.quilt_malloc(MiB, DEVICE, None) is None, "a new member of a sleeping tag")
+        check("asleep" in last_error(lib), "error: {!r}", last_error(lib))
+    qt.wake("weights")
+    if host:
+        for k, (ptr, size) in enumerate(zip(weights, sizes)):
+            verify_pattern(ptr, size, k)
+
+    # Errors from the C functions: a status and a message, never a crash.
+    for call, args in (
+        (lib.quilt_set_tag, (None,)),
+        (lib.quilt_sleep, (None, 0)),
+        (lib.quilt_wake, (None,)),
+    ):
+        _, rc, err = in_fresh_thread(lib, lambda: call(*args))
+        check(rc != 0 and "null" in err, "{} of NULL: {} {!r}", call.__name__, rc, err)
+    _, rc, err = in_fresh_thread(lib, lambda: lib.quilt_set_tag(b"\xff\xfe"))
+    check(rc != 0 and "UTF-8" in err, "non-UTF-8 tag: {} {!r}", rc, err)
+    _, rc, err = in_fresh_thread(lib, lambda: lib.quilt_sleep(b"weights", 8))
+    check(rc != 0 and "flags" in err, "bad flags: {} {!r}", rc, err)
+    check(lib.quilt_is_asleep(None) == -1, "is_asleep(NULL) is not -1")
+
+    for ptr, size in zip(weights, sizes):
+        lib.quilt_free(ptr, size, DEVICE, None)
+    lib.quilt_free(cache, 10 * MiB, DEVICE, None)
+    lib.quilt_free(other, 60 * MiB, DEVICE, None)
+    left = stats(lib)["allocated_bytes"]["current"]
+    check(left == 0, "{} bytes still allocated: {}", left, last_error(lib))
+
+
 SCENARIOS = {
+    "sleep_wake": scenario_sleep_wake,
     "stress": scenario_stress,
     "oom": scenario_oom,
     "bad_frees": scenario_bad_frees,
@@ -888,6 +1021,10 @@ class _BackendScenarios:
     def test_memory_fraction(self):
         """quilt_set_memory_fraction caps allocations."""
         self.run_scenario("fraction")
+
+    def test_sleep_wake(self):
+        """quilt_torch.tag / sleep / wake: pages freed and back, bytes kept."""
+        self.run_scenario("sleep_wake")
 
 
 class HostBackendTest(_BackendScenarios, unittest.TestCase):

@@ -15,6 +15,33 @@ use crate::library::library;
 thread_local! {
     /// The calling thread's last error ("" if none yet).
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The tag the calling thread's `quilt_malloc`s carry (`quilt_set_tag`).
+    static CURRENT_TAG: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// The calling thread's current tag, as `quilt_current_tag` gives it.
+pub fn current_tag() -> Option<String> {
+    CURRENT_TAG.with(|t| t.borrow().clone())
+}
+
+/// Read a tag passed from C: not null, UTF-8, not empty.
+///
+/// # Safety
+///
+/// `tag` is null (an error) or a NUL-terminated string, read only before
+/// this call returns.
+unsafe fn read_tag(what: &str, tag: *const c_char) -> Result<String, String> {
+    if tag.is_null() {
+        return Err(format!("{what}: the tag is null"));
+    }
+    // SAFETY: a non-null `tag` is NUL-terminated (this function's contract);
+    // it is only read, here.
+    let text = unsafe { CStr::from_ptr(tag) };
+    let text = text
+        .to_str()
+        .map_err(|_| format!("{what}: the tag is not UTF-8"))?;
+    crate::library::check_tag(text).map_err(|e| format!("{what}: {e}"))?;
+    Ok(text.to_string())
 }
 
 fn set_last_error(message: String) {
@@ -70,14 +97,116 @@ unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) -> usize {
     bytes.len()
 }
 
-/// A block of `size` bytes on `device`, ordered on `stream`; NULL on
-/// failure (see `quilt_last_error`).
+/// A block of `size` bytes on `device`, ordered on `stream`, carrying the
+/// calling thread's tag if one is set (`quilt_set_tag`); NULL on failure
+/// (see `quilt_last_error`).
 #[no_mangle]
 pub extern "C" fn quilt_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
-        library()
-            .malloc(size as u64, device, stream as usize as u64)
-            .map(|p| p as usize as *mut c_void)
+        CURRENT_TAG.with(|tag| {
+            library()
+                .malloc_tagged(
+                    size as u64,
+                    device,
+                    stream as usize as u64,
+                    tag.borrow().as_deref(),
+                )
+                .map(|p| p as usize as *mut c_void)
+        })
+    })
+}
+
+/// From now on the calling thread's `quilt_malloc`s carry `tag` (until
+/// `quilt_clear_tag` or another `quilt_set_tag`): their blocks sleep and
+/// wake with it. Other threads are not affected. 0 on success; a null,
+/// non-UTF-8 or empty tag is an error (the current tag is then unchanged).
+///
+/// # Safety
+///
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_set_tag(tag: *const c_char) -> c_int {
+    guard(1, || {
+        // SAFETY: `tag` as this function's contract says.
+        let tag = unsafe { read_tag("quilt_set_tag", tag) }?;
+        CURRENT_TAG.with(|t| *t.borrow_mut() = Some(tag));
+        Ok(0)
+    })
+}
+
+/// The calling thread's `quilt_malloc`s carry no tag any more. 0.
+#[no_mangle]
+pub extern "C" fn quilt_clear_tag() -> c_int {
+    guard(1, || {
+        CURRENT_TAG.with(|t| *t.borrow_mut() = None);
+        Ok(0)
+    })
+}
+
+/// The calling thread's current tag into `buf` (`snprintf` style; "" when
+/// none is set).
+///
+/// # Safety
+///
+/// `buf` is null (then `len` must be 0) or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_current_tag(buf: *mut c_char, len: usize) -> usize {
+    guard(0, || {
+        let tag = current_tag().unwrap_or_default();
+        // SAFETY: `buf` and `len` as this function's contract says.
+        Ok(unsafe { write_c_string(&tag, buf, len) })
+    })
+}
+
+/// Put `tag` to sleep on every device where its blocks live: their work
+/// completes, their contents are copied to host memory (or dropped with
+/// `QUILT_SLEEP_DISCARD` = 1), their pages are unmapped and kept in Quilt's
+/// pool (or released to the device with `QUILT_SLEEP_RELEASE` = 2, for other
+/// programs); their addresses stay reserved. 0 on success; an unknown tag,
+/// one already asleep, unknown flags, or a failure is an error.
+///
+/// # Safety
+///
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_sleep(tag: *const c_char, flags: c_int) -> c_int {
+    guard(1, || {
+        // SAFETY: `tag` as this function's contract says.
+        let tag = unsafe { read_tag("quilt_sleep", tag) }?;
+        let (mode, pages) = crate::library::sleep_options(flags)?;
+        library().sleep(&tag, mode, pages).map(|()| 0)
+    })
+}
+
+/// Wake `tag`: its blocks are backed again at the same addresses, their
+/// contents copied back if they were offloaded. 0 on success; an unknown
+/// tag, one that is awake, or a failure (out of memory: the tag stays
+/// asleep, its host copy intact) is an error.
+///
+/// # Safety
+///
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_wake(tag: *const c_char) -> c_int {
+    guard(1, || {
+        // SAFETY: `tag` as this function's contract says.
+        let tag = unsafe { read_tag("quilt_wake", tag) }?;
+        library().wake(&tag).map(|()| 0)
+    })
+}
+
+/// 1 while `tag` sleeps (on some device), 0 while it is awake, -1 on error
+/// (an unknown tag, a null, non-UTF-8 or empty one).
+///
+/// # Safety
+///
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_is_asleep(tag: *const c_char) -> c_int {
+    guard(-1, || {
+        // SAFETY: `tag` as this function's contract says.
+        let tag = unsafe { read_tag("quilt_is_asleep", tag) }?;
+        library().is_asleep(&tag).map(c_int::from)
     })
 }
 

@@ -13,7 +13,19 @@
 //! size_t quilt_last_error(char* buf, size_t len);
 //! int    quilt_record_history(int enabled, size_t max_entries);
 //! int    quilt_dump_snapshot(const char* path);
+//! int    quilt_set_tag(const char* tag);      // this thread's mallocs carry it
+//! int    quilt_clear_tag(void);
+//! size_t quilt_current_tag(char* buf, size_t len);
+//! int    quilt_sleep(const char* tag, int flags); // 1: discard, 2: release
+//! int    quilt_wake(const char* tag);
+//! int    quilt_is_asleep(const char* tag);   // 1, 0, or -1 on error
 //! ```
+//!
+//! Sleep and wake (`docs/serving.md`, "From PyTorch"): the allocations a
+//! thread makes between `quilt_set_tag` and `quilt_clear_tag` carry the tag
+//! (as torch_memory_saver's `region` and vLLM's `use_memory_pool(tag)`);
+//! `quilt_sleep` unmaps them keeping their addresses, `quilt_wake` maps them
+//! again with their contents.
 //!
 //! One Quilt allocator per device, created on first use, configured by
 //! `QUILT_ALLOC_CONF` ([`conf`]). Streams the library did not create are
@@ -22,7 +34,7 @@
 //! from any thread; no panic crosses the boundary; a failure (out of memory
 //! with its report and verdict, a null, unknown or double-freed pointer, a bad
 //! configuration) is kept for the calling thread's `quilt_last_error`, never
-//! a crash. The two text functions follow `snprintf`: they return the length
+//! a crash. The text functions follow `snprintf`: they return the length
 //! needed (without the terminating NUL) and never write past `len`.
 //!
 //! `unsafe` lives in [`ffi`] only (the C boundary): the exported symbols,
@@ -35,4 +47,4 @@ pub mod history;
 pub mod library;
 pub mod snapshot;
 
-pub use ffi::last_error;
+pub use ffi::{current_tag, last_error};

@@ -1,12 +1,13 @@
 //! The library's state behind the C functions, in safe Rust: the
 //! configuration (read once), one Quilt allocator per device (created on
-//! first use), memory fractions, the history. Every function returns a
+//! first use), memory fractions, the history, tags and their sleep and
+//! wake. Every function returns a
 //! `Result` whose error is the message `quilt_last_error` gives back.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator};
+use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, SleepMode, SleepPages};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::cuda::CudaVmm;
 use quilt_vmm::host::{HostConfig, HostVmm};
@@ -50,6 +51,44 @@ static LIBRARY: OnceLock<Library> = OnceLock::new();
 /// first call.
 pub fn library() -> &'static Library {
     LIBRARY.get_or_init(|| Library::new(&std::env::var("QUILT_ALLOC_CONF").unwrap_or_default()))
+}
+
+/// `quilt_sleep`'s flag: drop the contents instead of copying them to host
+/// memory ([`SleepMode::Discard`]).
+pub const SLEEP_DISCARD: i32 = 1;
+/// `quilt_sleep`'s flag: release the pages to the device (`cuMemRelease`)
+/// instead of keeping them in Quilt's pool ([`SleepPages::ReleaseToDevice`]).
+pub const SLEEP_RELEASE: i32 = 2;
+
+/// What `quilt_sleep`'s `flags` ask for: 0 (offload, pages kept in the
+/// pool), or [`SLEEP_DISCARD`] and [`SLEEP_RELEASE`] combined; any other bit
+/// is an error.
+pub fn sleep_options(flags: i32) -> Result<(SleepMode, SleepPages), String> {
+    if flags & !(SLEEP_DISCARD | SLEEP_RELEASE) != 0 {
+        return Err(format!(
+            "quilt_sleep: flags {flags:#x}: only QUILT_SLEEP_DISCARD (1) and QUILT_SLEEP_RELEASE (2) exist"
+        ));
+    }
+    let mode = if flags & SLEEP_DISCARD != 0 {
+        SleepMode::Discard
+    } else {
+        SleepMode::Offload
+    };
+    let pages = if flags & SLEEP_RELEASE != 0 {
+        SleepPages::ReleaseToDevice
+    } else {
+        SleepPages::KeepInPool
+    };
+    Ok((mode, pages))
+}
+
+/// A tag as the C functions accept it: not empty (`quilt_clear_tag` is how
+/// allocations stop carrying one).
+pub fn check_tag(tag: &str) -> Result<(), String> {
+    if tag.is_empty() {
+        return Err("the tag is empty (quilt_clear_tag ends tagging)".into());
+    }
+    Ok(())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -129,8 +168,30 @@ impl Library {
 
     /// `quilt_malloc`: a block of `size` bytes on `device`, ordered on `stream`.
     pub fn malloc(&self, size: u64, device: i32, stream: u64) -> Result<DevicePtr, String> {
+        self.malloc_tagged(size, device, stream, None)
+    }
+
+    /// `quilt_malloc` under a tag (`quilt_set_tag`): with `Some(tag)` the
+    /// block is a member of `tag` on its device
+    /// ([`QuiltAllocator::allocate_tagged`]: an arena of the tag's own), so
+    /// that [`Library::sleep`] and [`Library::wake`] take it along.
+    pub fn malloc_tagged(
+        &self,
+        size: u64,
+        device: i32,
+        stream: u64,
+        tag: Option<&str>,
+    ) -> Result<DevicePtr, String> {
+        if let Some(t) = tag {
+            check_tag(t)?;
+        }
         let d = self.device(device)?;
-        match d.alloc.allocate(size, d.stream(stream)) {
+        let s = d.stream(stream);
+        let made = match tag {
+            Some(t) => d.alloc.allocate_tagged(size, s, t),
+            None => d.alloc.allocate(size, s),
+        };
+        match made {
             Ok(a) => {
                 self.history.record(device, "alloc", a.ptr, size, stream);
                 Ok(a.ptr)
@@ -273,6 +334,73 @@ impl Library {
             "driver_calls": calls,
         });
         Ok(v.to_string())
+    }
+
+    /// The devices whose allocator knows `tag`, with whether it sleeps there.
+    fn tag_devices(&self, tag: &str) -> Result<Vec<(Arc<Device>, bool)>, String> {
+        self.conf()?;
+        check_tag(tag)?;
+        let mut out = Vec::new();
+        for d in self.existing() {
+            match d.alloc.is_asleep(tag) {
+                Ok(asleep) => out.push((d, asleep)),
+                Err(AllocError::TagState { .. }) => {} // unknown on this device
+                Err(e) => return Err(format!("device {}: {e}", d.index)),
+            }
+        }
+        if out.is_empty() {
+            return Err(format!(
+                "tag {tag:?}: unknown tag: no allocation carried it (allocate under quilt_set_tag first)"
+            ));
+        }
+        Ok(out)
+    }
+
+    /// `quilt_sleep`: put `tag` to sleep on every device where it is awake
+    /// ([`QuiltAllocator::sleep_with`]: contents to host memory or dropped,
+    /// pages unmapped and kept in the pool or released to the device,
+    /// addresses kept). An error when no device knows the tag, or when it
+    /// sleeps on every device that does. A failure on one device leaves the
+    /// devices done before it asleep: calling again sleeps the rest.
+    pub fn sleep(&self, tag: &str, mode: SleepMode, pages: SleepPages) -> Result<(), String> {
+        let devices = self.tag_devices(tag)?;
+        if devices.iter().all(|(_, asleep)| *asleep) {
+            return Err(format!("tag {tag:?}: the tag is already asleep"));
+        }
+        for (d, asleep) in devices {
+            if !asleep {
+                d.alloc
+                    .sleep_with(tag, mode, pages)
+                    .map_err(|e| format!("device {}: {e}", d.index))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `quilt_wake`: wake `tag` on every device where it sleeps (same
+    /// addresses, contents copied back when it was offloaded). An error when
+    /// no device knows the tag or it sleeps nowhere. A failure on one device
+    /// (out of memory: the tag stays asleep there, its host copy intact)
+    /// leaves the devices woken before it awake: calling again wakes the rest.
+    pub fn wake(&self, tag: &str) -> Result<(), String> {
+        let devices = self.tag_devices(tag)?;
+        if devices.iter().all(|(_, asleep)| !*asleep) {
+            return Err(format!("tag {tag:?}: the tag is awake"));
+        }
+        for (d, asleep) in devices {
+            if asleep {
+                d.alloc
+                    .wake(tag)
+                    .map_err(|e| format!("device {}: {e}", d.index))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `quilt_is_asleep`: whether `tag` sleeps on some device (an error when
+    /// no device knows it).
+    pub fn is_asleep(&self, tag: &str) -> Result<bool, String> {
+        Ok(self.tag_devices(tag)?.iter().any(|(_, asleep)| *asleep))
     }
 
     /// `quilt_record_history`.
