@@ -59,7 +59,7 @@ pub fn build(spec: &str, vmm: Arc<dyn Vmm>) -> Result<Box<dyn DeviceAllocator>, 
     Ok(match parse(spec)? {
         Spec::Classic(c) => Box::new(ClassicAllocator::new(vmm, c).map_err(wrap)?),
         Spec::Expandable(c) => Box::new(ExpandableAllocator::new(vmm, c).map_err(wrap)?),
-        Spec::Quilt(_, c) => Box::new(QuiltAllocator::new(vmm, c).map_err(wrap)?),
+        Spec::Quilt(c) => Box::new(QuiltAllocator::new(vmm, c).map_err(wrap)?),
         Spec::Offset(c) => Box::new(OffsetAllocator::new(vmm, c).map_err(wrap)?),
     })
 }

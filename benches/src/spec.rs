@@ -44,8 +44,8 @@ pub const OFFSET_KEYS: [&str; 1] = ["max_allocs"];
 #[derive(Clone, Debug, PartialEq)]
 pub enum Spec {
     /// Quilt's policy (the `quilt` and `gmlake` presets, changed or not);
-    /// the name is the preset's.
-    Quilt(&'static str, QuiltConfig),
+    /// its name ([`QuiltConfig::name`]) is the preset's.
+    Quilt(QuiltConfig),
     /// PyTorch's caching allocator without expandable segments.
     Classic(ClassicConfig),
     /// PyTorch's caching allocator with expandable segments.
@@ -166,8 +166,8 @@ fn unknown(name: &str, key: &str, valid: &[&'static str]) -> SpecError {
 pub fn parse(text: &str) -> Result<Spec, SpecError> {
     let (name, settings) = split(text)?;
     match name {
-        "quilt" => quilt(name, QuiltConfig::default(), &settings).map(|c| Spec::Quilt("quilt", c)),
-        "gmlake" => quilt(name, QuiltConfig::gmlake(), &settings).map(|c| Spec::Quilt("gmlake", c)),
+        "quilt" => quilt(name, QuiltConfig::default(), &settings).map(Spec::Quilt),
+        "gmlake" => quilt(name, QuiltConfig::gmlake(), &settings).map(Spec::Quilt),
         "classic" => {
             let mut c = ClassicConfig::default();
             caching(
@@ -274,25 +274,19 @@ fn quilt(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
-    use quilt_alloc::quilt::{GrowthPolicy, PageSize, ReclaimPolicy};
+    use quilt_alloc::quilt::{GrowthPolicy, PageSize, Placement, ReclaimPolicy};
 
     fn quilt_of(text: &str) -> QuiltConfig {
         match parse(text).unwrap() {
-            Spec::Quilt(_, c) => c,
+            Spec::Quilt(c) => c,
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
     fn a_bare_name_is_the_default_configuration() {
-        assert_eq!(
-            parse("quilt").unwrap(),
-            Spec::Quilt("quilt", QuiltConfig::default())
-        );
-        assert_eq!(
-            parse("gmlake").unwrap(),
-            Spec::Quilt("gmlake", QuiltConfig::gmlake())
-        );
+        assert_eq!(parse("quilt").unwrap(), Spec::Quilt(QuiltConfig::default()));
+        assert_eq!(parse("gmlake").unwrap(), Spec::Quilt(QuiltConfig::gmlake()));
         assert_eq!(
             parse("classic").unwrap(),
             Spec::Classic(ClassicConfig::default())
@@ -317,7 +311,14 @@ mod tests {
             ReclaimPolicy::IdleFor(500)
         );
         let g = quilt_of("gmlake:frag_limit=32MiB,reuse_limit=4");
-        assert_eq!((g.stitch_threshold, g.reuse_limit), (32 << 20, 4));
+        assert_eq!(
+            g.placement,
+            Placement::GmlakeLimits {
+                frag_limit: 32 << 20,
+                reuse_limit: 4
+            }
+        );
+        assert_eq!(g.name, "gmlake");
         assert_eq!(
             quilt_of("quilt:growth_divisor=0").pool.growth,
             GrowthPolicy::exact()
@@ -373,6 +374,8 @@ mod tests {
             "quilt:cached_permille=20",
             "quilt:reclaim=always,idle_ops=3",
             "quilt:reuse_limit=4",
+            "gmlake:candidates=4",
+            "gmlake:frag_limit=0,reuse_limit=4",
         ] {
             assert!(matches!(parse(text), Err(SpecError::Conflict(_))), "{text}");
         }

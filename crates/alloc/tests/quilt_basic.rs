@@ -10,7 +10,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use quilt_alloc::quilt::{
-    MemoryLimit, PageSize, PoolConfig, QuiltAllocator, QuiltConfig, ReclaimPolicy,
+    ArenaLayout, ArenaSharing, MemoryLimit, PageSize, Placement, PoolConfig, QuiltAllocator,
+    QuiltConfig, ReclaimPolicy, SmallBlocks,
 };
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::{Fault, SimVmm};
@@ -178,10 +179,9 @@ fn syncs(sim: &SimVmm) -> u64 {
 }
 
 fn per_stream() -> QuiltConfig {
-    QuiltConfig {
-        shared_arena: false,
-        ..QuiltConfig::default()
-    }
+    let mut config = QuiltConfig::default();
+    config.layout.sharing = ArenaSharing::PerStream;
+    config
 }
 
 fn ok(a: &QuiltAllocator) {
@@ -766,7 +766,7 @@ fn pressure_run(capacity: u64, config: QuiltConfig, seed: u64, ops: u64) -> Pres
                 Err(e) => {
                     let rep = e.oom_report().unwrap_or_else(|| panic!("op {i}: {e}"));
                     ooms += 1;
-                    if config.stitch_threshold > 0 {
+                    if matches!(config.placement, Placement::GmlakeLimits { .. }) {
                         // GMLake serves smaller requests only from a cached
                         // block or fresh address space: no promise there.
                         continue;
@@ -829,8 +829,11 @@ fn pressure_configs() -> Vec<(&'static str, QuiltConfig)> {
         (
             "per-stream, small arena",
             QuiltConfig {
-                shared_arena: false,
-                separate_small_arena: true,
+                layout: ArenaLayout {
+                    sharing: ArenaSharing::PerStream,
+                    small: SmallBlocks::PYTORCH,
+                    ..QuiltConfig::default().layout
+                },
                 ..QuiltConfig::default()
             },
         ),
@@ -1360,31 +1363,48 @@ fn configurations_that_break_a_promise_are_refused() {
     for (config, expect) in [
         (
             QuiltConfig {
-                placement_candidates: 0,
+                placement: Placement::BestFit { candidates: 0 },
                 ..base
             },
-            "placement_candidates",
+            "candidates",
         ),
         (
             QuiltConfig {
-                arena_va_factor: 1,
+                placement: Placement::GmlakeLimits {
+                    frag_limit: 0,
+                    reuse_limit: 4,
+                },
                 ..base
             },
-            "arena_va_factor",
+            "frag_limit",
         ),
+        (
+            QuiltConfig {
+                layout: ArenaLayout {
+                    va_factor: 1,
+                    ..base.layout
+                },
+                ..base
+            },
+            "va_factor",
+        ),
+        (
+            QuiltConfig {
+                layout: ArenaLayout {
+                    small: SmallBlocks::Separate { up_to: 0 },
+                    ..base.layout
+                },
+                ..base
+            },
+            "up_to",
+        ),
+        (base.named(""), "name"),
         (
             QuiltConfig {
                 reclaim: ReclaimPolicy::CachedAbove(1001),
                 ..base
             },
             "CachedAbove",
-        ),
-        (
-            QuiltConfig {
-                reuse_limit: 4,
-                ..base
-            },
-            "reuse_limit",
         ),
     ] {
         match QuiltAllocator::new(sim.clone(), config) {
@@ -1408,4 +1428,41 @@ fn configurations_that_break_a_promise_are_refused() {
         Err(AllocError::InvalidConfig { .. })
     ));
     assert!(QuiltAllocator::new(sim.clone(), QuiltConfig::gmlake()).is_ok());
+}
+
+#[test]
+fn each_configuration_reports_its_own_name_whatever_its_placement() {
+    let sim: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 * MIB).unwrap());
+    let limited = Placement::GmlakeLimits {
+        frag_limit: 32 * MIB,
+        reuse_limit: 0,
+    };
+    for (config, name) in [
+        (QuiltConfig::default(), "quilt"),
+        (QuiltConfig::gmlake(), "gmlake"),
+        // Quilt with GMLake's limits is still Quilt, and GMLake stitching
+        // every request still GMLake: the name is never derived from a knob.
+        (
+            QuiltConfig {
+                placement: limited,
+                ..QuiltConfig::default()
+            },
+            "quilt",
+        ),
+        (
+            QuiltConfig {
+                placement: Placement::BestFit { candidates: 1 },
+                ..QuiltConfig::gmlake()
+            },
+            "gmlake",
+        ),
+        (QuiltConfig::gmlake().named("gmlake-32mib"), "gmlake-32mib"),
+    ] {
+        let a = QuiltAllocator::new(sim.clone(), config).unwrap();
+        assert_eq!(a.name(), name);
+        assert_eq!(a.snapshot().allocator, name);
+        let err = a.allocate(100 * MIB, StreamId::DEFAULT).unwrap_err();
+        assert_eq!(err.oom_report().unwrap().allocator, name);
+        ok(&a);
+    }
 }

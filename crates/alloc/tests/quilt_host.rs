@@ -8,7 +8,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use quilt_alloc::quilt::{PageSize, QuiltAllocator, QuiltConfig, ReclaimPolicy};
+use quilt_alloc::quilt::{
+    ArenaLayout, ArenaSharing, PageSize, QuiltAllocator, QuiltConfig, ReclaimPolicy, SmallBlocks,
+};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::{StreamId, Vmm};
@@ -155,8 +157,11 @@ fn patterns_survive_the_gmlake_preset() {
 #[test]
 fn patterns_survive_with_per_stream_and_small_arenas() {
     let config = QuiltConfig {
-        shared_arena: false,
-        separate_small_arena: true,
+        layout: ArenaLayout {
+            sharing: ArenaSharing::PerStream,
+            small: SmallBlocks::PYTORCH,
+            ..QuiltConfig::default().layout
+        },
         ..QuiltConfig::default()
     };
     stress(config, 0x2545_f491_4f6c_dd1d);

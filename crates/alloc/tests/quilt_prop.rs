@@ -2,13 +2,17 @@
 //! record-stream / synchronise / empty-cache sequences, the invariants after
 //! every step, and the central promise on every failed request: it failed only
 //! because fewer pages were free or reclaimable than the new block needed.
+//! Every preset runs here; under GMLake's limits the promise covers the
+//! requests they stitch (see [`promised`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig, ReclaimPolicy};
+use quilt_alloc::quilt::{
+    ArenaSharing, Placement, QuiltAllocator, QuiltConfig, ReclaimPolicy, SmallBlocks,
+};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{StreamId, Vmm};
@@ -60,6 +64,19 @@ impl Model {
     }
 }
 
+/// True when the central promise covers a request of `size` bytes under
+/// `config`: every request with best-fit placement; under GMLake's limits, a
+/// request in the large arena below the fragment limit is served only from a
+/// cached block or fresh address space, and may fail while pages are free.
+fn promised(config: &QuiltConfig, size: u64) -> bool {
+    match config.placement {
+        Placement::BestFit { .. } => true,
+        Placement::GmlakeLimits { frag_limit, .. } => {
+            size >= frag_limit || config.layout.small.is_small(size)
+        }
+    }
+}
+
 fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseError> {
     let sim = Arc::new(SimVmm::with_capacity(capacity).unwrap());
     let v: Arc<dyn Vmm> = sim.clone();
@@ -75,6 +92,16 @@ fn run(ops: Vec<Op>, capacity: u64, config: QuiltConfig) -> Result<(), TestCaseE
                     prop_assert!(al.size >= size);
                     prop_assert!(m.live.insert(al.ptr, (al.size, BTreeSet::new())).is_none());
                     m.owner.insert(al.ptr, stream);
+                }
+                Err(AllocError::OutOfMemory(r)) if !promised(&config, size) => {
+                    // No promise, but a true verdict: capacity only when the
+                    // pages were missing.
+                    prop_assert!(
+                        r.verdict == OomVerdict::Fragmentation
+                            || r.reclaimable + r.device_free < r.needed,
+                        "{}",
+                        r
+                    );
                 }
                 Err(AllocError::OutOfMemory(r)) => {
                     // The allocator's own account: not enough free, cached or creatable pages.
@@ -172,13 +199,15 @@ proptest! {
 
     #[test]
     fn invariants_with_separate_small_arenas(ops in proptest::collection::vec(op(), 1..120)) {
-        let config = QuiltConfig { separate_small_arena: true, ..QuiltConfig::default() };
+        let mut config = QuiltConfig::default();
+        config.layout.small = SmallBlocks::PYTORCH;
         run(ops, 96 * MIB, config)?;
     }
 
     #[test]
     fn central_promise_with_per_stream_arenas(ops in proptest::collection::vec(op(), 1..120)) {
-        let config = QuiltConfig { shared_arena: false, ..QuiltConfig::default() };
+        let mut config = QuiltConfig::default();
+        config.layout.sharing = ArenaSharing::PerStream;
         run(ops, 64 * MIB, config)?;
     }
 
@@ -193,7 +222,26 @@ proptest! {
         ],
         candidates in 1usize..10,
     ) {
-        let config = QuiltConfig { reclaim: policy, placement_candidates: candidates, ..QuiltConfig::default() };
+        let config = QuiltConfig { reclaim: policy, placement: Placement::BestFit { candidates }, ..QuiltConfig::default() };
+        run(ops, 64 * MIB, config)?;
+    }
+
+    #[test]
+    fn central_promise_with_the_gmlake_preset(ops in proptest::collection::vec(op(), 1..120)) {
+        run(ops, 64 * MIB, QuiltConfig::gmlake())?;
+    }
+
+    #[test]
+    fn central_promise_with_gmlake_limits_below_the_requests(
+        ops in proptest::collection::vec(op(), 1..120),
+        frag_mib in 2u64..24,
+        reuse_limit in 0u64..4,
+    ) {
+        // A fragment limit inside the generated sizes: requests on both sides.
+        let config = QuiltConfig {
+            placement: Placement::GmlakeLimits { frag_limit: frag_mib * MIB, reuse_limit },
+            ..QuiltConfig::gmlake()
+        };
         run(ops, 64 * MIB, config)?;
     }
 

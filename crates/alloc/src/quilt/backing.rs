@@ -5,6 +5,7 @@
 use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
 
+use super::config::AccessGranularity;
 use super::state::{pool_err, Ctx, State};
 use crate::error::AllocError;
 
@@ -90,14 +91,14 @@ impl State {
                 break;
             }
             mapped += 1;
-            if ctx.cfg.access_per_map {
+            if ctx.cfg.access == AccessGranularity::PerPage {
                 if let Err(e) = set_access(ctx, addr, page) {
                     result = Err(e);
                     break;
                 }
             }
         }
-        if result.is_ok() && !ctx.cfg.access_per_map {
+        if result.is_ok() && ctx.cfg.access == AccessGranularity::PerRange {
             let mut i = 0;
             while i < at.len() {
                 let mut j = i + 1;

@@ -9,13 +9,13 @@
 //! | `reclaim` | `when_full`, `always`, `cached_above`, `idle_for` | [`QuiltConfig::reclaim`] |
 //! | `cached_permille` | 0 to 1000, with `reclaim=cached_above` (default 50) | its bound |
 //! | `idle_ops` | operations, with `reclaim=idle_for` (default 10000) | its age |
-//! | `candidates` | 1 to 4096 | [`QuiltConfig::placement_candidates`] |
-//! | `shared_arena` | `true` / `false` | [`QuiltConfig::shared_arena`] |
-//! | `small_arena` | `true` / `false` | [`QuiltConfig::separate_small_arena`] |
-//! | `frag_limit` | a size; 0 stitches every request | [`QuiltConfig::stitch_threshold`] |
-//! | `reuse_limit` | a whole number, with a `frag_limit` (`frag_limit=0` clears it) | [`QuiltConfig::reuse_limit`] |
+//! | `candidates` | 1 to 4096, with best-fit placement (`frag_limit=0`) | [`Placement::BestFit`]'s `candidates` |
+//! | `shared_arena` | `true` / `false` | [`ArenaLayout::sharing`](super::ArenaLayout::sharing): [`ArenaSharing::Shared`] / [`ArenaSharing::PerStream`] |
+//! | `small_arena` | `true` / `false` | [`ArenaLayout::small`](super::ArenaLayout::small): [`SmallBlocks::PYTORCH`] (up to 1 MiB) / [`SmallBlocks::Mixed`] |
+//! | `frag_limit` | a size; 0 stitches every request ([`Placement::BestFit`]) | [`Placement::GmlakeLimits`]'s `frag_limit` |
+//! | `reuse_limit` | a whole number (0: no limit), with a `frag_limit` above 0 | [`Placement::GmlakeLimits`]'s `reuse_limit` |
 //! | `growth_divisor` | pages held per page of margin; 0: exactly what is needed | [`GrowthPolicy`] |
-//! | `access_per_map` | `true` / `false` | [`QuiltConfig::access_per_map`] |
+//! | `access_per_map` | `true` / `false` | [`QuiltConfig::access`]: [`AccessGranularity::PerPage`] / [`AccessGranularity::PerRange`] |
 //! | `map_ahead_pages` | pages mapped past each growable buffer's end (0: none) | [`QuiltConfig::map_ahead`] |
 //! | `map_ahead_mode` | `background`, `inline`, `manual` | its [`AheadMode`] |
 //! | `map_ahead_permille` | 0 to 1000: map ahead while the pool is below this share of its limit | its bound |
@@ -25,11 +25,20 @@
 //! The last five ([`SERVING_KEYS`]) are the serving policies (`docs/serving.md`).
 //!
 //! A key the other settings would ignore (`cached_permille` without
-//! `reclaim=cached_above`, ...) is refused rather than silently dead.
+//! `reclaim=cached_above`, `reuse_limit` or `candidates` with the wrong
+//! placement, ...) is refused rather than silently dead. The configuration's
+//! name stays the base preset's.
+//!
+//! `frag_limit` chooses the placement: 0 is [`Placement::BestFit`] (its
+//! `candidates` kept from the base, or 1 when the base had GMLake's limits),
+//! above 0 is [`Placement::GmlakeLimits`] (its `reuse_limit` kept from the
+//! base, or 0 when the base had best fit).
 
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize};
 
-use super::config::{QuiltConfig, ReclaimPolicy};
+use super::config::{
+    AccessGranularity, ArenaSharing, Placement, QuiltConfig, ReclaimPolicy, SmallBlocks,
+};
 use super::growable::{AheadMode, Recycle};
 use super::offload::OffloadTier;
 use crate::units::parse_size;
@@ -145,7 +154,9 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
     let mut reclaim: Option<&str> = None;
     let mut permille: Option<u64> = None;
     let mut idle: Option<u64> = None;
-    let mut reuse_given = false;
+    let mut frag: Option<u64> = None;
+    let mut reuse: Option<u64> = None;
+    let mut candidates: Option<usize> = None;
     for (i, &(key, value)) in settings.iter().enumerate() {
         if settings[..i].iter().any(|&(k, _)| k == key) {
             return Err(ConfError::Repeated(key.to_string()));
@@ -182,18 +193,29 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
             "idle_ops" => idle = Some(count(key, value)?),
             "candidates" => {
                 let n = count(key, value)?;
-                c.placement_candidates = usize::try_from(n)
-                    .ok()
-                    .filter(|n| (1..=4096).contains(n))
-                    .ok_or_else(|| bad(key, value, "expected 1 to 4096"))?;
+                candidates = Some(
+                    usize::try_from(n)
+                        .ok()
+                        .filter(|n| (1..=4096).contains(n))
+                        .ok_or_else(|| bad(key, value, "expected 1 to 4096"))?,
+                );
             }
-            "shared_arena" => c.shared_arena = flag(key, value)?,
-            "small_arena" => c.separate_small_arena = flag(key, value)?,
-            "frag_limit" => c.stitch_threshold = size(key, value)?,
-            "reuse_limit" => {
-                c.reuse_limit = count(key, value)?;
-                reuse_given = true;
+            "shared_arena" => {
+                c.layout.sharing = if flag(key, value)? {
+                    ArenaSharing::Shared
+                } else {
+                    ArenaSharing::PerStream
+                }
             }
+            "small_arena" => {
+                c.layout.small = if flag(key, value)? {
+                    SmallBlocks::PYTORCH
+                } else {
+                    SmallBlocks::Mixed
+                }
+            }
+            "frag_limit" => frag = Some(size(key, value)?),
+            "reuse_limit" => reuse = Some(count(key, value)?),
             "growth_divisor" => {
                 let d = count(key, value)?;
                 c.pool.growth = if d == 0 {
@@ -205,7 +227,13 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
                     }
                 };
             }
-            "access_per_map" => c.access_per_map = flag(key, value)?,
+            "access_per_map" => {
+                c.access = if flag(key, value)? {
+                    AccessGranularity::PerPage
+                } else {
+                    AccessGranularity::PerRange
+                }
+            }
             "map_ahead_pages" => c.map_ahead.pages = count(key, value)?,
             "map_ahead_mode" => {
                 c.map_ahead.mode = match value {
@@ -264,17 +292,42 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
             "idle_ops applies only with reclaim=idle_for".into(),
         ));
     }
-    if c.stitch_threshold == 0 && !reuse_given {
-        // Stitching every request (`frag_limit=0`) leaves the reuse limit of
-        // the requests below the threshold nothing to limit.
-        c.reuse_limit = 0;
-    }
-    if reuse_given && c.stitch_threshold == 0 {
-        return Err(ConfError::Conflict(
-            "reuse_limit applies only with a frag_limit above 0 (stitching below it is off)".into(),
-        ));
-    }
+    c.placement = placement(c.placement, frag, reuse, candidates)?;
     Ok(c)
+}
+
+/// The placement `frag_limit`, `reuse_limit` and `candidates` (each if given)
+/// make of `base`.
+fn placement(
+    base: Placement,
+    frag: Option<u64>,
+    reuse: Option<u64>,
+    candidates: Option<usize>,
+) -> Result<Placement, ConfError> {
+    let (base_frag, base_reuse, base_candidates) = match base {
+        Placement::BestFit { candidates } => (0, 0, candidates),
+        Placement::GmlakeLimits {
+            frag_limit,
+            reuse_limit,
+        } => (frag_limit, reuse_limit, 1),
+    };
+    match frag.unwrap_or(base_frag) {
+        0 if reuse.is_some() => Err(ConfError::Conflict(
+            "reuse_limit applies only with a frag_limit above 0 (with frag_limit=0 every request is stitched)"
+                .into(),
+        )),
+        0 => Ok(Placement::BestFit {
+            candidates: candidates.unwrap_or(base_candidates),
+        }),
+        _ if candidates.is_some() => Err(ConfError::Conflict(
+            "candidates applies only with frag_limit=0 (best-fit placement; GMLake's limits place by plain best fit)"
+                .into(),
+        )),
+        frag_limit => Ok(Placement::GmlakeLimits {
+            frag_limit,
+            reuse_limit: reuse.unwrap_or(base_reuse),
+        }),
+    }
 }
 
 /// The keys of [`parse`] beyond Quilt's policy keys.
@@ -380,6 +433,66 @@ mod tests {
     }
 
     #[test]
+    fn frag_limit_chooses_the_placement_and_the_name_stays_the_presets() {
+        let gmlake = QuiltConfig::gmlake();
+        let c = apply(gmlake, &[("frag_limit", "32MiB")]).unwrap();
+        assert_eq!(
+            c.placement,
+            Placement::GmlakeLimits {
+                frag_limit: 32 << 20,
+                reuse_limit: 10
+            }
+        );
+        assert_eq!(c.name, "gmlake");
+        let c = apply(gmlake, &[("frag_limit", "0"), ("candidates", "4")]).unwrap();
+        assert_eq!(c.placement, Placement::BestFit { candidates: 4 });
+        assert_eq!(c.name, "gmlake", "a spec's name is its preset's");
+        assert_eq!(
+            apply(gmlake, &[("frag_limit", "0")]).unwrap().placement,
+            Placement::BestFit { candidates: 1 }
+        );
+        let c = apply(QuiltConfig::default(), &[("frag_limit", "8MiB")]).unwrap();
+        assert_eq!(
+            c.placement,
+            Placement::GmlakeLimits {
+                frag_limit: 8 << 20,
+                reuse_limit: 0
+            }
+        );
+        assert_eq!(c.name, "quilt");
+        let c = apply(
+            QuiltConfig::default(),
+            &[
+                ("shared_arena", "false"),
+                ("small_arena", "true"),
+                ("access_per_map", "true"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.layout.sharing, ArenaSharing::PerStream);
+        assert_eq!(c.layout.small, SmallBlocks::PYTORCH);
+        assert_eq!(c.access, AccessGranularity::PerPage);
+        for dead in [
+            &[("candidates", "2")][..],
+            &[("frag_limit", "0"), ("reuse_limit", "3")],
+        ] {
+            let e = apply(gmlake, dead).unwrap_err();
+            assert!(matches!(e, ConfError::Conflict(_)), "{dead:?}: {e}");
+            assert!(e.to_string().contains("frag_limit"), "{e}");
+        }
+        // Every configuration `apply` makes is a valid one.
+        for c in [gmlake, QuiltConfig::default()] {
+            for (k, v) in [
+                ("frag_limit", "0"),
+                ("frag_limit", "1MiB"),
+                ("small_arena", "true"),
+            ] {
+                apply(c, &[(k, v)]).unwrap().validate().unwrap();
+            }
+        }
+    }
+
+    #[test]
     fn settings_apply_and_bad_ones_say_what_is_valid() {
         let c = apply(
             QuiltConfig::default(),
@@ -392,7 +505,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.pool.page_size, PageSize::Bytes(20 << 20));
         assert_eq!(c.reclaim, ReclaimPolicy::Always);
-        assert_eq!(c.placement_candidates, 3);
+        assert_eq!(c.placement, Placement::BestFit { candidates: 3 });
         let e = apply(QuiltConfig::default(), &[("colour", "blue")]).unwrap_err();
         assert!(e.to_string().contains("page_size, reclaim"), "{e}");
         let e = apply(QuiltConfig::default(), &[("reclaim", "often")]).unwrap_err();
@@ -401,6 +514,7 @@ mod tests {
             &[("cached_permille", "5")][..],
             &[("reclaim", "always"), ("idle_ops", "5")],
             &[("reuse_limit", "2")],
+            &[("frag_limit", "32MiB"), ("candidates", "2")],
         ] {
             assert!(matches!(
                 apply(QuiltConfig::default(), dead),

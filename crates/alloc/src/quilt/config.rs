@@ -1,5 +1,9 @@
-//! Quilt's policies: the default policy and the GMLake preset are two values
-//! of [`QuiltConfig`], not two allocators.
+//! Quilt's policy as types: one value per axis of the design (where a block
+//! goes, how arenas are laid out, how access is set, when the cache is
+//! reclaimed), with the serving policies and the physical pool beside them.
+//! The default policy and the GMLake preset are two values of
+//! [`QuiltConfig`], each written whole and carrying its own name, not two
+//! allocators.
 
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 use quilt_vmm::DeviceSet;
@@ -8,6 +12,110 @@ use super::growable::{MapAhead, Recycle};
 use super::offload::OffloadTier;
 
 use crate::error::AllocError;
+
+/// Where a block goes in its arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Quilt: every request is stitched from pages wherever they are. Among
+    /// up to `candidates` best-fitting gaps, the first whose pages are all
+    /// mapped and free of other streams' pending work, then one that needs
+    /// only a wait, then the one needing the fewest new pages (1 = plain best
+    /// fit); the block goes at the gap's start.
+    BestFit {
+        /// Best-fitting gaps looked at (at least 1).
+        candidates: usize,
+    },
+    /// GMLake's limits (ASPLOS'24). A request in the large arena of at least
+    /// `frag_limit` bytes (`fragLimit`) reuses a cached range of at most
+    /// `reuse_limit` times its size (`reuseLimit`; 0: no limit), else is
+    /// stitched into the best-fitting gap; a smaller one is served only from
+    /// a cached range whose pages are all mapped or from fresh pages past
+    /// the arena's mapped tail (no stitching, no promise: it may fail while
+    /// pages are free). Blocks in the small arena and tagged blocks go to the
+    /// best-fitting gap.
+    GmlakeLimits {
+        /// Requests of at least this many bytes are stitched (above 0:
+        /// [`Placement::BestFit`] stitches every request).
+        frag_limit: u64,
+        /// At or above `frag_limit`, a cached range is reused only if it is
+        /// at most this many times the request (0: no limit).
+        reuse_limit: u64,
+    },
+}
+
+impl Placement {
+    /// Best-fitting gaps placement looks at where it chooses among them
+    /// (under [`Placement::GmlakeLimits`], only for the blocks its limits do
+    /// not govern: plain best fit).
+    pub fn candidates(&self) -> usize {
+        match *self {
+            Placement::BestFit { candidates } => candidates,
+            Placement::GmlakeLimits { .. } => 1,
+        }
+    }
+}
+
+/// Which streams share an arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArenaSharing {
+    /// One arena for every stream. A block may be placed where another stream
+    /// freed one; the new block's stream then waits for the freeing stream's
+    /// work (`cuStreamWaitEvent`, as `cudaMallocAsync` does) unless that work
+    /// is known complete.
+    Shared,
+    /// One arena per stream: a stream only ever reuses its own frees.
+    PerStream,
+}
+
+/// Where small requests go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SmallBlocks {
+    /// In the same arena as large ones, filling the holes between them.
+    Mixed,
+    /// Requests of at most `up_to` bytes in an arena of their own (per
+    /// [`ArenaSharing`]), as PyTorch's small pool.
+    Separate {
+        /// The largest small request, in bytes (above 0).
+        up_to: u64,
+    },
+}
+
+impl SmallBlocks {
+    /// PyTorch's boundary between small and large requests: 1 MiB.
+    pub const PYTORCH: SmallBlocks = SmallBlocks::Separate { up_to: 1 << 20 };
+
+    /// True when a request of `size` bytes goes to the small arena.
+    pub fn is_small(&self, size: u64) -> bool {
+        match *self {
+            SmallBlocks::Mixed => false,
+            SmallBlocks::Separate { up_to } => size <= up_to,
+        }
+    }
+}
+
+/// How the virtual arenas are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaLayout {
+    /// Which streams share an arena.
+    pub sharing: ArenaSharing,
+    /// Where small requests go.
+    pub small: SmallBlocks,
+    /// Virtual address space reserved per arena, as a multiple of the memory
+    /// limit (at least 2; address space is cheap: placement that prefers
+    /// mapped gaps spreads blocks, and a request must never fail for want of
+    /// a free virtual range while pages are available).
+    pub va_factor: u64,
+}
+
+/// How many `cuMemSetAccess` calls a mapping costs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessGranularity {
+    /// One per newly mapped contiguous range (as PyTorch's expandable
+    /// segments).
+    PerRange,
+    /// One per page mapped (GMLake).
+    PerPage,
+}
 
 /// When cached pages (mapped, touched by no block) are unmapped and returned
 /// to the pool *before* it grows. Whatever the policy, when the pool cannot
@@ -35,46 +143,27 @@ pub enum ReclaimPolicy {
     CachedAbove(u64),
 }
 
-/// Configuration of a [`super::QuiltAllocator`].
+/// Configuration of a [`super::QuiltAllocator`]: one value per axis of the
+/// policy. Presets are written whole: [`QuiltConfig::default`] (`quilt`) and
+/// [`QuiltConfig::gmlake`]; [`QuiltConfig::validate`] refuses a combination
+/// that would break a promise.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuiltConfig {
+    /// The name the allocator reports (`DeviceAllocator::name`, snapshots,
+    /// out-of-memory reports): the preset's, or one given with
+    /// [`QuiltConfig::named`]. Never derived from the other fields.
+    pub name: &'static str,
     /// The physical pool: page size, growth margin, memory limit.
     pub pool: PoolConfig,
-    /// Requests up to this size (bytes) are small (PyTorch's boundary, 1 MiB):
-    /// with `separate_small_arena` they go to an arena of their own.
-    pub small_size: u64,
-    /// One arena for every stream (true), or one per stream (false). In a
-    /// shared arena a block may be placed where another stream freed one; the
-    /// new block's stream then waits for the freeing stream's work
-    /// (`cuStreamWaitEvent`, as `cudaMallocAsync` does) unless that work is
-    /// known complete.
-    pub shared_arena: bool,
-    /// A separate arena for small requests (true), or small blocks in the
-    /// same arena as large ones, filling the holes between them (false).
-    pub separate_small_arena: bool,
-    /// Virtual address space reserved per arena, as a multiple of the memory
-    /// limit (address space is cheap; 8 by default: placement that prefers
-    /// mapped gaps over the best fit spreads blocks, and a request must never
-    /// fail for want of a free virtual range while pages are available).
-    pub arena_va_factor: u64,
-    /// One `cuMemSetAccess` per page mapped (true, GMLake) or one per newly
-    /// mapped contiguous range (false, as PyTorch's expandable segments).
-    pub access_per_map: bool,
+    /// Where a block goes in its arena.
+    pub placement: Placement,
+    /// Which streams share an arena, where small requests go, and the
+    /// address space of each arena.
+    pub layout: ArenaLayout,
+    /// One `cuMemSetAccess` per page or per newly mapped range.
+    pub access: AccessGranularity,
     /// When cached pages are reclaimed before growing the pool.
     pub reclaim: ReclaimPolicy,
-    /// Placement looks at up to this many best-fitting gaps and takes the
-    /// first whose pages are all mapped and free of other streams' pending
-    /// work, then one that needs only a wait, then the one needing the fewest
-    /// new pages (1 = plain best fit).
-    pub placement_candidates: usize,
-    /// Large requests of at least this size are stitched from pages wherever they
-    /// are; smaller large requests (above `small_size`) are served only from a
-    /// cached block or from fresh pages past the arena's mapped tail
-    /// (GMLake's `fragLimit`). 0: stitch every request (Quilt's default).
-    pub stitch_threshold: u64,
-    /// Below the stitch threshold, reuse a cached free block only if it is at most
-    /// this many times the request (GMLake's `reuseLimit`; 0 = no limit).
-    pub reuse_limit: u64,
     /// Other devices every mapping is made accessible from: each
     /// `cuMemSetAccess` names this device and these peers (one call, one
     /// access descriptor per device; `cuMemMap`ped memory is not covered by
@@ -92,21 +181,22 @@ pub struct QuiltConfig {
 }
 
 impl Default for QuiltConfig {
-    /// Quilt's policy: one arena shared by every stream, stitching every
-    /// request, cached pages reclaimed only when the device is full (see
-    /// [`ReclaimPolicy::WhenFull`]).
+    /// Quilt's policy, named `quilt`: one arena shared by every stream, small
+    /// and large blocks together, stitching every request (best fit among 8
+    /// candidates), access set per range, cached pages reclaimed only when
+    /// the device is full (see [`ReclaimPolicy::WhenFull`]).
     fn default() -> Self {
         QuiltConfig {
+            name: "quilt",
             pool: PoolConfig::default(),
-            small_size: 1 << 20,
-            shared_arena: true,
-            separate_small_arena: false,
-            arena_va_factor: 8,
-            access_per_map: false,
+            placement: Placement::BestFit { candidates: 8 },
+            layout: ArenaLayout {
+                sharing: ArenaSharing::Shared,
+                small: SmallBlocks::Mixed,
+                va_factor: 8,
+            },
+            access: AccessGranularity::PerRange,
             reclaim: ReclaimPolicy::WhenFull,
-            placement_candidates: 8,
-            stitch_threshold: 0,
-            reuse_limit: 0,
             peer_access: DeviceSet::EMPTY,
             map_ahead: MapAhead::default(),
             recycle: Recycle::default(),
@@ -116,42 +206,49 @@ impl Default for QuiltConfig {
 }
 
 impl QuiltConfig {
-    /// GMLake (ASPLOS'24) as a configuration of Quilt's stitching policy: one
-    /// 2 MiB handle per page created only when needed, mapped and access-set
-    /// one page at a time, an arena per stream, stitching only requests of
-    /// 512 MiB or more (`fragLimit`), reusing a cached block only up to 10x the
-    /// request (`reuseLimit`). Below the threshold it behaves as a caching
+    /// GMLake (ASPLOS'24) as a configuration of Quilt's stitching policy,
+    /// named `gmlake`: one 2 MiB handle per page created only when needed,
+    /// mapped and access-set one page at a time, an arena per stream with
+    /// requests up to 1 MiB in one of their own, stitching only requests of
+    /// 512 MiB or more (`fragLimit`), reusing a cached block only up to 10x
+    /// the request (`reuseLimit`). Below the limit it behaves as a caching
     /// allocator over whole 2 MiB pages.
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::quilt::{Placement, QuiltAllocator, QuiltConfig};
     /// use quilt_alloc::DeviceAllocator;
     /// use quilt_vmm::{sim::SimVmm, Vmm};
     ///
     /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
     /// let gmlake = QuiltAllocator::new(vmm, QuiltConfig::gmlake())?;
     /// assert_eq!(gmlake.name(), "gmlake");
-    /// assert_eq!(QuiltConfig::gmlake().stitch_threshold, 512 << 20);
+    /// assert_eq!(
+    ///     QuiltConfig::gmlake().placement,
+    ///     Placement::GmlakeLimits { frag_limit: 512 << 20, reuse_limit: 10 }
+    /// );
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn gmlake() -> QuiltConfig {
         QuiltConfig {
+            name: "gmlake",
             pool: PoolConfig {
                 page_size: PageSize::Granularity,
                 growth: GrowthPolicy::exact(),
                 limit: MemoryLimit::Device,
                 create_props: quilt_vmm::CreateProps::default(),
             },
-            small_size: 1 << 20,
-            shared_arena: false,
-            separate_small_arena: true,
-            arena_va_factor: 2,
-            access_per_map: true,
+            placement: Placement::GmlakeLimits {
+                frag_limit: 512 << 20,
+                reuse_limit: 10,
+            },
+            layout: ArenaLayout {
+                sharing: ArenaSharing::PerStream,
+                small: SmallBlocks::PYTORCH,
+                va_factor: 2,
+            },
+            access: AccessGranularity::PerPage,
             reclaim: ReclaimPolicy::WhenFull,
-            placement_candidates: 1,
-            stitch_threshold: 512 << 20,
-            reuse_limit: 10,
             peer_access: DeviceSet::EMPTY,
             map_ahead: MapAhead::default(),
             recycle: Recycle::default(),
@@ -159,19 +256,43 @@ impl QuiltConfig {
         }
     }
 
-    /// Check that the configuration keeps Quilt's promises and sets no knob
-    /// the rest ignores ([`QuiltAllocator::new`](super::QuiltAllocator::new)
-    /// calls it): at least one placement candidate; virtual space of at least
-    /// twice the memory limit per arena (placement that prefers mapped gaps
-    /// spreads blocks, and a request must not fail for want of a virtual gap
-    /// while pages are free); a bounded cache of at most 1000 thousandths; a
-    /// reuse limit only with a stitch threshold.
+    /// The same configuration under another name (what the allocator's
+    /// `name()` then reports): a variant of a preset says what it is.
     ///
     /// ```
-    /// use quilt_alloc::quilt::QuiltConfig;
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{Placement, QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let config = QuiltConfig {
+    ///     placement: Placement::GmlakeLimits { frag_limit: 32 << 20, reuse_limit: 0 },
+    ///     ..QuiltConfig::default()
+    /// };
+    /// let alloc = QuiltAllocator::new(vmm, config.named("quilt-limited"))?;
+    /// assert_eq!(alloc.name(), "quilt-limited");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn named(mut self, name: &'static str) -> QuiltConfig {
+        self.name = name;
+        self
+    }
+
+    /// Check that the configuration keeps Quilt's promises and sets no value
+    /// the rest ignores ([`QuiltAllocator::new`](super::QuiltAllocator::new)
+    /// calls it): a name; at least one placement candidate; a fragment limit
+    /// above 0; a small arena for some size; virtual space of at least twice
+    /// the memory limit per arena (placement that prefers mapped gaps spreads
+    /// blocks, and a request must not fail for want of a virtual gap while
+    /// pages are free); a bounded cache and a map-ahead bound of at most 1000
+    /// thousandths.
+    ///
+    /// ```
+    /// use quilt_alloc::quilt::{Placement, QuiltConfig};
     ///
     /// assert!(QuiltConfig::default().validate().is_ok());
-    /// let bad = QuiltConfig { placement_candidates: 0, ..QuiltConfig::default() };
+    /// let bad = QuiltConfig { placement: Placement::BestFit { candidates: 0 }, ..QuiltConfig::default() };
     /// assert!(bad.validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), AllocError> {
@@ -180,11 +301,27 @@ impl QuiltConfig {
                 reason: reason.to_string(),
             })
         };
-        if self.placement_candidates == 0 {
-            return fail("placement_candidates must be at least 1");
+        if self.name.is_empty() {
+            return fail("name must not be empty");
         }
-        if self.arena_va_factor < 2 {
-            return fail("arena_va_factor must be at least 2 (virtual space per arena, as a multiple of the memory limit)");
+        match self.placement {
+            Placement::BestFit { candidates: 0 } => {
+                return fail("Placement::BestFit needs candidates of at least 1");
+            }
+            Placement::GmlakeLimits { frag_limit: 0, .. } => {
+                return fail(
+                    "Placement::GmlakeLimits needs a frag_limit above 0 (Placement::BestFit stitches every request)",
+                );
+            }
+            _ => {}
+        }
+        if self.layout.small == (SmallBlocks::Separate { up_to: 0 }) {
+            return fail(
+                "SmallBlocks::Separate needs up_to above 0 (SmallBlocks::Mixed keeps one arena)",
+            );
+        }
+        if self.layout.va_factor < 2 {
+            return fail("ArenaLayout::va_factor must be at least 2 (virtual space per arena, as a multiple of the memory limit)");
         }
         if let ReclaimPolicy::CachedAbove(pm) = self.reclaim {
             if pm > 1000 {
@@ -195,9 +332,6 @@ impl QuiltConfig {
         }
         if self.map_ahead.below_per_mille > 1000 {
             return fail("MapAhead::below_per_mille takes thousandths of the limit: at most 1000");
-        }
-        if self.reuse_limit > 0 && self.stitch_threshold == 0 {
-            return fail("reuse_limit applies only with a stitch_threshold above 0");
         }
         Ok(())
     }

@@ -49,7 +49,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use quilt_pool::PagePool;
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
-pub use config::{QuiltConfig, ReclaimPolicy};
+pub use config::{
+    AccessGranularity, ArenaLayout, ArenaSharing, Placement, QuiltConfig, ReclaimPolicy,
+    SmallBlocks,
+};
 pub use growable::{AheadMode, GrowableId, GrowableInfo, MapAhead, Recycle, ServingStats};
 pub use growable_buffer::GrowableBuffer;
 pub use offload::OffloadTier;
@@ -124,19 +127,14 @@ impl QuiltAllocator {
         let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
         let page = pool.page_size();
         let limit = pool.limit_pages().max(1) * page;
-        let arena_va = limit.saturating_mul(config.arena_va_factor.max(1));
-        let name = if config.stitch_threshold > 0 {
-            "gmlake"
-        } else {
-            "quilt"
-        };
+        let arena_va = limit.saturating_mul(config.layout.va_factor.max(1));
         let core = Arc::new(Core {
             vmm,
             pool,
             config,
             page,
             arena_va,
-            name,
+            name: config.name,
             state: Mutex::new(State::with_serving_policies(&config)),
         });
         Ok(QuiltAllocator {

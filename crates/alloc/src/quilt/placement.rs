@@ -3,6 +3,7 @@
 //! stream after the other streams' work on its range.
 
 use super::arena::PageSlot;
+use super::config::Placement;
 use super::state::{Ctx, Kind, State};
 use crate::error::AllocError;
 
@@ -110,11 +111,17 @@ impl State {
         rounded: u64,
         t: u32,
     ) -> Option<u64> {
-        let threshold = ctx.cfg.stitch_threshold;
-        if threshold > 0 && kind == Kind::Large {
+        if let (
+            Placement::GmlakeLimits {
+                frag_limit: threshold,
+                reuse_limit,
+            },
+            Kind::Large,
+        ) = (ctx.cfg.placement, kind)
+        {
             let a = &self.arenas[ai];
-            let limit = if size >= threshold && ctx.cfg.reuse_limit > 0 {
-                rounded.saturating_mul(ctx.cfg.reuse_limit)
+            let limit = if size >= threshold && reuse_limit > 0 {
+                rounded.saturating_mul(reuse_limit)
             } else {
                 u64::MAX
             };
@@ -126,7 +133,7 @@ impl State {
             }
             return a.fresh_tail(rounded);
         }
-        let n = ctx.cfg.placement_candidates.max(1);
+        let n = ctx.cfg.placement.candidates().max(1);
         let mut candidates = std::mem::take(&mut self.scratch);
         candidates.clear();
         candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));

@@ -12,7 +12,7 @@ use quilt_pool::{PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
-use super::config::QuiltConfig;
+use super::config::{ArenaSharing, QuiltConfig};
 use super::growable::{GrowRec, MapAhead, Recycle, ServingStats};
 use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
@@ -158,10 +158,9 @@ impl State {
         stream: StreamId,
         kind: Kind,
     ) -> Result<usize, AllocError> {
-        let owner = if ctx.cfg.shared_arena {
-            None
-        } else {
-            Some(stream)
+        let owner = match ctx.cfg.layout.sharing {
+            ArenaSharing::Shared => None,
+            ArenaSharing::PerStream => Some(stream),
         };
         if let Some(&i) = self.arena_index.get(&(owner, kind)) {
             return Ok(i);
@@ -254,7 +253,7 @@ impl State {
         let si = self.stream_index(stream);
         let kind = if let Some(t) = tag {
             Kind::Tagged(t)
-        } else if ctx.cfg.separate_small_arena && size <= ctx.cfg.small_size {
+        } else if ctx.cfg.layout.small.is_small(size) {
             Kind::Small
         } else {
             Kind::Large
