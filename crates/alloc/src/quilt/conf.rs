@@ -22,7 +22,10 @@
 //! | `recycle_buffers` | released growable ranges kept (0: none) | [`QuiltConfig::recycle`] |
 //! | `offload_tier` | `off`, `offloadable_tags` | [`QuiltConfig::offload_tier`] |
 //!
-//! The last five ([`SERVING_KEYS`]) are the serving policies (`docs/serving.md`).
+//! | `peer_access` | devices joined by `+` (`1+2+3`), or `none` | [`QuiltConfig::peer_access`] |
+//!
+//! The serving policies are [`SERVING_KEYS`] (`docs/serving.md`); the
+//! devices, [`DEVICE_KEYS`] (`docs/multi-gpu.md`).
 //!
 //! A key the other settings would ignore (`cached_permille` without
 //! `reclaim=cached_above`, `reuse_limit` or `candidates` with the wrong
@@ -68,9 +71,16 @@ pub const SERVING_KEYS: [&str; 5] = [
     "offload_tier",
 ];
 
-/// Every key [`apply`] knows: [`KEYS`] then [`SERVING_KEYS`].
+/// The keys of the devices a mapping is accessible from, beside [`KEYS`].
+pub const DEVICE_KEYS: [&str; 1] = ["peer_access"];
+
+/// Every key [`apply`] knows: [`KEYS`], [`SERVING_KEYS`], [`DEVICE_KEYS`].
 pub fn all_keys() -> Vec<&'static str> {
-    KEYS.iter().chain(SERVING_KEYS.iter()).copied().collect()
+    KEYS.iter()
+        .chain(SERVING_KEYS.iter())
+        .chain(DEVICE_KEYS.iter())
+        .copied()
+        .collect()
 }
 
 /// The values of `reclaim`.
@@ -131,9 +141,37 @@ fn flag(key: &str, value: &str) -> Result<bool, ConfError> {
     }
 }
 
+/// The peer devices of `peer_access`: ordinals joined by `+`, or `none`.
+fn device_set(key: &str, value: &str) -> Result<DeviceSet, ConfError> {
+    if value == "none" {
+        return Ok(DeviceSet::EMPTY);
+    }
+    let mut set = DeviceSet::EMPTY;
+    for part in value.split('+') {
+        let d: u32 = part.trim().parse().map_err(|_| {
+            bad(
+                key,
+                value,
+                "expected device ordinals joined by + (1+2+3), or none",
+            )
+        })?;
+        if set.contains(d) {
+            return Err(bad(key, value, format!("device {d} is named twice")));
+        }
+        set = set.with(d).ok_or_else(|| {
+            bad(
+                key,
+                value,
+                format!("device {d}: ordinals go up to {}", DeviceSet::CAPACITY - 1),
+            )
+        })?;
+    }
+    Ok(set)
+}
+
 /// True when `key` is one of Quilt's policy keys ([`KEYS`] or [`SERVING_KEYS`]).
 pub fn is_key(key: &str) -> bool {
-    KEYS.contains(&key) || SERVING_KEYS.contains(&key)
+    KEYS.contains(&key) || SERVING_KEYS.contains(&key) || DEVICE_KEYS.contains(&key)
 }
 
 /// `base` with `settings` (key, value) applied, checked; `base` itself is
@@ -234,6 +272,7 @@ pub fn apply(base: QuiltConfig, settings: &[(&str, &str)]) -> Result<QuiltConfig
                     AccessGranularity::PerRange
                 }
             }
+            "peer_access" => c.peer_access = device_set(key, value)?,
             "map_ahead_pages" => c.map_ahead.pages = count(key, value)?,
             "map_ahead_mode" => {
                 c.map_ahead.mode = match value {
@@ -313,14 +352,14 @@ fn placement(
     };
     match frag.unwrap_or(base_frag) {
         0 if reuse.is_some() => Err(ConfError::Conflict(
-            "reuse_limit applies only with a frag_limit above 0 (with frag_limit=0 every request is stitched)"
+            "reuse_limit applies only with a frag_limit above 0 (GMLake's limits: frag_limit, reuse_limit); with frag_limit=0 every request is stitched (best fit: candidates)"
                 .into(),
         )),
         0 => Ok(Placement::BestFit {
             candidates: candidates.unwrap_or(base_candidates),
         }),
         _ if candidates.is_some() => Err(ConfError::Conflict(
-            "candidates applies only with frag_limit=0 (best-fit placement; GMLake's limits place by plain best fit)"
+            "candidates applies only with frag_limit=0 (best fit: candidates); with a frag_limit above 0 (GMLake's limits: frag_limit, reuse_limit) placement is plain best fit"
                 .into(),
         )),
         frag_limit => Ok(Placement::GmlakeLimits {
@@ -478,7 +517,10 @@ mod tests {
         ] {
             let e = apply(gmlake, dead).unwrap_err();
             assert!(matches!(e, ConfError::Conflict(_)), "{dead:?}: {e}");
-            assert!(e.to_string().contains("frag_limit"), "{e}");
+            let text = e.to_string();
+            for valid in ["frag_limit", "reuse_limit", "candidates"] {
+                assert!(text.contains(valid), "{text}");
+            }
         }
         // Every configuration `apply` makes is a valid one.
         for c in [gmlake, QuiltConfig::default()] {
