@@ -38,6 +38,7 @@
 //! base, or 0 when the base had best fit).
 
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize};
+use quilt_vmm::DeviceSet;
 
 use super::config::{
     AccessGranularity, ArenaSharing, Placement, QuiltConfig, ReclaimPolicy, SmallBlocks,
@@ -169,7 +170,8 @@ fn device_set(key: &str, value: &str) -> Result<DeviceSet, ConfError> {
     Ok(set)
 }
 
-/// True when `key` is one of Quilt's policy keys ([`KEYS`] or [`SERVING_KEYS`]).
+/// True when `key` is one of Quilt's policy keys ([`KEYS`], [`SERVING_KEYS`]
+/// or [`DEVICE_KEYS`]).
 pub fn is_key(key: &str) -> bool {
     KEYS.contains(&key) || SERVING_KEYS.contains(&key) || DEVICE_KEYS.contains(&key)
 }
