@@ -318,6 +318,8 @@ impl CommAllocator {
                     offset: 0,
                     size: b.size,
                 }],
+                start: 0,
+                len: b.size,
             },
             handles: vec![handle],
         })
@@ -325,7 +327,7 @@ impl CommAllocator {
 
     /// One importer of the buffer exported at `ptr` has released it. When
     /// none is left and the buffer was freed here, it becomes reusable.
-    /// Errors: `UnknownPointer` when no export of `ptr` is outstanding.
+    /// Errors: [`AllocError::Sharing`] when no export of `ptr` is outstanding.
     pub fn end_export(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let mut st = self.lock()?;
         match st.exports.get_mut(&ptr) {
@@ -333,7 +335,11 @@ impl CommAllocator {
             Some(_) => {
                 st.exports.remove(&ptr);
             }
-            None => return Err(AllocError::UnknownPointer { ptr }),
+            None => {
+                return Err(AllocError::Sharing {
+                    reason: format!("no export of {ptr:#x} is outstanding"),
+                })
+            }
         }
         self.settle(&mut st, false)
     }

@@ -1,26 +1,28 @@
 //! Allocations shared across processes: what the exporter sends, how the
 //! importer maps it, and how the importer says it is done.
 //!
-//! An exported allocation is a [`SharedDescriptor`] (an id, the size, and its
-//! pieces: one per physical handle, each at an offset, whole handles only, as
-//! `cuMemMap` wants) plus one shareable handle per piece, in order
+//! An exported allocation is a [`SharedDescriptor`] (an id, the size of the
+//! range to map, its pieces: one per physical handle, each at an offset,
+//! whole handles only, as `cuMemMap` wants; and where the allocation lies in
+//! that range) plus one shareable handle per piece, in order
 //! ([`ExportedAllocation`]). [`crate::comm::CommAllocator::export`] makes one
-//! (a single piece); the format takes any number, so a range stitched from
-//! several handles travels the same way, at one descriptor and one import and
-//! one map per piece.
+//! of a single piece; [`crate::quilt::QuiltAllocator::export`] one of every
+//! page under a (possibly stitched) Quilt block: one descriptor, and one
+//! import and one map per piece.
 //!
 //! Protocol, over a connected Unix stream socket ([`quilt_vmm::fd_pass`]):
 //! 1. the exporter sends [`send_export`]: the encoded descriptor with the
-//!    POSIX descriptors attached (`SCM_RIGHTS`); it keeps the allocation out
-//!    of reuse from then on;
+//!    POSIX descriptors attached (`SCM_RIGHTS`); it keeps the allocation's
+//!    pages out of reuse from then on, even once it frees the allocation;
 //! 2. the importer receives it ([`recv_export`]) and maps it at an address of
 //!    its own ([`ImportedAllocation::import`]: reserve, import and map each
 //!    piece, one set-access over the whole range for every device named);
 //! 3. when done, the importer unmaps and releases it
 //!    ([`ImportedAllocation::release`]) and sends [`send_release`] with the id;
 //! 4. the exporter, on [`recv_release`], ends the export
-//!    ([`crate::comm::CommAllocator::end_export`]); only then can the pages
-//!    be reused. End of stream instead of a release means the importer's
+//!    ([`crate::comm::CommAllocator::end_export`],
+//!    [`crate::quilt::QuiltAllocator::end_export`]); only when every
+//!    importer's export has ended can the pages be reused. End of stream instead of a release means the importer's
 //!    process is gone, and its references with it (the kernel closes its
 //!    descriptors, the driver its handles): the exporter may end the export
 //!    too ([`Released::Gone`]).
@@ -30,7 +32,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use quilt_vmm::fd_pass::{recv_message, send_message};
-use quilt_vmm::{DeviceOrdinal, DevicePtr, PhysHandle, ShareableHandle, Vmm, VmmError};
+use quilt_vmm::{DeviceOrdinal, DevicePtr, PhysHandle, ShareableHandle, Vmm};
 
 use crate::error::AllocError;
 
@@ -44,43 +46,52 @@ pub struct SharedPiece {
     pub size: u64,
 }
 
-/// What an importer needs besides the handles: which allocation, how large,
-/// and where each handle goes.
+/// What an importer needs besides the handles: which allocation, how large
+/// a range to map, where each handle goes, and where the allocation lies in
+/// the range.
 ///
 /// Invariant (checked by [`SharedDescriptor::decode`] and by the import):
-/// the pieces are in order, non-empty, and tile `0..size` exactly.
+/// the pieces are in order, non-empty, and tile `0..size` exactly; the
+/// allocation, `start .. start + len`, is non-empty and inside it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedDescriptor {
     /// The exporter's name for the allocation (its address there), echoed in
     /// the release message.
     pub id: u64,
-    /// Bytes of the allocation.
+    /// Bytes of the range to map: whole handles.
     pub size: u64,
     /// Its pieces, one per handle, by offset.
     pub pieces: Vec<SharedPiece>,
+    /// Where the allocation's first byte lies in the range: 0 for a
+    /// communication buffer; a Quilt block shares its first and last pages
+    /// with its neighbours, so it may start inside its first page.
+    pub start: u64,
+    /// Bytes of the allocation (`size` for a communication buffer).
+    pub len: u64,
 }
 
 /// First bytes of an encoded descriptor.
-const EXPORT_MAGIC: &[u8; 4] = b"QSH1";
+const EXPORT_MAGIC: &[u8; 4] = b"QSH2";
 /// First bytes of an encoded release message.
 const RELEASE_MAGIC: &[u8; 4] = b"QRL1";
 /// Most pieces one descriptor carries (one descriptor each, in one message).
 pub const MAX_PIECES: usize = quilt_vmm::fd_pass::MAX_FDS;
 
 fn bad(reason: &str) -> AllocError {
-    AllocError::InvalidConfig {
-        reason: format!("shared allocation: {reason}"),
+    AllocError::Sharing {
+        reason: reason.to_string(),
     }
 }
 
 fn io_error(what: &str, e: std::io::Error) -> AllocError {
-    AllocError::Driver(VmmError::Unavailable {
+    AllocError::Sharing {
         reason: format!("{what}: {e}"),
-    })
+    }
 }
 
 impl SharedDescriptor {
-    /// Checks the invariant: pieces in order, non-empty, tiling `0..size`.
+    /// Checks the invariant: pieces in order, non-empty, tiling `0..size`;
+    /// the allocation non-empty and inside the range.
     pub fn validate(&self) -> Result<(), AllocError> {
         if self.pieces.is_empty() || self.pieces.len() > MAX_PIECES {
             return Err(bad("a descriptor has 1 to MAX_PIECES pieces"));
@@ -95,17 +106,31 @@ impl SharedDescriptor {
                 .ok_or_else(|| bad("sizes overflow"))?;
         }
         if at != self.size {
-            return Err(bad("pieces must add up to the allocation's size"));
+            return Err(bad("pieces must add up to the range's size"));
+        }
+        if self.len == 0
+            || self
+                .start
+                .checked_add(self.len)
+                .is_none_or(|end| end > self.size)
+        {
+            return Err(bad("the allocation must be non-empty and inside the range"));
         }
         Ok(())
     }
 
-    /// The wire form: `QSH1`, then id, size, piece count and each piece's
-    /// offset and size, as little-endian `u64`s.
+    /// The wire form: `QSH2`, then id, size, start, len, piece count and
+    /// each piece's offset and size, as little-endian `u64`s.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(4 + 8 * (3 + 2 * self.pieces.len()));
+        let mut out = Vec::with_capacity(4 + 8 * (5 + 2 * self.pieces.len()));
         out.extend_from_slice(EXPORT_MAGIC);
-        for v in [self.id, self.size, self.pieces.len() as u64] {
+        for v in [
+            self.id,
+            self.size,
+            self.start,
+            self.len,
+            self.pieces.len() as u64,
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         for p in &self.pieces {
@@ -118,7 +143,7 @@ impl SharedDescriptor {
     /// Reads [`SharedDescriptor::encode`]'s form back, and validates it.
     pub fn decode(bytes: &[u8]) -> Result<SharedDescriptor, AllocError> {
         let words = words_after(bytes, EXPORT_MAGIC)?;
-        let [id, size, n, rest @ ..] = words.as_slice() else {
+        let [id, size, start, len, n, rest @ ..] = words.as_slice() else {
             return Err(bad("descriptor too short"));
         };
         if rest.len() as u64 != n.saturating_mul(2) {
@@ -134,6 +159,8 @@ impl SharedDescriptor {
                     size: c[1],
                 })
                 .collect(),
+            start: *start,
+            len: *len,
         };
         d.validate()?;
         Ok(d)
@@ -236,7 +263,11 @@ pub fn recv_release(socket: &UnixStream) -> Result<Released, AllocError> {
 pub struct ImportedAllocation {
     vmm: Arc<dyn Vmm>,
     id: u64,
-    ptr: DevicePtr,
+    /// The mapped range: whole handles.
+    base: DevicePtr,
+    mapped_size: u64,
+    /// The allocation in it: its offset and size.
+    start: u64,
     size: u64,
     handles: Vec<PhysHandle>,
     released: bool,
@@ -269,8 +300,10 @@ impl ImportedAllocation {
         let mut out = ImportedAllocation {
             vmm,
             id: d.id,
-            ptr,
-            size: d.size,
+            base: ptr,
+            mapped_size: d.size,
+            start: d.start,
+            size: d.len,
             handles: Vec::with_capacity(d.pieces.len()),
             released: false,
         };
@@ -303,14 +336,22 @@ impl ImportedAllocation {
         self.id
     }
 
-    /// Where it is mapped in this process.
+    /// The allocation's first byte in this process.
     pub fn ptr(&self) -> DevicePtr {
-        self.ptr
+        self.base + self.start
     }
 
-    /// Its size in bytes.
+    /// The allocation's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The whole range mapped here (whole handles around the allocation:
+    /// what lies outside `ptr() .. ptr() + size()` belongs to the
+    /// exporter's neighbouring allocations, and is not this import's to
+    /// touch), as (address, bytes).
+    pub fn mapped(&self) -> (DevicePtr, u64) {
+        (self.base, self.mapped_size)
     }
 
     /// Unmaps it, releases its handles and frees its address range. Returns
@@ -324,11 +365,11 @@ impl ImportedAllocation {
         if self.released {
             return Ok(());
         }
-        self.vmm.unmap(self.ptr, self.size)?;
+        self.vmm.unmap(self.base, self.mapped_size)?;
         for h in std::mem::take(&mut self.handles) {
             self.vmm.release(h)?;
         }
-        self.vmm.address_free(self.ptr, self.size)?;
+        self.vmm.address_free(self.base, self.mapped_size)?;
         self.released = true;
         Ok(())
     }
@@ -351,6 +392,8 @@ mod tests {
         let d = SharedDescriptor {
             id: 0x7f00_0000_0000,
             size: 6 << 20,
+            start: 1 << 20,
+            len: 4 << 20,
             pieces: vec![
                 SharedPiece {
                     offset: 0,
@@ -372,5 +415,14 @@ mod tests {
         let bytes = d.encode();
         assert!(SharedDescriptor::decode(&bytes[..bytes.len() - 8]).is_err());
         assert!(SharedDescriptor::decode(b"QRL1\0\0\0\0\0\0\0\0").is_err());
+        let mut outside = d.clone();
+        outside.len = (5 << 20) + 1;
+        assert!(matches!(
+            SharedDescriptor::decode(&outside.encode()),
+            Err(AllocError::Sharing { .. })
+        ));
+        let mut empty = d.clone();
+        empty.len = 0;
+        assert!(empty.validate().is_err());
     }
 }

@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use quilt_alloc::comm::{CommAllocator, CommConfig};
+use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
 use quilt_alloc::share::{recv_release, send_export, Released};
-use quilt_alloc::DeviceAllocator;
+use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::fd_pass::{recv_message, send_message};
 use quilt_vmm::host::{HostConfig, HostVmm};
-use quilt_vmm::{CallKind, HandleKind, StreamId, Vmm};
+use quilt_vmm::{CallKind, CreateProps, HandleKind, HandleTypes, StreamId, Vmm};
 
 const MIB: u64 = 1 << 20;
 const PROBE_LEN: usize = 16;
@@ -73,14 +74,18 @@ fn start_importer(tag: &str, mode: Option<&str>) -> (Child, UnixStream, PathBuf)
     (child, socket, path)
 }
 
-fn host() -> Arc<HostVmm> {
+fn host_vmm(capacity: u64) -> Arc<HostVmm> {
     Arc::new(
         HostVmm::new(HostConfig {
             granularity: 2 * MIB,
-            capacity: 64 * MIB,
+            capacity,
         })
         .unwrap(),
     )
+}
+
+fn host() -> Arc<HostVmm> {
+    host_vmm(64 * MIB)
 }
 
 #[test]
@@ -173,7 +178,6 @@ fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
     use quilt_alloc::share::{
         recv_export, ExportedAllocation, ImportedAllocation, SharedDescriptor, SharedPiece,
     };
-    use quilt_vmm::{CreateProps, HandleTypes};
     let exporter = host();
     let importer = host();
     let g = 2 * MIB;
@@ -202,6 +206,8 @@ fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
                     size: 2 * g,
                 },
             ],
+            start: 0,
+            len: 3 * g,
         },
         handles: vec![
             exporter.export_handle(h1, HandleKind::PosixFd).unwrap(),
@@ -245,6 +251,8 @@ fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
                     size: g,
                 },
             ],
+            start: 0,
+            len: 3 * g,
         },
         handles: received.handles,
     };
@@ -261,4 +269,212 @@ fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
     }
     exporter.address_free(va, 3 * g).unwrap();
     assert!(exporter.leak_report().is_empty());
+}
+
+/// A Quilt allocator on a 16 MiB host device (8 pages of 2 MiB, one handle
+/// each, created exactly as needed) whose pages can be exported.
+fn exportable_quilt(host: &Arc<HostVmm>) -> QuiltAllocator {
+    let mut config = QuiltConfig::default();
+    config.pool.create_props = CreateProps {
+        handle_types: HandleTypes::POSIX_FD,
+        gpu_direct_rdma: false,
+    };
+    config.pool.growth = GrowthPolicy::exact();
+    QuiltAllocator::new(host.clone(), config).unwrap()
+}
+
+fn small_host() -> Arc<HostVmm> {
+    host_vmm(16 * MIB)
+}
+
+#[test]
+fn ipc_a_stitched_quilt_allocation_is_shared_with_another_process() {
+    let host = small_host();
+    let quilt = exportable_quilt(&host);
+    let s = StreamId::DEFAULT;
+    // Fragment the device: six 2 MiB blocks and a 1 MiB one (7 of the 8
+    // pages), then every other block freed: three cached pages in holes.
+    let blocks: Vec<_> = (0..6)
+        .map(|_| quilt.allocate(2 * MIB, s).unwrap())
+        .collect();
+    let tail = quilt.allocate(MIB, s).unwrap();
+    for b in blocks.iter().skip(1).step_by(2) {
+        quilt.free(b.ptr).unwrap();
+    }
+    // 6 MiB fit in no hole: they go after `tail`, sharing its page, on one
+    // created page and pages unmapped from the holes: stitched.
+    let before = host.driver_stats();
+    let x = quilt.allocate(6 * MIB, s).unwrap();
+    let made = host.driver_stats().since(&before);
+    assert_eq!(
+        made.count(CallKind::Create),
+        1,
+        "the last page the device has"
+    );
+    assert!(
+        made.count(CallKind::Unmap) >= 2,
+        "pages taken from the holes: {made:?}"
+    );
+    let segment = quilt
+        .mapped_segments()
+        .segments
+        .into_iter()
+        .find(|g| g.blocks.iter().any(|b| b.address == x.ptr))
+        .unwrap();
+    assert!(
+        segment.blocks.iter().any(|b| b.address == tail.ptr),
+        "x shares tail's page"
+    );
+    for (k, at) in probes(x.size).into_iter().enumerate() {
+        host.write_bytes(x.ptr + at, &pattern(k)).unwrap();
+    }
+
+    let (mut child, socket, path) = start_importer("ipc-quilt", None);
+    let export = quilt.export(x.ptr, HandleKind::PosixFd).unwrap();
+    let d = &export.descriptor;
+    assert_eq!((d.id, d.len), (x.ptr, x.size));
+    assert_eq!(d.pieces.len(), 4, "one handle per page: tail's, then three");
+    assert_eq!(d.start, MIB, "x starts inside the page it shares with tail");
+    assert_eq!(d.size, 4 * 2 * MIB);
+    assert_eq!(quilt.exports_outstanding(), 1);
+    send_export(&socket, &export).unwrap();
+    drop(export);
+    assert_eq!(host.driver_stats().count(CallKind::ExportHandle), 4);
+
+    let (report, _) = recv_message(&socket, 0).unwrap();
+    let (word, bytes) = report.split_at(4);
+    assert_eq!(word, b"READ");
+    let expected: Vec<u8> = (0..3).flat_map(pattern).collect();
+    assert_eq!(bytes, expected.as_slice(), "the importer sees our bytes");
+    let (word, _) = recv_message(&socket, 0).unwrap();
+    assert_eq!(word, b"WROTE");
+    for (k, at) in probes(x.size).into_iter().enumerate() {
+        assert!(
+            host.check_filled(x.ptr + at, PROBE_LEN as u64, 0xB0 + k as u8)
+                .unwrap(),
+            "probe {k}: the importer's bytes"
+        );
+    }
+
+    // Freed here while imported: the free waits, the pages stay held.
+    quilt.free(tail.ptr).unwrap();
+    quilt.free(x.ptr).unwrap();
+    assert!(matches!(
+        quilt.free(x.ptr),
+        Err(AllocError::DoubleFree { .. })
+    ));
+    assert!(
+        quilt.record_stream(x.ptr, StreamId(3)).is_err(),
+        "freed here"
+    );
+    assert!(
+        quilt.export(x.ptr, HandleKind::PosixFd).is_err(),
+        "freed here"
+    );
+    quilt.check_invariants().unwrap();
+    let held = quilt.allocate(6 * MIB, s).unwrap_err();
+    assert!(
+        matches!(&held, AllocError::OutOfMemory(_)),
+        "an importer's pages are neither reclaimed nor reused: {held}"
+    );
+    // The importer still reads and writes them.
+    assert!(host.check_filled(x.ptr, PROBE_LEN as u64, 0xB0).unwrap());
+
+    send_message(&socket, b"RELEASE", &[]).unwrap();
+    assert_eq!(recv_release(&socket).unwrap(), Released::Id(x.ptr));
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_file(path);
+    quilt.end_export(x.ptr).unwrap();
+    assert_eq!(quilt.exports_outstanding(), 0);
+    assert!(matches!(
+        quilt.end_export(x.ptr),
+        Err(AllocError::Sharing { .. })
+    ));
+    // Released: the deferred free happened, the pages serve others.
+    assert_eq!(
+        quilt.stats().allocated_bytes.current,
+        3 * 2 * MIB,
+        "the three blocks left"
+    );
+    let y = quilt.allocate(6 * MIB, s).unwrap();
+    quilt.check_invariants().unwrap();
+    quilt.free(y.ptr).unwrap();
+    for b in blocks.iter().step_by(2) {
+        quilt.free(b.ptr).unwrap();
+    }
+    quilt.check_invariants().unwrap();
+    drop(quilt);
+    assert!(host.leak_report().is_empty(), "{}", host.leak_report());
+}
+
+#[test]
+fn ipc_quilt_exports_are_refused_with_typed_errors_and_change_nothing() {
+    let host = small_host();
+    let quilt = exportable_quilt(&host);
+    let s = StreamId::DEFAULT;
+    let a = quilt.allocate(3 * MIB, s).unwrap();
+    let w = quilt.allocate_tagged(2 * MIB, s, "weights").unwrap();
+    assert!(matches!(
+        quilt.export(a.ptr + 512, HandleKind::PosixFd),
+        Err(AllocError::UnknownPointer { .. })
+    ));
+    let tagged = quilt.export(w.ptr, HandleKind::PosixFd).unwrap_err();
+    assert!(
+        matches!(&tagged, AllocError::Sharing { reason } if reason.contains("weights")),
+        "{tagged}"
+    );
+    assert!(
+        matches!(
+            quilt.export(a.ptr, HandleKind::Fabric),
+            Err(AllocError::Driver(_))
+        ),
+        "pages created without FABRIC"
+    );
+    assert!(matches!(
+        quilt.end_export(a.ptr),
+        Err(AllocError::Sharing { .. })
+    ));
+    assert_eq!(quilt.exports_outstanding(), 0);
+    quilt.check_invariants().unwrap();
+    // Pages of a pool that does not request POSIX descriptors cannot go.
+    let plain = QuiltAllocator::new(host.clone(), QuiltConfig::default()).unwrap();
+    let p = plain.allocate(MIB, s).unwrap();
+    assert!(matches!(
+        plain.export(p.ptr, HandleKind::PosixFd),
+        Err(AllocError::Driver(_))
+    ));
+    assert_eq!(plain.exports_outstanding(), 0);
+    plain.free(p.ptr).unwrap();
+    // Two exports of one block, through a socket pair in this process: both
+    // must end before its deferred free happens.
+    let e1 = quilt.export(a.ptr, HandleKind::PosixFd).unwrap();
+    let e2 = quilt.export(a.ptr, HandleKind::PosixFd).unwrap();
+    let (tx, rx) = UnixStream::pair().unwrap();
+    send_export(&tx, &e1).unwrap();
+    let received = quilt_alloc::share::recv_export(&rx).unwrap();
+    assert_eq!(received.descriptor, e1.descriptor);
+    let importer = host_vmm(64 * MIB);
+    let imported =
+        quilt_alloc::share::ImportedAllocation::import(importer.clone(), &received, &[]).unwrap();
+    host.write_bytes(a.ptr + 3 * MIB - 8, b"lastbyte").unwrap();
+    let mut out = [0u8; 8];
+    importer
+        .read_bytes(imported.ptr() + 3 * MIB - 8, &mut out)
+        .unwrap();
+    assert_eq!(&out, b"lastbyte");
+    assert_eq!(imported.size(), 3 * MIB);
+    imported.release().unwrap();
+    drop((e1, e2, received));
+    quilt.free(a.ptr).unwrap();
+    quilt.end_export(a.ptr).unwrap();
+    assert_eq!(
+        quilt.stats().allocated_bytes.current,
+        5 * MIB,
+        "one export left: still live"
+    );
+    quilt.end_export(a.ptr).unwrap();
+    assert_eq!(quilt.stats().allocated_bytes.current, 2 * MIB);
+    quilt.check_invariants().unwrap();
+    quilt.free(w.ptr).unwrap();
+    assert!(importer.leak_report().is_empty());
 }

@@ -32,6 +32,7 @@ mod arena;
 mod backing;
 pub mod conf;
 mod config;
+mod export;
 mod growable;
 mod growable_buffer;
 mod invariants;
@@ -84,6 +85,8 @@ pub(crate) struct Core {
     arena_va: u64,
     name: &'static str,
     state: Mutex<State>,
+    /// Blocks exported to other processes (`export.rs`).
+    exports: export::ExportRegistry,
 }
 
 impl Core {
@@ -136,6 +139,7 @@ impl QuiltAllocator {
             arena_va,
             name: config.name,
             state: Mutex::new(State::with_serving_policies(&config)),
+            exports: export::ExportRegistry::default(),
         });
         Ok(QuiltAllocator {
             core,
@@ -223,11 +227,17 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let ctx = self.ctx();
-        self.lock()?.free(&ctx, ptr)
+        let mut st = self.lock()?;
+        if self.core.exports.on_free(ptr)? == export::FreeOfPinned::Deferred {
+            return Ok(()); // exported: freed at the last `end_export`
+        }
+        st.free(&ctx, ptr)
     }
 
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        self.lock()?.record_stream(ptr, stream)
+        let mut st = self.lock()?;
+        self.core.exports.check_not_freed(ptr)?;
+        st.record_stream(ptr, stream)
     }
 
     fn empty_cache(&self) -> Result<(), AllocError> {
@@ -268,7 +278,8 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
-        invariants::check(&st, &self.core.pool, self.core.page)
+        invariants::check(&st, &self.core.pool, self.core.page)?;
+        self.core.exports.check(&st)
     }
 
     fn vmm(&self) -> &Arc<dyn Vmm> {
