@@ -4,7 +4,8 @@
 //!   [`workloads`]: built-in generators.
 //! - [`replay`]: a trace through an allocator on a simulated device, with
 //!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
-//!   minimum capacity at which it completes.
+//!   minimum capacity at which it completes; [`serving`]: the serving events
+//!   (growable buffers, sleep and wake) natively on Quilt, emulated elsewhere.
 //! - [`allocators`]: the registry of allocators by name; [`report`]: rows, JSON
 //!   and charts; [`table`]: the text table, its legend and summary; [`cli`]:
 //!   the `quilt-bench` command line; [`units`]: byte sizes.
@@ -17,6 +18,7 @@ pub mod live;
 pub mod replay;
 pub mod report;
 pub mod scale;
+pub mod serving;
 pub mod snapshot;
 pub mod spec;
 pub mod sweep;

@@ -92,6 +92,11 @@ pub struct TraceStats {
 pub fn trace_stats(trace: &Trace) -> TraceStats {
     let mut tracker = LiveTracker::new();
     let mut sizes: HashMap<u64, u64> = HashMap::new();
+    // Serving events: growable buffers' lengths, tagged allocations' tags,
+    // and the sizes of sleeping tags' allocations (not live while asleep).
+    let mut lengths: HashMap<u64, u64> = HashMap::new();
+    let mut tags: HashMap<u64, u64> = HashMap::new();
+    let mut asleep: HashMap<u64, Vec<u64>> = HashMap::new();
     let mut distinct = HashSet::new();
     let mut streams = HashSet::new();
     let mut allocs = 0;
@@ -107,8 +112,57 @@ pub fn trace_stats(trace: &Trace) -> TraceStats {
                 tracker.add(size);
             }
             Event::Free { id } => {
+                tags.remove(&id);
                 if let Some(size) = sizes.remove(&id) {
                     tracker.remove(size);
+                }
+            }
+            Event::AllocTagged {
+                id,
+                size,
+                stream,
+                tag,
+            } => {
+                allocs += 1;
+                max_alloc = max_alloc.max(size);
+                distinct.insert(size);
+                streams.insert(stream);
+                sizes.insert(id, size);
+                tags.insert(id, tag);
+                tracker.add(size);
+            }
+            Event::CreateGrowable { id, stream, .. } => {
+                streams.insert(stream);
+                lengths.insert(id, 0);
+            }
+            Event::Grow { id, bytes } | Event::Shrink { id, bytes } => {
+                if let Some(len) = lengths.get_mut(&id) {
+                    tracker.remove(*len);
+                    tracker.add(bytes);
+                    *len = bytes;
+                    max_alloc = max_alloc.max(bytes);
+                    distinct.insert(bytes);
+                }
+            }
+            Event::ReleaseGrowable { id } => {
+                if let Some(len) = lengths.remove(&id) {
+                    tracker.remove(len);
+                }
+            }
+            Event::Sleep { tag } => {
+                let members: Vec<u64> = tags
+                    .iter()
+                    .filter(|&(_, t)| *t == tag)
+                    .filter_map(|(id, _)| sizes.get(id).copied())
+                    .collect();
+                for &size in &members {
+                    tracker.remove(size);
+                }
+                asleep.insert(tag, members);
+            }
+            Event::Wake { tag } => {
+                for size in asleep.remove(&tag).unwrap_or_default() {
+                    tracker.add(size);
                 }
             }
         }

@@ -19,17 +19,29 @@
 //! - An allocation that fails with out-of-memory counts one OOM and ends the
 //!   replay (`completed == false`). Any other allocator error, or a trace that
 //!   frees an id that is not live, is a [`ReplayError`].
+//! - The serving events (growable buffers, tagged allocations, sleep and
+//!   wake) run through [`crate::serving`]: natively on Quilt (the `quilt`
+//!   preset, built by [`replay_fresh`]), emulated on every other allocator
+//!   (and on any allocator given to [`replay`]). A growable buffer's length
+//!   counts as live bytes; a sleeping tag's allocations do not. A growth,
+//!   creation or wake that runs out of memory ends the replay as an
+//!   allocation does. Between iterations, growable buffers left live are
+//!   released, and tags are put back to sleep or woken as they were when
+//!   the iteration began.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
+use quilt_alloc::quilt::{AheadMode, MapAhead, QuiltAllocator};
 use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation, OomReport};
 use quilt_vmm::sim::{CostModel, SimConfig, SimVmm};
-use quilt_vmm::{DevicePtr, DriverStats, StreamId, Vmm};
+use quilt_vmm::{DriverStats, StreamId, Vmm};
 
 use crate::allocators::{self, RegistryError};
 use crate::live::LiveTracker;
+use crate::serving::{GrowthCopies, LiveBlocks, Serving, ServingFailure, Target};
+use crate::spec::{self, Spec};
 use crate::trace::{Event, Trace};
 
 /// How to replay.
@@ -130,6 +142,13 @@ pub struct ReplayResult {
     pub driver: DriverStats,
     /// Driver calls and modelled time over iterations 2..N (zero when N = 1).
     pub driver_after_first_iteration: DriverStats,
+    /// The device-to-device copies of emulated growth (allocators without
+    /// growable buffers; none on Quilt), over the whole replay. They are no
+    /// driver call of [`ReplayResult::driver`]: reports add them to its
+    /// copied bytes and modelled time.
+    pub growth_copies: GrowthCopies,
+    /// The same over iterations 2..N (zero when N = 1).
+    pub growth_copies_after_first_iteration: GrowthCopies,
     /// Median host time of one allocate or free call, in nanoseconds (0 unless timed).
     pub cpu_ns_per_op: u64,
     /// Live and reserved memory over the replay (empty unless recorded).
@@ -178,7 +197,12 @@ pub enum ReplayError {
 }
 
 /// Build a fresh simulated device of `capacity` bytes
-/// ([`ReplayConfig::sim_config`]) and the allocator `name` on it, and replay `trace`.
+/// ([`ReplayConfig::sim_config`]) and the allocator `name` on it, and replay
+/// `trace` (the serving events natively on the `quilt` preset, emulated on
+/// the others, `gmlake` included: GMLake has no growable buffers). Quilt's
+/// map-ahead runs [`AheadMode::Inline`] where its policy says
+/// [`AheadMode::Background`] (the same pages, mapped on the replaying
+/// thread): a worker thread would make the figures vary from run to run.
 pub fn replay_fresh(
     trace: &Trace,
     allocator: &str,
@@ -198,6 +222,36 @@ pub fn replay_fresh_then<T>(
 ) -> Result<(ReplayResult, T), ReplayError> {
     let sim = Arc::new(SimVmm::new(config.sim_config(capacity)).map_err(ReplayError::Device)?);
     let vmm: Arc<dyn Vmm> = sim.clone();
+    let native = match spec::parse(allocator) {
+        Ok(Spec::Quilt(c)) if c.name == "quilt" => {
+            Some(QuiltAllocator::new(vmm.clone(), c).map_err(|source| {
+                RegistryError::Construct {
+                    name: allocator.to_string(),
+                    source,
+                }
+            })?)
+        }
+        _ => None,
+    };
+    if let Some(quilt) = native {
+        // The background worker would race the replay's simulated clock:
+        // the same pages are mapped ahead on the replaying thread instead.
+        let ahead = quilt.map_ahead();
+        if ahead.mode == AheadMode::Background {
+            quilt
+                .set_map_ahead(MapAhead {
+                    mode: AheadMode::Inline,
+                    ..ahead
+                })
+                .map_err(|source| ReplayError::Allocator {
+                    allocator: allocator.to_string(),
+                    event: 0,
+                    source,
+                })?;
+        }
+        let result = replay_on(trace, Target::Native(&quilt), &sim, config)?;
+        return Ok((result, after(&quilt)));
+    }
     let alloc = allocators::build(allocator, vmm)?;
     let result = replay(trace, alloc.as_ref(), &sim, config)?;
     let then = after(alloc.as_ref());
@@ -206,7 +260,7 @@ pub fn replay_fresh_then<T>(
 
 /// The live allocations of a replay, by trace id.
 struct Live {
-    by_id: HashMap<u64, (DevicePtr, u64)>,
+    by_id: LiveBlocks,
     tracker: LiveTracker,
 }
 
@@ -214,6 +268,7 @@ struct Live {
 struct Run<'a> {
     trace: &'a Trace,
     alloc: &'a dyn DeviceAllocator,
+    serving: Serving<'a>,
     sim: &'a SimVmm,
     config: &'a ReplayConfig,
     live: Live,
@@ -243,44 +298,100 @@ impl Run<'_> {
         }
     }
 
+    /// Allocate `size` bytes on `stream` as `id`, carrying `tag` if any.
     fn allocate(
         &mut self,
         index: usize,
         id: u64,
         size: u64,
         stream: u64,
+        tag: Option<u64>,
     ) -> Result<Step, ReplayError> {
-        if self.live.by_id.contains_key(&id) {
+        if self.live.by_id.contains_key(&id) || self.serving.is_growable(id) {
             return Err(self.bad(index, format!("id {id} allocated while live")));
         }
         let start = self.config.time_ops.then(Instant::now);
-        let result = self.alloc.allocate(size, StreamId(stream));
+        let result = match tag {
+            None => self
+                .alloc
+                .allocate(size, StreamId(stream))
+                .map(|a| a.ptr)
+                .map_err(|e| {
+                    if is_oom(&e) {
+                        ServingFailure::OutOfMemory(e)
+                    } else {
+                        ServingFailure::Allocator(e)
+                    }
+                }),
+            Some(tag) => self.serving.allocate_tagged(id, size, stream, tag),
+        };
         if let Some(start) = start {
             self.op_ns.push(elapsed_ns(start));
         }
         self.sim.advance(1);
         match result {
-            Ok(a) => {
-                self.live.by_id.insert(id, (a.ptr, size));
+            Ok(ptr) => {
+                self.live.by_id.insert(id, (ptr, size));
                 self.live.tracker.add(size);
                 Ok(Step::Done)
             }
-            Err(e) if is_oom(&e) => {
+            Err(e) => self.failed(index, e),
+        }
+    }
+
+    /// What a serving operation's failure comes to: the end of the replay
+    /// (out of memory) or an error.
+    fn failed(&mut self, index: usize, failure: ServingFailure) -> Result<Step, ReplayError> {
+        match failure {
+            ServingFailure::OutOfMemory(e) => {
                 self.oom_report = e.oom_report().cloned();
                 Ok(Step::OutOfMemory(e.to_string()))
             }
-            Err(source) => Err(ReplayError::Allocator {
+            ServingFailure::Allocator(source) => Err(ReplayError::Allocator {
                 allocator: self.alloc.name().to_string(),
                 event: index,
                 source,
             }),
+            ServingFailure::BadTrace(message) => Err(self.bad(index, message)),
+        }
+    }
+
+    /// Run one serving event (not an allocation or a free).
+    fn serve(&mut self, index: usize, event: Event) -> Result<Step, ReplayError> {
+        let start = self.config.time_ops.then(Instant::now);
+        let tracker = &mut self.live.tracker;
+        let result = match event {
+            Event::CreateGrowable { id, max, stream } => {
+                if self.live.by_id.contains_key(&id) {
+                    return Err(self.bad(index, format!("id {id} created while live")));
+                }
+                self.serving.create(id, max, stream)
+            }
+            Event::Grow { id, bytes } => self.serving.resize(id, bytes, true, tracker),
+            Event::Shrink { id, bytes } => self.serving.resize(id, bytes, false, tracker),
+            Event::ReleaseGrowable { id } => self.serving.release(id, tracker),
+            Event::Sleep { tag } => self.serving.sleep(tag, &mut self.live.by_id, tracker),
+            Event::Wake { tag } => self.serving.wake(tag, &mut self.live.by_id, tracker),
+            Event::Alloc { .. } | Event::Free { .. } | Event::AllocTagged { .. } => Ok(()),
+        };
+        if let Some(start) = start {
+            self.op_ns.push(elapsed_ns(start));
+        }
+        self.sim.advance(1);
+        match result {
+            Ok(()) => Ok(Step::Done),
+            Err(e) => self.failed(index, e),
         }
     }
 
     fn free(&mut self, index: usize, id: u64) -> Result<(), ReplayError> {
+        if let Some(tag) = self.serving.sleeping_tag_of(id) {
+            return Err(self.bad(index, format!("free of id {id}, whose tag {tag} sleeps")));
+        }
         let Some((ptr, size)) = self.live.by_id.remove(&id) else {
             return Err(self.bad(index, format!("free of id {id}, which is not live")));
         };
+        self.serving.forget(id);
         let start = self.config.time_ops.then(Instant::now);
         let result = self.alloc.free(ptr);
         if let Some(start) = start {
@@ -301,11 +412,18 @@ impl Run<'_> {
             return Ok(Step::Done);
         };
         let step = match event {
-            Event::Alloc { id, size, stream } => self.allocate(index, id, size, stream)?,
+            Event::Alloc { id, size, stream } => self.allocate(index, id, size, stream, None)?,
+            Event::AllocTagged {
+                id,
+                size,
+                stream,
+                tag,
+            } => self.allocate(index, id, size, stream, Some(tag))?,
             Event::Free { id } => {
                 self.free(index, id)?;
                 Step::Done
             }
+            serving => self.serve(index, serving)?,
         };
         if let Step::OutOfMemory(_) = step {
             return Ok(step);
@@ -366,10 +484,26 @@ impl Run<'_> {
         }
     }
 
-    /// Free what an iteration left live (in allocation order) and allocate again
-    /// the pre-existing allocations it freed. `pre` lists the prefix's allocations.
-    fn reset_iteration(&mut self, pre: &[(usize, u64, u64, u64)]) -> Result<Step, ReplayError> {
-        let pre_ids: std::collections::HashSet<u64> = pre.iter().map(|p| p.1).collect();
+    /// Free what an iteration left live (in allocation order), release the
+    /// growable buffers it left, put tags back to sleep or wake them as they
+    /// were at its start (`asleep`), and allocate again the pre-existing
+    /// allocations it freed. `pre` lists the prefix's allocations.
+    fn reset_iteration(
+        &mut self,
+        pre: &[Preexisting],
+        asleep: &BTreeSet<u64>,
+    ) -> Result<Step, ReplayError> {
+        let last = self.trace.events.len().saturating_sub(1);
+        let now = self.serving.sleeping_tags();
+        for &tag in now.difference(asleep) {
+            if let Step::OutOfMemory(m) = self.serve(last, Event::Wake { tag })? {
+                return Ok(Step::OutOfMemory(m));
+            }
+        }
+        for id in self.serving.growable_ids() {
+            self.serve(last, Event::ReleaseGrowable { id })?;
+        }
+        let pre_ids: std::collections::HashSet<u64> = pre.iter().map(|p| p.id).collect();
         let mut leftovers: Vec<u64> = self
             .live
             .by_id
@@ -378,19 +512,35 @@ impl Run<'_> {
             .filter(|id| !pre_ids.contains(id))
             .collect();
         leftovers.sort_unstable();
-        let last = self.trace.events.len().saturating_sub(1);
         for id in leftovers {
             self.free(last, id)?;
         }
-        for &(index, id, size, stream) in pre {
-            if !self.live.by_id.contains_key(&id) {
-                if let Step::OutOfMemory(m) = self.allocate(index, id, size, stream)? {
+        for p in pre {
+            if !self.live.by_id.contains_key(&p.id) {
+                if let Step::OutOfMemory(m) =
+                    self.allocate(p.index, p.id, p.size, p.stream, p.tag)?
+                {
                     return Ok(Step::OutOfMemory(m));
                 }
             }
         }
+        let now = self.serving.sleeping_tags();
+        for &tag in asleep.difference(&now) {
+            if let Step::OutOfMemory(m) = self.serve(last, Event::Sleep { tag })? {
+                return Ok(Step::OutOfMemory(m));
+            }
+        }
         Ok(Step::Done)
     }
+}
+
+/// An allocation of the pre-existing prefix.
+struct Preexisting {
+    index: usize,
+    id: u64,
+    size: u64,
+    stream: u64,
+    tag: Option<u64>,
 }
 
 fn elapsed_ns(start: Instant) -> u32 {
@@ -410,13 +560,27 @@ pub fn is_oom(e: &AllocError) -> bool {
 /// Replay `trace` through `alloc`, which runs on `sim`. The GPU lag and costs
 /// are `sim`'s own (its [`SimConfig`]; build it with [`ReplayConfig::sim_config`]
 /// to follow `config`): a device of [`quilt_vmm::sim::LAG_NEVER`], the default,
-/// completes work only when the allocator synchronises.
+/// completes work only when the allocator synchronises. The serving events
+/// are emulated whatever `alloc` is ([`replay_on`] with [`Target::Native`]
+/// runs them on Quilt's own API).
 pub fn replay(
     trace: &Trace,
     alloc: &dyn DeviceAllocator,
     sim: &SimVmm,
     config: &ReplayConfig,
 ) -> Result<ReplayResult, ReplayError> {
+    replay_on(trace, Target::Emulated(alloc), sim, config)
+}
+
+/// [`replay`] on `target`: Quilt's own serving API, or any allocator with the
+/// serving events emulated ([`crate::serving`]).
+pub fn replay_on(
+    trace: &Trace,
+    target: Target<'_>,
+    sim: &SimVmm,
+    config: &ReplayConfig,
+) -> Result<ReplayResult, ReplayError> {
+    let alloc = target.allocator();
     let iterations = config.iterations.max(1);
     let pre_len = trace.preexisting.min(trace.events.len());
     let body_len = trace.events.len() - pre_len;
@@ -425,6 +589,7 @@ pub fn replay(
     let mut run = Run {
         trace,
         alloc,
+        serving: Serving::new(target, sim.config().cost.clone()),
         sim,
         config,
         live: Live {
@@ -442,17 +607,35 @@ pub fn replay(
         }),
         oom_report: None,
     };
-    let pre: Vec<(usize, u64, u64, u64)> = trace.events[..pre_len]
+    let pre: Vec<Preexisting> = trace.events[..pre_len]
         .iter()
         .enumerate()
-        .filter_map(|(i, e)| match *e {
-            Event::Alloc { id, size, stream } => Some((i, id, size, stream)),
-            Event::Free { .. } => None,
+        .filter_map(|(index, e)| match *e {
+            Event::Alloc { id, size, stream } => Some(Preexisting {
+                index,
+                id,
+                size,
+                stream,
+                tag: None,
+            }),
+            Event::AllocTagged {
+                id,
+                size,
+                stream,
+                tag,
+            } => Some(Preexisting {
+                index,
+                id,
+                size,
+                stream,
+                tag: Some(tag),
+            }),
+            _ => None,
         })
         .collect();
 
     let mut oom: Option<String> = None;
-    let mut after_first_start: Option<DriverStats> = None;
+    let mut after_first_start: Option<(DriverStats, GrowthCopies)> = None;
     'outer: {
         for index in 0..pre_len {
             if let Step::OutOfMemory(m) = run.apply(index)? {
@@ -460,15 +643,16 @@ pub fn replay(
                 break 'outer;
             }
         }
+        let asleep = run.serving.sleeping_tags();
         for iteration in 0..iterations {
             if iteration > 0 {
-                if let Step::OutOfMemory(m) = run.reset_iteration(&pre)? {
+                if let Step::OutOfMemory(m) = run.reset_iteration(&pre, &asleep)? {
                     oom = Some(m);
                     break 'outer;
                 }
             }
             if iteration == 1 {
-                after_first_start = Some(sim.driver_stats());
+                after_first_start = Some((sim.driver_stats(), run.serving.growth_copies()));
             }
             for index in pre_len..trace.events.len() {
                 if let Step::OutOfMemory(m) = run.apply(index)? {
@@ -485,8 +669,9 @@ pub fn replay(
         run.sample();
     }
     let driver = sim.driver_stats();
-    let driver_after_first_iteration = after_first_start
-        .map(|start| driver.since(&start))
+    let growth_copies = run.serving.growth_copies();
+    let (driver_after_first_iteration, growth_copies_after_first_iteration) = after_first_start
+        .map(|(d, g)| (driver.since(&d), growth_copies.since(&g)))
         .unwrap_or_default();
     let stats = alloc.stats();
     let peak_reserved = stats.reserved_bytes.peak;
@@ -511,6 +696,8 @@ pub fn replay(
         ideal_bytes: run.live.tracker.peak_ideal_bytes,
         driver,
         driver_after_first_iteration,
+        growth_copies,
+        growth_copies_after_first_iteration,
         cpu_ns_per_op: median(&mut run.op_ns),
         series: run.series,
     })

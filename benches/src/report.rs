@@ -164,8 +164,9 @@ impl OomRow {
 /// (`efficiency`), `ideal GiB`, `min cap GiB` (`min_capacity_bytes`), `VMM
 /// calls` (`vmm_calls`), `calls after 1st` (`vmm_calls_after_first_iteration`),
 /// `syncs` and `syncs after 1st` (`stream_calls.synchronize`), `waits`
-/// (`stream_calls.wait_event`), `driver ms` (`modelled_driver_us`), `CPU
-/// ns/op` (`cpu_ns_per_op`).
+/// (`stream_calls.wait_event`), `copied GiB` (`copied_bytes`), `growth
+/// copied GiB` (`growth_copied_bytes`), `driver ms` (`modelled_driver_us`),
+/// `CPU ns/op` (`cpu_ns_per_op`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReportRow {
     /// Workload (generator name, trace file stem or snapshot stem).
@@ -201,8 +202,15 @@ pub struct ReportRow {
     pub stream_calls: StreamCalls,
     /// Stream and event calls over iterations 2..N (null when one iteration ran).
     pub stream_calls_after_first_iteration: Option<StreamCalls>,
+    /// Bytes copied over the replay: between host and device by sleep and
+    /// wake (`cuMemcpyDtoH`, `cuMemcpyHtoD`), plus `growth_copied_bytes`.
+    pub copied_bytes: u64,
+    /// Bytes copied device to device by emulated growth: an allocator
+    /// without growable buffers reallocates and copies (0 on Quilt).
+    pub growth_copied_bytes: u64,
     /// Modelled driver time in microseconds (create costed by size; every
-    /// call of the cost model, stream synchronisations included).
+    /// call of the cost model, stream synchronisations included, and the
+    /// copies of emulated growth at the cost model's copy figures).
     pub modelled_driver_us: f64,
     /// Median host nanoseconds per allocate or free.
     pub cpu_ns_per_op: u64,
@@ -231,6 +239,7 @@ impl Measurement {
         min_capacity_bytes: Option<u64>,
     ) -> Self {
         let looped = iterations > 1;
+        let growth_ns = result.growth_copies.modelled_ns;
         Measurement {
             row: ReportRow {
                 workload: workload.to_string(),
@@ -253,10 +262,18 @@ impl Measurement {
                 stream_calls: StreamCalls::from_stats(&result.driver),
                 stream_calls_after_first_iteration: looped
                     .then(|| StreamCalls::from_stats(&result.driver_after_first_iteration)),
-                modelled_driver_us: result.driver.modelled_ns as f64 / 1000.0,
+                copied_bytes: result
+                    .driver
+                    .copied_bytes
+                    .saturating_add(result.growth_copies.bytes),
+                growth_copied_bytes: result.growth_copies.bytes,
+                modelled_driver_us: growth_ns.saturating_add(result.driver.modelled_ns) as f64
+                    / 1000.0,
                 cpu_ns_per_op: result.cpu_ns_per_op,
             },
-            modelled_flat_create_us: result.driver.modelled_flat_create_ns as f64 / 1000.0,
+            modelled_flat_create_us: growth_ns.saturating_add(result.driver.modelled_flat_create_ns)
+                as f64
+                / 1000.0,
             series: result.series,
         }
     }

@@ -27,8 +27,14 @@ use crate::units::parse_size;
 /// The allocators a spec may name, in report order.
 pub const NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
 
-/// The keys of Quilt's policy (the `quilt` and `gmlake` presets).
+/// The keys of Quilt's placement and reclaim policy (the `quilt` and
+/// `gmlake` presets).
 pub const QUILT_KEYS: [&str; 11] = conf::KEYS;
+
+/// The keys of Quilt's serving policies (map-ahead, recycling of growable
+/// buffers, the offload tier), accepted beside [`QUILT_KEYS`]: the
+/// `llm-serving-growable` workloads run them (`docs/serving.md`).
+pub const QUILT_SERVING_KEYS: [&str; 5] = conf::SERVING_KEYS;
 
 /// The keys of PyTorch's caching allocator (`classic`, `expandable`).
 pub const CACHING_KEYS: [&str; 3] = [
@@ -332,6 +338,18 @@ mod tests {
                 );
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_serving_keys_are_quilt_keys_too() {
+        let c = quilt_of("quilt:map_ahead_mode=inline,map_ahead_pages=2,recycle_buffers=4");
+        assert_eq!(c.map_ahead.pages, 2);
+        assert_eq!(c.map_ahead.mode, quilt_alloc::quilt::AheadMode::Inline);
+        assert_eq!(c.recycle.max_buffers, 4);
+        let e = parse("quilt:colour=blue").unwrap_err().to_string();
+        for key in QUILT_KEYS.iter().chain(QUILT_SERVING_KEYS.iter()) {
+            assert!(e.contains(key), "{key} not listed: {e}");
         }
     }
 

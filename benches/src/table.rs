@@ -189,6 +189,18 @@ const COLUMNS: &[Column] = &[
         cell: |c| c.m.row.stream_calls.wait_event.to_string(),
     },
     Column {
+        name: "copied GiB",
+        legend: "bytes copied by sleep and wake (to the host and back) and by emulated growth",
+        narrow: false,
+        cell: |c| gib(c.m.row.copied_bytes),
+    },
+    Column {
+        name: "growth copied GiB",
+        legend: "device-to-device bytes of growth emulated by reallocation (0: growable)",
+        narrow: false,
+        cell: |c| gib(c.m.row.growth_copied_bytes),
+    },
+    Column {
         name: "driver ms",
         legend: "modelled driver time: every call priced, creates by size, syncs as drains",
         narrow: true,
@@ -649,6 +661,8 @@ mod tests {
                 vmm_calls_after_first_iteration: None,
                 stream_calls: StreamCalls::default(),
                 stream_calls_after_first_iteration: None,
+                copied_bytes: 0,
+                growth_copied_bytes: 0,
                 modelled_driver_us: 1000.0,
                 cpu_ns_per_op: 100,
             },

@@ -1,11 +1,21 @@
-//! Allocation traces: the text format of `shared/traces/README.md`.
+//! Allocation traces: the text format of `shared/traces/README.md`, and the
+//! serving events of `docs/workloads.md` ("Serving events").
 //!
 //! ```text
-//! a <id> <size_bytes> <stream>    allocation; ids are never reused
-//! f <id>                          free of a live id
+//! a <id> <size_bytes> <stream>         allocation; ids are never reused
+//! f <id>                               free of a live allocation
+//! c <id> <max_bytes> <stream>          create a growable buffer: length 0, at most max_bytes
+//! g <id> <bytes>                       grow buffer id to bytes (at least its length, at most its max)
+//! s <id> <bytes>                       shrink buffer id to bytes (at most its length)
+//! r <id>                               release buffer id
+//! t <id> <size_bytes> <stream> <tag>   allocation carrying tag (a number); freed with `f`
+//! z <tag>                              sleep: the tag's allocations leave the device
+//! w <tag>                              wake: they come back (at the same addresses on Quilt)
 //! ```
+//!
+//! Allocations and growable buffers share one space of ids.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 /// One trace event.
@@ -25,6 +35,68 @@ pub enum Event {
         /// Identifier of a live allocation.
         id: u64,
     },
+    /// Create a growable buffer of at most `max` bytes, length 0, whose
+    /// growth is ordered on `stream` (`c`).
+    CreateGrowable {
+        /// Identifier, unique over the trace.
+        id: u64,
+        /// Its maximum length in bytes (> 0).
+        max: u64,
+        /// Stream number.
+        stream: u64,
+    },
+    /// Grow the live growable buffer `id` to `bytes` (`g`): at least its
+    /// length (equal: nothing to do), at most its maximum.
+    Grow {
+        /// Identifier of a live growable buffer.
+        id: u64,
+        /// Its new length.
+        bytes: u64,
+    },
+    /// Shrink the live growable buffer `id` to `bytes` (`s`): at most its length.
+    Shrink {
+        /// Identifier of a live growable buffer.
+        id: u64,
+        /// Its new length.
+        bytes: u64,
+    },
+    /// Release the live growable buffer `id` (`r`).
+    ReleaseGrowable {
+        /// Identifier of a live growable buffer.
+        id: u64,
+    },
+    /// Allocate `size` bytes on `stream` carrying `tag` (`t`): the allocation
+    /// sleeps and wakes with the tag; it is freed with [`Event::Free`].
+    AllocTagged {
+        /// Identifier, unique over the trace.
+        id: u64,
+        /// Bytes asked for (unrounded).
+        size: u64,
+        /// Stream number.
+        stream: u64,
+        /// The tag (a number; Quilt's tag is its decimal text).
+        tag: u64,
+    },
+    /// Put `tag` to sleep (`z`): its allocations' contents go to the host and
+    /// their memory is given back, until [`Event::Wake`].
+    Sleep {
+        /// An awake tag that an allocation carried.
+        tag: u64,
+    },
+    /// Wake `tag` (`w`): its allocations are backed again and their contents
+    /// copied back.
+    Wake {
+        /// A sleeping tag.
+        tag: u64,
+    },
+}
+
+impl Event {
+    /// True for the events of the serving API (growable buffers, tags, sleep
+    /// and wake), which only Quilt executes natively.
+    pub fn is_serving(&self) -> bool {
+        !matches!(self, Event::Alloc { .. } | Event::Free { .. })
+    }
 }
 
 /// A named sequence of events.
@@ -65,67 +137,225 @@ pub enum TraceError {
     Snapshot(String),
 }
 
-/// Parse the text format. Blank lines are skipped; every other malformed line,
-/// a reused id, a free of an id that is not live, or a zero size is an error
-/// naming the line.
-pub fn parse_trace(text: &str) -> Result<Vec<Event>, TraceError> {
-    let mut events = Vec::new();
-    let mut live = HashSet::new();
-    let mut seen = HashSet::new();
-    for (index, raw) in text.lines().enumerate() {
-        let line = raw.trim();
-        if line.is_empty() {
-            continue;
+/// What the parser knows of the ids and tags so far.
+#[derive(Default)]
+struct Known {
+    /// Ids ever used.
+    seen: HashSet<u64>,
+    /// Live allocations and their tags.
+    live: HashMap<u64, Option<u64>>,
+    /// Live growable buffers: (length, maximum).
+    growables: HashMap<u64, (u64, u64)>,
+    /// Tags ever carried, and whether each sleeps.
+    asleep: HashMap<u64, bool>,
+}
+
+impl Known {
+    fn new_id(&mut self, id: u64) -> Result<(), String> {
+        if self.seen.insert(id) {
+            Ok(())
+        } else {
+            Err(format!("id {id} used twice"))
         }
-        let fail = |message: String| TraceError::Parse {
-            line: index + 1,
-            message,
-            text: line.chars().take(80).collect(),
-        };
-        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
-        let number = |i: usize, what: &str| -> Result<u64, TraceError> {
-            let field = fields
-                .get(i)
-                .ok_or_else(|| fail(format!("missing {what}")))?;
+    }
+
+    fn growable(&mut self, id: u64, what: &str) -> Result<&mut (u64, u64), String> {
+        self.growables
+            .get_mut(&id)
+            .ok_or_else(|| format!("{what} of id {id}, which is not a live growable buffer"))
+    }
+
+    /// The event a line describes, checked against what came before.
+    fn event(&mut self, fields: &[&str]) -> Result<Event, String> {
+        let number = |i: usize, what: &str| -> Result<u64, String> {
+            let field = fields.get(i).ok_or_else(|| format!("missing {what}"))?;
             field
                 .parse::<u64>()
-                .map_err(|e| fail(format!("bad {what} `{field}`: {e}")))
+                .map_err(|e| format!("bad {what} `{field}`: {e}"))
         };
-        match fields.first().copied() {
-            Some("a") => {
-                if fields.len() != 4 {
-                    return Err(fail(format!(
-                        "an allocation has 4 fields, found {}",
-                        fields.len()
-                    )));
+        let arity = |n: usize, what: &str| -> Result<(), String> {
+            if fields.len() == n {
+                Ok(())
+            } else {
+                Err(format!("{what} has {n} fields, found {}", fields.len()))
+            }
+        };
+        let kind = fields.first().copied().unwrap_or_default();
+        Ok(match kind {
+            "a" | "t" => {
+                let tagged = kind == "t";
+                if tagged {
+                    arity(5, "a tagged allocation")?;
+                } else {
+                    arity(4, "an allocation")?;
                 }
                 let id = number(1, "id")?;
                 let size = number(2, "size")?;
                 let stream = number(3, "stream")?;
                 if size == 0 {
-                    return Err(fail("allocation of 0 bytes".into()));
+                    return Err("allocation of 0 bytes".into());
                 }
-                if !seen.insert(id) {
-                    return Err(fail(format!("id {id} allocated twice")));
+                let tag = if tagged {
+                    Some(number(4, "tag")?)
+                } else {
+                    None
+                };
+                if let Some(tag) = tag {
+                    if self.asleep.get(&tag) == Some(&true) {
+                        return Err(format!("allocation carrying tag {tag}, which sleeps"));
+                    }
                 }
-                live.insert(id);
-                events.push(Event::Alloc { id, size, stream });
+                if !self.seen.insert(id) {
+                    return Err(format!("id {id} allocated twice"));
+                }
+                self.live.insert(id, tag);
+                match tag {
+                    Some(tag) => {
+                        self.asleep.insert(tag, false);
+                        Event::AllocTagged {
+                            id,
+                            size,
+                            stream,
+                            tag,
+                        }
+                    }
+                    None => Event::Alloc { id, size, stream },
+                }
             }
-            Some("f") => {
-                if fields.len() != 2 {
-                    return Err(fail(format!("a free has 2 fields, found {}", fields.len())));
-                }
+            "f" => {
+                arity(2, "a free")?;
                 let id = number(1, "id")?;
-                if !live.remove(&id) {
-                    return Err(fail(format!("free of id {id}, which is not live")));
+                match self.live.get(&id) {
+                    None => return Err(format!("free of id {id}, which is not live")),
+                    Some(Some(tag)) if self.asleep.get(tag) == Some(&true) => {
+                        return Err(format!("free of id {id}, whose tag {tag} sleeps"));
+                    }
+                    Some(_) => {}
                 }
-                events.push(Event::Free { id });
+                self.live.remove(&id);
+                Event::Free { id }
             }
-            Some(other) => return Err(fail(format!("unknown event kind `{other}`"))),
-            None => {}
+            "c" => {
+                arity(4, "a growable creation")?;
+                let id = number(1, "id")?;
+                let max = number(2, "maximum")?;
+                let stream = number(3, "stream")?;
+                if max == 0 {
+                    return Err("growable buffer of at most 0 bytes".into());
+                }
+                self.new_id(id)?;
+                self.growables.insert(id, (0, max));
+                Event::CreateGrowable { id, max, stream }
+            }
+            "g" | "s" => {
+                let grow = kind == "g";
+                arity(3, if grow { "a grow" } else { "a shrink" })?;
+                let id = number(1, "id")?;
+                let bytes = number(2, "length")?;
+                let (len, max) = self.growable(id, if grow { "grow" } else { "shrink" })?;
+                if grow && bytes > *max {
+                    return Err(format!(
+                        "grow of id {id} to {bytes} bytes, beyond its maximum of {max}"
+                    ));
+                }
+                if grow && bytes < *len {
+                    return Err(format!(
+                        "grow of id {id} to {bytes} bytes, below its length of {len}"
+                    ));
+                }
+                if !grow && bytes > *len {
+                    return Err(format!(
+                        "shrink of id {id} to {bytes} bytes, above its length of {len}"
+                    ));
+                }
+                *len = bytes;
+                if grow {
+                    Event::Grow { id, bytes }
+                } else {
+                    Event::Shrink { id, bytes }
+                }
+            }
+            "r" => {
+                arity(2, "a release")?;
+                let id = number(1, "id")?;
+                self.growable(id, "release")?;
+                self.growables.remove(&id);
+                Event::ReleaseGrowable { id }
+            }
+            "z" | "w" => {
+                let sleep = kind == "z";
+                arity(2, if sleep { "a sleep" } else { "a wake" })?;
+                let tag = number(1, "tag")?;
+                let Some(asleep) = self.asleep.get_mut(&tag) else {
+                    return Err(format!("tag {tag}, which no allocation carried"));
+                };
+                if *asleep == sleep {
+                    return Err(format!(
+                        "{} of tag {tag}, which {}",
+                        if sleep { "sleep" } else { "wake" },
+                        if sleep { "sleeps already" } else { "is awake" }
+                    ));
+                }
+                *asleep = sleep;
+                if sleep {
+                    Event::Sleep { tag }
+                } else {
+                    Event::Wake { tag }
+                }
+            }
+            other => return Err(format!("unknown event kind `{other}`")),
+        })
+    }
+}
+
+/// Parse the text format. Blank lines are skipped; every other malformed line,
+/// a reused id, a free of an id that is not live, a zero size or maximum, a
+/// resize of an id that is not a live growable buffer or past its bounds, an
+/// allocation carrying or a free of a member of a sleeping tag, a sleep of a
+/// sleeping or unknown tag and a wake of an awake one are errors naming the line.
+pub fn parse_trace(text: &str) -> Result<Vec<Event>, TraceError> {
+    let mut events = Vec::new();
+    let mut known = Known::default();
+    for (index, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() {
+            continue;
         }
+        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+        let event = known.event(&fields).map_err(|message| TraceError::Parse {
+            line: index + 1,
+            message,
+            text: line.chars().take(80).collect(),
+        })?;
+        events.push(event);
     }
     Ok(events)
+}
+
+/// The text of `events` in the format [`parse_trace`] reads, a line each.
+pub fn to_text(events: &[Event]) -> String {
+    let mut out = String::new();
+    for e in events {
+        let line = match *e {
+            Event::Alloc { id, size, stream } => format!("a {id} {size} {stream}"),
+            Event::Free { id } => format!("f {id}"),
+            Event::CreateGrowable { id, max, stream } => format!("c {id} {max} {stream}"),
+            Event::Grow { id, bytes } => format!("g {id} {bytes}"),
+            Event::Shrink { id, bytes } => format!("s {id} {bytes}"),
+            Event::ReleaseGrowable { id } => format!("r {id}"),
+            Event::AllocTagged {
+                id,
+                size,
+                stream,
+                tag,
+            } => format!("t {id} {size} {stream} {tag}"),
+            Event::Sleep { tag } => format!("z {tag}"),
+            Event::Wake { tag } => format!("w {tag}"),
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
 }
 
 /// Read and parse a trace file; its name is the file stem. `preexisting` is 0:
@@ -182,6 +412,21 @@ mod tests {
             ("a 0 1 0\na 0 1 0\n", 2, "twice"),
             ("a 0 1 0\nf 0\nf 0\n", 3, "not live"),
             ("x 1\n", 1, "unknown event"),
+            ("g 3 10\n", 1, "not a live growable"),
+            ("c 0 100 0\ng 0 101\n", 2, "beyond its maximum"),
+            ("c 0 100 0\ng 0 50\ng 0 40\n", 3, "below its length"),
+            ("c 0 100 0\ng 0 50\ns 0 60\n", 3, "above its length"),
+            ("c 0 100 0\nr 0\nr 0\n", 3, "not a live growable"),
+            ("c 0 0 0\n", 1, "0 bytes"),
+            ("a 0 1 0\nc 0 5 0\n", 2, "twice"),
+            ("c 0 5 0\nf 0\n", 2, "not live"),
+            ("a 0 1 0\nr 0\n", 2, "not a live growable"),
+            ("z 4\n", 1, "no allocation carried"),
+            ("t 0 10 0 4\nz 4\nz 4\n", 3, "sleeps already"),
+            ("t 0 10 0 4\nw 4\n", 2, "is awake"),
+            ("t 0 10 0 4\nz 4\nf 0\n", 3, "sleeps"),
+            ("t 0 10 0 4\nz 4\nt 1 10 0 4\n", 3, "sleeps"),
+            ("t 0 10 0\n", 1, "5 fields"),
             ("a 0 99999999999999999999999 0\n", 1, "bad size"),
         ];
         for (text, want_line, want_msg) in cases {

@@ -716,6 +716,7 @@ fn truncated_and_flipped_pickles_never_panic() {
                     quilt_bench::trace::Event::Free { id } => {
                         assert!(live.remove(&id), "free of {id}, not live")
                     }
+                    other => panic!("a snapshot gave a serving event: {other:?}"),
                 }
             }
         }

@@ -72,6 +72,7 @@ fn ops_of(w: &Workload) -> Vec<Op> {
                 live.remove(&id);
                 ops.push(Op::Free { id });
             }
+            other => panic!("{other:?}: these workloads allocate and free only"),
         }
         if w.empty_cache_every > 0 && (i + 1) % w.empty_cache_every == 0 {
             ops.push(Op::EmptyCache);
@@ -100,6 +101,7 @@ fn peak_live(events: &[Event]) -> u64 {
                 peak = peak.max(now);
             }
             Event::Free { id } => now -= live.remove(&id).unwrap_or(0),
+            other => panic!("{other:?}: these workloads allocate and free only"),
         }
     }
     peak

@@ -58,6 +58,7 @@ fn replay(dir: &Path, name: &str, a: &dyn DeviceAllocator) -> u64 {
                 live.insert(id, x.ptr);
             }
             Event::Free { id } => a.free(live.remove(&id).unwrap()).unwrap(),
+            other => panic!("{other:?}: a real trace allocates and frees only"),
         }
         if i % 997 == 0 {
             a.check_invariants().unwrap();
@@ -163,6 +164,7 @@ fn reserved_after(dir: &Path, name: &str, n: usize, a: &dyn DeviceAllocator) -> 
                 live.insert(id, a.allocate(size, StreamId(stream)).unwrap().ptr);
             }
             Event::Free { id } => a.free(live.remove(&id).unwrap()).unwrap(),
+            other => panic!("{other:?}: a real trace allocates and frees only"),
         }
     }
     a.stats().reserved_bytes.current
@@ -392,6 +394,7 @@ fn classic_makes_pytorchs_decisions_on_opt_zo() {
                 live.insert(id, x.ptr);
             }
             Event::Free { id } => a.free(live.remove(&id).unwrap()).unwrap(),
+            other => panic!("{other:?}: a real trace allocates and frees only"),
         }
     }
     assert_eq!(a.stats().reserved_bytes.freed, 0, "no segment was freed");
@@ -438,6 +441,7 @@ fn classic_makes_pytorchs_decisions_on_opt_zo() {
                 live.insert(id, x.ptr);
             }
             Event::Free { id } => a.free(live.remove(&id).unwrap()).unwrap(),
+            other => panic!("{other:?}: a real trace allocates and frees only"),
         }
     }
     a.check_invariants().unwrap();

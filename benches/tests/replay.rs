@@ -243,6 +243,8 @@ fn json_has_exactly_the_listed_fields() {
         "vmm_calls_after_first_iteration",
         "stream_calls",
         "stream_calls_after_first_iteration",
+        "copied_bytes",
+        "growth_copied_bytes",
         "modelled_driver_us",
         "cpu_ns_per_op",
     ];

@@ -10,14 +10,15 @@ use quilt_bench::workloads::{find, WORKLOADS};
 
 const GIB: u64 = 1 << 30;
 
-/// Every free names a live id, ids are never reused, and the pre-existing
-/// prefix holds allocations only.
+/// Every free names a live id, ids are never reused, the pre-existing
+/// prefix frees nothing, and the serving events (growable buffers, tags)
+/// are consistent (the parser checks them).
 fn assert_valid(trace: &Trace) {
     let mut live = HashSet::new();
     let mut seen = HashSet::new();
     for (i, e) in trace.events.iter().enumerate() {
         match *e {
-            Event::Alloc { id, size, .. } => {
+            Event::Alloc { id, size, .. } | Event::AllocTagged { id, size, .. } => {
                 assert!(size > 0, "{}: event {i} allocates 0 bytes", trace.name);
                 assert!(seen.insert(id), "{}: id {id} reused", trace.name);
                 live.insert(id);
@@ -26,8 +27,11 @@ fn assert_valid(trace: &Trace) {
                 assert!(i >= trace.preexisting, "{}: free in the prefix", trace.name);
                 assert!(live.remove(&id), "{}: free of dead id {id}", trace.name);
             }
+            _ => {}
         }
     }
+    quilt_bench::trace::parse_trace(&quilt_bench::trace::to_text(&trace.events))
+        .unwrap_or_else(|e| panic!("{}: {e}", trace.name));
 }
 
 #[test]

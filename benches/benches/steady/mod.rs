@@ -62,6 +62,7 @@ pub fn slice(path: &Path) -> Slice {
             live[slot] = false;
             Op::Free { slot }
         }
+        other => panic!("{other:?}: a real trace holds allocations and frees only"),
     };
     let pre_len = trace.preexisting.min(trace.events.len());
     let pre: Vec<Op> = trace.events[..pre_len]

@@ -16,6 +16,7 @@ use crate::trace::{Event, Trace};
 pub mod mixed_vision_language;
 pub mod model_switch;
 pub mod serving;
+pub mod serving_growable;
 pub mod train_varlen;
 
 /// A built-in workload: its name, what it models, and its generator.
@@ -30,7 +31,7 @@ pub struct Workload {
 }
 
 /// Every built-in workload, in report order.
-pub const WORKLOADS: [Workload; 4] = [
+pub const WORKLOADS: [Workload; 6] = [
     Workload {
         name: "train-varlen",
         description: "transformer training steps whose sequence length changes from step to step",
@@ -50,6 +51,16 @@ pub const WORKLOADS: [Workload; 4] = [
         name: "mixed-vision-language",
         description: "image generation and language jobs interleaved on one device, on three streams",
         generate: mixed_vision_language::generate,
+    },
+    Workload {
+        name: "llm-serving-growable",
+        description: "llm-serving with each request's KV cache one growable buffer, grown 32 tokens at a time",
+        generate: serving_growable::generate,
+    },
+    Workload {
+        name: "llm-serving-growable-switch",
+        description: "three models switched by sleep and wake, serving with growable KV caches between switches",
+        generate: serving_growable::generate_switch,
     },
 ];
 
@@ -99,6 +110,8 @@ pub(crate) fn round_up_to(x: u64, unit: u64) -> u64 {
 pub(crate) struct TraceBuilder {
     events: Vec<Event>,
     live: HashMap<u64, u64>,
+    /// Live growable buffers: (length, maximum).
+    growables: HashMap<u64, (u64, u64)>,
     next_id: u64,
     preexisting: usize,
 }
@@ -109,6 +122,7 @@ impl TraceBuilder {
         TraceBuilder {
             events: Vec::new(),
             live: HashMap::new(),
+            growables: HashMap::new(),
             next_id: 0,
             preexisting: 0,
         }
@@ -136,6 +150,62 @@ impl TraceBuilder {
         for &id in ids {
             self.free(id);
         }
+    }
+
+    /// Emit an allocation of `size` bytes (at least 1) on `stream` carrying
+    /// `tag`; returns its id (freed with [`TraceBuilder::free`]).
+    pub(crate) fn alloc_tagged(&mut self, size: u64, stream: u64, tag: u64) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let size = size.max(1);
+        self.events.push(Event::AllocTagged {
+            id,
+            size,
+            stream,
+            tag,
+        });
+        self.live.insert(id, size);
+        id
+    }
+
+    /// Emit the creation of a growable buffer of at most `max` bytes (at
+    /// least 1) on `stream`; returns its id.
+    pub(crate) fn create_growable(&mut self, max: u64, stream: u64) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let max = max.max(1);
+        self.events.push(Event::CreateGrowable { id, max, stream });
+        self.growables.insert(id, (0, max));
+        id
+    }
+
+    /// Emit the growth of buffer `id` to `bytes`, clamped to its maximum (a
+    /// stale id, or a length it has already reached, emits nothing).
+    pub(crate) fn grow(&mut self, id: u64, bytes: u64) {
+        if let Some((len, max)) = self.growables.get_mut(&id) {
+            let bytes = bytes.min(*max);
+            if bytes > *len {
+                *len = bytes;
+                self.events.push(Event::Grow { id, bytes });
+            }
+        }
+    }
+
+    /// Emit the release of buffer `id` if it is live.
+    pub(crate) fn release(&mut self, id: u64) {
+        if self.growables.remove(&id).is_some() {
+            self.events.push(Event::ReleaseGrowable { id });
+        }
+    }
+
+    /// Emit a sleep of `tag`.
+    pub(crate) fn sleep(&mut self, tag: u64) {
+        self.events.push(Event::Sleep { tag });
+    }
+
+    /// Emit a wake of `tag`.
+    pub(crate) fn wake(&mut self, tag: u64) {
+        self.events.push(Event::Wake { tag });
     }
 
     /// Mark everything emitted so far as the pre-existing prefix.

@@ -224,6 +224,7 @@ fn snapshots_add_up_and_read_back_through_quilt_s_importer() {
             Event::Free { id } => {
                 live_sizes.remove(&id);
             }
+            other => panic!("a snapshot gave a serving event: {other:?}"),
         }
     }
     let mut got: Vec<u64> = live_sizes.into_values().collect();
