@@ -12,6 +12,7 @@ use rand::{RngExt, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
+use quilt_alloc::DeviceAllocator;
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{StreamId, Vmm};
 
@@ -77,20 +78,7 @@ pub fn run_point(
         .map(|_| (rng.random_range(0..blocks.len().max(1)), size(&mut rng)))
         .collect();
     let start = Instant::now();
-    for &(i, bytes) in &plan {
-        let Some(&(ptr, s)) = blocks.get(i) else {
-            break;
-        };
-        alloc
-            .free(ptr)
-            .map_err(|e| format!("{allocator}: free: {e}"))?;
-        sim.advance(1);
-        let a = alloc
-            .allocate(bytes, s)
-            .map_err(|e| format!("{allocator}: allocate: {e}"))?;
-        sim.advance(1);
-        blocks[i] = (a.ptr, s);
-    }
+    churn(alloc.as_ref(), &sim, &mut blocks, &plan).map_err(|e| format!("{allocator}: {e}"))?;
     let ns = start.elapsed().as_nanos() as f64;
     for (ptr, _) in blocks {
         let _ = alloc.free(ptr);
@@ -101,6 +89,32 @@ pub fn run_point(
         streams,
         ns_per_op: ns / (2 * steps.max(1)) as f64,
     })
+}
+
+/// The timed steps: for each `(i, bytes)` of `plan`, free live block `i`
+/// and allocate `bytes` on its stream in its place. Not inlined, so that a
+/// profiler (`valgrind --tool=callgrind --toggle-collect='*scale::churn*'`)
+/// can count the steps alone.
+#[inline(never)]
+fn churn(
+    alloc: &dyn DeviceAllocator,
+    sim: &SimVmm,
+    blocks: &mut [(u64, StreamId)],
+    plan: &[(usize, u64)],
+) -> Result<(), String> {
+    for &(i, bytes) in plan {
+        let Some(&(ptr, s)) = blocks.get(i) else {
+            break;
+        };
+        alloc.free(ptr).map_err(|e| format!("free: {e}"))?;
+        sim.advance(1);
+        let a = alloc
+            .allocate(bytes, s)
+            .map_err(|e| format!("allocate: {e}"))?;
+        sim.advance(1);
+        blocks[i] = (a.ptr, s);
+    }
+    Ok(())
 }
 
 /// The table of a scaling run: one line per point.

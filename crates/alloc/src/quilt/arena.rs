@@ -4,10 +4,9 @@
 //! Pure bookkeeping: no driver call is made here.
 //!
 //! Offsets are relative to the arena's base. The arena keeps:
-//! - `occupied`: blocks that hold their range, start -> end, never overlapping;
-//! - `gaps`: the maximal free ranges between them (the exact complement of
-//!   `occupied` inside the arena, coalesced), indexed by start and by
-//!   (length, start) for best fit;
+//! - `tiling`: its blocks and the maximal free ranges between them (gaps,
+//!   coalesced) in address order, the gaps indexed by (length, start) for
+//!   best fit (see `tiling.rs`);
 //! - `pages[p]`: virtual page `p`: how many blocks touch it, the pool page
 //!   mapped there (one handle, mapped whole at offset 0), and which streams
 //!   freed blocks on it since it was mapped, and when;
@@ -20,9 +19,11 @@
 //! `retired_pages` the retired ones (never touched, never mapped to a page
 //! of their own; see [`PageSlot::retired`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use quilt_pool::Page;
+
+use super::tiling::{PieceId, Tiling};
 
 /// The shortest hazard list worth pruning.
 const PRUNE_MIN: usize = 256;
@@ -77,9 +78,8 @@ pub(crate) struct Arena {
     pub(crate) size: u64,
     /// Page size in bytes.
     pub(crate) page: u64,
-    pub(crate) occupied: BTreeMap<u64, u64>,
-    pub(crate) gaps: BTreeMap<u64, u64>,
-    pub(crate) gaps_by_size: BTreeSet<(u64, u64)>,
+    /// Blocks and gaps in address order, gaps by size.
+    pub(crate) tiling: Tiling,
     pub(crate) pages: Vec<PageSlot>,
     pub(crate) hazards: BTreeMap<u64, Hazard>,
     /// Prune `hazards` when it reaches this length.
@@ -93,13 +93,11 @@ pub(crate) struct Arena {
 impl Arena {
     /// An empty arena over the reservation `base .. base + size`.
     pub(crate) fn new(base: u64, size: u64, page: u64) -> Arena {
-        let mut a = Arena {
+        Arena {
             base,
             size,
             page,
-            occupied: BTreeMap::new(),
-            gaps: BTreeMap::new(),
-            gaps_by_size: BTreeSet::new(),
+            tiling: Tiling::new(size),
             pages: Vec::new(),
             hazards: BTreeMap::new(),
             prune_at: PRUNE_MIN,
@@ -107,22 +105,7 @@ impl Arena {
             touched_pages: 0,
             mapped_pages: 0,
             retired_pages: 0,
-        };
-        a.insert_gap(0, size);
-        a
-    }
-
-    fn insert_gap(&mut self, start: u64, end: u64) {
-        if end > start {
-            self.gaps.insert(start, end);
-            self.gaps_by_size.insert((end - start, start));
         }
-    }
-
-    fn remove_gap(&mut self, start: u64) -> Option<u64> {
-        let end = self.gaps.remove(&start)?;
-        self.gaps_by_size.remove(&(end - start, start));
-        Some(end)
     }
 
     /// Pages `first ..= last` that a range `off .. off + len` overlaps.
@@ -130,32 +113,53 @@ impl Arena {
         (off / self.page, (off + len - 1) / self.page)
     }
 
-    /// The starts of up to `n` gaps that hold `len` bytes, best fit first
-    /// (smallest gap, lowest address among equals). A block goes at its gap's
-    /// start, next to the block before it, so they share their boundary page.
-    pub(crate) fn fitting_gaps(&self, len: u64, n: usize) -> impl Iterator<Item = u64> + '_ {
-        self.gaps_by_size
-            .range((len, 0)..)
+    /// The blocks in address order, as (start, end).
+    pub(crate) fn occupied(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tiling.pieces().filter(|p| !p.2).map(|p| (p.0, p.1))
+    }
+
+    /// The gaps in address order, as (start, end).
+    pub(crate) fn gaps(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tiling.pieces().filter(|p| p.2).map(|p| (p.0, p.1))
+    }
+
+    /// Up to `n` gaps that hold `len` bytes, best fit first (smallest gap,
+    /// lowest address among equals), as (start, gap). A block goes at its
+    /// gap's start, next to the block before it, so they share their
+    /// boundary page.
+    pub(crate) fn fitting_gaps(
+        &self,
+        len: u64,
+        n: usize,
+    ) -> impl Iterator<Item = (u64, PieceId)> + '_ {
+        self.tiling
+            .fitting(len)
             .take(n)
-            .map(|&(_, start)| start)
+            .map(|(_, start, id)| (start, id))
     }
 
     /// The best-fitting gap of at most `max_len` bytes whose first `len` bytes
     /// lie on mapped pages only (a cached free range), looking at no more than
-    /// `tries` candidates.
-    pub(crate) fn best_fit_mapped(&self, len: u64, max_len: u64, tries: usize) -> Option<u64> {
-        self.gaps_by_size
-            .range((len, 0)..)
+    /// `tries` candidates, as (start, gap).
+    pub(crate) fn best_fit_mapped(
+        &self,
+        len: u64,
+        max_len: u64,
+        tries: usize,
+    ) -> Option<(u64, PieceId)> {
+        self.tiling
+            .fitting(len)
             .take(tries)
-            .take_while(|&&(l, _)| l <= max_len)
-            .map(|&(_, start)| start)
-            .find(|&start| self.unmapped_pages(start, len) == 0)
+            .take_while(|&(l, _, _)| l <= max_len)
+            .map(|(_, start, id)| (start, id))
+            .find(|&(start, _)| self.unmapped_pages(start, len) == 0)
     }
 
     /// A page-aligned offset for `len` bytes past everything mapped or
-    /// occupied: fresh virtual space whose pages are all unmapped.
-    pub(crate) fn fresh_tail(&self, len: u64) -> Option<u64> {
-        let (&gs, &ge) = self.gaps.iter().next_back()?;
+    /// occupied: fresh virtual space whose pages are all unmapped, as
+    /// (offset, gap).
+    pub(crate) fn fresh_tail(&self, len: u64) -> Option<(u64, PieceId)> {
+        let (gs, ge, id) = self.tiling.last_gap()?;
         let mapped_end = self
             .pages
             .iter()
@@ -163,47 +167,43 @@ impl Arena {
             .map(|p| (p as u64 + 1) * self.page)
             .unwrap_or(0);
         let start = gs.max(mapped_end).div_ceil(self.page) * self.page;
-        (ge >= start && ge - start >= len).then_some(start)
+        (ge >= start && ge - start >= len).then_some((start, id))
     }
 
     /// Occupy `off .. off + len`, which must lie inside one gap (returns false,
-    /// changing nothing, when it does not).
+    /// changing nothing, when it does not). Finds the gap by walking the
+    /// arena from its start: for arenas of few pieces (a growable buffer's);
+    /// the allocator's blocks use [`Arena::occupy_gap`].
     pub(crate) fn occupy(&mut self, off: u64, len: u64) -> bool {
-        let Some((&gs, &ge)) = self.gaps.range(..=off).next_back() else {
-            return false;
-        };
-        let end = match off.checked_add(len) {
-            Some(e) => e,
-            None => return false,
-        };
-        if ge < end || len == 0 {
-            return false;
-        }
-        self.remove_gap(gs);
-        self.insert_gap(gs, off);
-        self.insert_gap(end, ge);
-        self.occupied.insert(off, end);
-        true
+        self.tiling
+            .find(off)
+            .and_then(|g| self.tiling.occupy(g, off, len))
+            .is_some()
     }
 
-    /// Give back the occupied range starting at `off`; coalesces it with the gaps
-    /// beside it. Returns its end, or `None` when nothing starts at `off`.
+    /// Occupy `off .. off + len` of gap `gap`; returns the block's piece, or
+    /// `None` (changing nothing) when the range does not lie inside that gap.
+    pub(crate) fn occupy_gap(&mut self, gap: PieceId, off: u64, len: u64) -> Option<PieceId> {
+        self.tiling.occupy(gap, off, len)
+    }
+
+    /// Give back the occupied range starting at `off`; coalesces it with the
+    /// gaps beside it. Returns its end, or `None` when no block starts at
+    /// `off`. Finds the block by walking the arena from its start: for
+    /// arenas of few pieces (a growable buffer's); the allocator's blocks use
+    /// [`Arena::vacate_block`].
     pub(crate) fn vacate(&mut self, off: u64) -> Option<u64> {
-        let end = self.occupied.remove(&off)?;
-        let mut start = off;
-        let mut stop = end;
-        if let Some((&ps, &pe)) = self.gaps.range(..off).next_back() {
-            if pe == off {
-                self.remove_gap(ps);
-                start = ps;
-            }
+        let id = self.tiling.find(off)?;
+        match self.tiling.block(id) {
+            Some((s, _)) if s == off => self.tiling.vacate(id).map(|(_, e)| e),
+            _ => None,
         }
-        if let Some(ne) = self.gaps.get(&end).copied() {
-            self.remove_gap(end);
-            stop = ne;
-        }
-        self.insert_gap(start, stop);
-        Some(end)
+    }
+
+    /// Give back block `id`, coalescing it with the gaps beside it. Returns
+    /// its range, or `None` when `id` is no block.
+    pub(crate) fn vacate_block(&mut self, id: PieceId) -> Option<(u64, u64)> {
+        self.tiling.vacate(id)
     }
 
     /// The slot of page `p` (a default, unmapped slot past the table).
@@ -234,19 +234,21 @@ impl Arena {
     }
 
     /// A block now covers `off .. off + len`: add one to the touch count of
-    /// its pages.
-    pub(crate) fn touch(&mut self, off: u64, len: u64) {
+    /// its pages. Returns how many of them are not mapped.
+    pub(crate) fn touch(&mut self, off: u64, len: u64) -> u64 {
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
+        let mut unmapped = 0;
         for s in &mut self.pages[first as usize..=last as usize] {
             s.touch += 1;
+            let mapped = s.phys.is_some();
+            unmapped += u64::from(!mapped);
             if s.touch == 1 {
                 self.touched_pages += 1;
-                if s.phys.is_some() {
-                    self.cached_pages -= 1;
-                }
+                self.cached_pages -= u64::from(mapped);
             }
         }
+        unmapped
     }
 
     /// A block over `off .. off + len` is gone: take one from the touch
@@ -398,9 +400,16 @@ impl Arena {
     /// Forget the hazards over `off .. off + len` (a block now covers it and
     /// its stream is ordered after them), keeping the parts beside it.
     pub(crate) fn clear_hazards(&mut self, off: u64, len: u64) {
+        if self.hazards.is_empty() {
+            return;
+        }
         let end = off + len;
-        let over: Vec<(u64, Hazard)> = self.hazards_over(off, len).collect();
-        for (s, h) in over {
+        // Each pass removes the first hazard over the range (what it puts
+        // back lies outside it).
+        loop {
+            let Some((s, h)) = self.hazards_over(off, len).next() else {
+                break;
+            };
             self.hazards.remove(&s);
             if s < off {
                 self.hazards.insert(s, Hazard { end: off, ..h });

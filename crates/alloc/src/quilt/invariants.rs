@@ -48,53 +48,14 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
     let mut cached_slots: Vec<(usize, u64, u64)> = Vec::new();
     let asleep = check_sleeping_tags(st)?;
     for (ai, a) in st.arenas.iter().enumerate() {
-        // 1. occupied and gaps tile the arena.
-        let mut pos = 0u64;
-        let mut occ = a.occupied.iter().peekable();
-        let mut gaps = a.gaps.iter().peekable();
-        let mut last_was_gap = false;
-        loop {
-            if let Some((&s, &e)) = occ.peek().copied() {
-                if s == pos {
-                    if e <= s {
-                        return fail(format!("arena {ai}: empty block at {s:#x}"));
-                    }
-                    pos = e;
-                    last_was_gap = false;
-                    occ.next();
-                    continue;
-                }
-            }
-            if let Some((&s, &e)) = gaps.peek().copied() {
-                if s == pos {
-                    if e <= s || last_was_gap {
-                        return fail(format!("arena {ai}: empty or uncoalesced gap at {s:#x}"));
-                    }
-                    pos = e;
-                    last_was_gap = true;
-                    gaps.next();
-                    continue;
-                }
-            }
-            break;
+        // 1. blocks and gaps tile the arena, coalesced, gaps indexed by size.
+        if let Err(e) = a.tiling.check(a.size) {
+            return fail(format!("arena {ai}: {e}"));
         }
-        if pos != a.size || occ.next().is_some() || gaps.next().is_some() {
-            return fail(format!(
-                "arena {ai}: blocks and gaps do not tile the arena (stopped at {pos:#x} of {:#x})",
-                a.size
-            ));
-        }
-        if a.gaps_by_size.len() != a.gaps.len()
-            || a.gaps
-                .iter()
-                .any(|(&s, &e)| !a.gaps_by_size.contains(&(e - s, s)))
-        {
-            return fail(format!("arena {ai}: gap size index out of date"));
-        }
-        occupied_total += a.occupied.len();
+        occupied_total += a.tiling.block_count();
         // 3. touch counts.
         let mut touch = vec![0u32; a.pages.len()];
-        for (&s, &e) in &a.occupied {
+        for (s, e) in a.occupied() {
             let (f, l) = a.page_span(s, e - s);
             if l as usize >= touch.len() {
                 return fail(format!("arena {ai}: block {s:#x} beyond the page table"));
@@ -162,6 +123,7 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         }
         // 5. hazards.
         let mut prev_end = 0u64;
+        let mut blocks = a.occupied().peekable();
         for (&s, h) in &a.hazards {
             if s < prev_end || h.end <= s || h.end > a.size {
                 return fail(format!(
@@ -169,11 +131,10 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
                 ));
             }
             prev_end = h.end;
-            if a.occupied
-                .range(..h.end)
-                .next_back()
-                .is_some_and(|(_, &be)| be > s)
-            {
+            // Blocks ending at or before the hazard's start cannot overlap
+            // it nor any later hazard.
+            while blocks.next_if(|&(_, be)| be <= s).is_some() {}
+            if blocks.peek().is_some_and(|&(bs, _)| bs < h.end) {
                 return fail(format!("arena {ai}: hazard at {s:#x} lies under a block"));
             }
         }
@@ -252,7 +213,7 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         let Some(a) = st.arenas.get(b.arena) else {
             return fail(format!("block {ptr:#x} names a missing arena"));
         };
-        if a.base + b.off != ptr || a.occupied.get(&b.off) != Some(&(b.off + b.size)) {
+        if a.base + b.off != ptr || a.tiling.block(b.piece) != Some((b.off, b.off + b.size)) {
             return fail(format!("block {ptr:#x} does not match its occupied range"));
         }
         alloc_bytes += b.size;
@@ -312,7 +273,7 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         } else {
             Vec::new()
         };
-        let have: Vec<(u64, u64)> = a.occupied.iter().map(|(&s, &e)| (s, e)).collect();
+        let have: Vec<(u64, u64)> = a.occupied().collect();
         if have != want {
             return fail(format!(
                 "growable {id}: occupied {have:?}, its length says {want:?}"
@@ -325,7 +286,7 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         let Some(a) = st.arenas.get(ai) else {
             return fail(format!("zombie arena {ai} is missing"));
         };
-        if a.size == 0 || !a.occupied.is_empty() || st.arena_meta[ai].1 != Kind::Growable {
+        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Growable {
             return fail(format!(
                 "zombie arena {ai} is dead, occupied or not growable"
             ));
@@ -336,7 +297,7 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         let Some(a) = st.arenas.get(ai) else {
             return fail(format!("recycled arena {ai} is missing"));
         };
-        if a.size == 0 || !a.occupied.is_empty() || st.arena_meta[ai].1 != Kind::Growable {
+        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Growable {
             return fail(format!(
                 "recycled arena {ai} is dead, occupied or not growable"
             ));

@@ -5,6 +5,7 @@
 use super::arena::PageSlot;
 use super::config::Placement;
 use super::state::{Ctx, Kind, State};
+use super::tiling::PieceId;
 use crate::error::AllocError;
 
 /// How good a place for a block is: lower is better, fields compared in order.
@@ -45,31 +46,24 @@ impl State {
         len: u64,
         t: u32,
     ) -> bool {
+        // A single stream orders its own reuse.
+        if self.streams.len() < 2 {
+            return false;
+        }
         let tick = self.tick;
-        for (s, k) in self.other_streams_over(ai, off, len, t) {
-            if self.streams.waited(t, s) >= k {
-                continue;
-            }
-            self.streams.poll(ctx.vmm, s, tick);
-            if !self.streams.is_done(s, k) {
-                return true;
+        let streams = &mut self.streams;
+        for (_, h) in self.arenas[ai].hazards_over(off, len) {
+            for s in streams.in_mask(h.streams).filter(|&s| s != t) {
+                if streams.waited(t, s) >= h.tick {
+                    continue;
+                }
+                streams.poll(ctx.vmm, s, tick);
+                if !streams.is_done(s, h.tick) {
+                    return true;
+                }
             }
         }
         false
-    }
-
-    /// The (stream, tick of its free) of every hazard over `off .. off + len`
-    /// of arena `ai` that belongs to a stream other than `t`; none while a
-    /// single stream exists (it orders its own reuse).
-    fn other_streams_over(&self, ai: usize, off: u64, len: u64, t: u32) -> Vec<(u32, u64)> {
-        if self.streams.len() < 2 {
-            return Vec::new();
-        }
-        self.arenas[ai]
-            .hazards_over(off, len)
-            .flat_map(|(_, h)| self.streams.in_mask(h.streams).map(move |s| (s, h.tick)))
-            .filter(|&(s, _)| s != t)
-            .collect()
     }
 
     /// Order stream `t` after every other stream's work that may still use
@@ -82,15 +76,21 @@ impl State {
         len: u64,
         t: u32,
     ) -> Result<(), AllocError> {
+        if self.streams.len() < 2 {
+            return Ok(());
+        }
         let tick = self.tick;
-        for (s, k) in self.other_streams_over(ai, off, len, t) {
-            self.streams.order_after(ctx.vmm, t, s, k, tick)?;
+        let streams = &mut self.streams;
+        for (_, h) in self.arenas[ai].hazards_over(off, len) {
+            for s in streams.in_mask(h.streams).filter(|&s| s != t) {
+                streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
+            }
         }
         Ok(())
     }
 
     /// Where a block of `rounded` bytes (asked for as `size`) on stream `t`
-    /// goes in arena `ai`.
+    /// goes in arena `ai`, as (offset, the gap holding it).
     ///
     /// Quilt's default (stitch threshold 0): among the best-fitting gaps, the
     /// first whose pages are all mapped and need no wait for another stream,
@@ -110,7 +110,7 @@ impl State {
         size: u64,
         rounded: u64,
         t: u32,
-    ) -> Option<u64> {
+    ) -> Option<(u64, PieceId)> {
         if let (
             Placement::GmlakeLimits {
                 frag_limit: threshold,
@@ -138,9 +138,12 @@ impl State {
         candidates.clear();
         candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));
         if self.arenas[ai].retired_pages > 0 {
-            let moved: Vec<u64> = candidates
+            let moved: Vec<(u64, PieceId)> = candidates
                 .iter()
-                .filter_map(|&g| self.past_retired_in_use(ctx, ai, g, rounded))
+                .filter_map(|&(_, g)| {
+                    self.past_retired_in_use(ctx, ai, g, rounded)
+                        .map(|off| (off, g))
+                })
                 .collect();
             // If every fitting gap is blocked, a retired page will be
             // synchronised for (rare; only after reclaim moved pages).
@@ -154,20 +157,20 @@ impl State {
     }
 
     /// The best of `candidates` (starts of a block of `rounded` bytes on
-    /// stream `t` in arena `ai`), by [`PlaceScore`].
+    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`].
     pub(super) fn best_candidate(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         rounded: u64,
         t: u32,
-        candidates: &[u64],
-    ) -> Option<u64> {
+        candidates: &[(u64, PieceId)],
+    ) -> Option<(u64, PieceId)> {
         if candidates.len() <= 1 {
             return candidates.first().copied();
         }
-        let mut best: Option<(PlaceScore, u64)> = None;
-        for &start in candidates {
+        let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
+        for &(start, gap) in candidates {
             let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
             let wait = self.needs_wait(ctx, ai, start, rounded, t);
             let score = PlaceScore {
@@ -177,10 +180,10 @@ impl State {
                 waits: wait,
             };
             if score == PlaceScore::PERFECT {
-                return Some(start);
+                return Some((start, gap));
             }
             if best.is_none_or(|(b, _)| score < b) {
-                best = Some((score, start));
+                best = Some((score, (start, gap)));
             }
         }
         best.map(|(_, s)| s)
@@ -205,21 +208,21 @@ impl State {
             .map(|(p, _)| p)
     }
 
-    /// Where in the gap starting at `gap` a block of `len` bytes can go
-    /// without covering a retired page still in use: the gap's start, or
-    /// the first page boundary past such pages; `None` when it no longer fits.
+    /// Where in gap `gap` a block of `len` bytes can go without covering a
+    /// retired page still in use: the gap's start, or the first page
+    /// boundary past such pages; `None` when it no longer fits.
     pub(super) fn past_retired_in_use(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
-        gap: u64,
+        gap: PieceId,
         len: u64,
     ) -> Option<u64> {
+        let (gap_start, end) = self.arenas[ai].tiling.gap(gap)?;
         if self.arenas[ai].retired_pages == 0 {
-            return Some(gap);
+            return Some(gap_start);
         }
-        let end = *self.arenas[ai].gaps.get(&gap)?;
-        let mut start = gap;
+        let mut start = gap_start;
         while let Some(p) = self.last_retired_in_use(ctx, ai, start, len) {
             start = (p + 1) * ctx.page;
             if start.checked_add(len).is_none_or(|e| e > end) {

@@ -19,9 +19,9 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
             .rposition(|s| s.phys.is_some())
             .map(|p| (p as u64 + 1) * page)
             .unwrap_or(0)
-            .max(a.occupied.iter().next_back().map(|(_, &e)| e).unwrap_or(0));
+            .max(a.occupied().last().map(|(_, e)| e).unwrap_or(0));
         let mut blocks = Vec::new();
-        for (&s, &e) in &a.occupied {
+        for (s, e) in a.occupied() {
             let b = st.blocks.get(&(a.base + s));
             blocks.push(BlockInfo {
                 address: a.base + s,
@@ -30,7 +30,7 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
                 state: BlockState::Active,
             });
         }
-        for (&s, &e) in a.gaps.range(..high) {
+        for (s, e) in a.gaps().take_while(|&(s, _)| s < high) {
             let e = e.min(high);
             let (f, l) = a.page_span(s, e - s);
             let mapped = (f..=l).any(|p| a.slot(p).phys.is_some());
@@ -78,6 +78,8 @@ pub(crate) fn mapped_segments(st: &State, name: &str, page: u64) -> MemorySnapsh
     let mut segments = Vec::new();
     for (ai, a) in st.arenas.iter().enumerate() {
         let (stream, _) = st.arena_meta[ai];
+        // The arena's blocks and gaps, walked once over the runs in order.
+        let mut pieces = a.tiling.pieces().peekable();
         let mut p = 0usize;
         while p < a.pages.len() {
             if a.pages[p].phys.is_none() {
@@ -90,24 +92,20 @@ pub(crate) fn mapped_segments(st: &State, name: &str, page: u64) -> MemorySnapsh
             }
             let (rs, re) = (first as u64 * page, p as u64 * page);
             let mut blocks: Vec<BlockInfo> = Vec::new();
-            for (&s, &e) in a.occupied.range(rs..re) {
-                let b = st.blocks.get(&(a.base + s));
-                blocks.push(BlockInfo {
-                    address: a.base + s,
-                    size: e.min(re) - s,
-                    requested: b.map(|b| b.requested).unwrap_or(0),
-                    state: BlockState::Active,
-                });
-            }
-            let from = a
-                .gaps
-                .range(..=rs)
-                .next_back()
-                .map(|(&s, _)| s)
-                .unwrap_or(rs);
-            for (&s, &e) in a.gaps.range(from..re) {
+            while pieces.next_if(|&(_, e, _)| e <= rs).is_some() {}
+            for (s, e, gap) in pieces.clone().take_while(|&(s, _, _)| s < re) {
+                if !gap && s >= rs {
+                    let b = st.blocks.get(&(a.base + s));
+                    blocks.push(BlockInfo {
+                        address: a.base + s,
+                        size: e.min(re) - s,
+                        requested: b.map(|b| b.requested).unwrap_or(0),
+                        state: BlockState::Active,
+                    });
+                    continue;
+                }
                 let (s, e) = (s.max(rs), e.min(re));
-                if e > s {
+                if gap && e > s {
                     blocks.push(BlockInfo {
                         address: a.base + s,
                         size: e - s,

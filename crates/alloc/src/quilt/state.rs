@@ -18,6 +18,7 @@ use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
 use super::sleep::Tags;
 use super::streams::Streams;
+use super::tiling::PieceId;
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
@@ -55,6 +56,8 @@ pub(crate) struct BlockRec {
     pub(crate) requested: u64,
     /// The streams that use it: its own and those named by `record_stream` (bits).
     pub(crate) streams: u64,
+    /// Its piece in the arena's tiling.
+    pub(crate) piece: PieceId,
 }
 
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
@@ -79,7 +82,7 @@ pub(crate) struct State {
     /// then from the page tables). Until then no operation pays for it.
     pub(crate) reclaim_queue_kept: bool,
     /// Scratch space of placement, kept to spare an allocation per request.
-    pub(super) scratch: Vec<u64>,
+    pub(super) scratch: Vec<(u64, PieceId)>,
     /// Retired virtual pages, in the order they were retired, as (arena,
     /// page, the pool page that was mapped there); an entry whose page is no
     /// longer retired is stale and skipped.
@@ -143,7 +146,7 @@ impl State {
             let bit = Streams::bit(0);
             let tick = self.tick;
             for a in &mut self.arenas {
-                let gaps: Vec<(u64, u64)> = a.gaps.iter().map(|(&s, &e)| (s, e)).collect();
+                let gaps: Vec<(u64, u64)> = a.gaps().collect();
                 for (s, e) in gaps {
                     a.add_hazard(s, e - s, bit, tick);
                 }
@@ -191,7 +194,7 @@ impl State {
         let holes: u64 = self
             .arenas
             .iter()
-            .map(|a| (a.gaps.len() as u64).saturating_sub(1))
+            .map(|a| (a.tiling.gap_count() as u64).saturating_sub(1))
             .sum();
         set_stat(&mut self.stats.inactive_split, holes);
         self.stats.num_stream_waits = self.streams.waits;
@@ -208,9 +211,10 @@ impl State {
         }
     }
 
-    /// Take a block off `off .. off + len` of arena `ai` again (a failed
-    /// allocation): its pages lose the touch, nothing is remembered as freed.
-    fn undo_occupy(&mut self, ai: usize, off: u64, len: u64) {
+    /// Take block `piece` off `off .. off + len` of arena `ai` again (a
+    /// failed allocation): its pages lose the touch, nothing is remembered as
+    /// freed.
+    fn undo_occupy(&mut self, ai: usize, piece: PieceId, off: u64, len: u64) {
         let tick = self.tick;
         let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
@@ -219,7 +223,7 @@ impl State {
                 queue.push_back((ai, p, tick))
             }
         });
-        self.arenas[ai].vacate(off);
+        self.arenas[ai].vacate_block(piece);
     }
 
     /// Allocate `size` bytes on `stream`.
@@ -263,22 +267,26 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
-        let Some(off) = self.place(ctx, ai, kind, size, rounded, si) else {
+        let Some((off, gap)) = self.place(ctx, ai, kind, size, rounded, si) else {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
-        self.arenas[ai].occupy(off, rounded);
-        self.arenas[ai].touch(off, rounded);
+        let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
+            return Err(AllocError::Internal(format!(
+                "placement chose {off:#x} (+{rounded:#x}) outside its gap"
+            )));
+        };
+        let unmapped = self.arenas[ai].touch(off, rounded);
         if let Err(e) = self.order_after_hazards(ctx, ai, off, rounded, si) {
-            self.undo_occupy(ai, off, rounded);
+            self.undo_occupy(ai, piece, off, rounded);
             return Err(e);
         }
         self.arenas[ai].clear_hazards(off, rounded);
-        let (first, last) = self.arenas[ai].page_span(off, rounded);
-        let need = self.arenas[ai].unmapped_in(first, last);
-        if !need.is_empty() {
+        if unmapped > 0 {
+            let (first, last) = self.arenas[ai].page_span(off, rounded);
+            let need = self.arenas[ai].unmapped_in(first, last);
             let backed = self.back_pages(ctx, ai, size, &need, si);
             if backed.is_err() {
-                self.undo_occupy(ai, off, rounded);
+                self.undo_occupy(ai, piece, off, rounded);
             }
             self.sync_stats(ctx);
             backed?;
@@ -292,6 +300,7 @@ impl State {
                 size: rounded,
                 requested: size,
                 streams: Streams::bit(si),
+                piece,
             },
         );
         self.freed_recent.remove(&ptr);
@@ -333,7 +342,7 @@ impl State {
         if track {
             a.add_hazard(b.off, b.size, b.streams, tick);
         }
-        a.vacate(b.off);
+        a.vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick, track);
         }

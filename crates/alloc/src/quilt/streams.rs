@@ -69,17 +69,27 @@ pub(crate) struct Streams {
     pub(crate) syncs: u64,
     /// The next stream `refresh` polls.
     cursor: usize,
+    /// The stream asked for last and its index: most requests name the
+    /// stream of the one before, and need no hashing.
+    recent: Option<(StreamId, u32)>,
 }
 
 impl Streams {
     /// The index of `id`, registering it on first sight; the second value is
     /// true when it is new.
     pub(crate) fn index(&mut self, id: StreamId) -> (u32, bool) {
+        if let Some((r, i)) = self.recent {
+            if r == id {
+                return (i, false);
+            }
+        }
         if let Some(&i) = self.index.get(&id) {
+            self.recent = Some((id, i));
             return (i, false);
         }
         let i = self.states.len() as u32;
         self.index.insert(id, i);
+        self.recent = Some((id, i));
         self.states.push(StreamState {
             id,
             events: VecDeque::new(),

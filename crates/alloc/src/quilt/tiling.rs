@@ -1,0 +1,398 @@
+//! The tiling of an arena: its pieces (blocks and gaps) in address order,
+//! and its gaps indexed by size for best fit.
+//!
+//! Pure bookkeeping. Offsets are relative to the arena's base. The pieces
+//! are a doubly linked list over a slab (a piece keeps its slot, its
+//! [`PieceId`], for as long as it lives), so a block's neighbours are found
+//! without a search: occupying part of a gap and vacating a block each change
+//! at most three pieces and make at most three changes to the size index,
+//! however many pieces the arena holds. Callers find a block's piece through
+//! their own record of it (the allocator keeps it with the block), a gap's
+//! through the size index.
+//!
+//! Invariants ([`Tiling::check`]): the pieces cover `0 .. size` exactly, in
+//! order, none empty; no two gaps are adjacent (a vacated block coalesces
+//! with the gaps beside it); the size index holds every gap, and only gaps,
+//! as `(length, start) -> piece`; the block count counts the blocks.
+
+use std::collections::BTreeMap;
+
+/// A piece of a tiling (its slot), stable while the piece lives.
+pub(crate) type PieceId = u32;
+
+/// No piece (the end of the list).
+const NIL: PieceId = PieceId::MAX;
+
+/// One piece: a block or a gap.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    start: u64,
+    end: u64,
+    prev: PieceId,
+    next: PieceId,
+    /// A gap (free) rather than a block.
+    free: bool,
+    /// The slot holds a piece of the tiling (not a vacant slot).
+    live: bool,
+}
+
+/// The pieces of one arena. See the module documentation.
+#[derive(Debug, Default)]
+pub(crate) struct Tiling {
+    pieces: Vec<Piece>,
+    /// Slots of `pieces` not in use, reused first.
+    vacant: Vec<PieceId>,
+    head: PieceId,
+    tail: PieceId,
+    /// Every gap as `(length, start) -> piece`: best fit is the first entry
+    /// at or past `(len, 0)` (smallest gap, lowest address among equals).
+    by_size: BTreeMap<(u64, u64), PieceId>,
+    blocks: usize,
+}
+
+impl Tiling {
+    /// One gap over `0 .. size` (nothing for a size of 0).
+    pub(crate) fn new(size: u64) -> Tiling {
+        let mut t = Tiling {
+            head: NIL,
+            tail: NIL,
+            ..Tiling::default()
+        };
+        if size > 0 {
+            let id = t.new_piece(0, size, true);
+            t.head = id;
+            t.tail = id;
+            t.by_size.insert((size, 0), id);
+        }
+        t
+    }
+
+    fn new_piece(&mut self, start: u64, end: u64, free: bool) -> PieceId {
+        let p = Piece {
+            start,
+            end,
+            prev: NIL,
+            next: NIL,
+            free,
+            live: true,
+        };
+        match self.vacant.pop() {
+            Some(id) => {
+                self.pieces[id as usize] = p;
+                id
+            }
+            None => {
+                self.pieces.push(p);
+                (self.pieces.len() - 1) as PieceId
+            }
+        }
+    }
+
+    fn get(&self, id: PieceId) -> Option<&Piece> {
+        self.pieces.get(id as usize).filter(|p| p.live)
+    }
+
+    /// Link the new piece `id` after `at` (`NIL`: at the head).
+    fn link_after(&mut self, at: PieceId, id: PieceId) {
+        let next = if at == NIL {
+            self.head
+        } else {
+            self.pieces[at as usize].next
+        };
+        self.pieces[id as usize].prev = at;
+        self.pieces[id as usize].next = next;
+        if at == NIL {
+            self.head = id;
+        } else {
+            self.pieces[at as usize].next = id;
+        }
+        if next == NIL {
+            self.tail = id;
+        } else {
+            self.pieces[next as usize].prev = id;
+        }
+    }
+
+    /// Unlink piece `id` and free its slot.
+    fn remove_piece(&mut self, id: PieceId) {
+        let Piece { prev, next, .. } = self.pieces[id as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.pieces[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.pieces[next as usize].prev = prev;
+        }
+        self.pieces[id as usize].live = false;
+        self.vacant.push(id);
+    }
+
+    /// Gaps.
+    pub(crate) fn gap_count(&self) -> usize {
+        self.by_size.len()
+    }
+
+    /// Blocks.
+    pub(crate) fn block_count(&self) -> usize {
+        self.blocks
+    }
+
+    /// Gaps of at least `len` bytes, best fit first (smallest, then lowest
+    /// address), as (start, piece).
+    pub(crate) fn fitting(&self, len: u64) -> impl Iterator<Item = (u64, u64, PieceId)> + '_ {
+        self.by_size
+            .range((len, 0)..)
+            .map(|(&(l, start), &id)| (l, start, id))
+    }
+
+    /// The range of gap `id`; `None` when `id` is no gap.
+    pub(crate) fn gap(&self, id: PieceId) -> Option<(u64, u64)> {
+        self.get(id).filter(|p| p.free).map(|p| (p.start, p.end))
+    }
+
+    /// The range of block `id`; `None` when `id` is no block.
+    pub(crate) fn block(&self, id: PieceId) -> Option<(u64, u64)> {
+        self.get(id).filter(|p| !p.free).map(|p| (p.start, p.end))
+    }
+
+    /// The gap at the highest address, as (start, end, piece).
+    pub(crate) fn last_gap(&self) -> Option<(u64, u64, PieceId)> {
+        let mut id = self.tail;
+        while let Some(p) = self.get(id) {
+            if p.free {
+                return Some((p.start, p.end, id));
+            }
+            id = p.prev;
+        }
+        None
+    }
+
+    /// The piece holding offset `off`, walking from the lowest address:
+    /// linear in the pieces before it, for callers without a record of the
+    /// piece (a growable buffer's arena holds at most two).
+    pub(crate) fn find(&self, off: u64) -> Option<PieceId> {
+        let mut id = self.head;
+        while let Some(p) = self.get(id) {
+            if p.start <= off && off < p.end {
+                return Some(id);
+            }
+            if p.start > off {
+                return None;
+            }
+            id = p.next;
+        }
+        None
+    }
+
+    /// Occupy `off .. off + len` of gap `gap` with a block: the parts of the
+    /// gap before and after it stay gaps. Returns the block's piece, or
+    /// `None` (changing nothing) when `gap` is no gap, `len` is 0 or the
+    /// range does not lie inside it.
+    pub(crate) fn occupy(&mut self, gap: PieceId, off: u64, len: u64) -> Option<PieceId> {
+        let g = *self.get(gap).filter(|p| p.free)?;
+        let end = off.checked_add(len)?;
+        if len == 0 || off < g.start || end > g.end {
+            return None;
+        }
+        self.by_size.remove(&(g.end - g.start, g.start));
+        // The block takes the gap's slot; what is left of the gap becomes
+        // new pieces beside it.
+        let b = &mut self.pieces[gap as usize];
+        b.start = off;
+        b.end = end;
+        b.free = false;
+        if off > g.start {
+            let left = self.new_piece(g.start, off, true);
+            self.link_after(g.prev, left);
+            self.by_size.insert((off - g.start, g.start), left);
+        }
+        if end < g.end {
+            let right = self.new_piece(end, g.end, true);
+            self.link_after(gap, right);
+            self.by_size.insert((g.end - end, end), right);
+        }
+        self.blocks += 1;
+        Some(gap)
+    }
+
+    /// Vacate block `id`: it becomes a gap, coalesced with the gaps beside
+    /// it. Returns the block's range, or `None` (changing nothing) when `id`
+    /// is no block.
+    pub(crate) fn vacate(&mut self, id: PieceId) -> Option<(u64, u64)> {
+        let b = *self.get(id).filter(|p| !p.free)?;
+        let (mut start, mut end) = (b.start, b.end);
+        if let Some(&p) = self.get(b.prev).filter(|p| p.free) {
+            self.by_size.remove(&(p.end - p.start, p.start));
+            self.remove_piece(b.prev);
+            start = p.start;
+        }
+        if let Some(&n) = self.get(b.next).filter(|n| n.free) {
+            self.by_size.remove(&(n.end - n.start, n.start));
+            self.remove_piece(b.next);
+            end = n.end;
+        }
+        let g = &mut self.pieces[id as usize];
+        g.start = start;
+        g.end = end;
+        g.free = true;
+        self.by_size.insert((end - start, start), id);
+        self.blocks -= 1;
+        Some((b.start, b.end))
+    }
+
+    /// Every piece in address order, as (start, end, is a gap).
+    pub(crate) fn pieces(&self) -> impl Iterator<Item = (u64, u64, bool)> + Clone + '_ {
+        let mut id = self.head;
+        std::iter::from_fn(move || {
+            let p = self.get(id)?;
+            id = p.next;
+            Some((p.start, p.end, p.free))
+        })
+    }
+
+    /// Check the invariants (see the module documentation) for an arena of
+    /// `size` bytes.
+    pub(crate) fn check(&self, size: u64) -> Result<(), String> {
+        let (mut pos, mut prev, mut id) = (0u64, NIL, self.head);
+        let (mut gaps, mut blocks, mut live, mut last_free) = (0usize, 0usize, 0usize, false);
+        while id != NIL {
+            let Some(p) = self.get(id) else {
+                return Err(format!("piece {id} is linked but not live"));
+            };
+            live += 1;
+            if live > self.pieces.len() {
+                return Err("the list of pieces loops".into());
+            }
+            if p.prev != prev {
+                return Err(format!("piece {id} at {:#x}: back link wrong", p.start));
+            }
+            if p.start != pos || p.end <= p.start {
+                return Err(format!(
+                    "piece at {:#x}..{:#x} is empty or does not follow {pos:#x}",
+                    p.start, p.end
+                ));
+            }
+            if p.free {
+                if last_free {
+                    return Err(format!("uncoalesced gap at {:#x}", p.start));
+                }
+                if self.by_size.get(&(p.end - p.start, p.start)) != Some(&id) {
+                    return Err(format!("gap at {:#x} missing from the size index", p.start));
+                }
+                gaps += 1;
+            } else {
+                blocks += 1;
+            }
+            last_free = p.free;
+            pos = p.end;
+            prev = id;
+            id = p.next;
+        }
+        if pos != size || self.tail != prev {
+            return Err(format!(
+                "pieces stop at {pos:#x} of {size:#x}, or the tail is wrong"
+            ));
+        }
+        if gaps != self.by_size.len() {
+            return Err(format!(
+                "{gaps} gaps but {} in the size index",
+                self.by_size.len()
+            ));
+        }
+        if blocks != self.blocks {
+            return Err(format!("{blocks} blocks but {} counted", self.blocks));
+        }
+        if live + self.vacant.len() != self.pieces.len() {
+            return Err("vacant slots out of date".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap as Map;
+
+    /// The same tiling kept the obvious way: blocks by start.
+    fn gaps_of(blocks: &Map<u64, u64>, size: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        for (&s, &e) in blocks {
+            if s > pos {
+                out.push((pos, s));
+            }
+            pos = e;
+        }
+        if pos < size {
+            out.push((pos, size));
+        }
+        out
+    }
+
+    #[test]
+    fn occupy_and_vacate_coalesce_and_refuse_bad_ranges() {
+        let mut t = Tiling::new(1000);
+        let (_, _, g) = t.fitting(100).next().unwrap();
+        assert_eq!(t.occupy(g, 990, 20), None, "past the gap");
+        assert_eq!(t.occupy(g, 10, 0), None, "empty");
+        let a = t.occupy(g, 100, 100).unwrap();
+        t.check(1000).unwrap();
+        assert_eq!(t.occupy(a, 100, 10), None, "a block is no gap");
+        assert_eq!(t.gap_count(), 2);
+        let (_, _, g) = t.fitting(800).next().unwrap();
+        let b = t.occupy(g, 200, 50).unwrap();
+        assert_eq!(t.vacate(12345), None, "no such piece");
+        t.check(1000).unwrap();
+        assert_eq!(t.vacate(a), Some((100, 200)));
+        assert_eq!(t.vacate(a), None);
+        assert_eq!(t.find(150), Some(a));
+        assert_eq!(t.vacate(b), Some((200, 250)));
+        t.check(1000).unwrap();
+        assert_eq!(t.pieces().collect::<Vec<_>>(), vec![(0, 1000, true)]);
+        assert_eq!(t.block_count(), 0);
+        assert!(Tiling::new(0).check(0).is_ok());
+    }
+
+    proptest! {
+        /// Any sequence of occupations (at a gap's start, middle or end) and
+        /// vacations keeps the tiling equal to the obvious model, best fit
+        /// included.
+        #[test]
+        fn matches_the_obvious_model(ops in prop::collection::vec((0u64..4, 1u64..300, 0u64..1000), 1..200)) {
+            let size = 4096;
+            let mut t = Tiling::new(size);
+            let mut model: Map<u64, u64> = Map::new();
+            let mut ids: Map<u64, PieceId> = Map::new();
+            for (kind, len, pick) in ops {
+                if kind == 0 && !ids.is_empty() {
+                    let (&s, &id) = ids.iter().nth(pick as usize % ids.len()).unwrap();
+                    prop_assert_eq!(t.vacate(id), Some((s, model[&s])));
+                    model.remove(&s);
+                    ids.remove(&s);
+                } else {
+                    let gaps = gaps_of(&model, size);
+                    let best = gaps.iter().filter(|g| g.1 - g.0 >= len).min_by_key(|g| (g.1 - g.0, g.0)).copied();
+                    let found = t.fitting(len).next().map(|(l, s, id)| (s, s + l, id));
+                    prop_assert_eq!(best, found.map(|(s, e, _)| (s, e)));
+                    if let Some((s, e, id)) = found {
+                        let off = s + (pick % (e - s - len + 1));
+                        let b = t.occupy(id, off, len).unwrap();
+                        model.insert(off, off + len);
+                        ids.insert(off, b);
+                    }
+                }
+                t.check(size).map_err(TestCaseError::fail)?;
+                let gaps: Vec<(u64, u64)> = t.pieces().filter(|p| p.2).map(|p| (p.0, p.1)).collect();
+                prop_assert_eq!(gaps, gaps_of(&model, size));
+                prop_assert_eq!(t.block_count(), model.len());
+                prop_assert_eq!(t.last_gap().map(|g| (g.0, g.1)), gaps_of(&model, size).last().copied());
+            }
+        }
+    }
+}
