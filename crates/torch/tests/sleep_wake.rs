@@ -217,3 +217,68 @@ fn sleep_wake_through_the_c_functions() {
     free(theirs, MIB);
     assert_eq!(stats()["allocated_bytes"]["current"], 0, "{}", last_error());
 }
+
+/// The library's safe core from eight threads at once, each with its own
+/// tag: allocations, sleeps and wakes interleave with the other threads'
+/// allocations in the pages sleeping tags gave back; every thread finds its
+/// bytes at its addresses after each wake.
+#[test]
+fn sleep_wake_from_eight_threads_each_with_its_own_tag() {
+    use quilt_alloc::quilt::{SleepMode, SleepPages};
+    use quilt_torch::library::{Library, SLEEP_DISCARD};
+    let lib = std::sync::Arc::new(Library::new("backend:host,capacity:160MiB"));
+    let threads: Vec<_> = (0..8usize)
+        .map(|t| {
+            let lib = lib.clone();
+            std::thread::spawn(move || {
+                let tag = format!("model-{t}");
+                let sizes = [3 * MIB + 100 * t, 5 * MIB, 4096];
+                let blocks: Vec<u64> = sizes
+                    .iter()
+                    .map(|&s| lib.malloc_tagged(s as u64, 0, 0, Some(&tag)).unwrap())
+                    .collect();
+                for round in 0..4 {
+                    let seed = t * 16 + round;
+                    for (&p, &s) in blocks.iter().zip(&sizes) {
+                        fill(p as *mut c_void, s, seed);
+                    }
+                    let (mode, pages) = if round % 2 == 0 {
+                        (SleepMode::Offload, SleepPages::KeepInPool)
+                    } else {
+                        (SleepMode::Offload, SleepPages::ReleaseToDevice)
+                    };
+                    lib.sleep(&tag, mode, pages).unwrap();
+                    assert!(lib.is_asleep(&tag).unwrap());
+                    // Others' memory while ours sleeps: written and freed.
+                    let other = lib.malloc(6 * MIB as u64, 0, t as u64).unwrap();
+                    fill(other as *mut c_void, 6 * MIB, 255 - seed);
+                    lib.free(other, 6 * MIB as u64, 0, t as u64).unwrap();
+                    lib.wake(&tag).unwrap();
+                    for (&p, &s) in blocks.iter().zip(&sizes) {
+                        assert!(holds(p as *mut c_void, s, seed), "thread {t} round {round}");
+                    }
+                }
+                // Discard: the bytes are not kept, the addresses are.
+                let (mode, pages) = quilt_torch::library::sleep_options(SLEEP_DISCARD).unwrap();
+                lib.sleep(&tag, mode, pages).unwrap();
+                lib.wake(&tag).unwrap();
+                for (&p, &s) in blocks.iter().zip(&sizes) {
+                    fill(p as *mut c_void, s, 7);
+                    assert!(holds(p as *mut c_void, s, 7));
+                    lib.free(p, s as u64, 0, 0).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stats: serde_json::Value = serde_json::from_str(&lib.stats_json(0).unwrap()).unwrap();
+    assert_eq!(stats["allocated_bytes"]["current"], 0);
+    assert!(lib
+        .sleep("model-0", SleepMode::Offload, SleepPages::KeepInPool)
+        .is_ok());
+    assert!(lib
+        .sleep("model-9", SleepMode::Offload, SleepPages::KeepInPool)
+        .is_err());
+}
