@@ -82,6 +82,8 @@ pub(crate) struct Arena {
     pub(crate) tiling: Tiling,
     pub(crate) pages: Vec<PageSlot>,
     pub(crate) hazards: BTreeMap<u64, Hazard>,
+    /// Scratch space of `clear_hazards`, kept to spare an allocation.
+    hazard_scratch: Vec<(u64, Hazard)>,
     /// Prune `hazards` when it reaches this length.
     prune_at: usize,
     pub(crate) cached_pages: u64,
@@ -100,6 +102,7 @@ impl Arena {
             tiling: Tiling::new(size),
             pages: Vec::new(),
             hazards: BTreeMap::new(),
+            hazard_scratch: Vec::new(),
             prune_at: PRUNE_MIN,
             cached_pages: 0,
             touched_pages: 0,
@@ -404,20 +407,23 @@ impl Arena {
             return;
         }
         let end = off + len;
-        // Each pass removes the first hazard over the range (what it puts
-        // back lies outside it).
-        loop {
-            let Some((s, h)) = self.hazards_over(off, len).next() else {
-                break;
-            };
-            self.hazards.remove(&s);
+        let mut over = std::mem::take(&mut self.hazard_scratch);
+        over.clear();
+        over.extend(self.hazards_over(off, len));
+        for &(s, h) in &over {
             if s < off {
-                self.hazards.insert(s, Hazard { end: off, ..h });
+                // The part before the block stays, under the same key.
+                if let Some(kept) = self.hazards.get_mut(&s) {
+                    kept.end = off;
+                }
+            } else {
+                self.hazards.remove(&s);
             }
             if h.end > end {
                 self.hazards.insert(end, h);
             }
         }
+        self.hazard_scratch = over;
     }
 
     /// Forget the hazards whose work is known complete (`done(h)` is true),

@@ -40,6 +40,12 @@ impl Iterator for BitIter {
 /// Streams polled on each growth path, round robin.
 const REFRESH_STREAMS: usize = 4;
 
+/// A free polls its stream only once this many of the stream's events wait
+/// to be known complete: what a free needs to know is learnt by whoever asks
+/// (placement, a wait, a reclaim, each polling first), so the free's poll
+/// only keeps the list short, and one poll learns of several events.
+const POLL_AT_FREE: usize = 4;
+
 /// One stream's progress.
 #[derive(Debug)]
 struct StreamState {
@@ -165,7 +171,10 @@ impl Streams {
 
     /// Stream `i` freed a block at `tick`. With `track`, record an event
     /// there (one per stream per operation), so that other streams (and
-    /// reclaim) can later learn without waiting that the free is complete.
+    /// reclaim) can later learn without waiting that the free is complete;
+    /// poll the stream first once [`POLL_AT_FREE`] events wait (whether it
+    /// polls changes nothing the event covers: a poll pops only completed
+    /// events, and `done` then reaches the newest one popped).
     pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, track: bool) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
@@ -174,7 +183,9 @@ impl Streams {
         if !track {
             return;
         }
-        self.poll(vmm, i, tick);
+        if s.events.len() >= POLL_AT_FREE {
+            self.poll(vmm, i, tick);
+        }
         self.record_progress(vmm, i, tick);
     }
 
