@@ -249,7 +249,14 @@ impl<'a> Serving<'a> {
                 } else {
                     None
                 };
-                if let Some(old) = block.take() {
+                if let Some(old) = *block {
+                    if let Err(e) = alloc.free(old) {
+                        // The buffer stays as it was: its old block.
+                        if let Some(f) = fresh {
+                            alloc.free(f).map_err(ServingFailure::Allocator)?;
+                        }
+                        return Err(ServingFailure::Allocator(e));
+                    }
                     let kept = g.len.min(bytes);
                     if fresh.is_some() && kept > 0 {
                         self.copies.copies += 1;
@@ -259,7 +266,6 @@ impl<'a> Serving<'a> {
                             .copy_ns
                             .saturating_add(self.cost.copy_bytes_ns(kept));
                     }
-                    alloc.free(old).map_err(ServingFailure::Allocator)?;
                 }
                 *block = fresh;
             }
