@@ -35,6 +35,29 @@ impl PlaceScore {
     };
 }
 
+/// Where placement puts a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Placed {
+    /// The block's offset in its arena.
+    pub(super) off: u64,
+    /// The gap that holds it.
+    pub(super) gap: PieceId,
+    /// Placement found, this operation, that the block needs no wait for
+    /// another stream's work (so ordering its stream is a no-op); false
+    /// when it did not ask.
+    pub(super) wait_free: bool,
+}
+
+impl Placed {
+    fn unchecked((off, gap): (u64, PieceId)) -> Placed {
+        Placed {
+            off,
+            gap,
+            wait_free: false,
+        }
+    }
+}
+
 impl State {
     /// True when a block on stream `t` over `off .. off + len` of arena `ai`
     /// would have to wait for another stream's work.
@@ -90,7 +113,7 @@ impl State {
     }
 
     /// Where a block of `rounded` bytes (asked for as `size`) on stream `t`
-    /// goes in arena `ai`, as (offset, the gap holding it).
+    /// goes in arena `ai`.
     ///
     /// Quilt's default (stitch threshold 0): among the best-fitting gaps, the
     /// first whose pages are all mapped and need no wait for another stream,
@@ -110,7 +133,7 @@ impl State {
         size: u64,
         rounded: u64,
         t: u32,
-    ) -> Option<(u64, PieceId)> {
+    ) -> Option<Placed> {
         if let (
             Placement::GmlakeLimits {
                 frag_limit: threshold,
@@ -125,13 +148,13 @@ impl State {
             } else {
                 u64::MAX
             };
-            if let Some(off) = a.best_fit_mapped(rounded, limit, 64) {
-                return Some(off);
+            if let Some(found) = a.best_fit_mapped(rounded, limit, 64) {
+                return Some(Placed::unchecked(found));
             }
             if size >= threshold {
-                return a.fitting_gaps(rounded, 1).next();
+                return a.fitting_gaps(rounded, 1).next().map(Placed::unchecked);
             }
-            return a.fresh_tail(rounded);
+            return a.fresh_tail(rounded).map(Placed::unchecked);
         }
         let n = ctx.cfg.placement.candidates().max(1);
         let mut candidates = std::mem::take(&mut self.scratch);
@@ -165,9 +188,9 @@ impl State {
         rounded: u64,
         t: u32,
         candidates: &[(u64, PieceId)],
-    ) -> Option<(u64, PieceId)> {
+    ) -> Option<Placed> {
         if candidates.len() <= 1 {
-            return candidates.first().copied();
+            return candidates.first().copied().map(Placed::unchecked);
         }
         let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
         for &(start, gap) in candidates {
@@ -180,13 +203,21 @@ impl State {
                 waits: wait,
             };
             if score == PlaceScore::PERFECT {
-                return Some((start, gap));
+                return Some(Placed {
+                    off: start,
+                    gap,
+                    wait_free: true,
+                });
             }
             if best.is_none_or(|(b, _)| score < b) {
                 best = Some((score, (start, gap)));
             }
         }
-        best.map(|(_, s)| s)
+        best.map(|(score, (off, gap))| Placed {
+            off,
+            gap,
+            wait_free: !score.waits,
+        })
     }
 
     /// The last retired page under `off .. off + len` of arena `ai` whose

@@ -267,18 +267,22 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
-        let Some((off, gap)) = self.place(ctx, ai, kind, size, rounded, si) else {
+        let Some(placed) = self.place(ctx, ai, kind, size, rounded, si) else {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
+        let (off, gap) = (placed.off, placed.gap);
         let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
             return Err(AllocError::Internal(format!(
                 "placement chose {off:#x} (+{rounded:#x}) outside its gap"
             )));
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
-        if let Err(e) = self.order_after_hazards(ctx, ai, off, rounded, si) {
-            self.undo_occupy(ai, piece, off, rounded);
-            return Err(e);
+        // Placement may have found this operation that no wait is needed.
+        if !placed.wait_free {
+            if let Err(e) = self.order_after_hazards(ctx, ai, off, rounded, si) {
+                self.undo_occupy(ai, piece, off, rounded);
+                return Err(e);
+            }
         }
         self.arenas[ai].clear_hazards(off, rounded);
         if unmapped > 0 {
