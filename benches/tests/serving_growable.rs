@@ -292,3 +292,202 @@ fn growable_policies_are_allocator_spec_keys() {
         .to_string();
     assert!(e.contains("inline"), "{e}");
 }
+
+/// One generated step of a serving trace; indices pick among what is live.
+#[derive(Clone, Debug)]
+enum Step {
+    Create { max_pages: u64, stream: u64 },
+    Grow { pick: usize, share: u64 },
+    Shrink { pick: usize, share: u64 },
+    Release { pick: usize },
+    Alloc { kib: u64, tag: Option<u64> },
+    Free { pick: usize },
+    Sleep { tag: u64 },
+    Wake { tag: u64 },
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (1u64..=32, 0u64..2).prop_map(|(max_pages, stream)| Step::Create { max_pages, stream }),
+        (any::<usize>(), 1u64..=100).prop_map(|(pick, share)| Step::Grow { pick, share }),
+        (any::<usize>(), 0u64..=100).prop_map(|(pick, share)| Step::Shrink { pick, share }),
+        any::<usize>().prop_map(|pick| Step::Release { pick }),
+        (1u64..=40_000, proptest::option::of(0u64..3))
+            .prop_map(|(kib, tag)| Step::Alloc { kib, tag }),
+        any::<usize>().prop_map(|pick| Step::Free { pick }),
+        (0u64..3).prop_map(|tag| Step::Sleep { tag }),
+        (0u64..3).prop_map(|tag| Step::Wake { tag }),
+    ]
+}
+
+/// What a generated trace should measure on an emulating baseline.
+#[derive(Default, Debug)]
+struct Expected {
+    peak_live: u64,
+    growth_copy_bytes: u64,
+    growth_copies: u64,
+    host_copy_bytes: u64,
+}
+
+/// The valid trace the steps make (invalid picks are skipped), and an
+/// independent account of its live bytes and copies.
+fn build(steps: &[Step]) -> (Trace, Expected) {
+    use std::collections::BTreeMap;
+    let mut events = Vec::new();
+    let mut next = 0u64;
+    let mut growables: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    let mut allocs: BTreeMap<u64, (u64, Option<u64>)> = BTreeMap::new();
+    let mut asleep: BTreeMap<u64, bool> = BTreeMap::new();
+    let mut x = Expected::default();
+    let live = |g: &BTreeMap<u64, (u64, u64)>,
+                a: &BTreeMap<u64, (u64, Option<u64>)>,
+                s: &BTreeMap<u64, bool>| {
+        g.values().map(|v| v.0).sum::<u64>()
+            + a.values()
+                .filter(|(_, t)| !t.is_some_and(|t| s.get(&t) == Some(&true)))
+                .map(|v| v.0)
+                .sum::<u64>()
+    };
+    let nth = |keys: Vec<u64>, pick: usize| (!keys.is_empty()).then(|| keys[pick % keys.len()]);
+    for s in steps {
+        match *s {
+            Step::Create { max_pages, stream } => {
+                let max = max_pages * 2 * MIB;
+                events.push(Event::CreateGrowable {
+                    id: next,
+                    max,
+                    stream,
+                });
+                growables.insert(next, (0, max));
+                next += 1;
+            }
+            Step::Grow { pick, share } | Step::Shrink { pick, share } => {
+                let grow = matches!(s, Step::Grow { .. });
+                let Some(id) = nth(growables.keys().copied().collect(), pick) else {
+                    continue;
+                };
+                let (len, max) = growables[&id];
+                let bytes = if grow {
+                    len + (max - len) * share / 100
+                } else {
+                    len * share / 100
+                };
+                if bytes == len {
+                    continue;
+                }
+                if len > 0 && bytes > 0 {
+                    x.growth_copies += 1;
+                    x.growth_copy_bytes += len.min(bytes);
+                }
+                events.push(if grow {
+                    Event::Grow { id, bytes }
+                } else {
+                    Event::Shrink { id, bytes }
+                });
+                growables.insert(id, (bytes, max));
+            }
+            Step::Release { pick } => {
+                if let Some(id) = nth(growables.keys().copied().collect(), pick) {
+                    events.push(Event::ReleaseGrowable { id });
+                    growables.remove(&id);
+                }
+            }
+            Step::Alloc { kib, tag } => {
+                if tag.is_some_and(|t| asleep.get(&t) == Some(&true)) {
+                    continue;
+                }
+                let size = kib * 1024;
+                events.push(match tag {
+                    Some(tag) => {
+                        asleep.insert(tag, false);
+                        Event::AllocTagged {
+                            id: next,
+                            size,
+                            stream: 0,
+                            tag,
+                        }
+                    }
+                    None => Event::Alloc {
+                        id: next,
+                        size,
+                        stream: 0,
+                    },
+                });
+                allocs.insert(next, (size, tag));
+                next += 1;
+            }
+            Step::Free { pick } => {
+                let free: Vec<u64> = allocs
+                    .iter()
+                    .filter(|(_, (_, t))| !t.is_some_and(|t| asleep.get(&t) == Some(&true)))
+                    .map(|(&id, _)| id)
+                    .collect();
+                if let Some(id) = nth(free, pick) {
+                    events.push(Event::Free { id });
+                    allocs.remove(&id);
+                }
+            }
+            Step::Sleep { tag } | Step::Wake { tag } => {
+                let sleep = matches!(s, Step::Sleep { .. });
+                if asleep.get(&tag) != Some(&!sleep) {
+                    continue;
+                }
+                x.host_copy_bytes += allocs
+                    .values()
+                    .filter(|(_, t)| *t == Some(tag))
+                    .map(|v| v.0)
+                    .sum::<u64>();
+                events.push(if sleep {
+                    Event::Sleep { tag }
+                } else {
+                    Event::Wake { tag }
+                });
+                asleep.insert(tag, sleep);
+            }
+        }
+        x.peak_live = x.peak_live.max(live(&growables, &allocs, &asleep));
+    }
+    let t = Trace {
+        name: "generated".into(),
+        events,
+        preexisting: 0,
+    };
+    (t, x)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Over generated serving traces, with the invariants checked after
+    /// every event: each allocator replays them; the live bytes are the
+    /// trace's own; Quilt copies nothing for growth; an emulating baseline
+    /// copies exactly the old contents at each resize and each tagged byte
+    /// at each sleep and wake; the text format round-trips.
+    #[test]
+    fn growable_generated_traces_replay_with_exact_accounting(
+        steps in proptest::collection::vec(step(), 1..60)
+    ) {
+        let (t, x) = build(&steps);
+        proptest::prop_assert_eq!(parse_trace(&to_text(&t.events)).unwrap(), t.events.clone());
+        proptest::prop_assert_eq!(trace_stats(&t).peak_live_bytes, x.peak_live);
+        let config = ReplayConfig {
+            check_every: Some(1),
+            ..ReplayConfig::default()
+        };
+        for allocator in ALLOCATOR_NAMES {
+            let r = replay_fresh(&t, allocator, 8 * GIB, &config)
+                .unwrap_or_else(|e| panic!("{allocator}: {e}"));
+            proptest::prop_assert!(r.completed, "{}: {:?}", allocator, r.oom_message);
+            proptest::prop_assert_eq!(r.peak_live_bytes, x.peak_live, "{}", allocator);
+            if allocator == "quilt" {
+                proptest::prop_assert_eq!(r.growth_copies.bytes, 0);
+                proptest::prop_assert!(r.driver.copied_bytes >= x.host_copy_bytes);
+            } else {
+                proptest::prop_assert_eq!(r.growth_copies.bytes, x.growth_copy_bytes, "{}", allocator);
+                proptest::prop_assert_eq!(r.growth_copies.copies, x.growth_copies, "{}", allocator);
+                proptest::prop_assert_eq!(r.driver.copied_bytes, x.host_copy_bytes, "{}", allocator);
+            }
+        }
+    }
+}
