@@ -157,6 +157,23 @@ impl State {
             return a.fresh_tail(rounded).map(Placed::unchecked);
         }
         let n = ctx.cfg.placement.candidates().max(1);
+        if n > 1 && self.arenas[ai].retired_pages == 0 {
+            // The best fit is most often perfect: look at it before
+            // collecting the others (the same choice as `best_candidate`,
+            // which returns the first perfect candidate, and looks at none
+            // when there is only one).
+            let (first, more) = {
+                let mut two = self.arenas[ai].fitting_gaps(rounded, 2);
+                (two.next()?, two.next().is_some())
+            };
+            if more && self.score(ctx, ai, rounded, t, first.0) == PlaceScore::PERFECT {
+                return Some(Placed {
+                    off: first.0,
+                    gap: first.1,
+                    wait_free: true,
+                });
+            }
+        }
         let mut candidates = std::mem::take(&mut self.scratch);
         candidates.clear();
         candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));
@@ -194,14 +211,7 @@ impl State {
         }
         let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
         for &(start, gap) in candidates {
-            let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
-            let wait = self.needs_wait(ctx, ai, start, rounded, t);
-            let score = PlaceScore {
-                needs_pages: unmapped > 0,
-                waits_though_mapped: unmapped == 0 && wait,
-                new_pages: unmapped,
-                waits: wait,
-            };
+            let score = self.score(ctx, ai, rounded, t, start);
             if score == PlaceScore::PERFECT {
                 return Some(Placed {
                     off: start,
@@ -218,6 +228,19 @@ impl State {
             gap,
             wait_free: !score.waits,
         })
+    }
+
+    /// The score of a block of `rounded` bytes on stream `t` at `start` of
+    /// arena `ai`.
+    fn score(&mut self, ctx: &Ctx<'_>, ai: usize, rounded: u64, t: u32, start: u64) -> PlaceScore {
+        let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
+        let wait = self.needs_wait(ctx, ai, start, rounded, t);
+        PlaceScore {
+            needs_pages: unmapped > 0,
+            waits_though_mapped: unmapped == 0 && wait,
+            new_pages: unmapped,
+            waits: wait,
+        }
     }
 
     /// The last retired page under `off .. off + len` of arena `ai` whose
