@@ -157,6 +157,7 @@ impl State {
             return a.fresh_tail(rounded).map(Placed::unchecked);
         }
         let n = ctx.cfg.placement.candidates().max(1);
+        let mut first_score = None;
         if n > 1 && self.arenas[ai].retired_pages == 0 {
             // The best fit is most often perfect: look at it before
             // collecting the others (the same choice as `best_candidate`,
@@ -166,12 +167,16 @@ impl State {
                 let mut two = self.arenas[ai].fitting_gaps(rounded, 2);
                 (two.next()?, two.next().is_some())
             };
-            if more && self.score(ctx, ai, rounded, t, first.0) == PlaceScore::PERFECT {
-                return Some(Placed {
-                    off: first.0,
-                    gap: first.1,
-                    wait_free: true,
-                });
+            if more {
+                let score = self.score(ctx, ai, rounded, t, first.0);
+                if score == PlaceScore::PERFECT {
+                    return Some(Placed {
+                        off: first.0,
+                        gap: first.1,
+                        wait_free: true,
+                    });
+                }
+                first_score = Some(score);
             }
         }
         let mut candidates = std::mem::take(&mut self.scratch);
@@ -191,27 +196,33 @@ impl State {
                 candidates = moved;
             }
         }
-        let chosen = self.best_candidate(ctx, ai, rounded, t, &candidates);
+        let chosen = self.best_candidate(ctx, ai, rounded, t, &candidates, first_score);
         self.scratch = candidates;
         chosen
     }
 
     /// The best of `candidates` (starts of a block of `rounded` bytes on
-    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`].
-    pub(super) fn best_candidate(
+    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`];
+    /// `first_score`, when given, is the first candidate's, scored already
+    /// this operation.
+    fn best_candidate(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         rounded: u64,
         t: u32,
         candidates: &[(u64, PieceId)],
+        first_score: Option<PlaceScore>,
     ) -> Option<Placed> {
         if candidates.len() <= 1 {
             return candidates.first().copied().map(Placed::unchecked);
         }
         let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
-        for &(start, gap) in candidates {
-            let score = self.score(ctx, ai, rounded, t, start);
+        for (i, &(start, gap)) in candidates.iter().enumerate() {
+            let score = match first_score {
+                Some(known) if i == 0 => known,
+                _ => self.score(ctx, ai, rounded, t, start),
+            };
             if score == PlaceScore::PERFECT {
                 return Some(Placed {
                     off: start,
