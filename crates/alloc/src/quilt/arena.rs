@@ -397,7 +397,10 @@ impl Arena {
             .filter(|(_, h)| h.end > off)
             .map(|(&s, _)| s)
             .unwrap_or(off);
-        self.hazards.range(from..end).map(|(&s, &h)| (s, h))
+        self.hazards
+            .range(from..)
+            .take_while(move |(&s, _)| s < end)
+            .map(|(&s, &h)| (s, h))
     }
 
     /// Forget the hazards over `off .. off + len` (a block now covers it and
