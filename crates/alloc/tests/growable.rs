@@ -635,3 +635,79 @@ fn growable_released_range_serves_the_next_buffer_on_its_mapped_pages() {
     drop(a);
     assert!(s.leak_report().is_empty(), "{}", s.leak_report());
 }
+
+#[test]
+fn growable_growth_moves_done_cached_pages_before_the_pool_grows() {
+    let (s, a) = sim(64 * MIB);
+    // An ordinary block, freed: under `when_full` its 4 pages stay cached in
+    // the shared arena, where no growable buffer can use them in place.
+    let old = a.allocate(8 * MIB, StreamId(1)).unwrap();
+    a.free(old.ptr).unwrap();
+    assert_eq!(a.cached_bytes(), 8 * MIB);
+    let buf = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    // One stream: no event marks its frees until a driver call is near. The
+    // first growth records one and finds it pending: the pool grows.
+    buf.grow_to(2 * MIB).unwrap();
+    assert_eq!(a.pool().total_pages(), 5);
+    assert_eq!(a.cached_bytes(), 8 * MIB);
+    s.complete_all();
+    let before = s.driver_stats();
+    buf.grow_to(10 * MIB).unwrap();
+    let since = s.driver_stats().since(&before);
+    // That work is now known done: the cached pages are unmapped and moved,
+    // no page is created.
+    assert_eq!(a.pool().total_pages(), 5);
+    assert_eq!(a.cached_bytes(), 0);
+    assert_eq!(since.count(CallKind::Create), 0, "{since:?}");
+    assert_eq!(since.count(CallKind::Unmap), 4, "{since:?}");
+    assert_eq!(since.count(CallKind::StreamSynchronize), 0);
+    a.check_invariants().unwrap();
+    // A freed block whose work may still run stays where it is (no wait, no
+    // synchronisation): the pool grows instead.
+    let pending = a.allocate(8 * MIB, StreamId(1)).unwrap();
+    a.free(pending.ptr).unwrap();
+    assert_eq!(a.pool().total_pages(), 9);
+    let before = s.driver_stats();
+    buf.grow_to(18 * MIB).unwrap();
+    let since = s.driver_stats().since(&before);
+    assert_eq!(a.cached_bytes(), 8 * MIB);
+    assert_eq!(a.pool().total_pages(), 13);
+    assert_eq!(since.count(CallKind::Create), 4, "{since:?}");
+    assert_eq!(since.count(CallKind::Unmap), 0, "{since:?}");
+    assert_eq!(since.count(CallKind::StreamSynchronize), 0);
+    a.check_invariants().unwrap();
+    drop(buf);
+    s.complete_all();
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_default_map_ahead_maps_only_free_pool_pages() {
+    let (s, a) = sim(64 * MIB);
+    let policy = MapAhead {
+        mode: AheadMode::Manual,
+        ..MapAhead::default()
+    };
+    assert_eq!(policy.below_per_mille, 0);
+    a.set_map_ahead(policy).unwrap();
+    let buf = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    buf.grow_to(4 * MIB).unwrap();
+    // No free page in the pool: nothing is mapped ahead, the pool holds what
+    // the buffer uses.
+    assert_eq!(a.map_ahead_now().unwrap(), 0);
+    assert_eq!(a.pool().total_pages(), 2);
+    // A released buffer's pages are free in the pool: one is mapped ahead.
+    let other = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(1)).unwrap();
+    other.grow_to(4 * MIB).unwrap();
+    other.release().unwrap();
+    assert_eq!(a.pool().free_pages(), 2);
+    assert_eq!(a.map_ahead_now().unwrap(), 1);
+    assert_eq!(a.pool().total_pages(), 4);
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 6 * MIB);
+    a.check_invariants().unwrap();
+    drop(buf);
+    s.complete_all();
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}

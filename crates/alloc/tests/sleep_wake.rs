@@ -209,6 +209,33 @@ fn sleep_wake_on_the_simulator_counts_syncs_and_costs_copies() {
     a.check_invariants().unwrap();
 }
 
+#[test]
+fn sleep_wake_takes_done_cached_pages_before_the_pool_grows() {
+    let sim = Arc::new(SimVmm::with_capacity(1 << 30).unwrap());
+    let a = quilt(sim.clone(), 1 << 30);
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let _other = a.allocate(MIB, s2).unwrap(); // two streams: frees carry events
+    let w = a.allocate_tagged(20 * MIB, s1, "weights").unwrap();
+    a.sleep("weights", SleepMode::Discard).unwrap();
+    // The sleeping weights' pages serve a block that is freed again: they
+    // stay cached in the shared arena, where the weights cannot use them.
+    let b = a.allocate(20 * MIB, s1).unwrap();
+    a.free(b.ptr).unwrap();
+    let held = a.pool().total_pages();
+    sim.complete_all();
+    let before = sim.driver_stats();
+    a.wake("weights").unwrap();
+    let d = sim.driver_stats().since(&before);
+    // Their work is done: moved (10 unmaps), no page created.
+    assert_eq!(a.pool().total_pages(), held);
+    assert_eq!(d.count(CallKind::Create), 0, "{d:?}");
+    assert_eq!(d.count(CallKind::Unmap), 10, "{d:?}");
+    assert_eq!(d.count(CallKind::StreamSynchronize), 0);
+    a.check_invariants().unwrap();
+    a.free(w.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Alloc {

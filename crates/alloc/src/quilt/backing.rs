@@ -6,7 +6,8 @@ use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
-use super::state::{pool_err, Ctx, State};
+use super::reclaim::PagesFor;
+use super::state::{pool_err, Ctx, Kind, State};
 use crate::error::AllocError;
 
 impl State {
@@ -36,7 +37,11 @@ impl State {
             self.arenas[ai].clear_retired(p);
         }
         let n = need.len() as u64;
-        self.obtain_free_pages(ctx, size, n)?;
+        let pages_for = match self.arena_meta[ai].1 {
+            Kind::Growable => PagesFor::Mapping { into: ai },
+            _ => PagesFor::Block,
+        };
+        self.obtain_free_pages(ctx, size, n, pages_for)?;
         let pages = ctx.pool.take(n).map_err(pool_err)?;
         let hazards: Vec<(PageId, (u64, u64))> = pages
             .iter()

@@ -18,7 +18,7 @@
 //! | `access_per_map` | `true` / `false` | [`QuiltConfig::access`]: [`AccessGranularity::PerPage`] / [`AccessGranularity::PerRange`] |
 //! | `map_ahead_pages` | pages mapped past each growable buffer's end (0: none) | [`QuiltConfig::map_ahead`] |
 //! | `map_ahead_mode` | `background`, `inline`, `manual` | its [`AheadMode`] |
-//! | `map_ahead_permille` | 0 to 1000: map ahead while the pool is below this share of its limit | its bound |
+//! | `map_ahead_permille` | 0 to 1000: grow the pool for pages ahead while it is below this share of its limit (0: free pool pages only) | its bound |
 //! | `recycle_buffers` | released growable ranges kept (0: none) | [`QuiltConfig::recycle`] |
 //! | `offload_tier` | `off`, `offloadable_tags` | [`QuiltConfig::offload_tier`] |
 //!

@@ -62,8 +62,8 @@ pub struct GrowableInfo {
 pub struct MapAhead {
     /// Pages kept mapped past each buffer's end (0: none).
     pub pages: u64,
-    /// Map ahead only while the pool holds less than this many thousandths of
-    /// its limit (or from pages already free in the pool).
+    /// Also grow the pool for pages ahead while it holds less than this many
+    /// thousandths of its limit (0: only pages already free in the pool).
     pub below_per_mille: u64,
     /// Who maps them.
     pub mode: AheadMode,
@@ -90,12 +90,14 @@ impl MapAhead {
 }
 
 impl Default for MapAhead {
-    /// One page ahead of each buffer, mapped in the background while the pool
-    /// holds less than 90 % of its limit.
+    /// One page ahead of each buffer, mapped in the background from pages
+    /// the pool already holds free: mapping ahead is a bet on latency and
+    /// never makes the pool grow (`below_per_mille` 0), so it adds no memory
+    /// to what the buffers' growth needs.
     fn default() -> Self {
         MapAhead {
             pages: 1,
-            below_per_mille: 900,
+            below_per_mille: 0,
             mode: AheadMode::Background,
         }
     }

@@ -22,6 +22,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use quilt_vmm::DevicePtr;
 
+use super::reclaim::PagesFor;
 use super::state::{pool_err, Ctx, Kind, State};
 use crate::error::AllocError;
 
@@ -380,7 +381,8 @@ impl State {
             if total > ctx.pool.limit_pages() {
                 return Err(self.oom(ctx, bytes, total, 0));
             }
-            let obtained = self.obtain_free_pages(ctx, bytes, total);
+            let obtained =
+                self.obtain_free_pages(ctx, bytes, total, PagesFor::Mapping { into: usize::MAX });
             self.sync_stats(ctx);
             obtained?;
         }
