@@ -33,7 +33,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quilt_alloc::quilt::{AheadMode, MapAhead, QuiltAllocator};
+use quilt_alloc::quilt::{AheadMode, MapAhead, QuiltAllocator, ServingStats};
 use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation, OomReport};
 use quilt_vmm::sim::{CostModel, SimConfig, SimVmm};
 use quilt_vmm::{DriverStats, StreamId, Vmm};
@@ -149,6 +149,9 @@ pub struct ReplayResult {
     pub growth_copies: GrowthCopies,
     /// The same over iterations 2..N (zero when N = 1).
     pub growth_copies_after_first_iteration: GrowthCopies,
+    /// Quilt's counters of growable buffers, map-ahead and sleep when the
+    /// serving events ran on its own API (`None` when they were emulated).
+    pub serving_stats: Option<ServingStats>,
     /// Median host time of one allocate or free call, in nanoseconds (0 unless timed).
     pub cpu_ns_per_op: u64,
     /// Live and reserved memory over the replay (empty unless recorded).
@@ -698,6 +701,7 @@ pub fn replay_on(
         driver_after_first_iteration,
         growth_copies,
         growth_copies_after_first_iteration,
+        serving_stats: run.serving.native_stats(),
         cpu_ns_per_op: median(&mut run.op_ns),
         series: run.series,
     })

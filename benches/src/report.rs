@@ -165,8 +165,9 @@ impl OomRow {
 /// calls` (`vmm_calls`), `calls after 1st` (`vmm_calls_after_first_iteration`),
 /// `syncs` and `syncs after 1st` (`stream_calls.synchronize`), `waits`
 /// (`stream_calls.wait_event`), `copied GiB` (`copied_bytes`), `growth
-/// copied GiB` (`growth_copied_bytes`), `driver ms` (`modelled_driver_us`),
-/// `CPU ns/op` (`cpu_ns_per_op`).
+/// copied GiB` (`growth_copied_bytes`), `grows mapped` (`grows_already_mapped`
+/// over `grows`), `driver ms` (`modelled_driver_us`), `CPU ns/op`
+/// (`cpu_ns_per_op`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReportRow {
     /// Workload (generator name, trace file stem or snapshot stem).
@@ -208,6 +209,13 @@ pub struct ReportRow {
     /// Bytes copied device to device by emulated growth: an allocator
     /// without growable buffers reallocates and copies (0 on Quilt).
     pub growth_copied_bytes: u64,
+    /// Growable buffers' `grow_to` calls, on Quilt (null where growth is
+    /// emulated by reallocation).
+    pub grows: Option<u64>,
+    /// Of those, the grows that found every page they reached already mapped
+    /// (by map-ahead or a shrink's spare pages): no driver call (null where
+    /// growth is emulated).
+    pub grows_already_mapped: Option<u64>,
     /// Modelled driver time in microseconds (create costed by size; every
     /// call of the cost model, stream synchronisations included, and the
     /// copies of emulated growth at the cost model's copy figures).
@@ -267,6 +275,8 @@ impl Measurement {
                     .copied_bytes
                     .saturating_add(result.growth_copies.bytes),
                 growth_copied_bytes: result.growth_copies.bytes,
+                grows: result.serving_stats.map(|s| s.grows),
+                grows_already_mapped: result.serving_stats.map(|s| s.grows_already_mapped),
                 modelled_driver_us: growth_ns.saturating_add(result.driver.modelled_ns) as f64
                     / 1000.0,
                 cpu_ns_per_op: result.cpu_ns_per_op,

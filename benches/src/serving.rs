@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use quilt_alloc::quilt::{GrowableId, QuiltAllocator, SleepMode};
+use quilt_alloc::quilt::{GrowableId, QuiltAllocator, ServingStats, SleepMode};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::sim::CostModel;
 use quilt_vmm::{DevicePtr, StreamId};
@@ -135,6 +135,15 @@ fn classify(e: AllocError) -> ServingFailure {
 }
 
 impl<'a> Serving<'a> {
+    /// Quilt's growable-buffer and sleep counters when the serving events run
+    /// natively (`None` when they are emulated).
+    pub fn native_stats(&self) -> Option<ServingStats> {
+        match self.target {
+            Target::Native(q) => Some(q.serving_stats()),
+            Target::Emulated(_) => None,
+        }
+    }
+
     /// Nothing live, on `target`, whose device costs copies by `cost`.
     pub fn new(target: Target<'a>, cost: CostModel) -> Self {
         Serving {

@@ -201,6 +201,15 @@ const COLUMNS: &[Column] = &[
         cell: |c| gib(c.m.row.growth_copied_bytes),
     },
     Column {
+        name: "grows mapped",
+        legend: "share of Quilt's grow_to calls that found their pages mapped (-: emulated or none)",
+        narrow: false,
+        cell: |c| match (c.m.row.grows, c.m.row.grows_already_mapped) {
+            (Some(n), Some(m)) if n > 0 => format!("{:.3}", m as f64 / n as f64),
+            _ => "-".to_string(),
+        },
+    },
+    Column {
         name: "driver ms",
         legend: "modelled driver time: every call priced, creates by size, syncs as drains",
         narrow: true,
@@ -663,6 +672,8 @@ mod tests {
                 stream_calls_after_first_iteration: None,
                 copied_bytes: 0,
                 growth_copied_bytes: 0,
+                grows: None,
+                grows_already_mapped: None,
                 modelled_driver_us: 1000.0,
                 cpu_ns_per_op: 100,
             },

@@ -476,23 +476,34 @@ fn growable_map_ahead_manual_makes_growth_free_of_driver_calls_and_stops_under_p
 
 #[test]
 fn growable_pages_mapped_ahead_are_reclaimed_before_ordinary_cached_pages() {
-    let (_s, a) = sim(16 * MIB);
+    let (s, a) = sim(16 * MIB);
     a.set_map_ahead(ahead_policy(2, 1000, AheadMode::Manual))
         .unwrap();
     let buf = GrowableBuffer::new(a.clone(), 16 * MIB, StreamId(1)).unwrap();
     buf.grow_to(2 * MIB).unwrap();
     assert_eq!(a.map_ahead_now().unwrap(), 2);
-    // An ordinary block, freed: its 2 pages are cached in the shared arena.
+    assert_eq!(a.pool().total_pages(), 3);
+    // An ordinary block with no free page in the pool: the 2 pages ahead
+    // (never used, so no work on them) are taken before the pool grows.
+    let before = s.driver_stats();
     let old = a.allocate(4 * MIB, StreamId(1)).unwrap();
-    a.free(old.ptr).unwrap();
-    let cached_ordinary = a.cached_bytes() - 4 * MIB; // less the 2 pages ahead
-    assert_eq!(cached_ordinary, 4 * MIB);
-    // 14 MiB more at the 16 MiB limit: the buffer holds 1 page and 2 ahead,
-    // the cache 2, the pool can grow by 3; 2 more must be reclaimed, and the
-    // pages ahead go first.
-    let big = a.allocate(14 * MIB, StreamId(1)).unwrap();
+    assert_eq!(s.driver_stats().since(&before).count(CallKind::Create), 0);
+    assert_eq!(a.pool().total_pages(), 3);
     assert_eq!(a.serving_stats().spare_pages_reclaimed, 2);
     assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 2 * MIB);
+    a.check_invariants().unwrap();
+    // Freed, its 2 pages are cached in the shared arena; 2 pages are mapped
+    // ahead again (the pool grows: below 1000 per mille).
+    a.free(old.ptr).unwrap();
+    assert_eq!(a.map_ahead_now().unwrap(), 2);
+    assert_eq!(a.cached_bytes(), 8 * MIB);
+    // 14 MiB more at the 16 MiB limit: the buffer holds 1 page and 2 ahead,
+    // the cache 2, the pool can grow by 3; the pages ahead go first, then 2
+    // ordinary cached pages.
+    let big = a.allocate(14 * MIB, StreamId(1)).unwrap();
+    assert_eq!(a.serving_stats().spare_pages_reclaimed, 4);
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 2 * MIB);
+    assert_eq!(a.cached_bytes(), 0);
     a.check_invariants().unwrap();
     a.free(big.ptr).unwrap();
 }

@@ -9,8 +9,9 @@
 //! on failure); shrinking untouches the pages it leaves, which stay mapped
 //! as the buffer's *spare pages* (cached pages of its arena) and carry the
 //! buffer's streams' work as a hazard, like any freed range. Spare pages are
-//! the first cached pages reclaimed: before the pool grows, those past the
-//! map-ahead allowance whose work is known complete are unmapped; when the
+//! the first cached pages reclaimed: before the pool grows, those whose
+//! work is known complete are unmapped (pages mapped ahead are a bet on
+//! latency, never a reason for the pool to grow); when the
 //! pool cannot grow, every spare page goes before any ordinary cached page
 //! (retired if its work may still run: its pool page moves on with that work
 //! as a hazard, never a synchronisation).
@@ -634,18 +635,13 @@ impl State {
             .collect()
     }
 
-    /// Spare pages of every live growable buffer, farthest from each end
-    /// first: past the map-ahead allowance only (`beyond_allowance`), or all.
-    fn spare_pages(&self, beyond_allowance: bool) -> Vec<(usize, u64)> {
-        let keep = if beyond_allowance {
-            self.map_ahead.pages
-        } else {
-            0
-        };
+    /// Spare pages of every live growable buffer (farthest from each end
+    /// first) and of the recycled ranges.
+    fn spare_pages(&self) -> Vec<(usize, u64)> {
         let mut out = Vec::new();
         for g in self.growables.values() {
             if self.arenas[g.arena].cached_pages > 0 {
-                out.extend(self.spare_pages_of(g.arena, g.len, keep));
+                out.extend(self.spare_pages_of(g.arena, g.len, 0));
             }
         }
         for &ai in &self.recycled {
@@ -656,8 +652,8 @@ impl State {
         out
     }
 
-    /// Before the pool grows: unmap the spare pages past the map-ahead
-    /// allowance whose work is known complete (no synchronisation, no
+    /// Before the pool grows: unmap the spare pages (pages mapped ahead
+    /// included) whose work is known complete (no synchronisation, no
     /// retirement), up to `want`. Returns the pages gained.
     pub(super) fn reclaim_spare_done(
         &mut self,
@@ -669,7 +665,7 @@ impl State {
         }
         let tick = self.tick;
         let mut chosen = Vec::new();
-        for (ai, p) in self.spare_pages(true) {
+        for (ai, p) in self.spare_pages() {
             if chosen.len() as u64 >= want {
                 break;
             }
@@ -694,7 +690,7 @@ impl State {
         if want == 0 || (self.growables.is_empty() && self.recycled.is_empty()) {
             return Ok(0);
         }
-        let mut chosen = self.spare_pages(false);
+        let mut chosen = self.spare_pages();
         chosen.truncate(want.min(usize::MAX as u64) as usize);
         let gained = self.move_cached(ctx, &chosen, false, false)?;
         self.serving.spare_pages_reclaimed += gained;

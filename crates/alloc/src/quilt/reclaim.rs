@@ -67,7 +67,7 @@ impl State {
             }
             ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
         };
-        // Growable buffers' spare pages past their allowance come first.
+        // Growable buffers' spare pages whose work is done come first.
         self.reclaim_spare_done(ctx, missing(ctx.pool))?;
         if want > 0 && missing(ctx.pool) > 0 {
             self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
