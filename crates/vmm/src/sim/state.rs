@@ -9,7 +9,9 @@
 //! so a failed call leaves the state exactly as it was. O(log n) per call,
 //! plus O(k log n) for a call that covers k mappings.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 
 use crate::error::{Result, VmmError};
 use crate::events::EventBook;
@@ -68,7 +70,7 @@ pub(crate) struct State {
     granularity: u64,
     va_limit: u64,
     next_va: u64,
-    streams: HashMap<StreamId, Stream>,
+    streams: FxHashMap<StreamId, Stream>,
     events: EventBook<Event>,
     /// The operation clock ([`State::advance`]).
     clock: u64,
@@ -84,7 +86,7 @@ impl State {
             granularity,
             va_limit,
             next_va: VA_BASE,
-            streams: HashMap::new(),
+            streams: FxHashMap::default(),
             events: EventBook::default(),
             clock: 0,
             gpu_lag_ops,
@@ -368,54 +370,15 @@ impl State {
     /// and per wait (each leaves its queue once), plus O(k) for the k streams a
     /// blocked chain of waits visits.
     fn settle(&mut self, root: StreamId) {
-        let clock = self.clock;
-        // The common case: nothing on `root` is due yet (no allocation).
-        let due = self
-            .streams
-            .get(&root)
-            .and_then(|s| s.queued.front())
-            .is_some_and(|&(_, ready)| ready.is_some_and(|r| r <= clock));
-        if !due {
+        // The common case: `root` alone, never blocked on another stream (no
+        // allocation; nothing due returns at once).
+        let Some(first) = self.settle_alone(root) else {
             return;
-        }
-        let mut visited = vec![root];
-        let mut stack = vec![root];
+        };
+        let mut visited = vec![root, first];
+        let mut stack = vec![root, first];
         while let Some(&id) = stack.last() {
-            let mut blocked_on = None;
-            loop {
-                let (seq, ready, wait) = {
-                    let Some(s) = self.streams.get(&id) else {
-                        break;
-                    };
-                    let Some(&(seq, ready)) = s.queued.front() else {
-                        break;
-                    };
-                    (seq, ready, s.waits.front().copied())
-                };
-                if ready.is_none_or(|r| r > clock) {
-                    break;
-                }
-                // A wait at `position` precedes event `position + 1` onwards.
-                if let Some((_, other, other_seq)) = wait.filter(|w| w.0 < seq) {
-                    let done = self
-                        .streams
-                        .get(&other)
-                        .is_some_and(|o| o.completed >= other_seq);
-                    if !done {
-                        blocked_on = Some(other);
-                        break;
-                    }
-                    if let Some(s) = self.streams.get_mut(&id) {
-                        s.waits.pop_front();
-                    }
-                    continue;
-                }
-                if let Some(s) = self.streams.get_mut(&id) {
-                    s.queued.pop_front();
-                    s.completed = s.completed.max(seq);
-                }
-            }
-            match blocked_on {
+            match self.settle_alone(id) {
                 Some(other) if !visited.contains(&other) => {
                     visited.push(other);
                     stack.push(other);
@@ -423,6 +386,41 @@ impl State {
                 _ => {
                     stack.pop();
                 }
+            }
+        }
+    }
+
+    /// Completes the events of stream `id` whose time has come, in order,
+    /// until one is not due or waits on an event of another stream not yet
+    /// complete: returns that stream (`None` when nothing blocks).
+    fn settle_alone(&mut self, id: StreamId) -> Option<StreamId> {
+        let clock = self.clock;
+        loop {
+            let (seq, ready, wait) = {
+                let s = self.streams.get(&id)?;
+                let &(seq, ready) = s.queued.front()?;
+                (seq, ready, s.waits.front().copied())
+            };
+            if ready.is_none_or(|r| r > clock) {
+                return None;
+            }
+            // A wait at `position` precedes event `position + 1` onwards.
+            if let Some((_, other, other_seq)) = wait.filter(|w| w.0 < seq) {
+                let done = self
+                    .streams
+                    .get(&other)
+                    .is_some_and(|o| o.completed >= other_seq);
+                if !done {
+                    return Some(other);
+                }
+                if let Some(s) = self.streams.get_mut(&id) {
+                    s.waits.pop_front();
+                }
+                continue;
+            }
+            if let Some(s) = self.streams.get_mut(&id) {
+                s.queued.pop_front();
+                s.completed = s.completed.max(seq);
             }
         }
     }
@@ -546,6 +544,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     const G: u64 = 2 << 20;
 
