@@ -245,12 +245,16 @@ fn json_has_exactly_the_listed_fields() {
         "stream_calls_after_first_iteration",
         "copied_bytes",
         "growth_copied_bytes",
+        "grows",
+        "grows_already_mapped",
         "modelled_driver_us",
         "cpu_ns_per_op",
     ];
     want.sort_unstable();
     assert_eq!(keys, want);
     assert!(row["min_capacity_bytes"].is_null());
+    // classic emulates growth: no count of native grows.
+    assert!(row["grows"].is_null() && row["grows_already_mapped"].is_null());
     assert!(row["oom"].is_null());
     let calls = [
         "address_free",

@@ -122,7 +122,10 @@ fn growable_emulation_keeps_the_live_bytes_and_counts_each_copy() {
         assert_eq!(r.peak_live_bytes, 33 * MIB, "{allocator}");
         if allocator == "quilt" {
             assert_eq!(r.growth_copies.bytes, 0);
+            // Two grows (the third asks for the length it has).
+            assert_eq!(r.serving_stats.map(|s| s.grows), Some(2));
         } else {
+            assert_eq!(r.serving_stats, None, "{allocator}");
             // 10 MiB into the 30 MiB block, then 5 MiB into the shrunk one.
             assert_eq!(r.growth_copies.copies, 2, "{allocator}");
             assert_eq!(r.growth_copies.bytes, 15 * MIB, "{allocator}");
