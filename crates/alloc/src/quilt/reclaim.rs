@@ -134,14 +134,10 @@ impl State {
         self.keep_reclaim_queue();
         let mut chosen: Vec<(usize, u64)> = Vec::new();
         while (chosen.len() as u64) < target {
-            let Some(entry) = self.reclaim_queue.pop_front() else {
+            let Some(entry) = self.pop_cached() else {
                 break;
             };
             let (ai, p, stamp) = entry;
-            let slot = self.arenas[ai].slot(p);
-            if !slot.is_cached() || slot.cached_at != stamp {
-                continue;
-            }
             if let Reclaim::Move { cached_before } = mode {
                 if stamp > cached_before {
                     self.reclaim_queue.push_front(entry);
@@ -151,6 +147,20 @@ impl State {
             chosen.push((ai, p));
         }
         self.move_cached(ctx, &chosen, mode == Reclaim::Drain, true)
+    }
+
+    /// The oldest entry of the reclaim queue that is still valid (its page
+    /// cached since that stamp), taken off the queue; stale entries on the
+    /// way are dropped.
+    fn pop_cached(&mut self) -> Option<(usize, u64, u64)> {
+        while let Some(entry) = self.reclaim_queue.pop_front() {
+            let (ai, p, stamp) = entry;
+            let slot = self.arenas[ai].slot(p);
+            if slot.is_cached() && slot.cached_at == stamp {
+                return Some(entry);
+            }
+        }
+        None
     }
 
     /// Unmap up to `want` cached pages of ordinary and tagged arenas other
@@ -173,14 +183,11 @@ impl State {
         let mut chosen: Vec<(usize, u64)> = Vec::new();
         let mut passed: Vec<(usize, u64, u64)> = Vec::new();
         while (chosen.len() as u64) < want {
-            let Some(entry) = self.reclaim_queue.pop_front() else {
+            let Some(entry) = self.pop_cached() else {
                 break;
             };
-            let (ai, p, stamp) = entry;
+            let (ai, p, _) = entry;
             let slot = self.arenas[ai].slot(p);
-            if !slot.is_cached() || slot.cached_at != stamp {
-                continue;
-            }
             if ai == into || self.arena_meta[ai].1 == Kind::Growable {
                 passed.push(entry);
                 continue;
