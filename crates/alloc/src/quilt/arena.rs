@@ -6,12 +6,11 @@
 //! Offsets are relative to the arena's base. The arena keeps:
 //! - `tiling`: its blocks and the maximal free ranges between them (gaps,
 //!   coalesced) in address order, the gaps indexed by (length, start) for
-//!   best fit (see `tiling.rs`);
+//!   best fit, each gap with its hazards: the freed byte ranges in it whose
+//!   streams' work may still use them (see `tiling.rs`);
 //! - `pages[p]`: virtual page `p`: how many blocks touch it, the pool page
 //!   mapped there (one handle, mapped whole at offset 0), and which streams
-//!   freed blocks on it since it was mapped, and when;
-//! - `hazards`: freed byte ranges whose streams' work may still use them,
-//!   start -> [`Hazard`], disjoint and never overlapping an occupied block.
+//!   freed blocks on it since it was mapped, and when.
 //!
 //! Invariants: every page with `touch > 0` is mapped (a block's pages are
 //! always backed); `cached_pages` counts the mapped pages with `touch == 0`,
@@ -19,14 +18,9 @@
 //! `retired_pages` the retired ones (never touched, never mapped to a page
 //! of their own; see [`PageSlot::retired`]).
 
-use std::collections::BTreeMap;
-
 use quilt_pool::Page;
 
-use super::tiling::{PieceId, Tiling};
-
-/// The shortest hazard list worth pruning.
-const PRUNE_MIN: usize = 256;
+use super::tiling::{Hazard, PieceId, Tiling};
 
 /// One virtual page of an arena.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,18 +51,6 @@ impl PageSlot {
     }
 }
 
-/// A freed byte range whose streams' work may still read or write it: a new
-/// block over it on another stream must wait for that work first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Hazard {
-    /// End of the range (exclusive).
-    pub(crate) end: u64,
-    /// The streams that used it (bits, see `Streams::bit`).
-    pub(crate) streams: u64,
-    /// The allocator tick of the free.
-    pub(crate) tick: u64,
-}
-
 /// One arena. See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Arena {
@@ -81,11 +63,6 @@ pub(crate) struct Arena {
     /// Blocks and gaps in address order, gaps by size.
     pub(crate) tiling: Tiling,
     pub(crate) pages: Vec<PageSlot>,
-    pub(crate) hazards: BTreeMap<u64, Hazard>,
-    /// Scratch space of `clear_hazards`, kept to spare an allocation.
-    hazard_scratch: Vec<(u64, Hazard)>,
-    /// Prune `hazards` when it reaches this length.
-    prune_at: usize,
     pub(crate) cached_pages: u64,
     pub(crate) touched_pages: u64,
     pub(crate) mapped_pages: u64,
@@ -101,9 +78,6 @@ impl Arena {
             page,
             tiling: Tiling::new(size),
             pages: Vec::new(),
-            hazards: BTreeMap::new(),
-            hazard_scratch: Vec::new(),
-            prune_at: PRUNE_MIN,
             cached_pages: 0,
             touched_pages: 0,
             mapped_pages: 0,
@@ -371,73 +345,30 @@ impl Arena {
         Some(page)
     }
 
-    /// Note a freed range `off .. off + len` whose `streams` may still use it.
+    /// Note a freed range `off .. off + len` (inside one gap) whose
+    /// `streams` may still use it. Finds the gap by walking the arena from
+    /// its start: for arenas of few pieces (a growable buffer's); the
+    /// allocator's frees add to the gap of the vacated block directly.
     pub(crate) fn add_hazard(&mut self, off: u64, len: u64, streams: u64, tick: u64) {
-        self.hazards.insert(
-            off,
-            Hazard {
-                end: off + len,
-                streams,
-                tick,
-            },
-        );
+        if let Some(id) = self.tiling.find(off) {
+            self.tiling.add_hazard(
+                id,
+                Hazard {
+                    start: off,
+                    end: off + len,
+                    streams,
+                    tick,
+                },
+            );
+        }
     }
 
-    /// The hazards overlapping `off .. off + len`, as (start, hazard).
-    pub(crate) fn hazards_over(
-        &self,
-        off: u64,
-        len: u64,
-    ) -> impl Iterator<Item = (u64, Hazard)> + '_ {
-        let end = off + len;
-        let from = self
-            .hazards
-            .range(..=off)
-            .next_back()
-            .filter(|(_, h)| h.end > off)
-            .map(|(&s, _)| s)
-            .unwrap_or(off);
-        self.hazards
-            .range(from..)
-            .take_while(move |(&s, _)| s < end)
-            .map(|(&s, &h)| (s, h))
-    }
-
-    /// Forget the hazards over `off .. off + len` (a block now covers it and
-    /// its stream is ordered after them), keeping the parts beside it.
-    pub(crate) fn clear_hazards(&mut self, off: u64, len: u64) {
-        if self.hazards.is_empty() {
-            return;
-        }
-        let end = off + len;
-        let mut over = std::mem::take(&mut self.hazard_scratch);
-        over.clear();
-        over.extend(self.hazards_over(off, len));
-        for &(s, h) in &over {
-            if s < off {
-                // The part before the block stays, under the same key.
-                if let Some(kept) = self.hazards.get_mut(&s) {
-                    kept.end = off;
-                }
-            } else {
-                self.hazards.remove(&s);
-            }
-            if h.end > end {
-                self.hazards.insert(end, h);
-            }
-        }
-        self.hazard_scratch = over;
-    }
-
-    /// Forget the hazards whose work is known complete (`done(h)` is true),
-    /// once the list has doubled since the last time: amortised O(1) per
-    /// hazard added.
-    pub(crate) fn prune_hazards(&mut self, mut done: impl FnMut(&Hazard) -> bool) {
-        if self.hazards.len() < self.prune_at {
-            return;
-        }
-        self.hazards.retain(|_, h| !done(h));
-        self.prune_at = (2 * self.hazards.len()).max(PRUNE_MIN);
+    /// The gap holding `off`, walking the arena from its start (see
+    /// [`Arena::add_hazard`]); `None` when a block holds it.
+    pub(crate) fn gap_at(&self, off: u64) -> Option<PieceId> {
+        self.tiling
+            .find(off)
+            .filter(|&id| self.tiling.gap(id).is_some())
     }
 
     /// The virtual address of page `p`.

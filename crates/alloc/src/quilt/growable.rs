@@ -380,20 +380,33 @@ impl State {
             return Err(self.oom(ctx, bytes - g.len, need.len() as u64, 0));
         }
         if to > from {
+            // The growth lies in the gap past the buffer: order the stream
+            // after the hazards there before the gap drops them.
+            let Some(gap) = self.arenas[ai].gap_at(from) else {
+                return Err(AllocError::Internal(format!(
+                    "growable {}: no gap past its extent {from:#x}",
+                    id.0
+                )));
+            };
+            self.order_after_hazards(ctx, ai, (from, gap), to - from, g.stream)?;
+            let hazard = self.arenas[ai]
+                .tiling
+                .hazards_over(gap, from, to - from)
+                .fold((0, 0), |(s, k), h| (s | h.streams, k.max(h.tick)));
             self.set_extent(ai, from, to, None);
-            if let Err(e) = self.order_after_hazards(ctx, ai, from, to - from, g.stream) {
-                self.set_extent(ai, to, from, None);
-                return Err(e);
-            }
             if !need.is_empty() {
                 let backed = self.back_pages(ctx, ai, bytes - g.len, &need, g.stream);
                 if backed.is_err() {
                     self.set_extent(ai, to, from, None);
+                    // The range gets back its hazards, as one.
+                    let (streams, k) = hazard;
+                    if streams != 0 {
+                        self.arenas[ai].add_hazard(from, to - from, streams, k);
+                    }
                 }
                 self.sync_stats(ctx);
                 backed?;
             }
-            self.arenas[ai].clear_hazards(from, to - from);
         }
         let found = (n_to - n_from) - need.len() as u64;
         self.serving.grows += 1;

@@ -24,7 +24,9 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 ///    page handed out is mapped at exactly one virtual page; so a physical
 ///    page backs two different blocks only when they share that very virtual
 ///    page (neighbours on a boundary page).
-/// 5. Hazards are disjoint, inside their arena, and never under a block.
+/// 5. Hazards are kept by the gap that holds them (in address order,
+///    disjoint, never under a block: checked with the tiling), name only
+///    streams seen, and carry a tick not past the allocator's.
 /// 6. Once the reclaim queue is kept (from the first reclaim on), every
 ///    cached page has exactly one valid entry in it, so reclaim can find
 ///    every one of them; before, it is empty.
@@ -121,22 +123,18 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
                 a.touched_pages, a.cached_pages, a.mapped_pages
             ));
         }
-        // 5. hazards.
-        let mut prev_end = 0u64;
-        let mut blocks = a.occupied().peekable();
-        for (&s, h) in &a.hazards {
-            if s < prev_end || h.end <= s || h.end > a.size {
-                return fail(format!(
-                    "arena {ai}: hazard at {s:#x} overlaps or is malformed"
-                ));
-            }
-            prev_end = h.end;
-            // Blocks ending at or before the hazard's start cannot overlap
-            // it nor any later hazard.
-            while blocks.next_if(|&(_, be)| be <= s).is_some() {}
-            if blocks.peek().is_some_and(|&(bs, _)| bs < h.end) {
-                return fail(format!("arena {ai}: hazard at {s:#x} lies under a block"));
-            }
+        // 5. hazards (in order, inside their gap, none on a block: checked
+        // with the tiling).
+        let known = super::streams::Streams::mask_of(st.streams.len() as u32);
+        if let Some(h) = a
+            .tiling
+            .all_hazards()
+            .find(|h| h.tick > st.tick || h.streams & !known != 0)
+        {
+            return fail(format!(
+                "arena {ai}: hazard at {:#x} names unknown streams or a future tick",
+                h.start
+            ));
         }
     }
     // 6. the reclaim queue (empty until the first reclaim builds it).

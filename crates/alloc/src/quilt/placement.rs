@@ -59,13 +59,13 @@ impl Placed {
 }
 
 impl State {
-    /// True when a block on stream `t` over `off .. off + len` of arena `ai`
-    /// would have to wait for another stream's work.
+    /// True when a block on stream `t` over `off .. off + len` of gap `gap`
+    /// in arena `ai` would have to wait for another stream's work.
     pub(super) fn needs_wait(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
-        off: u64,
+        (off, gap): (u64, PieceId),
         len: u64,
         t: u32,
     ) -> bool {
@@ -75,9 +75,9 @@ impl State {
         }
         let tick = self.tick;
         let streams = &mut self.streams;
-        for (_, h) in self.arenas[ai].hazards_over(off, len) {
+        for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
             for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                if streams.waited(t, s) >= h.tick {
+                if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
                     continue;
                 }
                 streams.poll(ctx.vmm, s, tick);
@@ -90,12 +90,12 @@ impl State {
     }
 
     /// Order stream `t` after every other stream's work that may still use
-    /// `off .. off + len` of arena `ai`.
+    /// `off .. off + len` of gap `gap` in arena `ai`.
     pub(super) fn order_after_hazards(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
-        off: u64,
+        (off, gap): (u64, PieceId),
         len: u64,
         t: u32,
     ) -> Result<(), AllocError> {
@@ -104,7 +104,7 @@ impl State {
         }
         let tick = self.tick;
         let streams = &mut self.streams;
-        for (_, h) in self.arenas[ai].hazards_over(off, len) {
+        for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
             for s in streams.in_mask(h.streams).filter(|&s| s != t) {
                 streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
             }
@@ -168,7 +168,7 @@ impl State {
                 (two.next()?, two.next().is_some())
             };
             if more {
-                let score = self.score(ctx, ai, rounded, t, first.0);
+                let score = self.score(ctx, ai, rounded, t, first);
                 if score == PlaceScore::PERFECT {
                     return Some(Placed {
                         off: first.0,
@@ -221,7 +221,7 @@ impl State {
         for (i, &(start, gap)) in candidates.iter().enumerate() {
             let score = match first_score {
                 Some(known) if i == 0 => known,
-                _ => self.score(ctx, ai, rounded, t, start),
+                _ => self.score(ctx, ai, rounded, t, (start, gap)),
             };
             if score == PlaceScore::PERFECT {
                 return Some(Placed {
@@ -242,10 +242,17 @@ impl State {
     }
 
     /// The score of a block of `rounded` bytes on stream `t` at `start` of
-    /// arena `ai`.
-    fn score(&mut self, ctx: &Ctx<'_>, ai: usize, rounded: u64, t: u32, start: u64) -> PlaceScore {
+    /// gap `gap` in arena `ai`.
+    fn score(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        rounded: u64,
+        t: u32,
+        (start, gap): (u64, PieceId),
+    ) -> PlaceScore {
         let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
-        let wait = self.needs_wait(ctx, ai, start, rounded, t);
+        let wait = self.needs_wait(ctx, ai, (start, gap), rounded, t);
         PlaceScore {
             needs_pages: unmapped > 0,
             waits_though_mapped: unmapped == 0 && wait,

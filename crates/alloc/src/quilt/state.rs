@@ -18,7 +18,7 @@ use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
 use super::sleep::Tags;
 use super::streams::Streams;
-use super::tiling::PieceId;
+use super::tiling::{Hazard, PieceId};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
@@ -130,6 +130,10 @@ fn set_stat(stat: &mut Stat, value: u64) {
     }
 }
 
+/// A free prunes its gap's hazards whose work is known complete once the gap
+/// holds more than this many.
+const PRUNE_AT: usize = 8;
+
 impl State {
     /// Cached pages in every arena (mapped, touched by no block): all of them
     /// can be reclaimed, each being one handle mapped alone.
@@ -143,13 +147,9 @@ impl State {
     pub(super) fn stream_index(&mut self, stream: StreamId) -> u32 {
         let (i, new) = self.streams.index(stream);
         if new && self.streams.len() == 2 {
-            let bit = Streams::bit(0);
-            let tick = self.tick;
+            let (bit, tick) = (Streams::bit(0), self.tick);
             for a in &mut self.arenas {
-                let gaps: Vec<(u64, u64)> = a.gaps().collect();
-                for (s, e) in gaps {
-                    a.add_hazard(s, e - s, bit, tick);
-                }
+                a.tiling.add_hazard_to_gaps(bit, tick);
             }
         }
         i
@@ -213,8 +213,10 @@ impl State {
 
     /// Take block `piece` off `off .. off + len` of arena `ai` again (a
     /// failed allocation): its pages lose the touch, nothing is remembered as
-    /// freed.
-    fn undo_occupy(&mut self, ai: usize, piece: PieceId, off: u64, len: u64) {
+    /// freed; the range gets back the hazards it had, as one (`hazard`: the
+    /// streams and latest tick of those dropped when it was occupied; none
+    /// when `hazard.0` is 0).
+    fn undo_occupy(&mut self, ai: usize, piece: PieceId, off: u64, len: u64, hazard: (u64, u64)) {
         let tick = self.tick;
         let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
@@ -224,6 +226,16 @@ impl State {
             }
         });
         self.arenas[ai].vacate_block(piece);
+        let (streams, tick) = hazard;
+        self.arenas[ai].tiling.add_hazard(
+            piece,
+            Hazard {
+                start: off,
+                end: off + len,
+                streams,
+                tick,
+            },
+        );
     }
 
     /// Allocate `size` bytes on `stream`.
@@ -271,26 +283,32 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
         let (off, gap) = (placed.off, placed.gap);
+        // Order the stream after the hazards under the block (placement may
+        // have found this operation that none needs a wait) before the gap
+        // drops them; a failure changes nothing else. (A single stream has
+        // no hazards.)
+        let mut hazard = (0, 0);
+        if self.streams.len() > 1 {
+            if !placed.wait_free {
+                self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
+            }
+            hazard = self.arenas[ai]
+                .tiling
+                .hazards_over(gap, off, rounded)
+                .fold(hazard, |(s, k), h| (s | h.streams, k.max(h.tick)));
+        }
         let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
             return Err(AllocError::Internal(format!(
                 "placement chose {off:#x} (+{rounded:#x}) outside its gap"
             )));
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
-        // Placement may have found this operation that no wait is needed.
-        if !placed.wait_free {
-            if let Err(e) = self.order_after_hazards(ctx, ai, off, rounded, si) {
-                self.undo_occupy(ai, piece, off, rounded);
-                return Err(e);
-            }
-        }
-        self.arenas[ai].clear_hazards(off, rounded);
         if unmapped > 0 {
             let (first, last) = self.arenas[ai].page_span(off, rounded);
             let need = self.arenas[ai].unmapped_in(first, last);
             let backed = self.back_pages(ctx, ai, size, &need, si);
             if backed.is_err() {
-                self.undo_occupy(ai, piece, off, rounded);
+                self.undo_occupy(ai, piece, off, rounded, hazard);
             }
             self.sync_stats(ctx);
             backed?;
@@ -343,17 +361,27 @@ impl State {
                 queue.push_back((ai, p, tick))
             }
         });
-        if track {
-            a.add_hazard(b.off, b.size, b.streams, tick);
-        }
         a.vacate_block(b.piece);
+        if track {
+            // The block's piece is now the gap that holds it.
+            a.tiling.add_hazard(
+                b.piece,
+                Hazard {
+                    start: b.off,
+                    end: b.off + b.size,
+                    streams: b.streams,
+                    tick,
+                },
+            );
+        }
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick, track);
         }
-        if track {
+        if track && self.arenas[ai].tiling.gap_hazards(b.piece).len() > PRUNE_AT {
+            // Forget the gap's hazards whose work is known complete.
             let streams = &self.streams;
-            self.arenas[ai].prune_hazards(|h| {
-                streams
+            self.arenas[ai].tiling.retain_hazards(b.piece, |h| {
+                !streams
                     .in_mask(h.streams)
                     .all(|s| streams.is_done(s, h.tick))
             });

@@ -125,6 +125,15 @@ impl Streams {
         1 << i.min(63)
     }
 
+    /// The bits of the first `n` streams (see [`Streams::bit`]).
+    pub(crate) fn mask_of(n: u32) -> u64 {
+        match n {
+            0 => 0,
+            1..=63 => (1u64 << n) - 1,
+            _ => u64::MAX,
+        }
+    }
+
     /// The indices of the streams in `mask` (borrowing nothing: the caller
     /// may change the streams while it walks them).
     pub(crate) fn in_mask(&self, mask: u64) -> impl Iterator<Item = u32> {

@@ -10,10 +10,21 @@
 //! their own record of it (the allocator keeps it with the block), a gap's
 //! through the size index.
 //!
+//! Each gap keeps its own [`Hazard`]s: freed byte ranges inside it whose
+//! streams' work may still use them (a short list in address order, kept
+//! with the gap's slot: no search, and its capacity stays with the slot, so
+//! steady state allocates nothing). Occupying part of a gap hands the
+//! hazards before and after the block to the gaps left beside it and drops
+//! those under the block (the caller orders the block's stream after them
+//! first, see [`Tiling::hazards_over`]); vacating a block joins the lists of
+//! the gaps it coalesces with.
+//!
 //! Invariants ([`Tiling::check`]): the pieces cover `0 .. size` exactly, in
 //! order, none empty; no two gaps are adjacent (a vacated block coalesces
 //! with the gaps beside it); the size index holds every gap, and only gaps,
-//! as `(length, start) -> piece`; the block count counts the blocks.
+//! as `(length, start) -> piece`; the block count counts the blocks; a gap's
+//! hazards are non-empty, disjoint, in address order and inside the gap; a
+//! block has none.
 
 use std::collections::BTreeMap;
 
@@ -22,6 +33,20 @@ pub(crate) type PieceId = u32;
 
 /// No piece (the end of the list).
 const NIL: PieceId = PieceId::MAX;
+
+/// A freed byte range whose streams' work may still read or write it: a new
+/// block over it on another stream must wait for that work first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Hazard {
+    /// Start of the range.
+    pub(crate) start: u64,
+    /// End of the range (exclusive).
+    pub(crate) end: u64,
+    /// The streams that used it (bits, see `Streams::bit`).
+    pub(crate) streams: u64,
+    /// The allocator tick of the free.
+    pub(crate) tick: u64,
+}
 
 /// One piece: a block or a gap.
 #[derive(Clone, Copy, Debug)]
@@ -48,6 +73,9 @@ pub(crate) struct Tiling {
     /// at or past `(len, 0)` (smallest gap, lowest address among equals).
     by_size: BTreeMap<(u64, u64), PieceId>,
     blocks: usize,
+    /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
+    /// block or a vacant slot); parallel to `pieces`.
+    hazards: Vec<Vec<Hazard>>,
 }
 
 impl Tiling {
@@ -83,6 +111,7 @@ impl Tiling {
             }
             None => {
                 self.pieces.push(p);
+                self.hazards.push(Vec::new());
                 (self.pieces.len() - 1) as PieceId
             }
         }
@@ -153,6 +182,81 @@ impl Tiling {
         self.get(id).filter(|p| p.free).map(|p| (p.start, p.end))
     }
 
+    /// The hazards of gap `id` overlapping `off .. off + len` (none for a
+    /// block or no piece).
+    pub(crate) fn hazards_over(
+        &self,
+        id: PieceId,
+        off: u64,
+        len: u64,
+    ) -> impl Iterator<Item = &Hazard> + '_ {
+        let end = off.saturating_add(len);
+        self.hazards
+            .get(id as usize)
+            .map_or(&[][..], Vec::as_slice)
+            .iter()
+            .skip_while(move |h| h.end <= off)
+            .take_while(move |h| h.start < end)
+    }
+
+    /// The hazards of gap `id`.
+    pub(crate) fn gap_hazards(&self, id: PieceId) -> &[Hazard] {
+        self.hazards.get(id as usize).map_or(&[][..], Vec::as_slice)
+    }
+
+    /// Every hazard, in address order.
+    pub(crate) fn all_hazards(&self) -> impl Iterator<Item = &Hazard> + '_ {
+        let mut id = self.head;
+        std::iter::from_fn(move || {
+            let p = self.get(id)?;
+            let list = &self.hazards[id as usize];
+            id = p.next;
+            Some(list.iter())
+        })
+        .flatten()
+    }
+
+    /// Note the hazard `h` in gap `id`, in address order (nothing when `id`
+    /// is no gap or `h` is empty; `h` must lie inside the gap, overlapping
+    /// none of its hazards).
+    pub(crate) fn add_hazard(&mut self, id: PieceId, h: Hazard) {
+        if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
+            return;
+        }
+        let list = &mut self.hazards[id as usize];
+        let at = list.partition_point(|x| x.start < h.start);
+        list.insert(at, h);
+    }
+
+    /// Keep only the hazards of gap `id` for which `keep` is true.
+    pub(crate) fn retain_hazards(&mut self, id: PieceId, keep: impl FnMut(&Hazard) -> bool) {
+        if let Some(list) = self.hazards.get_mut(id as usize) {
+            list.retain(keep);
+        }
+    }
+
+    /// Make every gap a hazard of `streams` at `tick` (its hazards so far,
+    /// if any, are joined into it: conservative).
+    pub(crate) fn add_hazard_to_gaps(&mut self, streams: u64, tick: u64) {
+        let mut id = self.head;
+        while let Some(&p) = self.get(id) {
+            if p.free {
+                let list = &mut self.hazards[id as usize];
+                let (s, k) = list
+                    .iter()
+                    .fold((streams, tick), |(s, k), h| (s | h.streams, k.max(h.tick)));
+                list.clear();
+                list.push(Hazard {
+                    start: p.start,
+                    end: p.end,
+                    streams: s,
+                    tick: k,
+                });
+            }
+            id = p.next;
+        }
+    }
+
     /// The range of block `id`; `None` when `id` is no block.
     pub(crate) fn block(&self, id: PieceId) -> Option<(u64, u64)> {
         self.get(id).filter(|p| !p.free).map(|p| (p.start, p.end))
@@ -188,7 +292,8 @@ impl Tiling {
     }
 
     /// Occupy `off .. off + len` of gap `gap` with a block: the parts of the
-    /// gap before and after it stay gaps. Returns the block's piece, or
+    /// gap before and after it stay gaps, with the hazards over them (cut at
+    /// the block); the hazards under the block are dropped. Returns the block's piece, or
     /// `None` (changing nothing) when `gap` is no gap, `len` is 0 or the
     /// range does not lie inside it.
     pub(crate) fn occupy(&mut self, gap: PieceId, off: u64, len: u64) -> Option<PieceId> {
@@ -204,18 +309,45 @@ impl Tiling {
         b.start = off;
         b.end = end;
         b.free = false;
+        let (mut left, mut right) = (NIL, NIL);
         if off > g.start {
-            let left = self.new_piece(g.start, off, true);
+            left = self.new_piece(g.start, off, true);
             self.link_after(g.prev, left);
             self.by_size.insert((off - g.start, g.start), left);
         }
         if end < g.end {
-            let right = self.new_piece(end, g.end, true);
+            right = self.new_piece(end, g.end, true);
             self.link_after(gap, right);
             self.by_size.insert((g.end - end, end), right);
         }
+        if !self.hazards[gap as usize].is_empty() {
+            self.split_hazards(gap, left, right, off, end);
+        }
         self.blocks += 1;
         Some(gap)
+    }
+
+    /// Hand the hazards of the gap whose slot `block` now holds
+    /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
+    /// none), cut at the block; drop those under it.
+    fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
+        let mut list = std::mem::take(&mut self.hazards[block as usize]);
+        if left != NIL {
+            let to = &mut self.hazards[left as usize];
+            to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
+                end: h.end.min(off),
+                ..h
+            }));
+        }
+        if right != NIL {
+            let to = &mut self.hazards[right as usize];
+            to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
+                start: h.start.max(end),
+                ..h
+            }));
+        }
+        list.clear();
+        self.hazards[block as usize] = list;
     }
 
     /// Vacate block `id`: it becomes a gap, coalesced with the gaps beside
@@ -228,11 +360,24 @@ impl Tiling {
             self.by_size.remove(&(p.end - p.start, p.start));
             self.remove_piece(b.prev);
             start = p.start;
+            if !self.hazards[b.prev as usize].is_empty() {
+                // The gap before comes first: its hazards go in front.
+                let mut before = std::mem::take(&mut self.hazards[b.prev as usize]);
+                let mine = &mut self.hazards[id as usize];
+                before.append(mine);
+                std::mem::swap(mine, &mut before);
+                self.hazards[b.prev as usize] = before;
+            }
         }
         if let Some(&n) = self.get(b.next).filter(|n| n.free) {
             self.by_size.remove(&(n.end - n.start, n.start));
             self.remove_piece(b.next);
             end = n.end;
+            if !self.hazards[b.next as usize].is_empty() {
+                let mut after = std::mem::take(&mut self.hazards[b.next as usize]);
+                self.hazards[id as usize].append(&mut after);
+                self.hazards[b.next as usize] = after;
+            }
         }
         let g = &mut self.pieces[id as usize];
         g.start = start;
@@ -275,6 +420,20 @@ impl Tiling {
                     p.start, p.end
                 ));
             }
+            let hz = &self.hazards[id as usize];
+            if !p.free && !hz.is_empty() {
+                return Err(format!("block at {:#x} has hazards", p.start));
+            }
+            let mut at = p.start;
+            for h in hz {
+                if h.start < at || h.end <= h.start || h.end > p.end || h.streams == 0 {
+                    return Err(format!(
+                        "gap at {:#x}: hazard {:#x}..{:#x} out of order, empty or outside",
+                        p.start, h.start, h.end
+                    ));
+                }
+                at = h.end;
+            }
             if p.free {
                 if last_free {
                     return Err(format!("uncoalesced gap at {:#x}", p.start));
@@ -307,6 +466,14 @@ impl Tiling {
         }
         if live + self.vacant.len() != self.pieces.len() {
             return Err("vacant slots out of date".into());
+        }
+        if self.hazards.len() != self.pieces.len()
+            || self
+                .vacant
+                .iter()
+                .any(|&v| !self.hazards[v as usize].is_empty())
+        {
+            return Err("hazards of vacant slots or slots out of date".into());
         }
         Ok(())
     }
@@ -369,10 +536,17 @@ mod tests {
             let mut t = Tiling::new(size);
             let mut model: Map<u64, u64> = Map::new();
             let mut ids: Map<u64, PieceId> = Map::new();
-            for (kind, len, pick) in ops {
+            // The hazards, byte by byte: a freed block's bytes carry the
+            // step of its free until a block covers them again.
+            let mut freed: Map<u64, u64> = Map::new();
+            for (step, (kind, len, pick)) in ops.into_iter().enumerate() {
+                let step = step as u64 + 1;
                 if kind == 0 && !ids.is_empty() {
                     let (&s, &id) = ids.iter().nth(pick as usize % ids.len()).unwrap();
-                    prop_assert_eq!(t.vacate(id), Some((s, model[&s])));
+                    let e = model[&s];
+                    prop_assert_eq!(t.vacate(id), Some((s, e)));
+                    t.add_hazard(id, Hazard { start: s, end: e, streams: 1 << (pick % 3), tick: step });
+                    freed.extend((s..e).map(|b| (b, step)));
                     model.remove(&s);
                     ids.remove(&s);
                 } else {
@@ -382,6 +556,16 @@ mod tests {
                     prop_assert_eq!(best, found.map(|(s, e, _)| (s, e)));
                     if let Some((s, e, id)) = found {
                         let off = s + (pick % (e - s - len + 1));
+                        // What the block must be ordered after: exactly the
+                        // freed bytes under it.
+                        let under: std::collections::BTreeSet<u64> = t
+                            .hazards_over(id, off, len)
+                            .flat_map(|h| (h.start.max(off)..h.end.min(off + len)).map(move |_| h.tick))
+                            .collect();
+                        let want: std::collections::BTreeSet<u64> =
+                            freed.range(off..off + len).map(|(_, &k)| k).collect();
+                        prop_assert_eq!(under, want);
+                        freed.retain(|&b, _| b < off || b >= off + len);
                         let b = t.occupy(id, off, len).unwrap();
                         model.insert(off, off + len);
                         ids.insert(off, b);
@@ -391,6 +575,11 @@ mod tests {
                 let gaps: Vec<(u64, u64)> = t.pieces().filter(|p| p.2).map(|p| (p.0, p.1)).collect();
                 prop_assert_eq!(gaps, gaps_of(&model, size));
                 prop_assert_eq!(t.block_count(), model.len());
+                let bytes: Map<u64, u64> = t
+                    .all_hazards()
+                    .flat_map(|h| (h.start..h.end).map(move |b| (b, h.tick)))
+                    .collect();
+                prop_assert_eq!(&bytes, &freed);
                 prop_assert_eq!(t.last_gap().map(|g| (g.0, g.1)), gaps_of(&model, size).last().copied());
             }
         }
