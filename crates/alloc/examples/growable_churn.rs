@@ -2,7 +2,8 @@
 //! operations behind the host): 64 requests at a time, each a growable
 //! buffer of at most 1 GiB grown 640 KiB per step to a random length of 32
 //! to 800 MiB, then released and replaced; 20 000 steps. One line per
-//! policy (map-ahead off / inline 1 or 4 pages / background 1 page; released
+//! policy (map-ahead off / inline up to 1 or 8 pages / the default worker,
+//! up to 8 pages; pages ahead only from free pool pages; released
 //! ranges recycled or not): the share of grows that found their pages
 //! mapped, VMM calls, maps, syncs, waits, modelled driver time, efficiency
 //! (peak allocated / peak reserved) and host ns per `grow_to`.
@@ -83,24 +84,25 @@ fn run(ahead: MapAhead, recycle: Recycle, label: &str) -> Result<(), Box<dyn std
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Map-ahead as by default (pages only from free pool pages), inline
+    // with two bounds, and the default worker.
     let inline = |pages| MapAhead {
         pages,
-        below_per_mille: 900,
         mode: AheadMode::Inline,
-    };
-    let background = MapAhead {
-        pages: 1,
-        below_per_mille: 900,
-        mode: AheadMode::Background,
+        ..MapAhead::default()
     };
     for (recycle, name) in [
         (Recycle::OFF, "recycle off"),
         (Recycle { max_buffers: 64 }, "recycle 64 "),
     ] {
         run(MapAhead::OFF, recycle, &format!("{name}, map-ahead off  "))?;
-        run(inline(1), recycle, &format!("{name}, inline 1 page  "))?;
-        run(inline(4), recycle, &format!("{name}, inline 4 pages "))?;
-        run(background, recycle, &format!("{name}, background 1  "))?;
+        run(inline(1), recycle, &format!("{name}, inline up to 1 "))?;
+        run(inline(8), recycle, &format!("{name}, inline up to 8 "))?;
+        run(
+            MapAhead::default(),
+            recycle,
+            &format!("{name}, background 8  "),
+        )?;
     }
     Ok(())
 }

@@ -450,7 +450,40 @@ fn growable_map_ahead_inline_serves_each_growth_from_mapped_pages() {
     let st = a.serving_stats();
     assert_eq!((st.grows, st.grows_already_mapped), (10, 10));
     assert_eq!(st.pages_mapped_on_grow, 0);
-    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 24 * MIB);
+    // Its steps reach one page each: one page is kept ahead (of at most 2).
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 22 * MIB);
+    drop(buf);
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_map_ahead_follows_the_last_step_up_to_its_bound() {
+    let (s, a) = sim(512 * MIB);
+    a.set_map_ahead(ahead_policy(4, 0, AheadMode::Manual))
+        .unwrap();
+    // Free pool pages to map ahead from: a released buffer's.
+    let other = GrowableBuffer::new(a.clone(), 64 * MIB, StreamId(1)).unwrap();
+    other.grow_to(64 * MIB).unwrap();
+    other.release().unwrap();
+    s.complete_all();
+    let buf = GrowableBuffer::new(a.clone(), 256 * MIB, StreamId(1)).unwrap();
+    let mapped = |a: &QuiltAllocator| a.growable_info(buf.id()).unwrap().mapped_bytes;
+    // No step seen yet: the bound, 4 pages.
+    assert_eq!(a.map_ahead_now().unwrap(), 4);
+    // The first growth (from empty: a prompt, not a step) changes nothing.
+    buf.grow_to(20 * MIB).unwrap();
+    assert_eq!(a.map_ahead_now().unwrap(), 4);
+    assert_eq!(mapped(&a), 28 * MIB);
+    // A step of 3 pages: 3 kept ahead.
+    buf.grow_to(26 * MIB).unwrap();
+    a.map_ahead_now().unwrap();
+    assert_eq!(mapped(&a), 32 * MIB);
+    // A step of 6 pages: the bound, 4.
+    buf.grow_to(38 * MIB).unwrap();
+    a.map_ahead_now().unwrap();
+    assert_eq!(mapped(&a), 46 * MIB);
+    a.check_invariants().unwrap();
     drop(buf);
     drop(a);
     assert!(s.leak_report().is_empty(), "{}", s.leak_report());
@@ -708,17 +741,51 @@ fn growable_default_map_ahead_maps_only_free_pool_pages() {
     // the buffer uses.
     assert_eq!(a.map_ahead_now().unwrap(), 0);
     assert_eq!(a.pool().total_pages(), 2);
-    // A released buffer's pages are free in the pool: one is mapped ahead.
+    // A released buffer's pages are free in the pool: both are mapped ahead
+    // (of the 8 wanted: no step seen yet), the nearest first.
     let other = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(1)).unwrap();
     other.grow_to(4 * MIB).unwrap();
     other.release().unwrap();
     assert_eq!(a.pool().free_pages(), 2);
-    assert_eq!(a.map_ahead_now().unwrap(), 1);
+    assert_eq!(a.map_ahead_now().unwrap(), 2);
     assert_eq!(a.pool().total_pages(), 4);
-    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 6 * MIB);
+    assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 8 * MIB);
     a.check_invariants().unwrap();
     drop(buf);
     s.complete_all();
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
+#[test]
+fn growable_map_ahead_leaves_a_free_page_for_each_other_buffer() {
+    let (s, a) = sim(64 * MIB);
+    a.set_map_ahead(ahead_policy(4, 0, AheadMode::Manual))
+        .unwrap();
+    let x = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    let y = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    let z = GrowableBuffer::new(a.clone(), 32 * MIB, StreamId(1)).unwrap();
+    x.grow_to(2 * MIB).unwrap();
+    y.grow_to(2 * MIB).unwrap();
+    // Three free pages: z's release.
+    z.grow_to(6 * MIB).unwrap();
+    z.release().unwrap();
+    s.complete_all();
+    assert_eq!(a.pool().free_pages(), 3);
+    // Two live buffers: each maps ahead only what leaves one free page for
+    // the other's next growth (a page taken from it would come back at once):
+    // x takes 2 of the 4 it wants, y none.
+    assert_eq!(a.map_ahead_now().unwrap(), 2);
+    assert_eq!(a.pool().free_pages(), 1);
+    assert_eq!(a.growable_info(y.id()).unwrap().mapped_bytes, 2 * MIB);
+    let before = s.driver_stats();
+    y.grow_to(4 * MIB).unwrap(); // the kept page: no page ahead taken back
+    let since = s.driver_stats().since(&before);
+    assert_eq!(since.count(CallKind::Unmap), 0, "{since:?}");
+    assert_eq!(since.count(CallKind::Create), 0, "{since:?}");
+    assert_eq!(a.serving_stats().spare_pages_reclaimed, 0);
+    a.check_invariants().unwrap();
+    drop((x, y));
     drop(a);
     assert!(s.leak_report().is_empty(), "{}", s.leak_report());
 }

@@ -16,7 +16,7 @@
 //! | `reuse_limit` | a whole number (0: no limit), with a `frag_limit` above 0 | [`Placement::GmlakeLimits`]'s `reuse_limit` |
 //! | `growth_divisor` | pages held per page of margin; 0: exactly what is needed | [`GrowthPolicy`] |
 //! | `access_per_map` | `true` / `false` | [`QuiltConfig::access`]: [`AccessGranularity::PerPage`] / [`AccessGranularity::PerRange`] |
-//! | `map_ahead_pages` | pages mapped past each growable buffer's end (0: none) | [`QuiltConfig::map_ahead`] |
+//! | `map_ahead_pages` | the most pages mapped past each growable buffer's end, following its last step (0: none) | [`QuiltConfig::map_ahead`] |
 //! | `map_ahead_mode` | `background`, `inline`, `manual` | its [`AheadMode`] |
 //! | `map_ahead_permille` | 0 to 1000: grow the pool for pages ahead while it is below this share of its limit (0: free pool pages only) | its bound |
 //! | `recycle_buffers` | released growable ranges kept (0: none) | [`QuiltConfig::recycle`] |

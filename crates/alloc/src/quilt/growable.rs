@@ -54,14 +54,18 @@ pub struct GrowableInfo {
 /// How many pages past its end a growable buffer keeps mapped ahead of its
 /// growth, and who maps them.
 ///
-/// Pages mapped ahead come only from the pool's free pages or from growth
-/// while the pool holds less than `below_per_mille` thousandths of its limit
-/// (under memory pressure nothing is mapped ahead), and they are the first
-/// cached pages reclaimed. A shrink keeps up to `pages` of the pages it
-/// leaves mapped, as if mapped ahead.
+/// A buffer keeps as many pages ahead as its last step reached (a growth
+/// from a non-empty length: a KV cache's decode step, not its prompt),
+/// `pages` before its first step, and never more than `pages`. They come
+/// only from the pool's free pages (leaving one for each other live
+/// buffer's next growth), or from growth while the pool holds less than
+/// `below_per_mille` thousandths of its limit, and they are the
+/// first cached pages reclaimed (before the pool grows, and before any
+/// other cached page when it cannot). A shrink keeps as many of the pages
+/// it leaves mapped, as if mapped ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapAhead {
-    /// Pages kept mapped past each buffer's end (0: none).
+    /// The most pages kept mapped past each buffer's end (0: none).
     pub pages: u64,
     /// Also grow the pool for pages ahead while it holds less than this many
     /// thousandths of its limit (0: only pages already free in the pool).
@@ -91,13 +95,14 @@ impl MapAhead {
 }
 
 impl Default for MapAhead {
-    /// One page ahead of each buffer, mapped in the background from pages
-    /// the pool already holds free: mapping ahead is a bet on latency and
-    /// never makes the pool grow (`below_per_mille` 0), so it adds no memory
-    /// to what the buffers' growth needs.
+    /// Each buffer's last step ahead, at most 8 pages (16 MiB at 2 MiB
+    /// pages: the step of a 7B model's KV cache for 32 tokens), mapped in
+    /// the background from pages the pool already holds free: mapping ahead
+    /// is a bet on latency and never makes the pool grow (`below_per_mille`
+    /// 0), so it adds no memory to what the buffers' growth needs.
     fn default() -> Self {
         MapAhead {
-            pages: 1,
+            pages: 8,
             below_per_mille: 0,
             mode: AheadMode::Background,
         }
@@ -190,6 +195,10 @@ pub(crate) struct GrowRec {
     pub(crate) streams: u64,
     /// Its tag (index), if any.
     pub(crate) tag: Option<u32>,
+    /// Pages its last step reached (a growth from a non-empty length;
+    /// `u64::MAX` before the first): the step the next one is expected to
+    /// repeat.
+    pub(crate) step_pages: u64,
 }
 
 impl GrowRec {
@@ -270,6 +279,7 @@ impl State {
                 stream: si,
                 streams: Streams::bit(si),
                 tag,
+                step_pages: u64::MAX,
             },
         );
         self.stats.allocation.increase(1);
@@ -420,9 +430,18 @@ impl State {
         self.stats.requested_bytes.increase(bytes - g.len);
         if let Some(rec) = self.growables.get_mut(&id.0) {
             rec.len = bytes;
+            if n_to > n_from && from > 0 {
+                rec.step_pages = n_to - n_from;
+            }
         }
         self.sync_arena_stats(ctx);
         Ok(())
+    }
+
+    /// The pages kept mapped past buffer `g`'s end: as many as its last
+    /// growth reached, at most [`MapAhead::pages`].
+    fn ahead_pages(&self, g: &GrowRec) -> u64 {
+        self.map_ahead.pages.min(g.step_pages)
     }
 
     /// Shrink buffer `id` to `bytes`: the pages it leaves stay mapped as
@@ -471,7 +490,7 @@ impl State {
         if let Some(rec) = self.growables.get_mut(&id.0) {
             rec.len = bytes;
         }
-        let spare = self.spare_pages_of(ai, bytes, self.map_ahead.pages);
+        let spare = self.spare_pages_of(ai, bytes, self.ahead_pages(&g));
         let done: Vec<(usize, u64)> = spare
             .into_iter()
             .filter(|&(ai, p)| {
@@ -554,11 +573,12 @@ impl State {
         moved.map(|_| ())
     }
 
-    /// Map up to [`MapAhead::pages`] pages past buffer `id`'s end that are
-    /// not mapped yet, from free pool pages, or from growth while the pool
-    /// stays below [`MapAhead::below_per_mille`] of its limit; nothing under
-    /// memory pressure, and nothing for a sleeping tag's buffer. The pages are
-    /// spare pages: cached, first to be reclaimed. Returns the pages mapped.
+    /// Map the pages among the buffer's `ahead_pages` past buffer `id`'s end
+    /// that are not mapped yet: from free pool pages beyond one per other
+    /// live buffer (the nearest pages they cover), or from growth while the
+    /// pool stays below [`MapAhead::below_per_mille`] of its limit; nothing
+    /// for a sleeping tag's buffer. The pages are spare pages: cached, first
+    /// to be reclaimed. Returns the pages mapped.
     pub(crate) fn map_ahead_for(
         &mut self,
         ctx: &Ctx<'_>,
@@ -573,28 +593,35 @@ impl State {
         let policy = self.map_ahead;
         let a = &self.arenas[g.arena];
         let first = g.extent().div_ceil(ctx.page);
-        let end = (first + policy.pages).min(g.max / ctx.page);
+        let end = (first + self.ahead_pages(&g)).min(g.max / ctx.page);
         // Stop at a retired page: mapping there would wait for its work.
-        let need: Vec<u64> = (first..end)
+        let mut need: Vec<u64> = (first..end)
             .take_while(|&p| !a.slot(p).retired)
             .filter(|&p| a.slot(p).phys.is_none())
             .collect();
-        let n = need.len() as u64;
-        if n == 0 {
-            return Ok(0);
-        }
-        let free = ctx.pool.free_pages();
-        if free < n {
-            let after = ctx.pool.total_pages() + (n - free);
-            if after.saturating_mul(1000)
-                > ctx
+        // Keep one free page for each other live buffer's next growth: pages
+        // ahead taken from what that growth needs would come back at once.
+        let free = ctx
+            .pool
+            .free_pages()
+            .saturating_sub(self.growables.len() as u64 - 1);
+        let wanted = need.len() as u64;
+        if free < wanted {
+            let after = ctx.pool.total_pages() + (wanted - free);
+            let grown = after.saturating_mul(1000)
+                <= ctx
                     .pool
                     .limit_pages()
                     .saturating_mul(policy.below_per_mille)
-                || !self.try_grow(ctx, n - free)?
-            {
-                return Ok(0);
+                && self.try_grow(ctx, wanted - free)?;
+            if !grown {
+                // The nearest pages the free ones cover.
+                need.truncate(free.min(usize::MAX as u64) as usize);
             }
+        }
+        let n = need.len() as u64;
+        if n == 0 {
+            return Ok(0);
         }
         self.tick += 1;
         let backed = self.back_pages(ctx, g.arena, n * ctx.page, &need, g.stream);
