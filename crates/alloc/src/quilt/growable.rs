@@ -128,9 +128,9 @@ impl Recycle {
 }
 
 impl Default for Recycle {
-    /// None kept: on a churn of growing KV caches (`examples/growable_churn.rs`)
-    /// keeping 64 saved 6 % of the driver calls but held 7 % more memory
-    /// (pages kept mapped in released ranges while the pool grew), see
+    /// None kept: on `quilt-bench`'s `llm-serving-growable` keeping 64 saved
+    /// 15 % of the driver calls but held 4.6 % more memory (pages kept
+    /// mapped in released ranges while the pool grew), see
     /// `docs/serving.md`.
     fn default() -> Self {
         Recycle::OFF
