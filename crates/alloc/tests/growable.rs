@@ -50,6 +50,13 @@ fn quilt(vmm: Arc<dyn Vmm>, limit: u64) -> Arc<QuiltAllocator> {
     a
 }
 
+/// Drop the allocator (its last handle) and check that it left nothing
+/// behind on the simulated device.
+fn assert_no_leaks_once_dropped(s: &SimVmm, a: Arc<QuiltAllocator>) {
+    drop(a);
+    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+}
+
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| seed.wrapping_add((i % 251) as u8))
@@ -249,8 +256,7 @@ fn growable_shrunk_pages_reused_on_another_stream_wait_never_sync() {
     drop(buf);
     drop(buf2);
     a.check_invariants().unwrap();
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -295,8 +301,7 @@ fn growable_release_with_pending_work_frees_its_range_later() {
     again.grow_to(8 * MIB).unwrap();
     a.check_invariants().unwrap();
     drop(again);
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[derive(Clone, Debug)]
@@ -453,8 +458,7 @@ fn growable_map_ahead_inline_serves_each_growth_from_mapped_pages() {
     // Its steps reach one page each: one page is kept ahead (of at most 2).
     assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 22 * MIB);
     drop(buf);
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -485,8 +489,7 @@ fn growable_map_ahead_follows_the_last_step_up_to_its_bound() {
     assert_eq!(mapped(&a), 46 * MIB);
     a.check_invariants().unwrap();
     drop(buf);
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -560,8 +563,7 @@ fn growable_map_ahead_background_worker_maps_and_stops_with_the_allocator() {
     buf.grow_to(6 * MIB).unwrap();
     assert!(a.serving_stats().grows_already_mapped >= 1);
     drop(buf);
-    drop(a); // stops and joins the worker
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a); // stops and joins the worker
 }
 
 #[test]
@@ -676,8 +678,7 @@ fn growable_released_range_serves_the_next_buffer_on_its_mapped_pages() {
     assert!(a.serving_stats().spare_pages_reclaimed >= 10);
     a.free(all.ptr).unwrap();
     a.check_invariants().unwrap();
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -722,8 +723,7 @@ fn growable_growth_moves_done_cached_pages_before_the_pool_grows() {
     a.check_invariants().unwrap();
     drop(buf);
     s.complete_all();
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -753,8 +753,7 @@ fn growable_default_map_ahead_maps_only_free_pool_pages() {
     a.check_invariants().unwrap();
     drop(buf);
     s.complete_all();
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }
 
 #[test]
@@ -786,6 +785,5 @@ fn growable_map_ahead_leaves_a_free_page_for_each_other_buffer() {
     assert_eq!(a.serving_stats().spare_pages_reclaimed, 0);
     a.check_invariants().unwrap();
     drop((x, y));
-    drop(a);
-    assert!(s.leak_report().is_empty(), "{}", s.leak_report());
+    assert_no_leaks_once_dropped(&s, a);
 }

@@ -38,7 +38,7 @@ impl State {
         }
         let n = need.len() as u64;
         let pages_for = match self.arena_meta[ai].1 {
-            Kind::Growable => PagesFor::Mapping { into: ai },
+            Kind::Growable => PagesFor::Mapping,
             _ => PagesFor::Block,
         };
         self.obtain_free_pages(ctx, size, n, pages_for)?;

@@ -399,10 +399,7 @@ impl State {
                 )));
             };
             self.order_after_hazards(ctx, ai, (from, gap), to - from, g.stream)?;
-            let hazard = self.arenas[ai]
-                .tiling
-                .hazards_over(gap, from, to - from)
-                .fold((0, 0), |(s, k), h| (s | h.streams, k.max(h.tick)));
+            let hazard = self.arenas[ai].tiling.hazard_union(gap, from, to - from);
             self.set_extent(ai, from, to, None);
             if !need.is_empty() {
                 let backed = self.back_pages(ctx, ai, bytes - g.len, &need, g.stream);

@@ -30,13 +30,14 @@ pub(crate) enum PagesFor {
     /// for the blocks that will land on them again.
     Block,
     /// Pages that no cached page can serve in place: a growable buffer's
-    /// growth (in arena `into`) or a waking tag's pages (`into`:
-    /// `usize::MAX`). A page cached in an ordinary or tagged arena whose
+    /// growth or a waking tag's pages. A page cached in an ordinary or
+    /// tagged arena (never the asking buffer's own, nor a sleeping tag's,
+    /// which holds none) whose
     /// work is known complete is moved before the pool grows: a
     /// `cuMemUnmap` instead of a `cuMemCreate` (26 us against 193 us in the
     /// cost model) and no memory added, where growth would leave that page
     /// idle until the device is full.
-    Mapping { into: usize },
+    Mapping,
 }
 
 impl State {
@@ -72,8 +73,8 @@ impl State {
         if want > 0 && missing(ctx.pool) > 0 {
             self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
         }
-        if let PagesFor::Mapping { into } = pages_for {
-            self.reclaim_done_elsewhere(ctx, missing(ctx.pool), into)?;
+        if pages_for == PagesFor::Mapping {
+            self.reclaim_done_elsewhere(ctx, missing(ctx.pool))?;
         }
         if missing(ctx.pool) == 0 {
             return Ok(());
@@ -163,18 +164,13 @@ impl State {
         None
     }
 
-    /// Unmap up to `want` cached pages of ordinary and tagged arenas other
-    /// than `into`, oldest first, whose work is known complete (no
+    /// Unmap up to `want` cached pages of ordinary and tagged arenas, oldest
+    /// first, whose work is known complete (no
     /// synchronisation, no retirement); the scan stops at the first page
     /// whose work may still run (the pages after it were freed later).
     /// Growable buffers' spare pages are not taken here. Returns the pages
     /// gained.
-    fn reclaim_done_elsewhere(
-        &mut self,
-        ctx: &Ctx<'_>,
-        want: u64,
-        into: usize,
-    ) -> Result<u64, AllocError> {
+    fn reclaim_done_elsewhere(&mut self, ctx: &Ctx<'_>, want: u64) -> Result<u64, AllocError> {
         if want == 0 || self.cached_pages() == 0 {
             return Ok(0);
         }
@@ -188,7 +184,7 @@ impl State {
             };
             let (ai, p, _) = entry;
             let slot = self.arenas[ai].slot(p);
-            if ai == into || self.arena_meta[ai].1 == Kind::Growable {
+            if self.arena_meta[ai].1 == Kind::Growable {
                 passed.push(entry);
                 continue;
             }

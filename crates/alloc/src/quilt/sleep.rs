@@ -381,8 +381,7 @@ impl State {
             if total > ctx.pool.limit_pages() {
                 return Err(self.oom(ctx, bytes, total, 0));
             }
-            let obtained =
-                self.obtain_free_pages(ctx, bytes, total, PagesFor::Mapping { into: usize::MAX });
+            let obtained = self.obtain_free_pages(ctx, bytes, total, PagesFor::Mapping);
             self.sync_stats(ctx);
             obtained?;
         }

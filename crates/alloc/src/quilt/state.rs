@@ -292,10 +292,7 @@ impl State {
             if !placed.wait_free {
                 self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
             }
-            hazard = self.arenas[ai]
-                .tiling
-                .hazards_over(gap, off, rounded)
-                .fold(hazard, |(s, k), h| (s | h.streams, k.max(h.tick)));
+            hazard = self.arenas[ai].tiling.hazard_union(gap, off, rounded);
         }
         let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
             return Err(AllocError::Internal(format!(

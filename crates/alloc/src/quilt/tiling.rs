@@ -199,6 +199,13 @@ impl Tiling {
             .take_while(move |h| h.start < end)
     }
 
+    /// The hazards of gap `id` over `off .. off + len` as one: the union of
+    /// their streams and their latest tick (`(0, 0)` when there are none).
+    pub(crate) fn hazard_union(&self, id: PieceId, off: u64, len: u64) -> (u64, u64) {
+        self.hazards_over(id, off, len)
+            .fold((0, 0), |(s, k), h| (s | h.streams, k.max(h.tick)))
+    }
+
     /// The hazards of gap `id`.
     pub(crate) fn gap_hazards(&self, id: PieceId) -> &[Hazard] {
         self.hazards.get(id as usize).map_or(&[][..], Vec::as_slice)
@@ -241,10 +248,9 @@ impl Tiling {
         let mut id = self.head;
         while let Some(&p) = self.get(id) {
             if p.free {
+                let (s, k) = self.hazard_union(id, p.start, p.end - p.start);
+                let (s, k) = (s | streams, k.max(tick));
                 let list = &mut self.hazards[id as usize];
-                let (s, k) = list
-                    .iter()
-                    .fold((streams, tick), |(s, k), h| (s | h.streams, k.max(h.tick)));
                 list.clear();
                 list.push(Hazard {
                     start: p.start,
