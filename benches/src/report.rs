@@ -668,7 +668,16 @@ fn min_capacity_chart(
         .filter_map(ratio_of)
         .fold(1.1f64, f64::max)
         * 1.05;
-    let root = SVGBackend::new(path, (1100, 620)).into_drawing_area();
+    // Wide enough that each workload's name fits under its group: about
+    // 7 px per character of the 12 px label font, and a gap between names.
+    let longest = workloads
+        .iter()
+        .map(|w| w.chars().count())
+        .max()
+        .unwrap_or(0);
+    let per_group = (longest as u32 * 7 + 24).max(140);
+    let width = (workloads.len().max(1) as u32 * per_group + 100).max(1100);
+    let root = SVGBackend::new(path, (width, 620)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let groups = workloads.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&root)

@@ -98,6 +98,45 @@ fn ab_on_a_tiny_trace_writes_json_and_charts() {
 }
 
 #[test]
+fn min_capacity_chart_is_wide_enough_for_long_workload_names() {
+    let dir = temp_dir("names");
+    let mut traces = Vec::new();
+    for i in 0..7 {
+        let t = dir.join(format!("a_rather_long_workload_name_number_{i}.trace"));
+        std::fs::write(&t, "a 0 4194304 0\na 1 25165824 0\nf 1\nf 0\n").unwrap();
+        traces.push(t);
+    }
+    let svg = dir.join("charts");
+    let out = bin()
+        .args([
+            "ab",
+            "--allocators",
+            "classic",
+            "--capacity",
+            "1GiB",
+            "--trace",
+        ])
+        .args(&traces)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let body = std::fs::read_to_string(svg.join("min-capacity.svg")).unwrap();
+    let width: u32 = body
+        .strip_prefix("<svg width=\"")
+        .and_then(|r| r.split('"').next())
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no width in {}", &body[..80.min(body.len())]));
+    // 36 characters per name at about 7 px each, seven groups side by side.
+    assert!(
+        width >= 7 * 36 * 7,
+        "{width} px for seven 36-character names"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bad_input_exits_2_with_a_clear_message() {
     let dir = temp_dir("bad");
     let missing = dir.join("missing.trace");
