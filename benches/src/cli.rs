@@ -85,6 +85,10 @@ pub struct ScaleArgs {
     /// Timed steps per point (each a free and an allocate).
     #[arg(long, default_value_t = 20_000)]
     pub steps: u64,
+    /// Runs per point, round robin over the points; each point reports the
+    /// median of its runs.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: u32,
     /// Seed of the sizes and choices.
     #[arg(long, default_value_t = DEFAULT_SEED)]
     pub seed: u64,
@@ -377,25 +381,28 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             for a in &args.allocators {
                 allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
             }
-            if args.live.contains(&0) || args.streams.contains(&0) || args.steps == 0 {
+            if args.live.contains(&0)
+                || args.streams.contains(&0)
+                || args.steps == 0
+                || args.repeat == 0
+            {
                 return Err(CliError::Usage(
-                    "--live, --streams and --steps must be at least 1".into(),
+                    "--live, --streams, --steps and --repeat must be at least 1".into(),
                 ));
             }
-            let mut points = Vec::new();
-            let mut failed = Vec::new();
+            let mut specs = Vec::new();
             for a in &args.allocators {
                 for &live in &args.live {
                     for &streams in &args.streams {
-                        match scale::run_point(a, live, streams, args.steps, args.seed) {
-                            Ok(p) => points.push(p),
-                            Err(e) => {
-                                failed.push(format!("{a}, {live} live, {streams} streams: {e}"))
-                            }
-                        }
+                        specs.push(scale::PointSpec {
+                            allocator: a.clone(),
+                            live,
+                            streams,
+                        });
                     }
                 }
             }
+            let (points, failed) = scale::run_points(&specs, args.steps, args.seed, args.repeat);
             print!("{}", scale::table(&points));
             for f in &failed {
                 println!("failed: {f}");

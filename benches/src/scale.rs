@@ -4,6 +4,11 @@
 //! random live block and allocates a replacement of a fresh size on its
 //! stream. The set is built first (not timed), then `steps` steps are timed
 //! as a whole; the simulated GPU runs behind as in a replay.
+//!
+//! A point is run `repeat` times and reported as the median: the runs go
+//! round robin over the points (each round visits every point once), so that
+//! a change in the machine's load falls on every point alike and the ratios
+//! between points, which are what the figures are for, stay fair.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,8 +33,77 @@ pub struct ScalePoint {
     pub live: u64,
     /// Streams they are spread over.
     pub streams: u64,
-    /// Host nanoseconds per allocate or free (the mean over the timed steps).
+    /// Host nanoseconds per allocate or free: the median over the runs of
+    /// the mean over each run's timed steps.
     pub ns_per_op: f64,
+    /// Each run's mean, in the order they ran.
+    pub runs_ns_per_op: Vec<f64>,
+}
+
+/// One point of a scaling run, to be measured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PointSpec {
+    /// The allocator spec.
+    pub allocator: String,
+    /// Live blocks kept.
+    pub live: u64,
+    /// Streams they are spread over.
+    pub streams: u64,
+}
+
+/// Run every point of `specs` `repeat` times (at least once), round robin,
+/// `steps` timed steps each; returns the points measured (in the order of
+/// `specs`, each with its median) and, for each point that failed, why (a
+/// point that fails once is dropped from later rounds).
+pub fn run_points(
+    specs: &[PointSpec],
+    steps: u64,
+    seed: u64,
+    repeat: u32,
+) -> (Vec<ScalePoint>, Vec<String>) {
+    let mut runs: Vec<Result<Vec<f64>, String>> = vec![Ok(Vec::new()); specs.len()];
+    for _ in 0..repeat.max(1) {
+        for (spec, runs) in specs.iter().zip(runs.iter_mut()) {
+            let Ok(done) = runs else {
+                continue;
+            };
+            match run_once(&spec.allocator, spec.live, spec.streams, steps, seed) {
+                Ok(ns) => done.push(ns),
+                Err(e) => {
+                    *runs = Err(format!(
+                        "{}, {} live, {} streams: {e}",
+                        spec.allocator, spec.live, spec.streams
+                    ))
+                }
+            }
+        }
+    }
+    let mut points = Vec::new();
+    let mut failed = Vec::new();
+    for (spec, runs) in specs.iter().zip(runs) {
+        match runs {
+            Ok(runs) => points.push(ScalePoint {
+                allocator: spec.allocator.clone(),
+                live: spec.live,
+                streams: spec.streams,
+                ns_per_op: median(&runs),
+                runs_ns_per_op: runs,
+            }),
+            Err(e) => failed.push(e),
+        }
+    }
+    (points, failed)
+}
+
+/// The median of `xs` (the mean of the middle two for an even count; 0 when empty).
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// A size of the churn: 512 B to 1 MiB three times in five, 1 to 16 MiB
@@ -48,15 +122,16 @@ fn size(rng: &mut Pcg64Mcg) -> u64 {
 /// Mean bytes of [`size`], for sizing the device.
 const MEAN_SIZE: u64 = 6 << 20;
 
-/// Run one point: `allocator` with `live` blocks over `streams` streams,
-/// `steps` timed steps (each a free and an allocate).
-pub fn run_point(
+/// Run one point once: `allocator` with `live` blocks over `streams`
+/// streams, `steps` timed steps (each a free and an allocate); returns the
+/// host nanoseconds per operation.
+pub fn run_once(
     allocator: &str,
     live: u64,
     streams: u64,
     steps: u64,
     seed: u64,
-) -> Result<ScalePoint, String> {
+) -> Result<f64, String> {
     let streams = streams.max(1);
     let capacity = (live.max(16) * MEAN_SIZE * 2).next_power_of_two();
     let config = ReplayConfig::default();
@@ -83,12 +158,7 @@ pub fn run_point(
     for (ptr, _) in blocks {
         let _ = alloc.free(ptr);
     }
-    Ok(ScalePoint {
-        allocator: allocator.to_string(),
-        live,
-        streams,
-        ns_per_op: ns / (2 * steps.max(1)) as f64,
-    })
+    Ok(ns / (2 * steps.max(1)) as f64)
 }
 
 /// The timed steps: for each `(i, bytes)` of `plan`, free live block `i`
@@ -117,16 +187,32 @@ fn churn(
     Ok(())
 }
 
-/// The table of a scaling run: one line per point.
+/// The table of a scaling run: one line per point, with the median, the
+/// fastest and slowest runs, and the median against the same allocator's at
+/// the same live count and the fewest streams measured.
 pub fn table(points: &[ScalePoint]) -> String {
     let mut out = format!(
-        "{:<28} {:>9} {:>8} {:>10}\n",
-        "allocator", "live", "streams", "ns/op"
+        "{:<28} {:>9} {:>8} {:>10} {:>8} {:>8} {:>10}\n",
+        "allocator", "live", "streams", "ns/op", "fastest", "slowest", "vs fewest"
     );
     for p in points {
+        let fewest = points
+            .iter()
+            .filter(|q| q.allocator == p.allocator && q.live == p.live)
+            .min_by_key(|q| q.streams)
+            .map_or(p.ns_per_op, |q| q.ns_per_op);
+        let runs = p.runs_ns_per_op.iter().copied();
+        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
+        let slowest = runs.fold(0.0, f64::max);
         out += &format!(
-            "{:<28} {:>9} {:>8} {:>10.0}\n",
-            p.allocator, p.live, p.streams, p.ns_per_op
+            "{:<28} {:>9} {:>8} {:>10.0} {:>8.0} {:>8.0} {:>9.2}x\n",
+            p.allocator,
+            p.live,
+            p.streams,
+            p.ns_per_op,
+            fastest,
+            slowest,
+            p.ns_per_op / fewest
         );
     }
     out
@@ -143,9 +229,29 @@ mod tests {
         let sizes: Vec<u64> = (0..10_000).map(|_| size(&mut rng)).collect();
         assert!(sizes.iter().all(|&s| (512..=64 << 20).contains(&s)));
         assert!(sizes.iter().any(|&s| s < 4096) && sizes.iter().any(|&s| s > 32 << 20));
-        let p = run_point("quilt", 200, 4, 500, 7).unwrap();
-        assert_eq!((p.live, p.streams), (200, 4));
-        assert!(p.ns_per_op > 0.0);
-        assert!(run_point("nope", 10, 1, 10, 7).is_err());
+        let spec = |allocator: &str, live| PointSpec {
+            allocator: allocator.to_string(),
+            live,
+            streams: 4,
+        };
+        let (points, failed) = run_points(&[spec("quilt", 200), spec("nope", 10)], 500, 7, 3);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(
+            failed[0].starts_with("nope, 10 live, 4 streams"),
+            "{failed:?}"
+        );
+        let [p] = &points[..] else {
+            panic!("{points:?}");
+        };
+        assert_eq!((p.live, p.streams, p.runs_ns_per_op.len()), (200, 4, 3));
+        assert_eq!(p.ns_per_op, median(&p.runs_ns_per_op));
+        assert!(p.runs_ns_per_op.iter().all(|&ns| ns > 0.0));
+    }
+
+    #[test]
+    fn the_median_is_the_middle_run() {
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 100.0]), 3.5);
     }
 }

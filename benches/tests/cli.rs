@@ -615,23 +615,48 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
     let json = dir.join("scale.json");
     let out = bin()
         .args(["scale", "--allocators", "quilt,classic", "--live", "50,200"])
-        .args(["--streams", "1,4", "--steps", "300", "--json"])
+        .args([
+            "--streams",
+            "1,4",
+            "--steps",
+            "300",
+            "--repeat",
+            "3",
+            "--json",
+        ])
         .arg(&json)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
+    // One table line per point, each against its allocator's one-stream point.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().map(str::trim).collect();
+    assert!(lines[0].ends_with("vs fewest"), "{}", lines[0]);
+    assert_eq!(lines.iter().filter(|l| l.ends_with("1.00x")).count(), 4);
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = rows.as_array().unwrap();
     assert_eq!(rows.len(), 8);
     for r in rows {
-        assert!(r["ns_per_op"].as_f64().unwrap() > 0.0, "{r}");
         for key in ["allocator", "live", "streams"] {
             assert!(!r[key].is_null(), "{r}");
         }
+        // The reported figure is the median of the three runs.
+        let mut runs: Vec<f64> = r["runs_ns_per_op"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(runs.len(), 3, "{r}");
+        assert!(runs.iter().all(|&ns| ns > 0.0), "{r}");
+        runs.sort_by(f64::total_cmp);
+        assert_eq!(r["ns_per_op"].as_f64().unwrap(), runs[1], "{r}");
     }
-    let out = bin().args(["scale", "--live", "0"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    for bad in ["--live", "--repeat"] {
+        let out = bin().args(["scale", bad, "0"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", text(&out));
+    }
     let out = bin()
         .args(["scale", "--allocators", "nope"])
         .output()

@@ -322,42 +322,64 @@ impl SimVmm {
             Some(error) => Err(error),
             None => op(&mut inner.state),
         };
-        let cost = &self.config.cost;
-        let stats = &mut inner.stats;
-        let i = kind.index();
-        stats.calls[i] += 1;
-        let (modelled, flat) = match (kind, &result) {
-            (kind, Ok(_)) if kind.is_copy() => {
-                stats.copied_bytes = stats.copied_bytes.saturating_add(size);
-                let ns = cost
-                    .per_call_ns(kind)
-                    .saturating_add(cost.copy_bytes_ns(size));
-                (ns, ns)
-            }
-            (CallKind::Create, Ok(_)) => {
-                stats.created_bytes = stats.created_bytes.saturating_add(size);
-                (
-                    cost.create_proportional_ns(size, self.config.granularity),
-                    cost.create_flat_ns,
-                )
-            }
-            _ => {
-                let ns = cost.per_call_ns(kind);
-                (ns, ns)
-            }
-        };
-        stats.modelled_ns = stats.modelled_ns.saturating_add(modelled + extra_ns);
-        stats.modelled_flat_create_ns = stats
-            .modelled_flat_create_ns
-            .saturating_add(flat + extra_ns);
-        match &result {
-            Ok(_) => tracing::trace!(target: TARGET, call = %kind, size, ok = true),
-            Err(error) => {
-                stats.failed[i] += 1;
-                tracing::trace!(target: TARGET, call = %kind, size, ok = false, %error);
-            }
-        }
+        account(
+            &self.config.cost,
+            self.config.granularity,
+            &mut inner.stats,
+            kind,
+            size,
+            extra_ns,
+            result.as_ref().err(),
+        );
         result
+    }
+}
+
+/// Count, cost and trace one driver call of `kind` (`error`: how it failed).
+/// Not generic and not inlined: every call shares this code, so that the
+/// code a run of driver calls passes through stays small.
+#[inline(never)]
+fn account(
+    cost: &CostModel,
+    granularity: u64,
+    stats: &mut DriverStats,
+    kind: CallKind,
+    size: u64,
+    extra_ns: u64,
+    error: Option<&VmmError>,
+) {
+    let i = kind.index();
+    stats.calls[i] += 1;
+    let (modelled, flat) = match (kind, error) {
+        (kind, None) if kind.is_copy() => {
+            stats.copied_bytes = stats.copied_bytes.saturating_add(size);
+            let ns = cost
+                .per_call_ns(kind)
+                .saturating_add(cost.copy_bytes_ns(size));
+            (ns, ns)
+        }
+        (CallKind::Create, None) => {
+            stats.created_bytes = stats.created_bytes.saturating_add(size);
+            (
+                cost.create_proportional_ns(size, granularity),
+                cost.create_flat_ns,
+            )
+        }
+        _ => {
+            let ns = cost.per_call_ns(kind);
+            (ns, ns)
+        }
+    };
+    stats.modelled_ns = stats.modelled_ns.saturating_add(modelled + extra_ns);
+    stats.modelled_flat_create_ns = stats
+        .modelled_flat_create_ns
+        .saturating_add(flat + extra_ns);
+    match error {
+        None => tracing::trace!(target: TARGET, call = %kind, size, ok = true),
+        Some(error) => {
+            stats.failed[i] += 1;
+            tracing::trace!(target: TARGET, call = %kind, size, ok = false, %error);
+        }
     }
 }
 

@@ -35,6 +35,9 @@ fn next_memory_id() -> u64 {
 /// First address handed out by `reserve` (the bump pointer's start).
 pub(crate) const VA_BASE: u64 = 0x7f00_0000_0000;
 
+/// A record settles its stream first once this many events are queued there.
+const SETTLE_AT_RECORD: usize = 16;
+
 /// Where one stream stands: events recorded and completed so far, the events
 /// still queued on the device, and the cross-stream waits not yet satisfied.
 ///
@@ -341,18 +344,30 @@ impl State {
     /// Record an event on `stream`: it reaches the front of the device at
     /// [`State::ready_time`].
     pub(crate) fn event_record(&mut self, stream: StreamId) -> EventId {
-        // Settling first keeps the queue as short as the lag (amortised O(1)).
-        self.settle(stream);
         let ready = self.ready_time();
-        let s = self.streams.entry(stream).or_default();
+        let mut s = self.streams.entry(stream).or_default();
+        if s.queued.len() >= SETTLE_AT_RECORD {
+            // Settling keeps the queue short where nothing queries the
+            // stream (amortised O(1)); queries settle it anyway.
+            self.settle(stream);
+            s = self.streams.entry(stream).or_default();
+        }
         s.recorded += 1;
         let seq = s.recorded;
         s.queued.push_back((seq, ready));
         self.events.record(Event { stream, seq })
     }
 
-    /// Whether `e` has completed (settles its stream first).
+    /// Whether `e` has completed (settles its stream first, unless it is
+    /// already known complete).
     fn is_complete(&mut self, e: &Event) -> bool {
+        if self
+            .streams
+            .get(&e.stream)
+            .is_some_and(|s| s.completed >= e.seq)
+        {
+            return true;
+        }
         self.settle(e.stream);
         self.streams
             .get(&e.stream)
@@ -396,31 +411,33 @@ impl State {
     fn settle_alone(&mut self, id: StreamId) -> Option<StreamId> {
         let clock = self.clock;
         loop {
-            let (seq, ready, wait) = {
-                let s = self.streams.get(&id)?;
+            // One lookup for every event completed without a wait between.
+            let s = self.streams.get_mut(&id)?;
+            let (other, other_seq) = loop {
                 let &(seq, ready) = s.queued.front()?;
-                (seq, ready, s.waits.front().copied())
+                if ready.is_none_or(|r| r > clock) {
+                    return None;
+                }
+                // A wait at `position` precedes event `position + 1` onwards.
+                match s.waits.front() {
+                    Some(&(position, other, other_seq)) if position < seq => {
+                        break (other, other_seq)
+                    }
+                    _ => {
+                        s.queued.pop_front();
+                        s.completed = s.completed.max(seq);
+                    }
+                }
             };
-            if ready.is_none_or(|r| r > clock) {
-                return None;
-            }
-            // A wait at `position` precedes event `position + 1` onwards.
-            if let Some((_, other, other_seq)) = wait.filter(|w| w.0 < seq) {
-                let done = self
-                    .streams
-                    .get(&other)
-                    .is_some_and(|o| o.completed >= other_seq);
-                if !done {
-                    return Some(other);
-                }
-                if let Some(s) = self.streams.get_mut(&id) {
-                    s.waits.pop_front();
-                }
-                continue;
+            let done = self
+                .streams
+                .get(&other)
+                .is_some_and(|o| o.completed >= other_seq);
+            if !done {
+                return Some(other);
             }
             if let Some(s) = self.streams.get_mut(&id) {
-                s.queued.pop_front();
-                s.completed = s.completed.max(seq);
+                s.waits.pop_front();
             }
         }
     }
