@@ -316,6 +316,13 @@ impl Vmm for RecordedAddresses {
     fn event_record(&self, stream: StreamId) -> quilt_vmm::Result<quilt_vmm::EventId> {
         self.inner.event_record(stream)
     }
+    fn event_record_on(
+        &self,
+        event: quilt_vmm::EventId,
+        stream: StreamId,
+    ) -> quilt_vmm::Result<()> {
+        self.inner.event_record_on(event, stream)
+    }
     fn event_query(&self, event: quilt_vmm::EventId) -> quilt_vmm::Result<bool> {
         self.inner.event_query(event)
     }

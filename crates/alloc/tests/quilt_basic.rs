@@ -141,6 +141,9 @@ impl Vmm for Spy {
     fn event_record(&self, stream: StreamId) -> quilt_vmm::Result<EventId> {
         self.sim.event_record(stream)
     }
+    fn event_record_on(&self, event: EventId, stream: StreamId) -> quilt_vmm::Result<()> {
+        self.sim.event_record_on(event, stream)
+    }
     fn event_query(&self, event: EventId) -> quilt_vmm::Result<bool> {
         self.sim.event_query(event)
     }

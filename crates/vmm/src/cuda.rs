@@ -36,6 +36,8 @@
 //!   the record it saw). Past the cap `cuEventDestroy` runs; an event whose
 //!   destroy fails stays live in the book (the error is returned, and drop
 //!   tries again). Pooled events are destroyed at drop.
+//!   [`Vmm::event_record_on`] re-records a live event in place (one
+//!   `cuEventRecord`, no pool or book traffic).
 //! - [`CudaVmm::copy_to_device`] synchronises the legacy default stream after
 //!   `cuMemcpyHtoD`: from pageable memory the copy returns once the bytes are
 //!   staged, before the DMA has landed (CUDA's "API synchronization
@@ -908,6 +910,24 @@ impl Vmm for CudaVmm {
                 return Err(e);
             }
             Ok(book.events.record(event as usize))
+        })
+    }
+
+    fn event_record_on(&self, event: EventId, stream: StreamId) -> Result<()> {
+        let call = CallKind::EventRecord;
+        self.log.time(call, 0, || {
+            let book = lock(&self.sync);
+            let raw_stream = book.stream(call, stream)?;
+            let raw_event = book.event(call, event)?;
+            let _context = self.bind(call)?;
+            // SAFETY: `raw_event` is a live event of this context, named by
+            // `event` (in the book, which we hold locked, so no destroy can
+            // race); `raw_stream` is the default stream or a live stream of
+            // ours (checked in the same book). Recording it again overwrites
+            // its state; waits made on its earlier record keep waiting for
+            // that one. A failed record leaves the event live and named by
+            // `event`.
+            check(call, unsafe { sys::cuEventRecord(raw_event, raw_stream) })
         })
     }
 

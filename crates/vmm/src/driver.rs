@@ -98,6 +98,16 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// backend creates with `cuEventCreate` or reuses from its pool).
     fn event_record(&self, stream: StreamId) -> Result<EventId>;
 
+    /// `cuEventRecord` on a live event the caller owns: `event` now captures
+    /// `stream`'s work up to now (its earlier capture is forgotten; queries
+    /// report the new one, while a `cuStreamWaitEvent` already made keeps
+    /// waiting for the capture it saw). Counted as
+    /// [`crate::CallKind::EventRecord`]. An id that is not live gets the same
+    /// `InvalidArgument` error as the other event calls, and changes nothing.
+    /// Lets a caller reuse its completed events instead of destroying them
+    /// and recording new ones.
+    fn event_record_on(&self, event: EventId, stream: StreamId) -> Result<()>;
+
     /// `cuEventQuery`: true once the work before the event has completed.
     fn event_query(&self, event: EventId) -> Result<bool>;
 

@@ -53,6 +53,14 @@ impl<P> EventBook<P> {
         self.live.get(&event.0).ok_or_else(|| unknown(call, event))
     }
 
+    /// The payload of a live event, to change in place, or `InvalidArgument`
+    /// naming `call`.
+    pub fn get_mut(&mut self, call: CallKind, event: EventId) -> Result<&mut P> {
+        self.live
+            .get_mut(&event.0)
+            .ok_or_else(|| unknown(call, event))
+    }
+
     /// Forgets a live event; returns its payload, or `InvalidArgument` naming `call`.
     pub fn remove(&mut self, call: CallKind, event: EventId) -> Result<P> {
         self.live

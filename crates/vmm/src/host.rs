@@ -452,6 +452,12 @@ impl Vmm for HostVmm {
         self.event_call(CallKind::EventRecord, |book| Ok(book.record(())))
     }
 
+    fn event_record_on(&self, event: EventId, _stream: StreamId) -> Result<()> {
+        self.event_call(CallKind::EventRecord, |book| {
+            book.get(CallKind::EventRecord, event).map(drop)
+        })
+    }
+
     fn event_query(&self, event: EventId) -> Result<bool> {
         self.event_call(CallKind::EventQuery, |book| {
             book.get(CallKind::EventQuery, event).map(|_| true)
@@ -729,6 +735,40 @@ mod tests {
         assert_eq!(stats.count(CallKind::EventQuery), 2);
         assert_eq!(stats.failed[CallKind::EventQuery.index()], 1);
         assert_eq!(stats.failed[CallKind::EventDestroy.index()], 1);
+    }
+
+    #[test]
+    fn an_event_can_be_recorded_again_while_live() {
+        let vmm = small();
+        let e = vmm.event_record(StreamId(7)).unwrap();
+        assert!(vmm.event_query(e).unwrap());
+        // Again, on its stream and on another: complete at once each time.
+        vmm.event_record_on(e, StreamId(7)).unwrap();
+        assert!(vmm.event_query(e).unwrap());
+        vmm.event_record_on(e, StreamId(8)).unwrap();
+        assert!(vmm.event_query(e).unwrap());
+        vmm.stream_wait_event(StreamId::DEFAULT, e).unwrap();
+        assert_eq!(vmm.leak_report().events, 1, "the same event throughout");
+        // Unknown or destroyed: the typed error, and nothing changes.
+        let gone = vmm.event_record(StreamId(7)).unwrap();
+        vmm.event_destroy(gone).unwrap();
+        for bad in [gone, EventId(99)] {
+            assert!(matches!(
+                vmm.event_record_on(bad, StreamId(7)),
+                Err(VmmError::InvalidArgument {
+                    call: CallKind::EventRecord,
+                    argument: "event",
+                    ..
+                })
+            ));
+            assert!(vmm.event_query(bad).is_err());
+        }
+        assert_eq!(vmm.leak_report().events, 1);
+        let stats = vmm.driver_stats();
+        assert_eq!(stats.count(CallKind::EventRecord), 6);
+        assert_eq!(stats.failed[CallKind::EventRecord.index()], 2);
+        vmm.event_destroy(e).unwrap();
+        assert!(vmm.leak_report().is_empty());
     }
 
     #[test]

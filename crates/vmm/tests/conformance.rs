@@ -838,6 +838,14 @@ fn events_record_query_synchronize_destroy() {
             "{}: complete after sync",
             b.name()
         );
+        // Recorded again: complete once the stream's later work is.
+        v.event_record_on(e1, s).unwrap();
+        v.stream_synchronize(s).unwrap();
+        assert!(
+            v.event_query(e1).unwrap(),
+            "{}: complete after a record again and a sync",
+            b.name()
+        );
         v.event_destroy(e1).unwrap();
         v.event_destroy(e2).unwrap();
     });
@@ -857,7 +865,14 @@ fn events_reject_unknown_and_destroyed_events() {
             CallKind::StreamWaitEvent,
             "event",
         );
+        assert_invalid(b, v.event_record_on(e, s), CallKind::EventRecord, "event");
         let unknown = quilt_vmm::EventId(0xdead_beef);
+        assert_invalid(
+            b,
+            v.event_record_on(unknown, s),
+            CallKind::EventRecord,
+            "event",
+        );
         assert_invalid(b, v.event_query(unknown), CallKind::EventQuery, "event");
         assert_invalid(b, v.event_destroy(unknown), CallKind::EventDestroy, "event");
         assert_invalid(

@@ -474,6 +474,12 @@ impl Vmm for SimVmm {
         self.call(CallKind::EventRecord, 0, |s| Ok(s.event_record(stream)))
     }
 
+    fn event_record_on(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.call(CallKind::EventRecord, 0, |s| {
+            s.event_record_on(event, stream)
+        })
+    }
+
     fn event_query(&self, event: EventId) -> Result<bool> {
         self.call(CallKind::EventQuery, 0, |s| s.event_query(event))
     }
@@ -568,6 +574,31 @@ mod tests {
         for e in [a, b] {
             sim.event_destroy(e).unwrap();
         }
+        sim.check_invariants().unwrap();
+        assert!(sim.leak_report().is_empty());
+    }
+
+    #[test]
+    fn a_record_again_is_counted_and_costed_as_a_record() {
+        let sim = SimVmm::new(SimConfig {
+            gpu_lag_ops: 1,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let a = sim.event_record(StreamId(1)).unwrap();
+        sim.advance(1);
+        assert!(sim.event_query(a).unwrap());
+        let before = sim.driver_stats();
+        sim.event_record_on(a, StreamId(2)).unwrap();
+        assert!(!sim.event_query(a).unwrap(), "pending again");
+        sim.advance(1);
+        assert!(sim.event_query(a).unwrap());
+        sim.event_destroy(a).unwrap();
+        assert!(sim.event_record_on(a, StreamId(2)).is_err(), "destroyed");
+        let d = sim.driver_stats().since(&before);
+        assert_eq!(d.count(CallKind::EventRecord), 2);
+        assert_eq!(d.failed[CallKind::EventRecord.index()], 1);
+        assert_eq!(d.count(CallKind::EventQuery), 2);
         sim.check_invariants().unwrap();
         assert!(sim.leak_report().is_empty());
     }

@@ -344,6 +344,27 @@ impl State {
     /// Record an event on `stream`: it reaches the front of the device at
     /// [`State::ready_time`].
     pub(crate) fn event_record(&mut self, stream: StreamId) -> EventId {
+        let seq = self.enqueue(stream);
+        self.events.record(Event { stream, seq })
+    }
+
+    /// Record the live `event` again, on `stream`: it now stands for the
+    /// stream's next sequence number, queued as [`State::event_record`]
+    /// queues a new one. A waiter already ordered after its earlier record
+    /// keeps that order (waits name the stream and sequence number, not the
+    /// event). An id that is not live is an error and changes nothing.
+    pub(crate) fn event_record_on(&mut self, event: EventId, stream: StreamId) -> Result<()> {
+        // Checked before queueing anything, so that a bad id changes nothing.
+        self.events.get(CallKind::EventRecord, event)?;
+        let seq = self.enqueue(stream);
+        let e = self.events.get_mut(CallKind::EventRecord, event)?;
+        *e = Event { stream, seq };
+        Ok(())
+    }
+
+    /// Queue the next event of `stream` (reaching the front of the device at
+    /// [`State::ready_time`]); returns its sequence number.
+    fn enqueue(&mut self, stream: StreamId) -> u64 {
         let ready = self.ready_time();
         let mut s = self.streams.entry(stream).or_default();
         if s.queued.len() >= SETTLE_AT_RECORD {
@@ -355,7 +376,7 @@ impl State {
         s.recorded += 1;
         let seq = s.recorded;
         s.queued.push_back((seq, ready));
-        self.events.record(Event { stream, seq })
+        seq
     }
 
     /// Whether `e` has completed (settles its stream first, unless it is
@@ -567,6 +588,85 @@ mod tests {
 
     fn with_lag(lag: u64) -> State {
         State::new(G, 1 << 30, 1 << 40, lag)
+    }
+
+    #[test]
+    fn a_recorded_again_event_is_pending_until_the_device_catches_up() {
+        let mut st = with_lag(2);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = st.event_record(s1);
+        st.advance(2);
+        assert!(st.event_query(a).unwrap());
+        // Again on its stream: the new capture, not the completed one.
+        st.event_record_on(a, s1).unwrap();
+        assert!(!st.event_query(a).unwrap(), "recorded again at 2, lag 2");
+        st.advance(1);
+        assert!(!st.event_query(a).unwrap());
+        st.advance(1);
+        assert!(st.event_query(a).unwrap());
+        // Again on another stream: that stream's progress decides.
+        st.event_record_on(a, s2).unwrap();
+        assert!(!st.event_query(a).unwrap());
+        st.complete_stream(s1);
+        assert!(
+            !st.event_query(a).unwrap(),
+            "s1 is not the event's stream now"
+        );
+        st.complete_stream(s2);
+        assert!(st.event_query(a).unwrap());
+        assert_eq!(st.leak_report().events, 1, "the same event throughout");
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_wait_made_before_a_record_again_keeps_its_capture() {
+        let mut st = with_lag(5);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = st.event_record(s1);
+        st.stream_wait_event(s2, a).unwrap();
+        let b = st.event_record(s2);
+        st.advance(5);
+        assert!(st.event_query(a).unwrap());
+        st.event_record_on(a, s1).unwrap();
+        assert!(!st.event_query(a).unwrap(), "recorded again at 5, lag 5");
+        // s2's work waited for the first capture only, which completed.
+        assert!(st.event_query(b).unwrap());
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn recording_again_an_unknown_or_destroyed_event_fails_and_changes_nothing() {
+        let mut st = with_lag(1);
+        let s = StreamId(1);
+        let a = st.event_record(s);
+        let b = st.event_record(s);
+        st.event_destroy(b).unwrap();
+        let recorded = st.streams[&s].recorded;
+        let queued = st.streams[&s].queued.len();
+        for bad in [b, EventId(99), EventId(0)] {
+            let err = st.event_record_on(bad, s).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    VmmError::InvalidArgument {
+                        call: CallKind::EventRecord,
+                        argument: "event",
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+            // On a stream never seen, too: nothing is created for it.
+            assert!(st.event_record_on(bad, StreamId(9)).is_err());
+        }
+        assert_eq!(st.streams[&s].recorded, recorded);
+        assert_eq!(st.streams[&s].queued.len(), queued);
+        assert!(!st.streams.contains_key(&StreamId(9)));
+        assert_eq!(st.leak_report().events, 1);
+        assert!(st.event_query(b).is_err(), "still destroyed");
+        st.advance(1);
+        assert!(st.event_query(a).unwrap());
+        st.check_invariants().unwrap();
     }
 
     #[test]
