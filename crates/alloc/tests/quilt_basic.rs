@@ -1469,3 +1469,48 @@ fn each_configuration_reports_its_own_name_whatever_its_placement() {
         ok(&a);
     }
 }
+
+/// Allocate and free on two streams in turn, the device completing work two
+/// operations after it was queued.
+fn churn_two_streams(sim: &SimVmm, a: &QuiltAllocator, ops: u64) {
+    for i in 0..ops {
+        let s = if i % 2 == 0 { S0 } else { S1 };
+        let x = a.allocate(MIB + (i % 7) * 64 * KIB, s).unwrap();
+        a.free(x.ptr).unwrap();
+        sim.advance(1);
+        ok(a);
+    }
+}
+
+#[test]
+fn completed_progress_events_are_recorded_again_not_destroyed() {
+    let (sim, a) = setup(1 << 30);
+    sim.set_gpu_lag_ops(2);
+    churn_two_streams(&sim, &a, 400);
+    let st = sim.driver_stats();
+    assert!(st.count(CallKind::EventRecord) >= 200, "{st:?}");
+    assert_eq!(st.count(CallKind::EventDestroy), 0, "reused, not destroyed");
+    // The pending events of two streams and the spares: a handful.
+    let live = sim.leak_report().events;
+    assert!(live <= 16, "{live} live events");
+    drop(a);
+    assert!(sim.leak_report().is_empty(), "{:?}", sim.leak_report());
+}
+
+#[test]
+fn a_failed_record_of_a_spare_event_falls_back_to_a_new_one() {
+    let (sim, a) = setup(1 << 30);
+    sim.set_gpu_lag_ops(2);
+    churn_two_streams(&sim, &a, 50);
+    let before = sim.driver_stats();
+    // The next records are of spares: the first fails (its event is
+    // destroyed, a new one recorded), the third too.
+    sim.inject(Fault::nth(CallKind::EventRecord, 1));
+    sim.inject(Fault::nth(CallKind::EventRecord, 3));
+    churn_two_streams(&sim, &a, 50);
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.failed[CallKind::EventRecord.index()], 2, "{d:?}");
+    assert!(d.count(CallKind::EventDestroy) >= 1, "{d:?}");
+    drop(a);
+    assert!(sim.leak_report().is_empty(), "{:?}", sim.leak_report());
+}

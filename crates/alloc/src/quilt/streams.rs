@@ -14,6 +14,16 @@
 //! pressure, can later learn that the free is complete without waiting; a
 //! wait is made at most once per pair of streams for any span of frees; the
 //! growth path polls at most `REFRESH_STREAMS` streams, round robin.
+//!
+//! Events are reused, as CUDA's and PyTorch's event pools do: an event known
+//! complete (by a poll, or by a stream synchronisation) goes to a spare list
+//! of at most [`SPARE_EVENTS`] events shared by every stream (beyond it, it
+//! is destroyed), and the next record takes a spare and records it again
+//! ([`Vmm::event_record_on`]) before creating one. A steady state thus
+//! creates and destroys no events. Re-recording is safe: nothing else holds
+//! the id once it left its stream's list, and a wait made on its earlier
+//! record keeps waiting for that one. Spares are destroyed at the
+//! allocator's drop ([`Streams::destroy_events`]).
 
 use std::collections::VecDeque;
 
@@ -56,6 +66,43 @@ const REFRESH_STREAMS: usize = 4;
 /// only keeps the list short, and one poll learns of several events.
 const POLL_AT_FREE: usize = 4;
 
+/// Most completed events kept for reuse (see the module documentation);
+/// beyond it a completed event is destroyed.
+const SPARE_EVENTS: usize = 64;
+
+/// Keep the completed event `e` for reuse, or destroy it when
+/// [`SPARE_EVENTS`] are kept already.
+fn retire(spare: &mut Vec<EventId>, vmm: &dyn Vmm, e: EventId) {
+    if spare.len() < SPARE_EVENTS {
+        spare.push(e);
+    } else if let Err(err) = vmm.event_destroy(e) {
+        event_call_failed("destroying a completed event", &err);
+    }
+}
+
+/// Record an event on `stream`: a spare recorded again if there is one, else
+/// a new one. A spare whose record fails is logged and destroyed (its id may
+/// not be live any more; at worst the destroy fails too and is logged), and a
+/// new event is recorded instead.
+fn record_event(
+    spare: &mut Vec<EventId>,
+    vmm: &dyn Vmm,
+    stream: StreamId,
+) -> Result<EventId, VmmError> {
+    if let Some(e) = spare.pop() {
+        match vmm.event_record_on(e, stream) {
+            Ok(()) => return Ok(e),
+            Err(err) => {
+                event_call_failed("recording a spare event again", &err);
+                if let Err(err) = vmm.event_destroy(e) {
+                    event_call_failed("destroying a spare event", &err);
+                }
+            }
+        }
+    }
+    vmm.event_record(stream)
+}
+
 /// One stream's progress.
 #[derive(Debug)]
 struct StreamState {
@@ -79,6 +126,9 @@ pub(crate) struct Streams {
     states: Vec<StreamState>,
     /// Events recorded over the allocator's life (for tests and reports).
     pub(crate) recorded: u64,
+    /// Completed events kept for reuse, at most [`SPARE_EVENTS`] (see the
+    /// module documentation).
+    spare: Vec<EventId>,
     /// Cross-stream waits made.
     pub(crate) waits: u64,
     /// Stream synchronisations made.
@@ -161,7 +211,8 @@ impl Streams {
     }
 
     /// Learn whether stream `i`'s oldest events completed (one query at most
-    /// per operation `tick`). Completed events are destroyed.
+    /// per operation `tick`). Completed events are kept for reuse (or
+    /// destroyed past [`SPARE_EVENTS`]).
     pub(crate) fn poll(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
@@ -175,9 +226,7 @@ impl Streams {
                 Ok(true) => {
                     s.events.pop_front();
                     s.done = s.done.max(t);
-                    if let Err(err) = vmm.event_destroy(e) {
-                        event_call_failed("destroying a completed event", &err);
-                    }
+                    retire(&mut self.spare, vmm, e);
                 }
                 Ok(false) => break,
                 Err(err) => {
@@ -217,7 +266,7 @@ impl Streams {
         };
         let covered = s.events.back().map_or(s.done, |&(t, _)| t);
         if s.last_free > covered {
-            match vmm.event_record(s.id) {
+            match record_event(&mut self.spare, vmm, s.id) {
                 Ok(e) => {
                     s.events.push_back((tick, e));
                     self.recorded += 1;
@@ -273,7 +322,7 @@ impl Streams {
             match st.events.back().filter(|&&(et, _)| et >= cover) {
                 Some(&found) => found,
                 None => {
-                    let e = vmm.event_record(st.id)?;
+                    let e = record_event(&mut self.spare, vmm, st.id)?;
                     st.events.push_back((tick, e));
                     self.recorded += 1;
                     (tick, e)
@@ -324,19 +373,21 @@ impl Streams {
         self.syncs += 1;
         s.done = tick;
         for (_, e) in s.events.drain(..) {
-            if let Err(err) = vmm.event_destroy(e) {
-                event_call_failed("destroying an event after a sync", &err);
-            }
+            retire(&mut self.spare, vmm, e);
         }
         Ok(true)
     }
 
-    /// Destroy every outstanding event (at the allocator's drop).
+    /// Destroy every outstanding event and every spare (at the allocator's
+    /// drop).
     pub(crate) fn destroy_events(&mut self, vmm: &dyn Vmm) {
         for s in &mut self.states {
             for (_, e) in s.events.drain(..) {
                 let _ = vmm.event_destroy(e);
             }
+        }
+        for e in self.spare.drain(..) {
+            let _ = vmm.event_destroy(e);
         }
     }
 }
