@@ -14,7 +14,8 @@
 //!
 //! Addresses come from a bump pointer starting at `0x7f00_0000_0000` and are
 //! never reused; a one-granule gap follows each reservation, so two reservations
-//! are never adjacent. Handle and event ids count up from 1.
+//! are never adjacent. Handle ids count up from 1; event ids are never reused
+//! (each names a slot and its generation, see the events module).
 //!
 //! Events: the device runs behind the host. The simulated device keeps an
 //! operation clock, moved forward by whoever drives it ([`SimVmm::advance`]; the
