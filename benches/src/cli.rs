@@ -314,7 +314,25 @@ fn say(json_to_stdout: bool, text: &str) {
     if json_to_stdout {
         eprint!("{text}");
     } else {
-        print!("{text}");
+        out(text);
+    }
+}
+
+/// Write `text` to standard output. A reader that stopped reading (`| head`)
+/// is not an error: the rest of the report is dropped, as a Unix tool's is,
+/// instead of the panic `print!` would raise; any other failure to write
+/// standard output goes to standard error.
+fn out(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("error: writing the report to standard output: {e}");
+        }
+        _ => {}
     }
 }
 
@@ -322,7 +340,7 @@ fn say(json_to_stdout: bool, text: &str) {
 /// went, if anywhere.
 fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
     if path == Path::new("-") {
-        println!("{json}");
+        out(&format!("{json}\n"));
         return Ok(None);
     }
     std::fs::write(path, format!("{json}\n"))
@@ -374,7 +392,7 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::List { seed, sizes } => {
-            print!("{}", list(seed, sizes));
+            out(&list(seed, sizes));
             Ok(())
         }
         Command::Scale(args) => {
@@ -403,16 +421,16 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                 }
             }
             let (points, failed) = scale::run_points(&specs, args.steps, args.seed, args.repeat);
-            print!("{}", scale::table(&points));
+            out(&scale::table(&points));
             for f in &failed {
-                println!("failed: {f}");
+                out(&format!("failed: {f}\n"));
             }
             if let Some(path) = &args.json {
                 let json = serde_json::to_string_pretty(&points)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 std::fs::write(path, json + "\n")
                     .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-                println!("JSON written to {}", path.display());
+                out(&format!("JSON written to {}\n", path.display()));
             }
             if failed.is_empty() {
                 Ok(())

@@ -1019,3 +1019,19 @@ fn no_history_snapshot() -> Vec<u8> {
     ]);
     serde_pickle::value_to_vec(&top, serde_pickle::SerOptions::new()).unwrap()
 }
+
+#[test]
+fn a_reader_that_stops_reading_ends_the_report_quietly() {
+    // `quilt-bench ab | head -1`: the pipe closes after the first line.
+    let mut child = bin()
+        .args(["ab", "--workload", "train-varlen", "--no-bisect"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+}
