@@ -350,16 +350,9 @@ impl Arena {
     /// its start: for arenas of few pieces (a growable buffer's); the
     /// allocator's frees add to the gap of the vacated block directly.
     pub(crate) fn add_hazard(&mut self, off: u64, len: u64, streams: u64, tick: u64) {
-        if let Some(id) = self.tiling.find(off) {
-            self.tiling.add_hazard(
-                id,
-                Hazard {
-                    start: off,
-                    end: off + len,
-                    streams,
-                    tick,
-                },
-            );
+        if let Some(id) = self.gap_at(off) {
+            self.tiling
+                .add_hazard(id, Hazard::over(off, len, streams, tick));
         }
     }
 

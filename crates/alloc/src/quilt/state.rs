@@ -227,15 +227,9 @@ impl State {
         });
         self.arenas[ai].vacate_block(piece);
         let (streams, tick) = hazard;
-        self.arenas[ai].tiling.add_hazard(
-            piece,
-            Hazard {
-                start: off,
-                end: off + len,
-                streams,
-                tick,
-            },
-        );
+        self.arenas[ai]
+            .tiling
+            .add_hazard(piece, Hazard::over(off, len, streams, tick));
     }
 
     /// Allocate `size` bytes on `stream`.
@@ -361,15 +355,8 @@ impl State {
         a.vacate_block(b.piece);
         if track {
             // The block's piece is now the gap that holds it.
-            a.tiling.add_hazard(
-                b.piece,
-                Hazard {
-                    start: b.off,
-                    end: b.off + b.size,
-                    streams: b.streams,
-                    tick,
-                },
-            );
+            a.tiling
+                .add_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));
         }
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick, track);

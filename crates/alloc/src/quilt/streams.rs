@@ -80,29 +80,6 @@ fn retire(spare: &mut Vec<EventId>, vmm: &dyn Vmm, e: EventId) {
     }
 }
 
-/// Record an event on `stream`: a spare recorded again if there is one, else
-/// a new one. A spare whose record fails is logged and destroyed (its id may
-/// not be live any more; at worst the destroy fails too and is logged), and a
-/// new event is recorded instead.
-fn record_event(
-    spare: &mut Vec<EventId>,
-    vmm: &dyn Vmm,
-    stream: StreamId,
-) -> Result<EventId, VmmError> {
-    if let Some(e) = spare.pop() {
-        match vmm.event_record_on(e, stream) {
-            Ok(()) => return Ok(e),
-            Err(err) => {
-                event_call_failed("recording a spare event again", &err);
-                if let Err(err) = vmm.event_destroy(e) {
-                    event_call_failed("destroying a spare event", &err);
-                }
-            }
-        }
-    }
-    vmm.event_record(stream)
-}
-
 /// One stream's progress.
 #[derive(Debug)]
 struct StreamState {
@@ -266,14 +243,37 @@ impl Streams {
         };
         let covered = s.events.back().map_or(s.done, |&(t, _)| t);
         if s.last_free > covered {
-            match record_event(&mut self.spare, vmm, s.id) {
-                Ok(e) => {
-                    s.events.push_back((tick, e));
-                    self.recorded += 1;
-                }
-                Err(err) => event_call_failed("recording a progress event", &err),
+            if let Err(err) = self.record(vmm, i, tick) {
+                event_call_failed("recording a progress event", &err);
             }
         }
+    }
+
+    /// Record an event on stream `i` at `tick` and add it to the stream's
+    /// list: a spare recorded again if there is one, else a new one. A spare
+    /// whose record fails is logged and destroyed (its id may not be live
+    /// any more; at worst the destroy fails too and is logged), and a new
+    /// event is recorded instead.
+    fn record(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> Result<EventId, VmmError> {
+        let stream = self.id(i);
+        let e = match self.spare.pop() {
+            Some(e) => match vmm.event_record_on(e, stream) {
+                Ok(()) => e,
+                Err(err) => {
+                    event_call_failed("recording a spare event again", &err);
+                    if let Err(err) = vmm.event_destroy(e) {
+                        event_call_failed("destroying a spare event", &err);
+                    }
+                    vmm.event_record(stream)?
+                }
+            },
+            None => vmm.event_record(stream)?,
+        };
+        if let Some(s) = self.states.get_mut(i as usize) {
+            s.events.push_back((tick, e));
+        }
+        self.recorded += 1;
+        Ok(e)
     }
 
     /// On the growth path (a driver call follows anyway): learn the progress
@@ -314,20 +314,13 @@ impl Streams {
         if self.is_done(s, k) {
             return Ok(false);
         }
-        let (et, e) = {
-            let Some(st) = self.states.get_mut(s as usize) else {
-                return Ok(false);
-            };
-            let cover = st.last_free.max(k);
-            match st.events.back().filter(|&&(et, _)| et >= cover) {
-                Some(&found) => found,
-                None => {
-                    let e = record_event(&mut self.spare, vmm, st.id)?;
-                    st.events.push_back((tick, e));
-                    self.recorded += 1;
-                    (tick, e)
-                }
-            }
+        let Some(st) = self.states.get(s as usize) else {
+            return Ok(false);
+        };
+        let cover = st.last_free.max(k);
+        let (et, e) = match st.events.back().filter(|&&(et, _)| et >= cover) {
+            Some(&found) => found,
+            None => (tick, self.record(vmm, s, tick)?),
         };
         let waiter = self.id(t);
         vmm.stream_wait_event(waiter, e)?;

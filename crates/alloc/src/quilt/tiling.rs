@@ -48,6 +48,18 @@ pub(crate) struct Hazard {
     pub(crate) tick: u64,
 }
 
+impl Hazard {
+    /// The hazard of `streams`' work up to `tick` over `start .. start + len`.
+    pub(crate) fn over(start: u64, len: u64, streams: u64, tick: u64) -> Hazard {
+        Hazard {
+            start,
+            end: start + len,
+            streams,
+            tick,
+        }
+    }
+}
+
 /// One piece: a block or a gap.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
