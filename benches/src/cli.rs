@@ -92,7 +92,8 @@ pub struct ScaleArgs {
     /// Seed of the sizes and choices.
     #[arg(long, default_value_t = DEFAULT_SEED)]
     pub seed: u64,
-    /// Write the JSON rows (`allocator`, `live`, `streams`, `ns_per_op`) here.
+    /// Write the JSON rows (`allocator`, `live`, `streams`, `ns_per_op`,
+    /// `driver_ns_per_op`, `stream_calls_per_op`, ...) here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }

@@ -5,6 +5,13 @@
 //! stream. The set is built first (not timed), then `steps` steps are timed
 //! as a whole; the simulated GPU runs behind as in a replay.
 //!
+//! Host time is not all a GPU would charge: each point also reports what
+//! the simulated driver's cost model charges for the calls the timed steps
+//! made (`driver_ns_per_op`: page creation and mapping, and the stream and
+//! event calls that many streams need), and those calls counted. The
+//! calls are the same in every run of a point (the simulated device is
+//! deterministic); the host time is not.
+//!
 //! A point is run `repeat` times and reported as the median: the runs go
 //! round robin over the points (each round visits every point once), so that
 //! a change in the machine's load falls on every point alike and the ratios
@@ -19,10 +26,11 @@ use serde::Serialize;
 
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::sim::SimVmm;
-use quilt_vmm::{StreamId, Vmm};
+use quilt_vmm::{DriverStats, StreamId, Vmm};
 
 use crate::allocators;
 use crate::replay::ReplayConfig;
+use crate::report::StreamCalls;
 
 /// One point of a scaling run.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -38,6 +46,25 @@ pub struct ScalePoint {
     pub ns_per_op: f64,
     /// Each run's mean, in the order they ran.
     pub runs_ns_per_op: Vec<f64>,
+    /// Modelled driver nanoseconds per operation (the simulated device's
+    /// cost model over the calls the timed steps made).
+    pub driver_ns_per_op: f64,
+    /// VMM calls (reserve, create, map, set access, unmap, release, free)
+    /// per operation.
+    pub vmm_calls_per_op: f64,
+    /// Stream and event calls per operation.
+    pub stream_calls_per_op: f64,
+    /// The stream and event calls of the timed steps, by kind.
+    pub stream_calls: StreamCalls,
+}
+
+/// What one run of a point measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Run {
+    /// Host nanoseconds per operation.
+    pub ns_per_op: f64,
+    /// The driver calls of the timed steps.
+    pub driver: DriverStats,
 }
 
 /// One point of a scaling run, to be measured.
@@ -61,14 +88,14 @@ pub fn run_points(
     seed: u64,
     repeat: u32,
 ) -> (Vec<ScalePoint>, Vec<String>) {
-    let mut runs: Vec<Result<Vec<f64>, String>> = vec![Ok(Vec::new()); specs.len()];
+    let mut runs: Vec<Result<Vec<Run>, String>> = vec![Ok(Vec::new()); specs.len()];
     for _ in 0..repeat.max(1) {
         for (spec, runs) in specs.iter().zip(runs.iter_mut()) {
             let Ok(done) = runs else {
                 continue;
             };
             match run_once(&spec.allocator, spec.live, spec.streams, steps, seed) {
-                Ok(ns) => done.push(ns),
+                Ok(run) => done.push(run),
                 Err(e) => {
                     *runs = Err(format!(
                         "{}, {} live, {} streams: {e}",
@@ -82,17 +109,31 @@ pub fn run_points(
     let mut failed = Vec::new();
     for (spec, runs) in specs.iter().zip(runs) {
         match runs {
-            Ok(runs) => points.push(ScalePoint {
-                allocator: spec.allocator.clone(),
-                live: spec.live,
-                streams: spec.streams,
-                ns_per_op: median(&runs),
-                runs_ns_per_op: runs,
-            }),
+            Ok(runs) => points.push(point(spec, steps, &runs)),
             Err(e) => failed.push(e),
         }
     }
     (points, failed)
+}
+
+/// The point of `spec` from its runs of `steps` steps each (at least one).
+fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
+    let ops = (2 * steps.max(1)) as f64;
+    let runs_ns_per_op: Vec<f64> = runs.iter().map(|r| r.ns_per_op).collect();
+    // Every run makes the same calls; the first one's stand for all.
+    let driver = runs.first().map(|r| r.driver).unwrap_or_default();
+    let stream_calls = StreamCalls::from_stats(&driver);
+    ScalePoint {
+        allocator: spec.allocator.clone(),
+        live: spec.live,
+        streams: spec.streams,
+        ns_per_op: median(&runs_ns_per_op),
+        runs_ns_per_op,
+        driver_ns_per_op: driver.modelled_ns as f64 / ops,
+        vmm_calls_per_op: driver.vmm_calls() as f64 / ops,
+        stream_calls_per_op: stream_calls.total() as f64 / ops,
+        stream_calls,
+    }
 }
 
 /// The median of `xs` (the mean of the middle two for an even count; 0 when empty).
@@ -124,14 +165,14 @@ const MEAN_SIZE: u64 = 6 << 20;
 
 /// Run one point once: `allocator` with `live` blocks over `streams`
 /// streams, `steps` timed steps (each a free and an allocate); returns the
-/// host nanoseconds per operation.
+/// host nanoseconds per operation and the driver calls of the timed steps.
 pub fn run_once(
     allocator: &str,
     live: u64,
     streams: u64,
     steps: u64,
     seed: u64,
-) -> Result<f64, String> {
+) -> Result<Run, String> {
     let streams = streams.max(1);
     let capacity = (live.max(16) * MEAN_SIZE * 2).next_power_of_two();
     let config = ReplayConfig::default();
@@ -152,13 +193,18 @@ pub fn run_once(
     let plan: Vec<(usize, u64)> = (0..steps)
         .map(|_| (rng.random_range(0..blocks.len().max(1)), size(&mut rng)))
         .collect();
+    let before = sim.driver_stats();
     let start = Instant::now();
     churn(alloc.as_ref(), &sim, &mut blocks, &plan).map_err(|e| format!("{allocator}: {e}"))?;
     let ns = start.elapsed().as_nanos() as f64;
+    let driver = sim.driver_stats().since(&before);
     for (ptr, _) in blocks {
         let _ = alloc.free(ptr);
     }
-    Ok(ns / (2 * steps.max(1)) as f64)
+    Ok(Run {
+        ns_per_op: ns / (2 * steps.max(1)) as f64,
+        driver,
+    })
 }
 
 /// The timed steps: for each `(i, bytes)` of `plan`, free live block `i`
@@ -187,34 +233,64 @@ fn churn(
     Ok(())
 }
 
-/// The table of a scaling run: one line per point, with the median, the
-/// fastest and slowest runs, and the median against the same allocator's at
-/// the same live count and the fewest streams measured.
+/// The table of a scaling run: one line per point, with the host time's
+/// median, fastest and slowest runs, and the median against the same
+/// allocator's at the same live count and the fewest streams measured; then
+/// what a GPU would charge besides: the modelled driver time and the stream
+/// and event calls per operation, and host plus driver time against the
+/// fewest-streams point's.
 pub fn table(points: &[ScalePoint]) -> String {
+    let width = points
+        .iter()
+        .map(|p| p.allocator.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("allocator".len());
     let mut out = format!(
-        "{:<28} {:>9} {:>8} {:>10} {:>8} {:>8} {:>10}\n",
-        "allocator", "live", "streams", "ns/op", "fastest", "slowest", "vs fewest"
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n",
+        "", "", "", "host", "", "", "host", "driver", "stream", "total"
+    );
+    out += &format!(
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n",
+        "allocator",
+        "live",
+        "streams",
+        "ns/op",
+        "fastest",
+        "slowest",
+        "/fewest",
+        "ns/op",
+        "calls",
+        "/fewest"
     );
     for p in points {
         let fewest = points
             .iter()
             .filter(|q| q.allocator == p.allocator && q.live == p.live)
             .min_by_key(|q| q.streams)
-            .map_or(p.ns_per_op, |q| q.ns_per_op);
+            .unwrap_or(p);
         let runs = p.runs_ns_per_op.iter().copied();
         let fastest = runs.clone().fold(f64::INFINITY, f64::min);
         let slowest = runs.fold(0.0, f64::max);
+        let total = |q: &ScalePoint| q.ns_per_op + q.driver_ns_per_op;
         out += &format!(
-            "{:<28} {:>9} {:>8} {:>10.0} {:>8.0} {:>8.0} {:>9.2}x\n",
+            "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>9.0} {:>7.2} {:>6.2}x\n",
             p.allocator,
             p.live,
             p.streams,
             p.ns_per_op,
             fastest,
             slowest,
-            p.ns_per_op / fewest
+            p.ns_per_op / fewest.ns_per_op,
+            p.driver_ns_per_op,
+            p.stream_calls_per_op,
+            total(p) / total(fewest),
         );
     }
+    out += "host: measured here, the median of the runs; driver: the simulated device's \
+            cost model\nover the calls of the timed steps; stream calls: stream and event \
+            calls per operation;\ntotal: host + driver; /fewest: against the same allocator \
+            and live count at the\nfewest streams.\n";
     out
 }
 

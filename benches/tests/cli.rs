@@ -631,7 +631,8 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
     // One table line per point, each against its allocator's one-stream point.
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().map(str::trim).collect();
-    assert!(lines[0].ends_with("vs fewest"), "{}", lines[0]);
+    assert!(lines[1].starts_with("allocator"), "{}", lines[1]);
+    assert!(lines[1].ends_with("/fewest"), "{}", lines[1]);
     assert_eq!(lines.iter().filter(|l| l.ends_with("1.00x")).count(), 4);
     let rows: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -652,6 +653,30 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
         assert!(runs.iter().all(|&ns| ns > 0.0), "{r}");
         runs.sort_by(f64::total_cmp);
         assert_eq!(r["ns_per_op"].as_f64().unwrap(), runs[1], "{r}");
+        // What the driver charges is reported too: Quilt orders its streams
+        // with events once there are several, classic never calls them.
+        assert!(r["driver_ns_per_op"].as_f64().unwrap() >= 0.0, "{r}");
+        let calls = r["stream_calls_per_op"].as_f64().unwrap();
+        let events = &r["stream_calls"];
+        let sum: u64 = [
+            "synchronize",
+            "wait_event",
+            "event_record",
+            "event_query",
+            "event_destroy",
+        ]
+        .iter()
+        .map(|k| events[k].as_u64().unwrap())
+        .sum();
+        assert!((calls - sum as f64 / 600.0).abs() < 1e-9, "{r}");
+        match (
+            r["allocator"].as_str().unwrap(),
+            r["streams"].as_u64().unwrap(),
+        ) {
+            ("quilt", 4) => assert!(events["event_record"].as_u64().unwrap() > 0, "{r}"),
+            ("classic", _) => assert_eq!(sum, 0, "{r}"),
+            _ => {}
+        }
     }
     for bad in ["--live", "--repeat"] {
         let out = bin().args(["scale", bad, "0"]).output().unwrap();
