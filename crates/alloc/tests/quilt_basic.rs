@@ -1004,6 +1004,42 @@ fn a_hundred_pending_frees_cost_no_query_storm() {
     assert_eq!(d.count(CallKind::StreamSynchronize), 0);
 }
 
+#[test]
+fn a_running_stream_is_not_queried_at_every_free() {
+    // The device never catches up: every event stays running. Stream 2
+    // exists, so each free on stream 1 records an event, and the free's
+    // housekeeping poll finds the oldest one running again and again.
+    let (sim, a) = setup(1 << 30);
+    let w = a.allocate(MIB, S2).unwrap();
+    let before = sim.driver_stats();
+    let frees = 2000u64;
+    for i in 0..frees {
+        let x = a.allocate(64 * KIB + (i % 5) * 4 * KIB, S1).unwrap();
+        ok(&a);
+        a.free(x.ptr).unwrap();
+        ok(&a);
+    }
+    let d = sim.driver_stats().since(&before);
+    assert!(d.count(CallKind::EventRecord) >= frees);
+    // Queried each time the oldest event's age doubled: about log2(4000)
+    // times, not once per free.
+    let q = d.count(CallKind::EventQuery);
+    assert!(
+        (1..=2 * 13).contains(&q),
+        "{q} event queries over {frees} frees"
+    );
+    // A decision still asks at once: stream 2 placing over stream 1's
+    // latest free queries (and, the work running, waits for it).
+    let q_before = sim.driver_stats().count(CallKind::EventQuery);
+    let y = a.allocate(64 * KIB, S2).unwrap();
+    ok(&a);
+    assert!(sim.driver_stats().count(CallKind::EventQuery) > q_before);
+    a.free(y.ptr).unwrap();
+    a.free(w.ptr).unwrap();
+    ok(&a);
+    assert_eq!(sim.driver_stats().count(CallKind::StreamSynchronize), 0);
+}
+
 /// What a churn run measured.
 struct Churn {
     ops: u64,

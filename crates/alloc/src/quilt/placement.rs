@@ -5,6 +5,7 @@
 use super::arena::PageSlot;
 use super::config::Placement;
 use super::state::{Ctx, Kind, State};
+use super::streams::Poll;
 use super::tiling::PieceId;
 use crate::error::AllocError;
 
@@ -80,7 +81,7 @@ impl State {
                 if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
                     continue;
                 }
-                streams.poll(ctx.vmm, s, tick);
+                streams.poll(ctx.vmm, s, tick, Poll::Now);
                 if !streams.is_done(s, h.tick) {
                     return true;
                 }
@@ -308,7 +309,7 @@ impl State {
     /// complete (after at most one query per stream this operation).
     pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
         self.streams.in_mask(mask).all(|s| {
-            self.streams.poll(ctx.vmm, s, tick);
+            self.streams.poll(ctx.vmm, s, tick, Poll::Now);
             self.streams.is_done(s, k)
         })
     }
