@@ -5,12 +5,15 @@
 //! stream. The set is built first (not timed), then `steps` steps are timed
 //! as a whole; the simulated GPU runs behind as in a replay.
 //!
-//! Host time is not all a GPU would charge: each point also reports what
-//! the simulated driver's cost model charges for the calls the timed steps
-//! made (`driver_ns_per_op`: page creation and mapping, and the stream and
-//! event calls that many streams need), and those calls counted. The
-//! calls are the same in every run of a point (the simulated device is
-//! deterministic); the host time is not.
+//! The host time is the allocator's: the simulated driver times its own
+//! work in each call ([`SimConfig::time_calls`]), and that time, and the
+//! clock readings' own cost, are taken out (`sim_ns_per_op` reports it, and
+//! `wall_ns_per_op` the whole). On a GPU the driver's time is charged by
+//! the cost model instead: each point reports what it charges for the calls
+//! the timed steps made (`driver_ns_per_op`: page creation and mapping, and
+//! the stream and event calls that many streams need), and those calls
+//! counted. The calls are the same in every run of a point (the simulated
+//! device is deterministic); the host times are not.
 //!
 //! A point is run `repeat` times and reported as the median: the runs go
 //! round robin over the points (each round visits every point once), so that
@@ -25,7 +28,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
 use quilt_alloc::DeviceAllocator;
-use quilt_vmm::sim::SimVmm;
+use quilt_vmm::sim::{SimConfig, SimVmm};
 use quilt_vmm::{DriverStats, StreamId, Vmm};
 
 use crate::allocators;
@@ -41,11 +44,17 @@ pub struct ScalePoint {
     pub live: u64,
     /// Streams they are spread over.
     pub streams: u64,
-    /// Host nanoseconds per allocate or free: the median over the runs of
-    /// the mean over each run's timed steps.
+    /// The allocator's host nanoseconds per allocate or free (the simulated
+    /// driver's own time taken out): the median over the runs of the mean
+    /// over each run's timed steps.
     pub ns_per_op: f64,
     /// Each run's mean, in the order they ran.
     pub runs_ns_per_op: Vec<f64>,
+    /// The simulated driver's own host nanoseconds per operation (median).
+    pub sim_ns_per_op: f64,
+    /// Wall nanoseconds per operation, the simulated driver's time included
+    /// (median).
+    pub wall_ns_per_op: f64,
     /// Modelled driver nanoseconds per operation (the simulated device's
     /// cost model over the calls the timed steps made).
     pub driver_ns_per_op: f64,
@@ -58,12 +67,16 @@ pub struct ScalePoint {
     pub stream_calls: StreamCalls,
 }
 
-/// What one run of a point measured.
+/// What one run of a point measured, per operation of its timed steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Run {
-    /// Host nanoseconds per operation.
+    /// The allocator's host nanoseconds (wall less the simulated driver's).
     pub ns_per_op: f64,
-    /// The driver calls of the timed steps.
+    /// The simulated driver's own host nanoseconds.
+    pub sim_ns_per_op: f64,
+    /// Wall nanoseconds.
+    pub wall_ns_per_op: f64,
+    /// The driver calls of the timed steps (in all, not per operation).
     pub driver: DriverStats,
 }
 
@@ -120,6 +133,7 @@ pub fn run_points(
 fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
     let ops = (2 * steps.max(1)) as f64;
     let runs_ns_per_op: Vec<f64> = runs.iter().map(|r| r.ns_per_op).collect();
+    let median_of = |f: fn(&Run) -> f64| median(&runs.iter().map(f).collect::<Vec<f64>>());
     // Every run makes the same calls; the first one's stand for all.
     let driver = runs.first().map(|r| r.driver).unwrap_or_default();
     let stream_calls = StreamCalls::from_stats(&driver);
@@ -129,6 +143,8 @@ fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
         streams: spec.streams,
         ns_per_op: median(&runs_ns_per_op),
         runs_ns_per_op,
+        sim_ns_per_op: median_of(|r| r.sim_ns_per_op),
+        wall_ns_per_op: median_of(|r| r.wall_ns_per_op),
         driver_ns_per_op: driver.modelled_ns as f64 / ops,
         vmm_calls_per_op: driver.vmm_calls() as f64 / ops,
         stream_calls_per_op: stream_calls.total() as f64 / ops,
@@ -175,8 +191,11 @@ pub fn run_once(
 ) -> Result<Run, String> {
     let streams = streams.max(1);
     let capacity = (live.max(16) * MEAN_SIZE * 2).next_power_of_two();
-    let config = ReplayConfig::default();
-    let sim = Arc::new(SimVmm::new(config.sim_config(capacity)).map_err(|e| e.to_string())?);
+    let config = SimConfig {
+        time_calls: true,
+        ..ReplayConfig::default().sim_config(capacity)
+    };
+    let sim = Arc::new(SimVmm::new(config).map_err(|e| e.to_string())?);
     let vmm: Arc<dyn Vmm> = sim.clone();
     let alloc = allocators::build(allocator, vmm).map_err(|e| e.to_string())?;
     let mut rng = Pcg64Mcg::seed_from_u64(seed);
@@ -193,18 +212,38 @@ pub fn run_once(
     let plan: Vec<(usize, u64)> = (0..steps)
         .map(|_| (rng.random_range(0..blocks.len().max(1)), size(&mut rng)))
         .collect();
+    let clock_ns = clock_reading_ns();
     let before = sim.driver_stats();
     let start = Instant::now();
     churn(alloc.as_ref(), &sim, &mut blocks, &plan).map_err(|e| format!("{allocator}: {e}"))?;
-    let ns = start.elapsed().as_nanos() as f64;
+    let wall = start.elapsed().as_nanos() as f64;
     let driver = sim.driver_stats().since(&before);
     for (ptr, _) in blocks {
         let _ = alloc.free(ptr);
     }
+    // Each call's timing reads the clock twice: one reading falls inside
+    // the time measured, one outside it (see the module documentation).
+    let calls: u64 = driver.calls.iter().sum();
+    let clocks = calls as f64 * clock_ns;
+    let inside = driver.measured_ns as f64;
+    let ops = (2 * steps.max(1)) as f64;
     Ok(Run {
-        ns_per_op: ns / (2 * steps.max(1)) as f64,
+        ns_per_op: (wall - inside - clocks).max(0.0) / ops,
+        sim_ns_per_op: (inside - clocks).max(0.0) / ops,
+        wall_ns_per_op: wall / ops,
         driver,
     })
+}
+
+/// The host nanoseconds of one clock reading (`Instant::now`), measured.
+fn clock_reading_ns() -> f64 {
+    const READINGS: u32 = 10_000;
+    let start = Instant::now();
+    let mut last = start;
+    for _ in 0..READINGS {
+        last = std::hint::black_box(Instant::now());
+    }
+    (last - start).as_nanos() as f64 / f64::from(READINGS)
 }
 
 /// The timed steps: for each `(i, bytes)` of `plan`, free live block `i`
@@ -247,11 +286,11 @@ pub fn table(points: &[ScalePoint]) -> String {
         .unwrap_or(0)
         .max("allocator".len());
     let mut out = format!(
-        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n",
-        "", "", "", "host", "", "", "host", "driver", "stream", "total"
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7}\n",
+        "", "", "", "host", "", "", "host", "sim", "driver", "stream", "total"
     );
     out += &format!(
-        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n",
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7}\n",
         "allocator",
         "live",
         "streams",
@@ -259,6 +298,7 @@ pub fn table(points: &[ScalePoint]) -> String {
         "fastest",
         "slowest",
         "/fewest",
+        "ns/op",
         "ns/op",
         "calls",
         "/fewest"
@@ -274,7 +314,7 @@ pub fn table(points: &[ScalePoint]) -> String {
         let slowest = runs.fold(0.0, f64::max);
         let total = |q: &ScalePoint| q.ns_per_op + q.driver_ns_per_op;
         out += &format!(
-            "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>9.0} {:>7.2} {:>6.2}x\n",
+            "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>6.0} {:>8.0} {:>7.2} {:>6.2}x\n",
             p.allocator,
             p.live,
             p.streams,
@@ -282,15 +322,17 @@ pub fn table(points: &[ScalePoint]) -> String {
             fastest,
             slowest,
             p.ns_per_op / fewest.ns_per_op,
+            p.sim_ns_per_op,
             p.driver_ns_per_op,
             p.stream_calls_per_op,
             total(p) / total(fewest),
         );
     }
-    out += "host: measured here, the median of the runs; driver: the simulated device's \
-            cost model\nover the calls of the timed steps; stream calls: stream and event \
-            calls per operation;\ntotal: host + driver; /fewest: against the same allocator \
-            and live count at the\nfewest streams.\n";
+    out += "host: the allocator's host time (median of the runs), the simulated driver's \
+            own time\n(sim) taken out; driver: what the cost model charges for the calls of \
+            the timed steps;\nstream calls: stream and event calls per operation; total: \
+            host + driver;\n/fewest: against the same allocator and live count at the \
+            fewest streams.\n";
     out
 }
 

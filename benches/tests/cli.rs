@@ -653,6 +653,14 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
         assert!(runs.iter().all(|&ns| ns > 0.0), "{r}");
         runs.sort_by(f64::total_cmp);
         assert_eq!(r["ns_per_op"].as_f64().unwrap(), runs[1], "{r}");
+        // The simulated driver's own time is taken out of the host figure:
+        // in every run, so in the medians too.
+        let (host, sim, wall) = (
+            r["ns_per_op"].as_f64().unwrap(),
+            r["sim_ns_per_op"].as_f64().unwrap(),
+            r["wall_ns_per_op"].as_f64().unwrap(),
+        );
+        assert!(host <= wall && sim >= 0.0 && sim < wall, "{r}");
         // What the driver charges is reported too: Quilt orders its streams
         // with events once there are several, classic never calls them.
         assert!(r["driver_ns_per_op"].as_f64().unwrap() >= 0.0, "{r}");

@@ -216,7 +216,9 @@ pub struct DriverStats {
     pub modelled_flat_create_ns: u64,
     /// Bytes of physical memory created so far (sum of successful `cuMemCreate` sizes).
     pub created_bytes: u64,
-    /// Measured wall time inside driver calls in nanoseconds (real backends; 0 on the simulated one).
+    /// Measured wall time inside driver calls in nanoseconds (real backends;
+    /// on the simulated one, the simulation's own host time when
+    /// [`crate::sim::SimConfig::time_calls`] is set, else 0).
     pub measured_ns: u64,
     /// Bytes copied between host and device by successful
     /// [`CallKind::MemcpyDtoH`] and [`CallKind::MemcpyHtoD`] calls.

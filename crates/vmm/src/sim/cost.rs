@@ -198,6 +198,13 @@ pub struct SimConfig {
     /// 0 (the default): the granularity itself. Otherwise a power of two
     /// multiple of the granularity.
     pub recommended_granularity: u64,
+    /// Time the simulation's own host work in every call (false by
+    /// default): [`crate::DriverStats::measured_ns`] then sums, per call,
+    /// the host time from before the device's lock is taken to after the
+    /// call is accounted. For harnesses that tell the allocator's host time
+    /// from the simulator's (`quilt-bench scale`); the two clock readings of
+    /// each call cost host time of their own.
+    pub time_calls: bool,
 }
 
 impl Default for SimConfig {
@@ -214,6 +221,7 @@ impl Default for SimConfig {
             handle_types: HandleTypes::POSIX_FD,
             gpu_direct_rdma: true,
             recommended_granularity: 0,
+            time_calls: false,
         }
     }
 }

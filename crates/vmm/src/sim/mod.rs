@@ -37,6 +37,7 @@ mod state;
 
 use std::fmt;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 pub use crate::leak::LeakReport;
 pub use cost::{
@@ -317,6 +318,7 @@ impl SimVmm {
         extra_ns: u64,
         op: impl FnOnce(&mut State) -> Result<T>,
     ) -> Result<T> {
+        let started = self.config.time_calls.then(Instant::now);
         let mut guard = self.lock();
         let inner = &mut *guard;
         let result = match inner.faults.check(kind) {
@@ -332,6 +334,10 @@ impl SimVmm {
             extra_ns,
             result.as_ref().err(),
         );
+        if let Some(started) = started {
+            let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            inner.stats.measured_ns = inner.stats.measured_ns.saturating_add(ns);
+        }
         result
     }
 }
@@ -577,6 +583,31 @@ mod tests {
         }
         sim.check_invariants().unwrap();
         assert!(sim.leak_report().is_empty());
+    }
+
+    #[test]
+    fn the_simulation_times_its_own_calls_only_when_asked() {
+        for time_calls in [false, true] {
+            let sim = SimVmm::new(SimConfig {
+                time_calls,
+                ..SimConfig::default()
+            })
+            .unwrap();
+            let h = sim.create(sim.granularity()).unwrap();
+            let e = sim.event_record(StreamId(1)).unwrap();
+            let before = sim.driver_stats();
+            for _ in 0..1000 {
+                sim.event_query(e).unwrap();
+            }
+            let d = sim.driver_stats().since(&before);
+            assert_eq!(d.count(CallKind::EventQuery), 1000);
+            // The modelled time never depends on it.
+            assert_eq!(d.modelled_ns, 1000 * sim.config().cost.event_ns);
+            assert_eq!(d.measured_ns > 0, time_calls, "{d:?}");
+            sim.event_destroy(e).unwrap();
+            sim.release(h).unwrap();
+            assert!(sim.leak_report().is_empty());
+        }
     }
 
     #[test]
