@@ -130,10 +130,6 @@ fn set_stat(stat: &mut Stat, value: u64) {
     }
 }
 
-/// A free prunes its gap's hazards whose work is known complete once the gap
-/// holds more than this many.
-const PRUNE_AT: usize = 8;
-
 impl State {
     /// Cached pages in every arena (mapped, touched by no block): all of them
     /// can be reclaimed, each being one handle mapped alone.
@@ -153,6 +149,22 @@ impl State {
             }
         }
         i
+    }
+
+    /// Forget the hazards of gap `gap` in arena `ai` whose work is known
+    /// complete: they constrain nothing, and a gap that keeps them keeps
+    /// its list (at a free and at an allocation, the two places that walk
+    /// or cut a gap's hazards anyway).
+    fn forget_completed_hazards(&mut self, ai: usize, gap: PieceId) {
+        let streams = &self.streams;
+        if self.arenas[ai].tiling.gap_hazards(gap).is_empty() {
+            return;
+        }
+        self.arenas[ai].tiling.retain_hazards(gap, |h| {
+            !streams
+                .in_mask(h.streams)
+                .all(|s| streams.is_done(s, h.tick))
+        });
     }
 
     fn arena_for(
@@ -286,6 +298,7 @@ impl State {
             if !placed.wait_free {
                 self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
             }
+            self.forget_completed_hazards(ai, gap);
             hazard = self.arenas[ai].tiling.hazard_union(gap, off, rounded);
         }
         let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
@@ -361,14 +374,8 @@ impl State {
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick, track);
         }
-        if track && self.arenas[ai].tiling.gap_hazards(b.piece).len() > PRUNE_AT {
-            // Forget the gap's hazards whose work is known complete.
-            let streams = &self.streams;
-            self.arenas[ai].tiling.retain_hazards(b.piece, |h| {
-                !streams
-                    .in_mask(h.streams)
-                    .all(|s| streams.is_done(s, h.tick))
-            });
+        if track {
+            self.forget_completed_hazards(ai, b.piece);
         }
         self.stats.allocated_bytes.decrease(b.size);
         self.stats.allocation.decrease(1);

@@ -12,12 +12,14 @@
 //!
 //! Each gap keeps its own [`Hazard`]s: freed byte ranges inside it whose
 //! streams' work may still use them (a short list in address order, kept
-//! with the gap's slot: no search, and its capacity stays with the slot, so
-//! steady state allocates nothing). Occupying part of a gap hands the
+//! with the gap's slot: no search). Occupying part of a gap hands the
 //! hazards before and after the block to the gaps left beside it and drops
 //! those under the block (the caller orders the block's stream after them
 //! first, see [`Tiling::hazards_over`]); vacating a block joins the lists of
-//! the gaps it coalesces with.
+//! the gaps it coalesces with. Lists move rather than copy, and a list
+//! emptied (a block's, a joined neighbour's, one whose hazards were all
+//! forgotten) is kept as a spare for the next gap that receives hazards, so
+//! hazards moving from gap to gap allocate nothing once the spares suffice.
 //!
 //! Invariants ([`Tiling::check`]): the pieces cover `0 .. size` exactly, in
 //! order, none empty; no two gaps are adjacent (a vacated block coalesces
@@ -88,7 +90,18 @@ pub(crate) struct Tiling {
     /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
     /// block or a vacant slot); parallel to `pieces`.
     hazards: Vec<Vec<Hazard>>,
+    /// Emptied hazard lists kept for reuse (at most [`SPARE_LISTS`]):
+    /// hazards move from gap to gap as blocks come and go, and a gap that
+    /// receives some takes a spare list rather than allocating one, while a
+    /// block gives its list back. Without them a churn on several streams
+    /// allocates a list at most operations.
+    spare_lists: Vec<Vec<Hazard>>,
+    /// Hazard lists allocated because no spare was left (for tests).
+    lists_allocated: u64,
 }
+
+/// Most emptied hazard lists kept for reuse.
+const SPARE_LISTS: usize = 1024;
 
 impl Tiling {
     /// One gap over `0 .. size` (nothing for a size of 0).
@@ -171,6 +184,28 @@ impl Tiling {
         self.vacant.push(id);
     }
 
+    /// The hazard list of gap `id`, to be filled (taken out of its slot): a
+    /// spare when the slot has no room of its own.
+    fn list_to_fill(&mut self, id: PieceId) -> Vec<Hazard> {
+        let list = std::mem::take(&mut self.hazards[id as usize]);
+        if list.capacity() > 0 {
+            return list;
+        }
+        self.spare_lists.pop().unwrap_or_else(|| {
+            self.lists_allocated += 1;
+            Vec::new()
+        })
+    }
+
+    /// Keep the emptied list `list` for reuse (dropped beyond
+    /// [`SPARE_LISTS`], or when it holds no room).
+    fn spare(&mut self, mut list: Vec<Hazard>) {
+        if list.capacity() > 0 && self.spare_lists.len() < SPARE_LISTS {
+            list.clear();
+            self.spare_lists.push(list);
+        }
+    }
+
     /// Gaps.
     pub(crate) fn gap_count(&self) -> usize {
         self.by_size.len()
@@ -242,15 +277,20 @@ impl Tiling {
         if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
             return;
         }
-        let list = &mut self.hazards[id as usize];
+        let mut list = self.list_to_fill(id);
         let at = list.partition_point(|x| x.start < h.start);
         list.insert(at, h);
+        self.hazards[id as usize] = list;
     }
 
     /// Keep only the hazards of gap `id` for which `keep` is true.
     pub(crate) fn retain_hazards(&mut self, id: PieceId, keep: impl FnMut(&Hazard) -> bool) {
         if let Some(list) = self.hazards.get_mut(id as usize) {
             list.retain(keep);
+            if list.is_empty() {
+                let list = std::mem::take(list);
+                self.spare(list);
+            }
         }
     }
 
@@ -340,6 +380,11 @@ impl Tiling {
         }
         if !self.hazards[gap as usize].is_empty() {
             self.split_hazards(gap, left, right, off, end);
+        } else {
+            // A block holds no hazards: an empty list's room goes to the
+            // spares rather than sit idle in the block's slot.
+            let list = std::mem::take(&mut self.hazards[gap as usize]);
+            self.spare(list);
         }
         self.blocks += 1;
         Some(gap)
@@ -349,23 +394,25 @@ impl Tiling {
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
     /// none), cut at the block; drop those under it.
     fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
-        let mut list = std::mem::take(&mut self.hazards[block as usize]);
-        if left != NIL {
-            let to = &mut self.hazards[left as usize];
+        let list = std::mem::take(&mut self.hazards[block as usize]);
+        if left != NIL && list.first().is_some_and(|h| h.start < off) {
+            let mut to = self.list_to_fill(left);
             to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
                 end: h.end.min(off),
                 ..h
             }));
+            self.hazards[left as usize] = to;
         }
-        if right != NIL {
-            let to = &mut self.hazards[right as usize];
+        if right != NIL && list.last().is_some_and(|h| h.end > end) {
+            let mut to = self.list_to_fill(right);
             to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
                 start: h.start.max(end),
                 ..h
             }));
+            self.hazards[right as usize] = to;
         }
-        list.clear();
-        self.hazards[block as usize] = list;
+        // A block holds no hazards: its list goes back to the spares.
+        self.spare(list);
     }
 
     /// Vacate block `id`: it becomes a gap, coalesced with the gaps beside
@@ -374,29 +421,35 @@ impl Tiling {
     pub(crate) fn vacate(&mut self, id: PieceId) -> Option<(u64, u64)> {
         let b = *self.get(id).filter(|p| !p.free)?;
         let (mut start, mut end) = (b.start, b.end);
+        // The joined gap's hazards, in address order: the gap before's, the
+        // block's (none), the gap after's; lists emptied go to the spares.
+        let mut list = std::mem::take(&mut self.hazards[id as usize]);
         if let Some(&p) = self.get(b.prev).filter(|p| p.free) {
             self.by_size.remove(&(p.end - p.start, p.start));
             self.remove_piece(b.prev);
             start = p.start;
-            if !self.hazards[b.prev as usize].is_empty() {
-                // The gap before comes first: its hazards go in front.
-                let mut before = std::mem::take(&mut self.hazards[b.prev as usize]);
-                let mine = &mut self.hazards[id as usize];
-                before.append(mine);
-                std::mem::swap(mine, &mut before);
-                self.hazards[b.prev as usize] = before;
+            let mut before = std::mem::take(&mut self.hazards[b.prev as usize]);
+            if list.is_empty() {
+                std::mem::swap(&mut list, &mut before);
+            } else if !before.is_empty() {
+                before.append(&mut list);
+                std::mem::swap(&mut list, &mut before);
             }
+            self.spare(before);
         }
         if let Some(&n) = self.get(b.next).filter(|n| n.free) {
             self.by_size.remove(&(n.end - n.start, n.start));
             self.remove_piece(b.next);
             end = n.end;
-            if !self.hazards[b.next as usize].is_empty() {
-                let mut after = std::mem::take(&mut self.hazards[b.next as usize]);
-                self.hazards[id as usize].append(&mut after);
-                self.hazards[b.next as usize] = after;
+            let mut after = std::mem::take(&mut self.hazards[b.next as usize]);
+            if list.is_empty() {
+                std::mem::swap(&mut list, &mut after);
+            } else {
+                list.append(&mut after);
             }
+            self.spare(after);
         }
+        self.hazards[id as usize] = list;
         let g = &mut self.pieces[id as usize];
         g.start = start;
         g.end = end;
@@ -542,6 +595,47 @@ mod tests {
         assert_eq!(t.pieces().collect::<Vec<_>>(), vec![(0, 1000, true)]);
         assert_eq!(t.block_count(), 0);
         assert!(Tiling::new(0).check(0).is_ok());
+    }
+
+    #[test]
+    fn hazard_lists_are_reused_not_allocated_again() {
+        // Blocks at 0..100, 100..200 and 200..300 of a 1000-byte arena; each
+        // round frees the middle one (a hazard), joins it with no gap, and
+        // occupies it again, the hazard handed to the pieces beside the new
+        // block and back.
+        let mut t = Tiling::new(1000);
+        let at = |t: &mut Tiling, off: u64| {
+            let g = t.find(off).unwrap();
+            t.occupy(g, off, 100).unwrap()
+        };
+        at(&mut t, 0);
+        let mut mid = at(&mut t, 100);
+        at(&mut t, 200);
+        let mut allocated = Vec::new();
+        for round in 0..50u64 {
+            t.vacate(mid).unwrap();
+            t.add_hazard(mid, Hazard::over(100, 100, 1, round + 1));
+            t.check(1000).unwrap();
+            // The new block covers the middle of the hazard: both sides keep
+            // a part of it.
+            let g = t.find(150).unwrap();
+            mid = t.occupy(g, 140, 20).unwrap();
+            t.check(1000).unwrap();
+            assert_eq!(t.all_hazards().count(), 2, "round {round}");
+            t.vacate(mid).unwrap();
+            t.check(1000).unwrap();
+            assert_eq!(t.all_hazards().count(), 2, "round {round}: cut, not joined");
+            // Occupied whole again: the hazards under it are dropped.
+            let g = t.find(150).unwrap();
+            mid = t.occupy(g, 100, 100).unwrap();
+            t.check(1000).unwrap();
+            assert_eq!(t.all_hazards().count(), 0, "round {round}");
+            allocated.push(t.lists_allocated);
+        }
+        // The first rounds allocate lists; later ones take spares only.
+        assert!(allocated[0] >= 1, "{allocated:?}");
+        assert_eq!(allocated[10], allocated[49], "{allocated:?}");
+        assert!(!t.spare_lists.is_empty());
     }
 
     proptest! {
