@@ -197,6 +197,18 @@ impl Tiling {
         })
     }
 
+    /// The hazards of `front` then those of `back`, in whichever of the two
+    /// lists avoids a copy; the other, emptied, goes to the spares.
+    fn joined(&mut self, mut front: Vec<Hazard>, mut back: Vec<Hazard>) -> Vec<Hazard> {
+        if front.is_empty() {
+            std::mem::swap(&mut front, &mut back);
+        } else {
+            front.append(&mut back);
+        }
+        self.spare(back);
+        front
+    }
+
     /// Keep the emptied list `list` for reuse (dropped beyond
     /// [`SPARE_LISTS`], or when it holds no room).
     fn spare(&mut self, mut list: Vec<Hazard>) {
@@ -422,32 +434,21 @@ impl Tiling {
         let b = *self.get(id).filter(|p| !p.free)?;
         let (mut start, mut end) = (b.start, b.end);
         // The joined gap's hazards, in address order: the gap before's, the
-        // block's (none), the gap after's; lists emptied go to the spares.
+        // block's (none), the gap after's.
         let mut list = std::mem::take(&mut self.hazards[id as usize]);
         if let Some(&p) = self.get(b.prev).filter(|p| p.free) {
             self.by_size.remove(&(p.end - p.start, p.start));
             self.remove_piece(b.prev);
             start = p.start;
-            let mut before = std::mem::take(&mut self.hazards[b.prev as usize]);
-            if list.is_empty() {
-                std::mem::swap(&mut list, &mut before);
-            } else if !before.is_empty() {
-                before.append(&mut list);
-                std::mem::swap(&mut list, &mut before);
-            }
-            self.spare(before);
+            let before = std::mem::take(&mut self.hazards[b.prev as usize]);
+            list = self.joined(before, list);
         }
         if let Some(&n) = self.get(b.next).filter(|n| n.free) {
             self.by_size.remove(&(n.end - n.start, n.start));
             self.remove_piece(b.next);
             end = n.end;
-            let mut after = std::mem::take(&mut self.hazards[b.next as usize]);
-            if list.is_empty() {
-                std::mem::swap(&mut list, &mut after);
-            } else {
-                list.append(&mut after);
-            }
-            self.spare(after);
+            let after = std::mem::take(&mut self.hazards[b.next as usize]);
+            list = self.joined(list, after);
         }
         self.hazards[id as usize] = list;
         let g = &mut self.pieces[id as usize];

@@ -593,7 +593,6 @@ mod tests {
                 ..SimConfig::default()
             })
             .unwrap();
-            let h = sim.create(sim.granularity()).unwrap();
             let e = sim.event_record(StreamId(1)).unwrap();
             let before = sim.driver_stats();
             for _ in 0..1000 {
@@ -605,7 +604,6 @@ mod tests {
             assert_eq!(d.modelled_ns, 1000 * sim.config().cost.event_ns);
             assert_eq!(d.measured_ns > 0, time_calls, "{d:?}");
             sim.event_destroy(e).unwrap();
-            sim.release(h).unwrap();
             assert!(sim.leak_report().is_empty());
         }
     }

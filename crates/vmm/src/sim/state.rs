@@ -382,14 +382,15 @@ impl State {
     /// Whether `e` has completed (settles its stream first, unless it is
     /// already known complete).
     fn is_complete(&mut self, e: &Event) -> bool {
-        if self
-            .streams
-            .get(&e.stream)
-            .is_some_and(|s| s.completed >= e.seq)
-        {
+        if self.known_complete(e) {
             return true;
         }
         self.settle(e.stream);
+        self.known_complete(e)
+    }
+
+    /// Whether `e`'s stream has completed it, as far as settled.
+    fn known_complete(&self, e: &Event) -> bool {
         self.streams
             .get(&e.stream)
             .is_some_and(|s| s.completed >= e.seq)
