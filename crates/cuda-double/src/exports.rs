@@ -766,7 +766,7 @@ fn queue_fill(stream: u64, dst: u64, pattern: Vec<u8>, count: usize) -> Call<()>
         let len = (count as u64)
             .checked_mul(pattern.len() as u64)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if dst % pattern.len() as u64 != 0 {
+        if !dst.is_multiple_of(pattern.len() as u64) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if len == 0 {
@@ -1201,4 +1201,162 @@ pub unsafe extern "C" fn cuLaunchHostFunc(
     _data: *mut c_void,
 ) -> CuResult {
     CUDA_ERROR_NOT_SUPPORTED
+}
+
+// --- Newer header mappings and less common calls ---------------------------
+
+/// `cuCtxCreate_v3` (CUDA 11.4 to 12.4 headers): execution-affinity
+/// parameters are accepted and ignored.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v3(
+    ctx: *mut Opaque,
+    _params: *mut c_void,
+    _count: c_int,
+    flags: c_uint,
+    device: CuDevice,
+) -> CuResult {
+    // SAFETY: the same contract as cuCtxCreate_v2.
+    unsafe { cuCtxCreate_v2(ctx, flags, device) }
+}
+
+/// `cuCtxCreate_v4` (what `cuCtxCreate` means from CUDA 12.5/13 headers):
+/// the creation parameters are accepted and ignored.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v4(
+    ctx: *mut Opaque,
+    _params: *mut c_void,
+    flags: c_uint,
+    device: CuDevice,
+) -> CuResult {
+    // SAFETY: the same contract as cuCtxCreate_v2.
+    unsafe { cuCtxCreate_v2(ctx, flags, device) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceComputeCapability(
+    major: *mut c_int,
+    minor: *mut c_int,
+    device: CuDevice,
+) -> CuResult {
+    code(with_driver(|d| {
+        need(major)?;
+        need(minor)?;
+        d.device(device)?;
+        // SAFETY: both checked non-null.
+        unsafe {
+            put(major, 9);
+            put(minor, 0);
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    can: *mut c_int,
+    device: CuDevice,
+    peer: CuDevice,
+) -> CuResult {
+    code(with_driver(|d| {
+        need(can)?;
+        d.device(device)?;
+        d.device(peer)?;
+        // SAFETY: checked non-null.
+        unsafe { put(can, c_int::from(device != peer)) };
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Opaque, flags: c_uint) -> CuResult {
+    code(with_driver(|d| {
+        d.context()?;
+        if flags != 0 || !d.contexts.contains_key(&(peer as usize as u64)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD16_v2(dst: CuDevicePtr, value: u16, count: usize) -> CuResult {
+    code(queue_fill(0, dst, value.to_ne_bytes().to_vec(), count))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD16Async(
+    dst: CuDevicePtr,
+    value: u16,
+    count: usize,
+    stream: Opaque,
+) -> CuResult {
+    code(queue_fill(
+        stream as usize as u64,
+        dst,
+        value.to_ne_bytes().to_vec(),
+        count,
+    ))
+}
+
+/// A copy with unified addressing: each side is device memory where the
+/// double has a mapping at its first byte, else host memory.
+fn unified_copy(stream: u64, dst: u64, src: u64, len: usize) -> Call<()> {
+    let (dst_device, src_device) = with_driver(|d| Ok((d.is_device(dst), d.is_device(src))))?;
+    match (dst_device, src_device) {
+        (true, true) => queue_device_copy(stream, dst, src, len),
+        (true, false) => queue_to_device(stream, dst, src as usize as *const c_void, len),
+        (false, true) => copy_to_host(stream, dst as usize as *mut c_void, src, len),
+        (false, false) => with_driver(|d| {
+            let s = d.stream(stream)?;
+            let seq = d.enqueue(s, Op::Marker)?;
+            d.synchronize_up_to(s, seq)?;
+            // SAFETY: both are host buffers the client gives for `len` bytes.
+            unsafe { crate::os::copy(dst, src, len as u64) };
+            Ok(())
+        }),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpy(dst: CuDevicePtr, src: CuDevicePtr, len: usize) -> CuResult {
+    code(unified_copy(0, dst, src, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyAsync(
+    dst: CuDevicePtr,
+    src: CuDevicePtr,
+    len: usize,
+    stream: Opaque,
+) -> CuResult {
+    code(unified_copy(stream as usize as u64, dst, src, len))
+}
+
+/// `CUpointer_attribute` values answered: context, memory type, device
+/// pointer, device ordinal, range start and size.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: CuDevicePtr,
+) -> CuResult {
+    code(with_driver(|d| {
+        need(data)?;
+        let (start, size) = d.address_range(ptr).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let ctx = d.context()?;
+        let device = d.context_device()?;
+        // SAFETY: checked non-null; each attribute's documented type.
+        unsafe {
+            match attribute {
+                1 => put(data.cast::<Opaque>(), ctx as usize as Opaque),
+                2 => put(data.cast::<c_uint>(), 2), // CU_MEMORYTYPE_DEVICE
+                3 => put(data.cast::<CuDevicePtr>(), ptr),
+                9 => put(data.cast::<c_int>(), device),
+                11 => put(data.cast::<CuDevicePtr>(), start),
+                12 => put(data.cast::<usize>(), size as usize),
+                _ => return Err(CUDA_ERROR_INVALID_VALUE),
+            }
+        }
+        Ok(())
+    }))
 }

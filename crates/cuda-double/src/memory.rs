@@ -221,7 +221,7 @@ impl Driver {
         let alignment = if alignment == 0 { g } else { alignment };
         if flags != 0
             || size == 0
-            || size % g != 0
+            || !size.is_multiple_of(g)
             || !alignment.is_power_of_two()
             || alignment % g != 0
         {
@@ -260,7 +260,7 @@ impl Driver {
         }
         self.check_prop(prop)?;
         let types = prop.requested_handle_types;
-        if size == 0 || size % self.granularity_for(types, true) != 0 {
+        if size == 0 || !size.is_multiple_of(self.granularity_for(types, true)) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let device = prop.location.id;
@@ -315,12 +315,12 @@ impl Driver {
         let whole = offset == 0 && size == h.size;
         if flags != 0
             || size == 0
-            || ptr % g != 0
-            || size % g != 0
-            || offset % g != 0
+            || !ptr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !offset.is_multiple_of(g)
             || !fits
             || (offset != 0 && !self.rules.map_offset)
-            || (!whole && !(self.rules.partial_map || self.rules.map_offset))
+            || !(whole || self.rules.partial_map || self.rules.map_offset)
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -398,7 +398,11 @@ impl Driver {
             self.device(d.location.id)?;
         }
         let g = self.memory.granule;
-        if size == 0 || ptr % g != 0 || size % g != 0 || !self.memory.fully_mapped(ptr, size) {
+        if size == 0
+            || !ptr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !self.memory.fully_mapped(ptr, size)
+        {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let devices = self.rules.devices as usize;

@@ -757,6 +757,11 @@ impl Driver {
         }
     }
 
+    /// Whether `ptr` is device memory (lies in a mapping).
+    pub fn is_device(&self, ptr: u64) -> bool {
+        self.address_range(ptr).is_ok()
+    }
+
     /// Whether `[ptr, ptr + len)` is a pinned host buffer of `cuMemHostAlloc`.
     pub fn is_pinned(&self, ptr: u64, len: u64) -> bool {
         self.host
