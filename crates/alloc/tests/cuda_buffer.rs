@@ -1,8 +1,8 @@
-//! `CudaBuffer` on a real GPU: cudarc's copies through Quilt buffers across
+//! `CudaBuffer` with cudarc: cudarc's copies through Quilt buffers across
 //! two streams, the typed errors of a wrong backend, stream or length, and
-//! the free at drop. Every test needs a CUDA GPU and is ignored by default
-//! (`cargo test --release -p quilt-alloc --test cuda_buffer -- --ignored` on
-//! a GPU machine, where a missing device fails them).
+//! the free at drop. Every test runs over the CUDA double
+//! (`quilt-cuda-double`, in a child process); `QUILT_CUDA_TESTS=real` runs
+//! them on a GPU, where a missing device fails them.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 

@@ -614,10 +614,10 @@ fn sleep_wake_offload_tier_sends_offloadable_tags_to_the_host_on_out_of_memory()
     a.check_invariants().unwrap();
 }
 
-/// On a real GPU: a tagged block and a growable buffer keep every byte
-/// through growth (same address) and through sleep, reuse of their pages by
-/// another block, and wake. `cargo test --release -p quilt-alloc --test
-/// sleep_wake -- --ignored` on a GPU machine.
+/// On the CUDA backend (over the CUDA double; on a GPU with
+/// `QUILT_CUDA_TESTS=real`): a tagged block and a growable buffer keep every
+/// byte through growth (same address) and through sleep, reuse of their
+/// pages by another block, and wake.
 #[cfg(feature = "cuda")]
 #[test]
 fn sleep_wake_on_cuda_keeps_every_byte() {

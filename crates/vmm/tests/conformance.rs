@@ -3,13 +3,13 @@
 //!
 //! - simulated: always;
 //! - host: always on Linux (64 MiB capacity, 2 MiB granularity);
-//! - CUDA: device 0, in two tests of their own that are ignored by default
+//! - CUDA: device 0, in two tests of their own
 //!   (`cuda_backend_passes_the_shared_checks` runs every shared check on it,
-//!   `cuda_agrees_with_the_simulated_one` the differential check), so that
-//!   `cargo test` reports them as ignored rather than passed where there is
-//!   no GPU. On a GPU machine: `cargo test --release -p quilt-vmm --test
-//!   conformance -- --ignored` (`scripts/gpu-check.sh` does); there a
-//!   missing device is a failure.
+//!   `cuda_agrees_with_the_simulated_one` the differential check), over the
+//!   CUDA double (`quilt-cuda-double`, in a child process, with the host
+//!   backend's capacity and granularity); on a GPU machine
+//!   `QUILT_CUDA_TESTS=real` runs them on the real driver
+//!   (`scripts/gpu-check.sh` does), where a missing device is a failure.
 //!
 //! Every check takes a [`Backend`] and uses only the trait, so a backend passes
 //! exactly when it follows the same rules with the same typed errors. The
