@@ -1109,6 +1109,7 @@ fn relaxed_capture(p: &mut Probe) -> Json {
     under.after(&case, "cuEventRecord_on_other_stream");
     let _ = event_query(&mut case, on_other);
     under.after(&case, "cuEventQuery_recorded_on_other_stream");
+    let mut still_mapped = mapped;
     if let (Some(va), true) = (va, mapped) {
         // No synchronisation first: a context synchronisation is not a
         // legal call during capture.
@@ -1119,12 +1120,13 @@ fn relaxed_capture(p: &mut Probe) -> Json {
         case.note("cuMemUnmap", format!("{va:#x}, size={g:#x}"), r);
         if ok(r) {
             p.forget_mappings(va, g);
+            still_mapped = false;
         }
         under.after(&case, "cuMemUnmap");
     }
-    if let (Some(handle), true) = (handle, p.mappings.is_empty()) {
-        // SAFETY: a live handle of this probe, with no mapping left (the
-        // probe has none), released once.
+    if let (Some(handle), false) = (handle, still_mapped) {
+        // SAFETY: a live handle of this probe whose only mapping (made
+        // above) is gone, released once.
         let r = unsafe { sys::cuMemRelease(handle) };
         case.note("cuMemRelease", String::new(), r);
         if ok(r) {
@@ -1132,7 +1134,7 @@ fn relaxed_capture(p: &mut Probe) -> Json {
         }
         under.after(&case, "cuMemRelease");
     }
-    if let (Some(va), true) = (va, p.mappings.is_empty()) {
+    if let (Some(va), false) = (va, still_mapped) {
         p.address_free(&mut case, va, g);
         under.after(&case, "cuMemAddressFree");
     }
