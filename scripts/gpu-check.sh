@@ -10,6 +10,7 @@
 #                                                stripped, into BIN (default
 #                                                target/gpu-check-bin, under 64 MiB) with
 #                                                BIN/MANIFEST (sha256) and BIN/BUILD_INFO
+#                                                (commit, rustc, glibc needed)
 #   scripts/gpu-check.sh [OUT] [--bin BIN]    2. on the GPU machine, from this checkout
 #                                                at the same commit, with BIN copied to
 #                                                the same place: run the checks from BIN
@@ -82,7 +83,8 @@
 # driver or device), skipped (with the reason), or passed_without_cuda (the
 # test binary passed but ran no CUDA check). Exit status: 0 when every step
 # passed or was skipped for a reason other than CUDA; 1 when a step failed or
-# timed out, or the binaries are missing or do not match their MANIFEST; 2 on
+# timed out, or the binaries are missing, do not match their MANIFEST or need
+# a newer glibc than this machine has; 2 on
 # bad usage; 3 when there is no usable CUDA driver or device (the run stops
 # after the probe, and the findings say why; GPU_CHECK_ALLOW_NO_GPU=1 makes
 # that 0).
@@ -118,9 +120,10 @@ die() {
     exit 2
 }
 
+# Prints the usage; exits with $1 (default 2).
 usage() {
-    sed -n '4,23p' "$0" | sed 's/^# \{0,1\}//' >&2
-    exit 2
+    sed -n '4,24p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit "${1:-2}"
 }
 
 # $1 as a JSON number when it is a non-negative integer, else as a string.
@@ -240,6 +243,12 @@ build_into() {
         echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
         echo "rustc $(rustc -V 2>/dev/null || echo unknown)"
         echo "host $(uname -sm)"
+        # The newest glibc symbol version any of them needs (the GPU
+        # machine's glibc must be at least this).
+        if command -v objdump >/dev/null 2>&1; then
+            echo "glibc_needed $(cd "$dir" && objdump -T "${BINARIES[@]}" "${LIBRARIES[@]}" 2>/dev/null |
+                grep -o 'GLIBC_[0-9.]*' | sort -Vu | tail -n 1 | sed 's/GLIBC_//')"
+        fi
     } >"$dir/BUILD_INFO"
     local bytes
     bytes=$(du -cb "$dir"/* | tail -n 1 | cut -f 1)
@@ -269,6 +278,8 @@ CURRENT_STEP=""
 FINISHED=false
 BIN_COMMIT=""
 BIN_CHECKED=null
+BIN_GLIBC=""
+HOST_GLIBC=""
 
 # Records one step: name, status, exit status ("null" when not run), seconds,
 # log file (relative to the output folder), reason (may be empty); then
@@ -378,11 +389,18 @@ check_binaries() {
     done
     if [ -f "$bin/BUILD_INFO" ]; then
         BIN_COMMIT=$(sed -n 's/^commit //p' "$bin/BUILD_INFO")
+        BIN_GLIBC=$(sed -n 's/^glibc_needed //p' "$bin/BUILD_INFO")
     fi
+    HOST_GLIBC=$(ldd --version 2>/dev/null | head -n 1 | grep -o '[0-9][0-9.]*$')
     if [ -n "$missing" ]; then
         echo "gpu-check: no prebuilt binaries: missing in $bin:$missing" >&2
         echo "gpu-check: build them with \`scripts/gpu-check.sh --build\` on a machine with cargo, and carry $bin here" >&2
         record binaries failed null 0 "" "missing in $bin:$missing; build them with \`scripts/gpu-check.sh --build\` on a machine with cargo and carry $bin here"
+        return 1
+    fi
+    if [ -n "$BIN_GLIBC" ] && [ -n "$HOST_GLIBC" ] &&
+        [ "$(printf '%s\n%s\n' "$BIN_GLIBC" "$HOST_GLIBC" | sort -V | head -n 1)" != "$BIN_GLIBC" ]; then
+        record binaries failed null 0 "" "the binaries need glibc $BIN_GLIBC, this machine has $HOST_GLIBC: build them on an older system"
         return 1
     fi
     if command -v sha256sum >/dev/null 2>&1; then
@@ -524,6 +542,9 @@ write_findings() {
     [ -n "$CURRENT_STEP" ] && current=$(json_str "$CURRENT_STEP")
     local bin_commit=null
     [ -n "$BIN_COMMIT" ] && bin_commit=$(json_str "$BIN_COMMIT")
+    local bin_glibc=null host_glibc=null
+    [ -n "$BIN_GLIBC" ] && bin_glibc=$(json_str "$BIN_GLIBC")
+    [ -n "$HOST_GLIBC" ] && host_glibc=$(json_str "$HOST_GLIBC")
     local commit=null
     if command -v git >/dev/null 2>&1 && git rev-parse --verify -q HEAD >/dev/null 2>&1; then
         commit=$(json_str "$(git rev-parse HEAD)")
@@ -538,7 +559,7 @@ write_findings() {
         echo "  \"cuda_available\": $cuda,"
         echo "  \"no_cuda_reason\": $reason,"
         echo "  \"gpu\": $gpu_json,"
-        echo "  \"binaries\": {\"dir\": $(json_str "$BIN_DIR"), \"build_commit\": $bin_commit, \"checksums_match\": $BIN_CHECKED},"
+        echo "  \"binaries\": {\"dir\": $(json_str "$BIN_DIR"), \"build_commit\": $bin_commit, \"checksums_match\": $BIN_CHECKED, \"glibc_needed\": $bin_glibc, \"host_glibc\": $host_glibc},"
         echo "  \"passed\": $passed,"
         echo "  \"total_seconds\": $((SECONDS - STARTED)),"
         echo "  \"limits\": {\"step_timeout_s\": $STEP_TIMEOUT_S, \"probe_timeout_s\": $PROBE_TIMEOUT_S, \"cuda_data_timeout_s\": $DATA_TIMEOUT_S, \"latency_timeout_s\": $LATENCY_TIMEOUT_S, \"torch_timeout_s\": $TORCH_TIMEOUT_S, \"kernel_timeout_s\": $KERNEL_TIMEOUT_S, \"share_timeout_s\": $SHARE_TIMEOUT_S, \"sleep_wake_timeout_s\": $SLEEP_TIMEOUT_S, \"total_budget_s\": $TOTAL_BUDGET_S, \"proptest_cases\": $(json_num "$PROPTEST_CASES"), \"proptest_max_shrink_iters\": $(json_num "$PROPTEST_MAX_SHRINK_ITERS")},"
@@ -599,7 +620,7 @@ case "${1:-}" in
         run_prebuilt
         ;;
     -h | --help)
-        usage
+        usage 0
         ;;
     -*)
         die "unknown option $1 (see --help)"
