@@ -26,8 +26,10 @@ fn quilt_on_gpu() -> (Arc<CudaVmm>, Arc<dyn DeviceAllocator>) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cudarc_copies_through_quilt_buffers_on_two_streams() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
@@ -53,8 +55,10 @@ fn cudarc_copies_through_quilt_buffers_on_two_streams() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn wrong_backend_stream_or_length_is_a_typed_error() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
@@ -85,8 +89,10 @@ fn wrong_backend_stream_or_length_is_a_typed_error() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn into_buffer_gives_the_block_back_untyped() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
