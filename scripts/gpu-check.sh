@@ -43,15 +43,16 @@
 #   2. driver_latency: the driver-call latency micro-benchmark on CUDA (every
 #      VMM call, one thread, 1000 calls of 2 MiB, 200 of 64 MiB); the Markdown
 #      table goes to OUT/driver_latency.md, which docs/benchmarks.md can take;
-#   3. conformance (crates/vmm/tests/conformance.rs) with --ignored: its CUDA
-#      tests, ignored by `cargo test` (every shared check, and the
-#      differential check against the simulated backend, on the CUDA
-#      backend), with PROPTEST_CASES and PROPTEST_MAX_SHRINK_ITERS bounded;
-#   4. cuda_data (crates/vmm/tests/cuda_data.rs) with --include-ignored:
-#      bytes through stitched mappings with cuMemcpy, streams, events,
-#      contexts, out-of-memory figures;
-#      (3 and 4 are skipped when the probe found no CUDA: without a device
-#      their GPU tests fail, as they should);
+#   3. conformance (crates/vmm/tests/conformance.rs): its two CUDA tests
+#      (every shared check, and the differential check against the
+#      simulated backend, on the CUDA backend), with PROPTEST_CASES and
+#      PROPTEST_MAX_SHRINK_ITERS bounded;
+#   4. cuda_data (crates/vmm/tests/cuda_data.rs): bytes through stitched
+#      mappings with cuMemcpy, streams, events, contexts, out-of-memory
+#      figures;
+#   (The test steps 3, 4, 7, 8 and 9 run with QUILT_CUDA_TESTS=real: the tests
+#   that `cargo test` runs over the CUDA double run on the real driver instead;
+#   a test binary that runs no test at all is a failure, not a pass.)
 #   5. torch_check (scripts/torch_check.py, with libquilt_torch.so): PyTorch
 #      on the GPU under a memory fraction, a fragmenting pattern with the
 #      native allocator and with quilt_torch.enable(), tensor contents, the
@@ -60,16 +61,16 @@
 #   6. cudarc_kernel (crates/alloc/examples/cudarc_kernel.rs): a cudarc kernel
 #      reading and writing Quilt buffers through cudarc's traits, on a second
 #      stream, checked element by element;
-#   7. cuda_buffer (crates/alloc/tests/cuda_buffer.rs) with --ignored: cudarc's
+#   7. cuda_buffer (crates/alloc/tests/cuda_buffer.rs): cudarc's
 #      copies through Quilt buffers across two streams, typed errors, frees;
-#   8. cuda_share (crates/vmm/tests/cuda_share.rs) with --ignored: the sharing
+#   8. cuda_share (crates/vmm/tests/cuda_share.rs): the sharing
 #      flags the device reports (POSIX fd, FABRIC, GPUDirect RDMA with VMM,
 #      recommended granularity: one "cuda_share: caps {...}" line), peer
 #      access for every device in one cuMemSetAccess (skipped with a message
 #      on a machine with one device), and export / import of a handle between
 #      two processes on device 0 (the test re-runs itself as the child; the
 #      fd crosses a Unix socket), bytes both ways;
-#   9. sleep_wake (crates/alloc/tests/sleep_wake.rs) with --ignored: a tagged
+#   9. sleep_wake (crates/alloc/tests/sleep_wake.rs), its CUDA test: a tagged
 #      block and a growable buffer keep every byte through growth, sleep
 #      (offload), reuse of their pages by another block, and wake, on the GPU.
 #
@@ -111,6 +112,8 @@ SHARE_TIMEOUT_S=30
 SLEEP_TIMEOUT_S=30
 export PROPTEST_CASES=${PROPTEST_CASES:-32}
 export PROPTEST_MAX_SHRINK_ITERS=${PROPTEST_MAX_SHRINK_ITERS:-64}
+# The CUDA tests run on the real driver, not over the double (crates/cuda-double).
+export QUILT_CUDA_TESTS=real
 BENCH_ARGS=(--backend cuda --iters 1000 --large-iters 200)
 BINARIES=(map_probe driver_latency conformance cuda_data cudarc_kernel cuda_buffer cuda_share sleep_wake)
 LIBRARIES=(libquilt_torch.so)
@@ -376,6 +379,12 @@ test_step() {
     if [ "$status" = passed_without_cuda ]; then
         reason=$(grep -o -m1 "$SKIP_PATTERN.*" "$OUT_DIR/$NAME.log")
     fi
+    # A test binary whose filter or ignore attributes left nothing to run
+    # passes without checking anything.
+    if [ "$status" != failed ] && [ "$status" != timed_out ] &&
+        grep -q '^test result: ok\. 0 passed' "$OUT_DIR/$NAME.log"; then
+        status=failed reason="no test ran (0 passed)"
+    fi
     record "$NAME" "$status" "$STEP_RC" "$STEP_SECS" "$NAME.log" "$reason"
 }
 
@@ -489,8 +498,9 @@ run_checks() {
         "${BENCH_ARGS[@]}" --out "$OUT_DIR/driver_latency.md"
 
     # 3, 4. The tests that need a GPU (ignored by `cargo test`).
-    SKIP_PATTERN="" test_step conformance "$bin/conformance" \
-        "$STEP_TIMEOUT_S" --ignored --test-threads 4 --nocapture
+    SKIP_PATTERN="" test_step conformance "$bin/conformance" "$STEP_TIMEOUT_S" \
+        cuda_backend_passes_the_shared_checks cuda_agrees_with_the_simulated_one --exact \
+        --include-ignored --test-threads 2 --nocapture
     SKIP_PATTERN="" test_step cuda_data "$bin/cuda_data" \
         "$DATA_TIMEOUT_S" --include-ignored --test-threads 1 --nocapture
 
@@ -513,15 +523,15 @@ run_checks() {
 
     # 7. CudaBuffer's tests (ignored by `cargo test`).
     SKIP_PATTERN="" test_step cuda_buffer "$bin/cuda_buffer" "$KERNEL_TIMEOUT_S" \
-        --ignored --test-threads 1 --nocapture
+        --include-ignored --test-threads 1 --nocapture
 
     # 8. Sharing: device flags, peer access (two or more devices), two-process IPC.
     SKIP_PATTERN="cuda_share: SKIPPED" test_step cuda_share "$bin/cuda_share" \
-        "$SHARE_TIMEOUT_S" --ignored --test-threads 1 --nocapture
+        "$SHARE_TIMEOUT_S" --include-ignored --test-threads 1 --nocapture
 
     # 9. Sleep and wake on the GPU (ignored by `cargo test`).
     SKIP_PATTERN="" test_step sleep_wake "$bin/sleep_wake" "$SLEEP_TIMEOUT_S" \
-        --ignored --test-threads 1 --nocapture
+        sleep_wake_on_cuda_keeps_every_byte --exact --include-ignored --test-threads 1 --nocapture
 }
 
 # Rewrites OUT/gpu-check.json with everything known so far (whole, through a
