@@ -27,11 +27,13 @@
 //!    reservations (`answer_across_reservations`);
 //! 6. `per_thread_stream_is_per_thread`: is `CU_STREAM_PER_THREAD` (`0x2`)
 //!    the calling thread's own stream? Thread A blocks its `0x2` with a host
-//!    function that sleeps for a second (`cuLaunchHostFunc`) and records an
+//!    function that sleeps for a second (`cuLaunchHostFunc`; where the driver
+//!    runs no host functions, with memsets as in case 9) and records an
 //!    event after it; thread B then queries its own `0x2`
-//!    (`cuStreamQuery`) and records and polls an event on it. `per_thread`
-//!    when B's stream is idle and B's event completes while A's is still
-//!    pending, `shared` when B sees A's work;
+//!    (`cuStreamQuery`), records an event on it, polls it for 300 ms and
+//!    synchronises it. `per_thread` when B's stream is idle and B's event
+//!    completed while A's was still pending, `shared` when B's stream held
+//!    A's work;
 //! 7. `relaxed_capture_calls`: on a new non-blocking stream under
 //!    `cuStreamBeginCapture_v2(CU_STREAM_CAPTURE_MODE_RELAXED)`, what
 //!    `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`,
@@ -51,8 +53,8 @@
 //!    unmap returned (the result of the synchronisation then says whether
 //!    the memset faulted: `CUDA_ERROR_ILLEGAL_ADDRESS`);
 //! 9. `unmap_waits_for_queued_device_work` (also its own child process): the
-//!    same with device work only: thousands of `cuMemsetD8Async` of a
-//!    256 MiB mapping queued on a stream, then `cuMemUnmap` while the stream
+//!    same with device work only: up to 4,000 `cuMemsetD8Async` of a 64 MiB
+//!    mapping (for at most 100 ms of queueing) on a stream, then `cuMemUnmap` while the stream
 //!    is still busy (`inconclusive` when the work had finished before the
 //!    unmap).
 //!
@@ -599,25 +601,48 @@ fn adjacent_pair(p: &mut Probe, case: &mut Case) -> Option<(u64, u64)> {
     }
     // Second try: find two free granules by reserving them as one range,
     // free it, and reserve each half at its address.
-    let both = p.reserve(case, 2 * g, 0)?;
-    if !p.address_free(case, both, 2 * g) {
-        return None;
-    }
-    let a = p.reserve(case, g, both);
-    let b = p.reserve(case, g, both + g);
-    match (a, b) {
-        (Some(a), Some(b)) if b == a + g => Some((a, b)),
-        _ => {
-            if let Some(a) = a {
-                p.address_free(case, a, g);
+    if let Some(both) = p.reserve(case, 2 * g, 0) {
+        if p.address_free(case, both, 2 * g) {
+            let a = p.reserve(case, g, both);
+            let b = p.reserve(case, g, both + g);
+            match (a, b) {
+                (Some(a), Some(b)) if b == a + g => return Some((a, b)),
+                (Some(a), Some(b)) if a == b + g => return Some((b, a)),
+                _ => {
+                    for r in [a, b].into_iter().flatten() {
+                        p.address_free(case, r, g);
+                    }
+                }
             }
-            if let Some(b) = b {
-                p.address_free(case, b, g);
-            }
-            None
         }
     }
+    // Third try, for a driver that ignores hints: several reservations in a
+    // row, keeping the first two that touch.
+    let mut got: Vec<u64> = Vec::new();
+    for _ in 0..ADJACENT_TRIES {
+        let Some(r) = p.reserve(case, g, 0) else {
+            break;
+        };
+        got.push(r);
+        let touching = got
+            .iter()
+            .find(|&&o| o + g == r || r + g == o)
+            .map(|&o| (o.min(r), o.max(r)));
+        if let Some(pair) = touching {
+            for &o in got.iter().filter(|&&o| o != pair.0 && o != pair.1) {
+                p.address_free(case, o, g);
+            }
+            return Some(pair);
+        }
+    }
+    for o in got {
+        p.address_free(case, o, g);
+    }
+    None
 }
+
+/// One-granule reservations made by the last try of [`adjacent_pair`].
+const ADJACENT_TRIES: usize = 8;
 
 /// Case 4: one `cuMemSetAccess` across two adjacent reservations, each mapped
 /// with its own one-granule handle.
@@ -741,6 +766,60 @@ fn queue_hold(case: &mut Case, stream: sys::CUstream) -> sys::CUresult {
     )
 }
 
+/// Queued `cuMemsetD8Async` calls over `va..va+len` on `stream`, at most
+/// `max` of them and for at most [`MEMSET_QUEUEING`] of queueing
+/// (a driver that runs queued work inside later calls is not left queueing
+/// for long). Notes the first, the last and any failure; the count queued,
+/// or the failed result.
+fn queue_memsets(
+    case: &mut Case,
+    va: u64,
+    len: u64,
+    stream: sys::CUstream,
+    max: u32,
+) -> Result<u32, sys::CUresult> {
+    let started = Instant::now();
+    let mut queued = 0u32;
+    while queued < max && (queued == 0 || started.elapsed() < MEMSET_QUEUEING) {
+        // SAFETY: callers pass a range mapped with access set; whether it
+        // stays mapped for as long as the work is queued is up to the
+        // caller (the unmap cases ask exactly that, in a child process).
+        let r = unsafe { sys::cuMemsetD8Async(va, 0x77, len as usize, stream) };
+        queued += 1;
+        if queued == 1 || !ok(r) {
+            case.note(
+                "cuMemsetD8Async",
+                format!(
+                    "{va:#x}, len={len:#x}, stream={:#x}, #{queued}",
+                    stream as usize
+                ),
+                r,
+            );
+        }
+        if !ok(r) {
+            return Err(r);
+        }
+    }
+    case.note_timed(
+        "cuMemsetD8Async",
+        format!("the last of {queued}"),
+        sys::CUresult::CUDA_SUCCESS,
+        started.elapsed(),
+    );
+    Ok(queued)
+}
+
+/// The most memsets case 9 queues; how many hold thread A's stream in case
+/// 6 where the driver runs no host functions (there, work that is not waited
+/// for stays queued); how long [`queue_memsets`] queues at most.
+const MEMSETS: u32 = 4000;
+const HOLD_MEMSETS: u32 = 16;
+const MEMSET_QUEUEING: Duration = Duration::from_millis(100);
+
+/// Bytes of each queued memset (64 MiB: tens of microseconds of a GPU's
+/// time each, so the queue the driver lets build up is milliseconds deep).
+const MEMSET_BYTES: u64 = 64 << 20;
+
 /// `cuEventCreate(flags 0)`.
 fn event_create(case: &mut Case) -> Option<sys::CUevent> {
     let mut event: sys::CUevent = std::ptr::null_mut();
@@ -836,6 +915,10 @@ struct ThreadSeen {
     /// Thread A: its event was still pending after B finished.
     /// Thread B: its event completed within the poll.
     event: Option<bool>,
+    /// Thread A: what held its stream.
+    held_by: Option<&'static str>,
+    /// Thread B: its event completed within the poll (before any wait).
+    polled_done: Option<bool>,
 }
 
 /// How long thread B polls its event (well inside A's hold).
@@ -843,11 +926,18 @@ const POLL_MS: u64 = 300;
 
 /// Thread A of case 6: holds its `0x2`, records an event after the hold,
 /// lets B look, then checks its event was still pending.
-fn per_thread_a(context: usize, go_b: mpsc::Sender<()>, b_done: mpsc::Receiver<()>) -> ThreadSeen {
+fn per_thread_a(
+    context: usize,
+    work: Option<(u64, u64)>,
+    go_b: mpsc::Sender<()>,
+    b_done: mpsc::Receiver<()>,
+) -> ThreadSeen {
     let mut seen = ThreadSeen {
         case: Case::new("thread A"),
         stream_busy: None,
         event: None,
+        held_by: None,
+        polled_done: None,
     };
     let case = &mut seen.case;
     let stream = PER_THREAD_STREAM as sys::CUstream;
@@ -859,7 +949,16 @@ fn per_thread_a(context: usize, go_b: mpsc::Sender<()>, b_done: mpsc::Receiver<(
         let _ = go_b.send(());
         return seen;
     };
-    if ok(queue_hold(case, stream)) && ok(event_record(case, event, stream)) {
+    // Hold A's stream: a host function where the driver runs them, else
+    // device work (memsets over the case's mapping).
+    let mut held = has_symbol("cuLaunchHostFunc") && ok(queue_hold(case, stream));
+    if held {
+        seen.held_by = Some("host_function");
+    } else if let Some((va, len)) = work {
+        held = queue_memsets(case, va, len, stream, HOLD_MEMSETS).is_ok();
+        seen.held_by = held.then_some("memsets");
+    }
+    if held && ok(event_record(case, event, stream)) {
         seen.stream_busy = Some(not_ready(stream_query(case, stream)));
         let _ = go_b.send(());
         let b_finished = b_done
@@ -885,6 +984,8 @@ fn per_thread_b(context: usize, go: mpsc::Receiver<()>, done: mpsc::Sender<()>) 
         case: Case::new("thread B"),
         stream_busy: None,
         event: None,
+        held_by: None,
+        polled_done: None,
     };
     let case = &mut seen.case;
     let stream = PER_THREAD_STREAM as sys::CUstream;
@@ -914,12 +1015,17 @@ fn per_thread_b(context: usize, go: mpsc::Receiver<()>, done: mpsc::Sender<()>) 
                 last,
                 polled.elapsed(),
             );
-            seen.event = Some(ok(last));
+            seen.polled_done = Some(ok(last));
+            // A driver that runs queued work only when it is waited for
+            // (the CUDA double) completes the event here; where 0x2 is one
+            // stream for all threads, this waits for A's held work too.
+            let synced_at = Instant::now();
+            // SAFETY: a live event of this thread's.
+            let r = unsafe { sys::cuEventSynchronize(event) };
+            case.note_timed("cuEventSynchronize", String::new(), r, synced_at.elapsed());
+            seen.event = Some(ok(r));
         }
         let _ = done.send(());
-        // SAFETY: a live event of this thread's.
-        let r = unsafe { sys::cuEventSynchronize(event) };
-        case.note("cuEventSynchronize", String::new(), r);
         event_destroy(case, event);
     } else {
         let _ = done.send(());
@@ -928,15 +1034,17 @@ fn per_thread_b(context: usize, go: mpsc::Receiver<()>, done: mpsc::Sender<()>) 
 }
 
 /// Case 6: is `CU_STREAM_PER_THREAD` the calling thread's own stream?
-fn per_thread_stream(context: sys::CUcontext) -> Json {
+fn per_thread_stream(p: &mut Probe, context: sys::CUcontext) -> Json {
     let mut case = Case::new(
         "is CU_STREAM_PER_THREAD (0x2) per thread? Thread A holds its 0x2 with a \
-         one-second host function and records an event after it; thread B then \
-         queries its own 0x2 and records and polls an event on it",
+         one-second host function (or, where the driver runs none, with memsets) \
+         and records an event after it; thread B then queries its own 0x2, \
+         records an event on it, polls it and synchronises it; then A asks whether \
+         its event is still pending",
     );
     if let Some(why) = missing_symbol(&[
         "cuCtxSetCurrent",
-        "cuLaunchHostFunc",
+        "cuMemsetD8Async",
         "cuStreamQuery",
         "cuEventCreate",
         "cuEventRecord",
@@ -947,11 +1055,20 @@ fn per_thread_stream(context: sys::CUcontext) -> Json {
         not_run(&mut case, &why);
         return case.finish();
     }
+    // A mapping for thread A's memsets, should the driver run no host
+    // functions (given back when the probe drops, after a synchronisation).
+    let len = MEMSET_BYTES.div_ceil(p.granularity) * p.granularity;
+    let mut work = None;
+    if let (Some(handle), Some(va)) = (p.create(&mut case, len), p.reserve(&mut case, len, 0)) {
+        if ok(p.map(&mut case, va, len, 0, handle)) && ok(p.set_access(&mut case, va, len)) {
+            work = Some((va, len));
+        }
+    }
     let context = context as usize;
     let (go_b, go) = mpsc::channel();
     let (done, b_done) = mpsc::channel();
     let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(move || per_thread_a(context, go_b, b_done));
+        let a = s.spawn(move || per_thread_a(context, work, go_b, b_done));
         let b = s.spawn(move || per_thread_b(context, go, done));
         (a.join(), b.join())
     });
@@ -960,10 +1077,11 @@ fn per_thread_stream(context: sys::CUcontext) -> Json {
         return case.finish();
     };
     let answer = match (a.stream_busy, a.event, b.stream_busy, b.event) {
-        // A's work was pending throughout and B's stream did not see it.
+        // B's event completed (B synchronised it) while A's, recorded
+        // earlier behind the held work, was still pending: B's 0x2 is not A's.
         (Some(true), Some(true), Some(false), Some(true)) => "per_thread",
         // B's own 0x2 held A's work.
-        (Some(true), _, Some(true), _) | (Some(true), Some(true), _, Some(false)) => "shared",
+        (Some(true), _, Some(true), _) => "shared",
         (None, _, _, _) | (_, _, None, _) => "not_run",
         _ => "inconclusive",
     };
@@ -972,8 +1090,12 @@ fn per_thread_stream(context: sys::CUcontext) -> Json {
     case.set("a_stream_busy_after_queueing", flag(a.stream_busy));
     case.set("a_event_pending_after_b_looked", flag(a.event));
     case.set("b_stream_busy", flag(b.stream_busy));
-    case.set("b_event_completed_within_poll", flag(b.event));
-    case.set("hold_ms", Json::num(HOLD_MS as u64));
+    case.set("b_event_completed_within_poll", flag(b.polled_done));
+    case.set("b_event_synchronized", flag(b.event));
+    case.set("a_held_by", a.held_by.map_or(Json::Null, Json::str));
+    if a.held_by == Some("host_function") {
+        case.set("hold_ms", Json::num(HOLD_MS as u64));
+    }
     case.set("poll_ms", Json::num(POLL_MS));
     case.set("thread_a", a.case.finish());
     case.set("thread_b", b.case.finish());
@@ -1014,7 +1136,8 @@ impl UnderCapture {
             _ => "unknown".to_owned(),
         };
         let status = capture_status(self.stream);
-        if result != "CUDA_SUCCESS" {
+        // Not ready is an answer about the work, not a refusal of the call.
+        if result != "CUDA_SUCCESS" && result != "CUDA_ERROR_NOT_READY" {
             self.refused.push(Json::str(what));
         }
         if status != "active" && self.invalidated_by.is_none() {
@@ -1178,17 +1301,14 @@ fn relaxed_capture(p: &mut Probe) -> Json {
     case.finish()
 }
 
-/// Queued `cuMemsetD8Async` calls of case 9 (each over the whole mapping).
-const DEVICE_MEMSETS: u32 = 4000;
-
 /// Cases 8 (`device_work` false: a memset held behind a host function) and
 /// 9 (`device_work` true: thousands of memsets): `cuMemUnmap` of a mapping
 /// with that work still queued, timed. Runs in a child process.
 fn unmap_queued(p: &mut Probe, device_work: bool) -> Json {
     let g = p.granularity;
     let mut case = Case::new(if device_work {
-        "does cuMemUnmap wait for queued work? Thousands of cuMemsetD8Async over a \
-         256 MiB mapping queued on a stream, then cuMemUnmap at once (timed), then \
+        "does cuMemUnmap wait for queued work? Up to 4,000 cuMemsetD8Async over a \
+         64 MiB mapping queued on a stream, then cuMemUnmap at once (timed), then \
          cuStreamSynchronize"
     } else {
         "does cuMemUnmap wait for queued work? A cuMemsetD8Async over a 64 MiB mapping \
@@ -1209,8 +1329,7 @@ fn unmap_queued(p: &mut Probe, device_work: bool) -> Json {
         not_run(&mut case, &why);
         return case.finish();
     }
-    let mib: u64 = if device_work { 256 } else { 64 };
-    let size = (mib << 20).div_ceil(g) * g;
+    let size = MEMSET_BYTES.div_ceil(g) * g;
     let Some(stream) = stream_create(&mut case) else {
         not_run(&mut case, "cuStreamCreate failed");
         return case.finish();
@@ -1233,25 +1352,26 @@ fn unmap_queued(p: &mut Probe, device_work: bool) -> Json {
         not_run(&mut case, "cuLaunchHostFunc failed");
         return case.finish();
     }
-    let count = if device_work { DEVICE_MEMSETS } else { 1 };
-    for i in 0..count {
+    let queued = if device_work {
+        queue_memsets(&mut case, va, size, stream, MEMSETS)
+    } else {
         // SAFETY: `va..va+size` is mapped with access set, and it stays
         // mapped for as long as the work is queued unless the driver's
         // cuMemUnmap does not wait for it: that is the question asked, in a
         // child process of its own so a fault kills nothing else.
         let r = unsafe { sys::cuMemsetD8Async(va, 0x77, size as usize, stream) };
-        if i == 0 || i + 1 == count || !ok(r) {
-            case.note(
-                "cuMemsetD8Async",
-                format!("{va:#x}, len={size:#x}, #{} of {count}", i + 1),
-                r,
-            );
+        case.note("cuMemsetD8Async", format!("{va:#x}, len={size:#x}"), r);
+        if ok(r) {
+            Ok(1)
+        } else {
+            Err(r)
         }
-        if !ok(r) {
-            not_run(&mut case, "cuMemsetD8Async failed");
-            return case.finish();
-        }
-    }
+    };
+    let Ok(queued) = queued else {
+        not_run(&mut case, "cuMemsetD8Async failed");
+        return case.finish();
+    };
+    case.set("memsets_queued", Json::num(queued));
     case.set("queueing_us", Json::micros(queued_at.elapsed()));
     let before = stream_query(&mut case, stream);
     eprintln!("map_probe child: work queued; calling cuMemUnmap");
@@ -1608,6 +1728,8 @@ fn open(ordinal: c_int) -> Result<Device, Unavailable> {
 
 /// The probe's report, printed and written as it goes.
 struct Report {
+    /// When the last case ended (or the probe started).
+    since: Instant,
     header: Vec<(String, Json)>,
     answers: Json,
     cases: Json,
@@ -1617,6 +1739,7 @@ struct Report {
 impl Report {
     fn new(out: Option<PathBuf>) -> Report {
         Report {
+            since: Instant::now(),
             header: vec![("probe".to_owned(), Json::str("map_probe"))],
             answers: Json::obj(),
             cases: Json::obj(),
@@ -1657,13 +1780,16 @@ impl Report {
     }
 
     /// The header, before the first case.
-    fn start(&self) {
+    fn start(&mut self) {
+        self.since = Instant::now();
         Report::emit(&Json::Obj(self.header.clone()));
         self.write(false);
     }
 
     /// One case done: printed, flushed and written before the next runs.
-    fn case(&mut self, name: &str, result: Json) {
+    fn case(&mut self, name: &str, mut result: Json) {
+        result.set("case_us", Json::micros(self.since.elapsed()));
+        self.since = Instant::now();
         let answer = match result.get("answer") {
             Some(Json::Str(s)) => s.clone(),
             _ => "unknown".to_owned(),
@@ -1716,7 +1842,7 @@ fn run(ordinal: c_int, report: &mut Report) -> Result<(), Unavailable> {
     );
     report.case(
         "per_thread_stream_is_per_thread",
-        per_thread_stream(device.context),
+        per_thread_stream(&mut probe, device.context),
     );
     report.case("relaxed_capture_calls", relaxed_capture(&mut probe));
     drop(probe);
