@@ -81,8 +81,9 @@
 # build commit and whether their checksums matched), the limits, each step
 # (name, status, exit_status, seconds, log file, reason) and the probe's JSON.
 # Step status: passed, failed, timed_out, unavailable (the probe found no CUDA
-# driver or device), skipped (with the reason), or passed_without_cuda (the
-# test binary passed but ran no CUDA check). Exit status: 0 when every step
+# driver or device), skipped (with the reason), or passed_with_skips (the
+# test binary passed, but some of its checks skipped themselves, e.g. peer
+# access on a machine with one device: the reason lists each). Exit status: 0 when every step
 # passed or was skipped for a reason other than CUDA; 1 when a step failed or
 # timed out, or the binaries are missing, do not match their MANIFEST or need
 # a newer glibc than this machine has; 2 on
@@ -348,7 +349,7 @@ status_of() {
     case $rc in
         0)
             if [ -n "$skipped_pattern" ] && grep -q "$skipped_pattern" "$OUT_DIR/$NAME.log"; then
-                echo passed_without_cuda
+                echo passed_with_skips
             else
                 echo passed
             fi
@@ -376,8 +377,9 @@ test_step() {
     local reason=""
     local status
     status=$(status_of "$STEP_RC" "${SKIP_PATTERN:-}")
-    if [ "$status" = passed_without_cuda ]; then
-        reason=$(grep -o -m1 "$SKIP_PATTERN.*" "$OUT_DIR/$NAME.log")
+    if [ "$status" = passed_with_skips ]; then
+        # Every check that skipped itself, and why.
+        reason=$(grep -o "$SKIP_PATTERN.*" "$OUT_DIR/$NAME.log" | paste -s -d ';' -)
     fi
     # A test binary whose filter or ignore attributes left nothing to run
     # passes without checking anything.
