@@ -54,9 +54,9 @@
 //!    the memset faulted: `CUDA_ERROR_ILLEGAL_ADDRESS`);
 //! 9. `unmap_waits_for_queued_device_work` (also its own child process): the
 //!    same with device work only: up to 4,000 `cuMemsetD8Async` of a 64 MiB
-//!    mapping (for at most 100 ms of queueing) on a stream, then `cuMemUnmap` while the stream
-//!    is still busy (`inconclusive` when the work had finished before the
-//!    unmap).
+//!    mapping (for at most 100 ms of queueing) on a stream, then `cuMemUnmap`
+//!    while the stream is still busy (`inconclusive` when the work had
+//!    finished before the unmap).
 //!
 //! Where the driver accepts a map, the probe checks what the mapping shows:
 //! the handle's two granules are first filled with different bytes through a
