@@ -38,11 +38,6 @@ use crate::abi::*;
 use crate::os;
 use crate::state::{self, Call, Driver};
 
-/// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`.
-pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CuResult = 906;
-/// `CUDA_ERROR_ILLEGAL_STATE`.
-pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
-
 /// What a stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
