@@ -753,6 +753,20 @@ fn calls_on_destroyed_streams_and_events_are_invalid_handles() {
     // Nothing was queued by the refused calls.
     ctx_sync().unwrap();
     assert!(all(&peek(p, 64), 0));
+    // Destroyed with its work still queued: the handle is dead at once,
+    // the work still runs.
+    let busy = stream(0);
+    memset(p, 0x3d, 64, busy).unwrap();
+    destroy_stream(busy).unwrap();
+    assert_eq!(sync(busy), bad);
+    assert_eq!(query(busy), bad);
+    assert_eq!(memset(p + 64, 1, 64, busy), bad);
+    assert_eq!(record(live, busy), bad);
+    assert_eq!(destroy_stream(busy), bad);
+    assert!(all(&peek(p, 64), 0));
+    ctx_sync().unwrap();
+    assert!(all(&peek(p, 64), 0x3d));
+    assert!(all(&peek(p + 64, 64), 0));
     unmapped(p, h, G);
 }
 
@@ -1119,6 +1133,11 @@ fn synchronising_a_capturing_stream_fails_and_invalidates_the_capture() {
     assert_eq!(capture_status(s), NOT_CAPTURING);
     sync(s).unwrap();
     assert!(all(&peek(p, 64), 0), "captured work ran");
+    // Even where the capture's mode allows potentially unsafe calls.
+    begin_capture(s, RELAXED).unwrap();
+    assert_eq!(sync(s), Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
+    assert_eq!(capture_status(s), INVALIDATED);
+    assert_eq!(end_capture(s), Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
     // The context's synchronisation and the stream's query, likewise.
     begin_capture(s, GLOBAL).unwrap();
     assert_eq!(ctx_sync(), Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED));
