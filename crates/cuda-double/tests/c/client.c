@@ -65,6 +65,22 @@ typedef enum CUdevice_attribute_enum {
     CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
 } CUdevice_attribute;
 
+typedef enum CUpointer_attribute_enum {
+    CU_POINTER_ATTRIBUTE_CONTEXT = 1,
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+    CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3,
+    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+    CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
+    CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+} CUpointer_attribute;
+
+typedef enum CUmemorytype_enum {
+    CU_MEMORYTYPE_HOST = 0x01,
+    CU_MEMORYTYPE_DEVICE = 0x02,
+    CU_MEMORYTYPE_ARRAY = 0x03,
+    CU_MEMORYTYPE_UNIFIED = 0x04
+} CUmemorytype;
+
 typedef enum CUmemAllocationHandleType_enum {
     CU_MEM_HANDLE_TYPE_NONE = 0x0,
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1,
@@ -142,6 +158,7 @@ typedef CUmemAccessDesc_v1 CUmemAccessDesc;
 #define cuMemcpyDtoHAsync cuMemcpyDtoHAsync_v2
 #define cuMemcpyDtoDAsync cuMemcpyDtoDAsync_v2
 #define cuMemsetD8 cuMemsetD8_v2
+#define cuMemsetD16 cuMemsetD16_v2
 #define cuMemsetD32 cuMemsetD32_v2
 #define cuStreamDestroy cuStreamDestroy_v2
 #define cuEventDestroy cuEventDestroy_v2
@@ -177,7 +194,12 @@ CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, s
 CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc, size_t N);
+CUresult CUDAAPI cuMemsetD16(CUdeviceptr dstDevice, unsigned short us, size_t N);
 CUresult CUDAAPI cuMemsetD32(CUdeviceptr dstDevice, unsigned int ui, size_t N);
+CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream);
+CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount);
+CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream);
+CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
 CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream);
 CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags);
@@ -258,6 +280,7 @@ int main(void) {
     int version = 0, count = 0, attr = 0;
     CUdevice dev = -1, cur_dev = -1;
     char name[64];
+    setvbuf(stdout, NULL, _IOLBF, 0); /* every step's line survives a crash */
 
     /* Error names need no initialisation. */
     CHECK(cuGetErrorName(CUDA_ERROR_INVALID_VALUE, &text));
@@ -364,6 +387,38 @@ int main(void) {
     EXPECT(cuMemUnmap(base, g), CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuMemcpyHtoD(base + 4 * g, src, 16), CUDA_ERROR_INVALID_VALUE);
     STEP("synchronous copies and fills");
+
+    /* Unified addressing: cuMemcpy tells host from device memory itself. */
+    const CUdeviceptr host_src = (CUdeviceptr)(uintptr_t)src, host_dst = (CUdeviceptr)(uintptr_t)dst;
+    CHECK(cuMemcpy(base + 2 * g, host_src, n));
+    CHECK(cuMemcpy(base + 3 * g + n, base + 2 * g, n));
+    memset(dst, 0, n);
+    CHECK(cuMemcpy(host_dst, base + 3 * g + n, n));
+    REQUIRE(memcmp(src, dst, n) == 0);
+    CHECK(cuMemsetD16(base + 2 * n, 0xbeef, n / 2));
+    CHECK(cuMemsetD16Async(base + 3 * n, 0x1234, n / 2, CU_STREAM_LEGACY));
+    for (int k = 0; k < 2; k++) {
+        memset(dst, 0, n);
+        CHECK(cuMemcpyAsync(host_dst, base + (2 + k) * n, n, CU_STREAM_LEGACY));
+        CHECK(cuStreamSynchronize(CU_STREAM_LEGACY));
+        for (size_t i = 0; i < n / 2; i++) {
+            unsigned short half;
+            memcpy(&half, dst + 2 * i, 2);
+            REQUIRE(half == (k == 0 ? 0xbeef : 0x1234));
+        }
+    }
+    unsigned int memory_type = 0;
+    CUdeviceptr start = 0;
+    size_t extent = 0;
+    int ordinal = -1;
+    CHECK(cuPointerGetAttribute(&memory_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, base + 2 * g + 7));
+    REQUIRE(memory_type == CU_MEMORYTYPE_DEVICE);
+    CHECK(cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, base + 2 * g + 7));
+    CHECK(cuPointerGetAttribute(&extent, CU_POINTER_ATTRIBUTE_RANGE_SIZE, base + 2 * g + 7));
+    REQUIRE(start == base + 2 * g && extent == 2 * g);
+    CHECK(cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, base));
+    REQUIRE(ordinal == dev);
+    STEP("unified copies, 16-bit fills, pointer attributes");
 
     /* Streams and events: s2 waits for s1's fill through an event. */
     CUstream s1 = NULL, s2 = NULL;
