@@ -1640,3 +1640,49 @@ fn the_harness_links_name_the_double() {
         assert_eq!(std::fs::canonicalize(dir.join(name)).unwrap(), lib);
     }
 }
+
+// --- Configuration -----------------------------------------------------------------
+
+#[test]
+fn no_devices_is_no_device_at_init() {
+    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_DEVICES", "0")]) {
+        return;
+    }
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        assert_eq!(sys::cuInit(0), CUDA_ERROR_NO_DEVICE);
+        let mut count = -1;
+        assert_eq!(
+            sys::cuDeviceGetCount(&mut count),
+            CUDA_ERROR_NOT_INITIALIZED
+        );
+    }
+}
+
+#[test]
+fn a_rule_that_does_not_parse_fails_init() {
+    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "map_offset,no_such_rule")]) {
+        return;
+    }
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        assert_eq!(sys::cuInit(0), CUDA_ERROR_INVALID_VALUE);
+        let mut dev = -1;
+        assert_eq!(sys::cuDeviceGet(&mut dev, 0), CUDA_ERROR_NOT_INITIALIZED);
+    }
+}
+
+#[test]
+fn the_driver_version_is_configurable_and_needs_no_init() {
+    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_DRIVER_VERSION", "12040")]) {
+        return;
+    }
+    let (mut before, mut after) = (0, 0);
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        assert_eq!(sys::cuDriverGetVersion(&mut before), CUDA_SUCCESS);
+        assert_eq!(sys::cuInit(0), CUDA_SUCCESS);
+        assert_eq!(sys::cuDriverGetVersion(&mut after), CUDA_SUCCESS);
+    }
+    assert_eq!((before, after), (12040, 12040));
+}
