@@ -17,11 +17,40 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr;
 
 use cudarc::driver::sys::{self, cudaError_enum::*, CUresult};
-use quilt_cuda_double::harness::{self, rerun_over_double, rerun_over_double_with};
+use quilt_cuda_double::harness;
 
 const MIB: usize = 1 << 20;
 /// The double's default granularity.
 const G: usize = 2 * MIB;
+
+// --- Running over the double ---------------------------------------------------
+
+/// [`harness::rerun_over_double_with`], except that these tests check the
+/// double itself, so they run over it even where `QUILT_CUDA_TESTS=real`
+/// sends the rest of the workspace's CUDA tests to a GPU (there they would
+/// read device memory as host memory).
+fn over_double(vars: &[(&str, &str)]) -> bool {
+    if harness::active() || !harness::real_driver() {
+        return harness::rerun_over_double_with(vars);
+    }
+    let current = std::thread::current();
+    let test = current.name().expect("called from a #[test]");
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = harness::command(&exe).unwrap();
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env_remove(harness::REAL_ENV)
+        .envs(vars.iter().copied());
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{test} failed over the CUDA double");
+    assert!(
+        stdout.contains("test result: ok. 1 passed"),
+        "{test} did not run"
+    );
+    false
+}
 
 // --- A thin client ------------------------------------------------------------
 
@@ -342,7 +371,7 @@ const NON_BLOCKING: u32 = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
 
 #[test]
 fn a_non_zero_map_offset_is_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -361,7 +390,7 @@ fn a_non_zero_map_offset_is_refused() {
 
 #[test]
 fn a_non_zero_map_offset_is_accepted_with_relax_map_offset() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "map_offset")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_RELAX", "map_offset")]) {
         return;
     }
     setup();
@@ -388,7 +417,7 @@ fn a_non_zero_map_offset_is_accepted_with_relax_map_offset() {
 
 #[test]
 fn a_mapping_smaller_than_its_handle_is_refused_unless_relaxed() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -403,7 +432,7 @@ fn a_mapping_smaller_than_its_handle_is_refused_unless_relaxed() {
 
 #[test]
 fn a_mapping_smaller_than_its_handle_is_accepted_with_relax_partial_map() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "partial_map")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_RELAX", "partial_map")]) {
         return;
     }
     setup();
@@ -422,7 +451,7 @@ fn a_mapping_smaller_than_its_handle_is_accepted_with_relax_partial_map() {
 
 #[test]
 fn unaligned_addresses_and_sizes_are_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -472,7 +501,7 @@ fn unaligned_addresses_and_sizes_are_refused() {
 
 #[test]
 fn maps_outside_a_live_reservation_or_over_a_mapping_are_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -513,7 +542,7 @@ fn maps_outside_a_live_reservation_or_over_a_mapping_are_refused() {
 
 #[test]
 fn unmapping_part_of_a_mapping_is_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -550,7 +579,7 @@ fn two_neighbours() -> (u64, u64, u64) {
 
 #[test]
 fn one_unmap_over_two_adjacent_mappings_is_refused_by_default() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -567,7 +596,7 @@ fn one_unmap_over_two_adjacent_mappings_is_refused_by_default() {
 
 #[test]
 fn one_unmap_over_two_adjacent_mappings_is_accepted_with_relax_unmap_spans() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "unmap_spans")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_RELAX", "unmap_spans")]) {
         return;
     }
     setup();
@@ -588,7 +617,7 @@ fn one_unmap_over_two_adjacent_mappings_is_accepted_with_relax_unmap_spans() {
 
 #[test]
 fn freeing_a_reservation_with_the_wrong_size_is_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -615,7 +644,7 @@ fn freeing_a_reservation_with_the_wrong_size_is_refused() {
 
 #[test]
 fn copies_to_memory_not_mapped_with_access_are_refused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -695,7 +724,7 @@ fn copies_to_memory_not_mapped_with_access_are_refused() {
 
 #[test]
 fn calls_on_destroyed_streams_and_events_are_invalid_handles() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -772,7 +801,7 @@ fn calls_on_destroyed_streams_and_events_are_invalid_handles() {
 
 #[test]
 fn a_destroyed_streams_handle_is_never_reused() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -810,7 +839,7 @@ fn a_destroyed_streams_handle_is_never_reused() {
 
 #[test]
 fn releasing_a_mapped_handle_keeps_its_bytes_until_the_last_unmap() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -858,7 +887,7 @@ fn releasing_a_mapped_handle_keeps_its_bytes_until_the_last_unmap() {
 
 #[test]
 fn queued_work_runs_only_when_waited_for() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -911,7 +940,7 @@ fn queued_work_runs_only_when_waited_for() {
 
 #[test]
 fn queued_work_runs_by_itself_after_the_lag() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_LAG", "8")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_LAG", "8")]) {
         return;
     }
     setup();
@@ -941,7 +970,7 @@ fn queued_work_runs_by_itself_after_the_lag() {
 
 #[test]
 fn unmapping_under_queued_work_poisons_the_context() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -970,7 +999,7 @@ fn unmapping_under_queued_work_poisons_the_context() {
 
 #[test]
 fn unmapping_under_queued_work_is_safe_with_relax_unmap_waits() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "unmap_waits")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_RELAX", "unmap_waits")]) {
         return;
     }
     setup();
@@ -990,7 +1019,7 @@ fn unmapping_under_queued_work_is_safe_with_relax_unmap_waits() {
 
 #[test]
 fn the_legacy_stream_orders_with_blocking_streams_only() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1053,7 +1082,7 @@ fn the_legacy_stream_orders_with_blocking_streams_only() {
 
 #[test]
 fn the_per_thread_stream_is_the_calling_threads_own() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     let ctx = setup();
@@ -1091,7 +1120,7 @@ fn the_per_thread_stream_is_the_calling_threads_own() {
 
 #[test]
 fn an_event_recorded_during_capture_cannot_be_queried_even_in_relaxed_mode() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1115,7 +1144,7 @@ fn an_event_recorded_during_capture_cannot_be_queried_even_in_relaxed_mode() {
 
 #[test]
 fn synchronising_a_capturing_stream_fails_and_invalidates_the_capture() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1152,7 +1181,7 @@ fn synchronising_a_capturing_stream_fails_and_invalidates_the_capture() {
 
 #[test]
 fn under_global_capture_unsafe_calls_from_another_thread_fail_unless_relaxed() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     let ctx = setup();
@@ -1221,7 +1250,7 @@ fn under_global_capture_unsafe_calls_from_another_thread_fail_unless_relaxed() {
 
 #[test]
 fn stream_is_capturing_reports_the_capture_status() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1283,7 +1312,7 @@ fn stream_is_capturing_reports_the_capture_status() {
 
 #[test]
 fn the_legacy_stream_cannot_be_used_while_a_blocking_stream_captures() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1312,7 +1341,7 @@ fn the_legacy_stream_cannot_be_used_while_a_blocking_stream_captures() {
 
 #[test]
 fn an_exported_posix_fd_imports_as_the_same_memory_with_its_real_size() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     setup();
@@ -1396,7 +1425,7 @@ fn an_exported_posix_fd_imports_as_the_same_memory_with_its_real_size() {
 
 #[test]
 fn creates_beyond_the_configured_memory_are_out_of_memory() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_MEMORY", "8MiB")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_MEMORY", "8MiB")]) {
         return;
     }
     setup();
@@ -1428,7 +1457,7 @@ fn creates_beyond_the_configured_memory_are_out_of_memory() {
 
 #[test]
 fn reserving_beyond_the_address_space_is_out_of_memory() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_ADDRESS_SPACE", "8MiB")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_ADDRESS_SPACE", "8MiB")]) {
         return;
     }
     setup();
@@ -1445,7 +1474,7 @@ fn reserving_beyond_the_address_space_is_out_of_memory() {
 
 #[test]
 fn the_granularity_query_honours_the_shareable_granularity() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_SHAREABLE_GRANULARITY", "8MiB")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_SHAREABLE_GRANULARITY", "8MiB")]) {
         return;
     }
     setup();
@@ -1476,7 +1505,7 @@ fn the_granularity_query_honours_the_shareable_granularity() {
 
 #[test]
 fn without_posix_handles_a_shareable_granularity_query_is_not_supported() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_POSIX_FD", "0")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_POSIX_FD", "0")]) {
         return;
     }
     setup();
@@ -1513,7 +1542,7 @@ fn error_text(code: u32, name: bool) -> (u32, Option<String>) {
 
 #[test]
 fn error_names_and_strings_are_cuda_hs() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     // No cuInit needed.
@@ -1564,7 +1593,7 @@ fn error_names_and_strings_are_cuda_hs() {
 
 #[test]
 fn every_code_the_double_returns_has_its_name_and_string() {
-    if !rerun_over_double() {
+    if !over_double(&[]) {
         return;
     }
     // Every CUresult the double's sources return, with cuda.h's name and
@@ -1645,7 +1674,7 @@ fn the_harness_links_name_the_double() {
 
 #[test]
 fn no_devices_is_no_device_at_init() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_DEVICES", "0")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_DEVICES", "0")]) {
         return;
     }
     // SAFETY: plain driver calls with valid out-pointers.
@@ -1661,7 +1690,7 @@ fn no_devices_is_no_device_at_init() {
 
 #[test]
 fn a_rule_that_does_not_parse_fails_init() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_RELAX", "map_offset,no_such_rule")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_RELAX", "map_offset,no_such_rule")]) {
         return;
     }
     // SAFETY: plain driver calls with valid out-pointers.
@@ -1674,7 +1703,7 @@ fn a_rule_that_does_not_parse_fails_init() {
 
 #[test]
 fn the_driver_version_is_configurable_and_needs_no_init() {
-    if !rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_DRIVER_VERSION", "12040")]) {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_DRIVER_VERSION", "12040")]) {
         return;
     }
     let (mut before, mut after) = (0, 0);
