@@ -1320,15 +1320,43 @@ fn the_legacy_stream_cannot_be_used_while_a_blocking_stream_captures() {
     let b = stream(0);
     let n = stream(NON_BLOCKING);
     begin_capture(b, GLOBAL).unwrap();
+    // Asked whether it captures: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and the
+    // capture is not invalidated (the reference's cuStreamIsCapturing).
+    for legacy in [NULL_STREAM, legacy()] {
+        let mut status = NOT_CAPTURING;
+        // SAFETY: a valid out-pointer to a local.
+        let r = unsafe { sys::cuStreamIsCapturing(legacy, &mut status) };
+        assert_eq!(r, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    }
+    assert_eq!(capture_status(b), ACTIVE);
     assert_eq!(
         memset(p, 1, 64, NULL_STREAM),
         Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
     );
     assert_eq!(capture_status(b), INVALIDATED);
     assert_eq!(end_capture(b), Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
+    // Nor synchronised or queried, where the capture's mode allows
+    // potentially unsafe calls too: it would synchronise the capture.
+    for capturing in [b, per_thread()] {
+        begin_capture(capturing, RELAXED).unwrap();
+        assert_eq!(sync(NULL_STREAM), Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT));
+        assert_eq!(capture_status(capturing), INVALIDATED);
+        assert_eq!(
+            end_capture(capturing),
+            Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+        );
+        begin_capture(capturing, RELAXED).unwrap();
+        assert_eq!(query(legacy()), Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT));
+        assert_eq!(
+            end_capture(capturing),
+            Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+        );
+    }
     // A non-blocking stream's capture leaves the legacy stream usable.
-    begin_capture(n, GLOBAL).unwrap();
+    begin_capture(n, RELAXED).unwrap();
+    assert_eq!(capture_status(NULL_STREAM), NOT_CAPTURING);
     memset(p, 2, 64, NULL_STREAM).unwrap();
+    sync(NULL_STREAM).unwrap();
     end_capture(n).unwrap();
     sync(NULL_STREAM).unwrap();
     assert!(all(&peek(p, 64), 2));
