@@ -1311,6 +1311,46 @@ fn stream_is_capturing_reports_the_capture_status() {
 }
 
 #[test]
+fn a_capture_ends_on_its_own_thread_unless_relaxed_and_never_on_the_legacy_stream() {
+    if !over_double(&[]) {
+        return;
+    }
+    let ctx = setup();
+    let s = stream(NON_BLOCKING);
+    let handle = s.addr(); // a raw pointer does not cross threads; its value does
+    let end_elsewhere = || {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    make_current(ctx);
+                    end_capture(ptr::without_provenance_mut(handle))
+                })
+                .join()
+                .unwrap()
+        })
+    };
+    for mode in [GLOBAL, THREAD_LOCAL] {
+        begin_capture(s, mode).unwrap();
+        assert_eq!(end_elsewhere(), Err(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD));
+        assert_eq!(capture_status(s), ACTIVE);
+        end_capture(s).unwrap();
+    }
+    begin_capture(s, RELAXED).unwrap();
+    assert_eq!(end_elsewhere(), Ok(()));
+    assert_eq!(capture_status(s), NOT_CAPTURING);
+    // Not capturing: nothing to end.
+    assert_eq!(end_capture(s), Err(CUDA_ERROR_ILLEGAL_STATE));
+    // The legacy stream cannot capture.
+    for legacy in [NULL_STREAM, legacy()] {
+        assert_eq!(
+            begin_capture(legacy, GLOBAL),
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        );
+    }
+    destroy_stream(s).unwrap();
+}
+
+#[test]
 fn the_legacy_stream_cannot_be_used_while_a_blocking_stream_captures() {
     if !over_double(&[]) {
         return;
