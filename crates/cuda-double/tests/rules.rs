@@ -1113,6 +1113,24 @@ fn the_per_thread_stream_is_the_calling_threads_own() {
     );
     ctx_sync().unwrap();
     assert!(all(&peek(p + 4096, 64), 0xb2));
+    // Each thread's own stream is a blocking stream: the legacy stream's
+    // work waits for another thread's.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                make_current(ctx);
+                memset(p + 8192, 0xc4, 64, per_thread()).unwrap();
+            })
+            .join()
+            .unwrap();
+    });
+    memset(p + 12288, 0xd5, 64, NULL_STREAM).unwrap();
+    sync(NULL_STREAM).unwrap();
+    assert!(all(&peek(p + 12288, 64), 0xd5));
+    assert!(
+        all(&peek(p + 8192, 64), 0xc4),
+        "the legacy stream did not wait"
+    );
     unmapped(p, h, G);
 }
 
@@ -1569,6 +1587,35 @@ fn the_granularity_query_honours_the_shareable_granularity() {
     release(h).unwrap();
     release(plain).unwrap();
     address_free(p, 16 * MIB).unwrap();
+}
+
+#[test]
+fn the_recommended_granularity_is_configurable() {
+    if !over_double(&[
+        ("QUILT_CUDA_DOUBLE_GRANULARITY", "64KiB"),
+        ("QUILT_CUDA_DOUBLE_RECOMMENDED", "4MiB"),
+    ]) {
+        return;
+    }
+    setup();
+    let k64 = 64 << 10;
+    assert_eq!(granularity(false, false), Ok(k64));
+    assert_eq!(granularity(false, true), Ok(4 * MIB));
+    assert_eq!(granularity(true, false), Ok(k64));
+    assert_eq!(granularity(true, true), Ok(4 * MIB));
+    // The minimum is what creates, reservations and maps must honour.
+    let p = reserve(2 * k64);
+    let h = create_with(k64, false).unwrap();
+    map_at(p + k64 as u64, k64, 0, h).unwrap();
+    set_access(p + k64 as u64, k64, RW).unwrap();
+    poke(p + k64 as u64, &[1; 16]);
+    assert_eq!(
+        create_with(k64 + 4096, false),
+        Err(CUDA_ERROR_INVALID_VALUE)
+    );
+    unmap(p + k64 as u64, k64).unwrap();
+    release(h).unwrap();
+    address_free(p, 2 * k64).unwrap();
 }
 
 #[test]
