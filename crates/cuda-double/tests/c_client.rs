@@ -70,7 +70,8 @@ fn build_client(dir: &Path, libs: &Path) -> PathBuf {
 #[test]
 fn a_c_client_of_cuda_h_runs_a_vmm_allocator_sequence_over_the_double() {
     let libs = harness::library_dir(&harness::library().unwrap()).unwrap();
-    let exe = build_client(&scratch("c-client"), &libs);
+    let dir = scratch("c-client");
+    let exe = build_client(&dir, &libs);
     let out = run(
         &mut harness::command(&exe).unwrap(),
         "running the C client over the double",
@@ -96,12 +97,14 @@ fn a_c_client_of_cuda_h_runs_a_vmm_allocator_sequence_over_the_double() {
     ] {
         assert!(stdout.contains(step), "missing step {step:?}:\n{stdout}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn the_c_client_asks_for_libcuda_so_1_and_fails_without_the_double() {
     let libs = harness::library_dir(&harness::library().unwrap()).unwrap();
-    let exe = build_client(&scratch("c-client-soname"), &libs);
+    let dir = scratch("c-client-soname");
+    let exe = build_client(&dir, &libs);
     // Linked against the double's soname, as against the real driver's.
     // (readelf comes with the binutils beside `cc`; where it is missing,
     // this part is skipped.)
@@ -129,4 +132,5 @@ fn the_c_client_asks_for_libcuda_so_1_and_fails_without_the_double() {
         !stdout.contains("Quilt CUDA double"),
         "the double was found without its folder on the library path:\n{stdout}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
 }
