@@ -18,6 +18,7 @@ pub const CUDA_ERROR_NO_DEVICE: CuResult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CuResult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
+pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
@@ -27,6 +28,7 @@ pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CuResult = 901;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CuResult = 903;
 pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: CuResult = 905;
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CuResult = 906;
 pub const CUDA_ERROR_CAPTURED_EVENT: CuResult = 907;
 pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CuResult = 908;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
@@ -68,6 +70,11 @@ pub const ERRORS: &[(CuResult, &str, &str)] = &[
         CUDA_ERROR_INVALID_HANDLE,
         "CUDA_ERROR_INVALID_HANDLE",
         "invalid resource handle",
+    ),
+    (
+        CUDA_ERROR_ILLEGAL_STATE,
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "the operation cannot be performed in the present state",
     ),
     (
         CUDA_ERROR_NOT_FOUND,
@@ -112,6 +119,11 @@ pub const ERRORS: &[(CuResult, &str, &str)] = &[
     (
         CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
         "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+        "dependency created on uncaptured work in another stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
         "operation would make the legacy stream depend on a capturing blocking stream",
     ),
     (

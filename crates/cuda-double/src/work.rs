@@ -23,8 +23,10 @@
 //! context fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates
 //! the capture; queuing on the legacy stream while a blocking stream of its
 //! context captures fails (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`) and
-//! invalidates it. "Potentially unsafe" calls (memory allocation and
-//! mapping, synchronisations, queries) are refused and invalidate the
+//! invalidates it, as does synchronising or querying the legacy stream then
+//! (it would synchronise or query the capture), in any capture mode.
+//! "Potentially unsafe" calls (memory allocation and mapping,
+//! synchronisations, queries) are refused and invalidate the
 //! capture where the calling thread's mode prohibits them (CUDA's rule: in
 //! global mode, while any thread captures in global mode or this thread
 //! captures in a mode other than relaxed; in thread-local mode, while this
@@ -37,11 +39,6 @@ use std::thread::{self, ThreadId};
 use crate::abi::*;
 use crate::os;
 use crate::state::{self, Call, Driver};
-
-/// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`.
-pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CuResult = 906;
-/// `CUDA_ERROR_ILLEGAL_STATE`.
-pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 
 /// What a stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,18 +287,7 @@ impl Driver {
         }
         let mut waits = Vec::new();
         if kind == StreamKind::Legacy {
-            let capturing: Vec<u64> = self
-                .streams
-                .values()
-                .filter(|t| t.context == ctx && t.blocking() && !t.destroyed)
-                .filter_map(|t| t.capture)
-                .collect();
-            if !capturing.is_empty() {
-                for id in capturing {
-                    self.invalidate(id);
-                }
-                return Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
-            }
+            self.legacy_free_of_capture(s)?;
             for (&t, st) in &self.streams {
                 if t != s && st.context == ctx && st.blocking() && st.submitted > st.completed {
                     waits.push((t, st.submitted));
@@ -330,6 +316,37 @@ impl Driver {
         let seq = st.submitted;
         st.queue.push_back(Work { seq, due, op });
         Ok(seq)
+    }
+
+    /// Refuses a use of stream `s` where it is the legacy stream and a
+    /// blocking stream of its context captures (queuing on it would make
+    /// the legacy stream depend on the capture; synchronising or querying it
+    /// would synchronise or query the capture), invalidating those captures:
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, whatever the capture mode.
+    fn legacy_free_of_capture(&mut self, s: u64) -> Call<()> {
+        let capturing = self.captures_behind_legacy(s);
+        if capturing.is_empty() {
+            return Ok(());
+        }
+        for id in capturing {
+            self.invalidate(id);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+    }
+
+    /// Where `s` is the legacy stream, the captures of the blocking streams
+    /// of its context (which any use of it would depend on); else none.
+    fn captures_behind_legacy(&self, s: u64) -> Vec<u64> {
+        let st = &self.streams[&s];
+        if st.kind != StreamKind::Legacy {
+            return Vec::new();
+        }
+        let ctx = st.context;
+        self.streams
+            .values()
+            .filter(|t| t.context == ctx && t.blocking() && !t.destroyed)
+            .filter_map(|t| t.capture)
+            .collect()
     }
 
     /// Runs stream `s`'s work up to position `seq` (and what it waits for).
@@ -448,6 +465,7 @@ impl Driver {
             self.invalidate(id);
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
+        self.legacy_free_of_capture(s)?;
         self.forbidden_under_capture()?;
         let (ctx, seq) = (self.streams[&s].context, self.streams[&s].submitted);
         self.run_until(s, seq);
@@ -474,6 +492,7 @@ impl Driver {
             self.invalidate(id);
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
+        self.legacy_free_of_capture(s)?;
         self.forbidden_under_capture()?;
         let st = &self.streams[&s];
         self.sticky(st.context)?;
@@ -734,9 +753,15 @@ impl Driver {
         Ok(g)
     }
 
-    /// `cuStreamIsCapturing` / `cuStreamGetCaptureInfo`: status and id.
+    /// `cuStreamIsCapturing` / `cuStreamGetCaptureInfo`: status and id. For
+    /// the legacy stream while a blocking stream of its context captures,
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, the capture left valid (as the
+    /// reference states).
     pub fn capture_status(&mut self, stream: u64) -> Call<(c_int, u64)> {
         let s = self.stream(stream)?;
+        if !self.captures_behind_legacy(s).is_empty() {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+        }
         Ok(match self.streams[&s].capture {
             None => (CAPTURE_STATUS_NONE, 0),
             Some(id) if self.captures.get(&id).is_some_and(|c| c.invalidated) => {
