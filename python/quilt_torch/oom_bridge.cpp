@@ -99,4 +99,29 @@ void quilt_bridge_free(void* ptr, size_t size, int device, void* stream) {
   quilt_free_fn(ptr, size, device, stream);
 }
 
+// For tests without a GPU (torch cannot reach a pluggable allocator's malloc
+// there): runs quilt_bridge_malloc as torch would and says what came of it:
+// 0 a pointer (in *out), 1 c10::OutOfMemoryError, 2 another c10::Error, 3
+// another exception; the exception's message (without C++ backtrace) goes
+// into buf, snprintf style.
+int quilt_bridge_try_malloc(size_t size, int device, void** out, char* buf, size_t len) {
+  std::string what;
+  int kind = 0;
+  try {
+    *out = quilt_bridge_malloc(size, device, nullptr);
+  } catch (const c10::OutOfMemoryError& e) {
+    kind = 1;
+    what = e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    kind = 2;
+    what = e.what_without_backtrace();
+  } catch (...) {
+    kind = 3;
+  }
+  if (buf != nullptr && len > 0) {
+    std::snprintf(buf, len, "%s", what.c_str());
+  }
+  return kind;
+}
+
 }  // extern "C"
