@@ -53,6 +53,11 @@ __all__ = [
     "enable",
     "mempool",
     "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
     "memory_summary",
     "dump_snapshot",
     "last_error",
@@ -492,19 +497,123 @@ def mempool():
     return torch.cuda.MemPool(allocator.allocator())
 
 
-def memory_stats(device=0):
+def _device_index(device):
+    """torch's device arguments as an index: None (torch's current device,
+    or 0 without torch or CUDA), an int, a ``torch.device`` or "cuda:N"."""
+    if device is None:
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                return int(torch.cuda.current_device())
+        except ImportError:
+            pass
+        return 0
+    if isinstance(device, str):
+        device = device.split(":", 1)[1] if ":" in device else 0
+    index = getattr(device, "index", device)
+    if index is None:
+        return 0
+    if isinstance(index, bool) or not isinstance(index, (int, str)):
+        raise TypeError("not a device: {!r}".format(device))
+    if isinstance(index, str):
+        try:
+            index = int(index)
+        except (TypeError, ValueError):
+            raise TypeError("not a device: {!r}".format(device)) from None
+    if index < 0:
+        raise ValueError("not a device index: {}".format(index))
+    return index
+
+
+# Quilt's statistics that torch's flat memory_stats() keys name.
+_FLAT_STATS = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "requested_bytes",
+    "inactive_split_bytes",
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+)
+
+
+def memory_stats(device=None):
     """Return Quilt's statistics for ``device`` as a dict.
 
-    The keys follow ``torch.cuda.memory_stats()`` in spirit: ``allocated_bytes``,
-    ``reserved_bytes``, ``active_bytes``, ``requested_bytes``, ``allocation``,
-    ``segment`` and ``active`` are dicts with ``current`` and ``peak``;
-    ``num_ooms``, ``num_alloc_retries`` and ``num_stream_waits`` are counts;
+    Where ``torch.cuda.memory_stats()`` raises under :func:`enable` (a
+    pluggable allocator has none of torch's statistics), call this instead.
+    The dict has torch's flat keys (``"allocated_bytes.all.current"``,
+    ``"reserved_bytes.all.peak"``, ``"segment.all.current"``, ``"num_ooms"``,
+    ...; Quilt has no small and large pools, so only ``all``), and Quilt's
+    own: ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
+    ``requested_bytes``, ``allocation``, ``segment`` (the segments a snapshot
+    shows) and ``active`` are dicts with ``current`` and ``peak``;
+    ``physical_chunk`` counts Quilt's physical allocations; ``num_ooms``,
+    ``num_alloc_retries`` and ``num_stream_waits`` are counts;
     ``driver_calls`` maps driver calls to counts; ``device``, ``allocator``,
     ``backend`` and ``capacity_bytes`` describe the allocator. For a device
     never used the dict may instead be ``{"device": N, "error": "..."}``.
     """
     lib = _library()
-    return json.loads(_read_string(lib.quilt_stats_json, int(device)))
+    stats = json.loads(_read_string(lib.quilt_stats_json, _device_index(device)))
+    if "error" in stats:
+        return stats
+    for key in _FLAT_STATS:
+        value = stats.get(key)
+        if isinstance(value, dict):
+            for field in ("current", "peak", "allocated", "freed"):
+                if field in value:
+                    stats["{}.all.{}".format(key, field)] = value[field]
+    calls = stats.get("driver_calls") or {}
+    stats["num_device_alloc"] = calls.get("create", 0)
+    stats["num_device_free"] = calls.get("release", 0)
+    return stats
+
+
+def _stat(device, key, field):
+    stats = memory_stats(device)
+    if "error" in stats:
+        raise QuiltError("Quilt has no statistics for device {}: {}".format(device, stats["error"]))
+    return int(stats[key][field])
+
+
+def memory_allocated(device=None):
+    """Bytes in live blocks now: ``torch.cuda.memory_allocated()`` for Quilt."""
+    return _stat(device, "allocated_bytes", "current")
+
+
+def max_memory_allocated(device=None):
+    """The most bytes in live blocks since the allocator was created."""
+    return _stat(device, "allocated_bytes", "peak")
+
+
+def memory_reserved(device=None):
+    """Bytes of physical memory Quilt holds now (mapped or cached):
+    ``torch.cuda.memory_reserved()`` for Quilt."""
+    return _stat(device, "reserved_bytes", "current")
+
+
+def max_memory_reserved(device=None):
+    """The most bytes Quilt held since the allocator was created."""
+    return _stat(device, "reserved_bytes", "peak")
+
+
+def reset_peak_memory_stats(device=None):
+    """Not available: Quilt's allocator keeps its peaks from its creation
+    (quilt-alloc exposes no reset).
+
+    Raises:
+        QuiltError: always, saying so; read :func:`max_memory_allocated`
+            before and after the region instead.
+    """
+    raise QuiltError(
+        "quilt_torch.reset_peak_memory_stats(): Quilt keeps its peaks since the "
+        "allocator was created and cannot reset them; compare "
+        "max_memory_allocated() before and after instead"
+    )
 
 
 def last_error():
@@ -700,7 +809,7 @@ def _counter(stats, key):
     return value.get("current", 0), value.get("peak", 0)
 
 
-def memory_summary(device=0):
+def memory_summary(device=None):
     """Return a short human-readable table of Quilt's statistics.
 
     In the spirit of ``torch.cuda.memory_summary()``: allocated, reserved,

@@ -118,6 +118,25 @@ def scenario_enable():
     hooks = qt.registered_hooks()
     expected = {s: qt._function_address(f) for s, f in qt.HOOKS}
     check(hooks == expected, "registered hooks {} != {}", hooks, expected)
+    # Quilt's statistics under torch's names.
+    q = malloc(10 * MiB)
+    flat = qt.memory_stats()
+    check(
+        qt.memory_allocated() == flat["allocated_bytes.all.current"] >= 10 * MiB,
+        "memory_allocated {} vs {}",
+        qt.memory_allocated(),
+        flat,
+    )
+    check(qt.memory_reserved(torch.device("cuda", 0)) >= qt.memory_allocated("cuda:0"), "reserved < allocated")
+    check(qt.max_memory_allocated(0) >= 10 * MiB, "peak {}", qt.max_memory_allocated(0))
+    check(flat["segment.all.current"] == flat["segment"]["current"] >= 1, "segments {}", flat)
+    try:
+        qt.reset_peak_memory_stats()
+    except qt.QuiltError:
+        pass
+    else:
+        raise AssertionError("reset_peak_memory_stats() pretended to reset")
+    free(q, 10 * MiB)
     # torch.cuda.empty_cache() calls torch._C._cuda_emptyCache() once CUDA
     # is initialised; without a GPU it is called directly.
     p = malloc(64 * MiB)
