@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import json
 import os
+import sys
 import textwrap
 import threading
 
@@ -501,26 +502,22 @@ def _device_index(device):
     """torch's device arguments as an index: None (torch's current device,
     or 0 without torch or CUDA), an int, a ``torch.device`` or "cuda:N"."""
     if device is None:
-        try:
-            import torch
-
-            if torch.cuda.is_initialized():
-                return int(torch.cuda.current_device())
-        except ImportError:
-            pass
+        torch = sys.modules.get("torch")  # not imported here: it is slow
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
         return 0
     if isinstance(device, str):
-        device = device.split(":", 1)[1] if ":" in device else 0
-    index = getattr(device, "index", device)
-    if index is None:
-        return 0
-    if isinstance(index, bool) or not isinstance(index, (int, str)):
-        raise TypeError("not a device: {!r}".format(device))
-    if isinstance(index, str):
+        text = device.split(":", 1)[1] if ":" in device else "0"
         try:
-            index = int(index)
-        except (TypeError, ValueError):
-            raise TypeError("not a device: {!r}".format(device)) from None
+            index = int(text)
+        except ValueError:
+            raise ValueError("not a device: {!r}".format(device)) from None
+    elif isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        index = 0 if device.index is None else int(device.index)
+    else:
+        raise TypeError("not a device: {!r}".format(device))
     if index < 0:
         raise ValueError("not a device index: {}".format(index))
     return index
