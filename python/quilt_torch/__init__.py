@@ -9,14 +9,21 @@ library, ``target/release/libquilt_torch.so``, with the C entry points that
 snapshot). This package wraps both sides:
 
 * :func:`enable` swaps PyTorch's allocator for Quilt, for the whole process;
-  it must run before CUDA allocates anything.
+  it must run before CUDA allocates anything. It checks ``QUILT_ALLOC_CONF``
+  first, builds (once, cached) the small C++ bridge that turns Quilt's out of
+  memory into ``torch.OutOfMemoryError``, and registers the hooks that make
+  ``torch.cuda.empty_cache()``, ``set_per_process_memory_fraction()`` and
+  ``Tensor.record_stream()`` reach Quilt.
 * :func:`mempool` gives a ``torch.cuda.MemPool`` served by Quilt, for use with
   ``torch.cuda.use_mem_pool(...)`` while PyTorch's own allocator stays the
   default.
-* :func:`memory_stats`, :func:`memory_summary`, :func:`dump_snapshot`,
-  :func:`last_error`, :func:`record_history`, :func:`empty_cache` and
-  :func:`set_memory_fraction` talk to the library directly through
-  :mod:`ctypes`. They do not need torch.
+* :func:`memory_stats`, :func:`memory_allocated`, :func:`memory_reserved`,
+  :func:`max_memory_allocated`, :func:`max_memory_reserved`,
+  :func:`memory_summary`, :func:`dump_snapshot`, :func:`last_error`,
+  :func:`record_history`, :func:`empty_cache` and :func:`set_memory_fraction`
+  talk to the library directly through :mod:`ctypes`. They do not need torch;
+  under :func:`enable` they stand in for torch's own statistics, which raise
+  under a pluggable allocator.
 * :func:`tag` (a context manager), :func:`sleep`, :func:`wake` and
   :func:`is_asleep`: the tensors allocated inside ``with tag("weights"):``
   carry the tag; ``sleep("weights")`` frees their device memory (contents to
