@@ -275,9 +275,9 @@ def _bridge_library(torch):
     """Build (once, cached) and bind the out-of-memory bridge; return its path.
 
     ``oom_bridge.cpp`` is compiled against the installed torch's headers and
-    ``libc10.so`` into a folder named after a hash of the source, the torch
-    version and location, and the compiler, so one build serves every later
-    process with the same torch. It throws ``c10::OutOfMemoryError`` where
+    ``libc10.so`` into a folder named after a hash of the source and the
+    torch version, location and C++ ABI, so one build serves every later
+    process with the same torch (a compiler is needed only to build it). It throws ``c10::OutOfMemoryError`` where
     ``quilt_malloc`` returns null for an out of memory: torch turns that into
     ``torch.OutOfMemoryError``.
 
@@ -300,25 +300,24 @@ def _bridge_library(torch):
             "quilt_torch.enable(): this torch ({}, {}) has no C++ headers, which "
             "the out-of-memory bridge is compiled against".format(torch.__version__, torch_dir)
         )
-    cxx = _compiler()
-    if cxx is None:
-        raise BridgeError(
-            "quilt_torch.enable() needs a C++ compiler (g++ or clang++, or $CXX) "
-            "once, to build the bridge that turns Quilt's out of memory into "
-            "torch.OutOfMemoryError (torch does not check a pluggable "
-            "allocator's null pointer); install one, e.g. `apt-get install g++`"
-        )
     with open(_BRIDGE_SOURCE, "rb") as f:
         source = f.read()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     key = hashlib.sha256(
-        b"\0".join(
-            [source, torch.__version__.encode(), torch_dir.encode(), cxx.encode(), str(abi).encode()]
-        )
+        b"\0".join([source, torch.__version__.encode(), torch_dir.encode(), str(abi).encode()])
     ).hexdigest()[:16]
     folder = os.path.join(_bridge_cache_dir(), key)
     target = os.path.join(folder, "libquilt_torch_bridge.so")
     if not os.path.isfile(target):
+        cxx = _compiler()
+        if cxx is None:
+            raise BridgeError(
+                "quilt_torch.enable() needs a C++ compiler (g++ or clang++, or $CXX) "
+                "once, to build the bridge that turns Quilt's out of memory into "
+                "torch.OutOfMemoryError (torch does not check a pluggable "
+                "allocator's null pointer; it is cached in {} afterwards); install "
+                "one, e.g. `apt-get install g++`".format(folder)
+            )
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)

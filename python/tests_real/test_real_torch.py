@@ -443,8 +443,8 @@ SCENARIOS = {
 }
 
 
-def run(test, scenario, conf, *args):
-    env = dict(os.environ, QUILT_ALLOC_CONF=conf)
+def run(test, scenario, conf, *args, env=None):
+    env = dict(os.environ, QUILT_ALLOC_CONF=conf, **(env or {}))
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), scenario] + list(args),
         env=env,
@@ -481,6 +481,15 @@ class RealTorchTest(unittest.TestCase):
 
     def test_enable_refuses_the_simulated_backend(self):
         run(self, "refuse", "backend:sim", "ConfigurationError", "backend:sim")
+
+    def test_enable_without_a_compiler_says_so(self):
+        """No C++ compiler and no cached bridge: BridgeError, nothing installed."""
+        env = {
+            "CXX": "",
+            "PATH": os.path.dirname(sys.executable),
+            "QUILT_TORCH_BRIDGE_CACHE": tempfile.mkdtemp(prefix="quilt-no-bridge-"),
+        }
+        run(self, "refuse", HOST, "BridgeError", "needs a C++ compiler", env=env)
 
     def test_enable_refuses_cuda_without_a_driver(self):
         import torch
