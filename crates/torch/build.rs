@@ -1,18 +1,62 @@
 //! Sets `cfg(quilt_no_python3)` where no `python3` runs at build time, so
 //! that the Python test (`tests/python.rs`) is reported as ignored there
-//! instead of passing without having run.
+//! instead of passing without having run; and `cfg(quilt_no_torch)` where
+//! the virtual environment with the real torch (`scripts/torch-venv.sh`) is
+//! not there, so that `tests/real_torch.rs` is reported as ignored, with the
+//! reason printed as a build warning.
 
+use std::path::PathBuf;
 use std::process::Command;
+
+/// Where `scripts/torch-venv.sh` installs torch (keep the two in step).
+fn torch_venv() -> Option<PathBuf> {
+    if let Some(v) = std::env::var_os("QUILT_TORCH_VENV") {
+        return Some(PathBuf::from(v));
+    }
+    std::env::var_os("HOME").map(|h| {
+        PathBuf::from(h)
+            .join(".cache")
+            .join("quilt")
+            .join("torch-venv")
+    })
+}
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(quilt_no_python3)");
+    println!("cargo::rustc-check-cfg=cfg(quilt_no_torch)");
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=PATH");
+    println!("cargo::rerun-if-env-changed=QUILT_TORCH_VENV");
+    println!("cargo::rerun-if-env-changed=HOME");
     let runs = Command::new("python3")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     if !runs {
         println!("cargo::rustc-cfg=quilt_no_python3");
+    }
+    // The install script writes `<venv>.status`: "ok torch ..." once the
+    // venv's python imports torch, else "skipped: <why>".
+    let Some(venv) = torch_venv() else {
+        println!("cargo::rustc-cfg=quilt_no_torch");
+        println!("cargo::warning=real-torch tests skipped: no HOME or QUILT_TORCH_VENV");
+        return;
+    };
+    let status_file = PathBuf::from(format!("{}.status", venv.display()));
+    println!("cargo::rerun-if-changed={}", status_file.display());
+    let status = std::fs::read_to_string(&status_file).unwrap_or_else(|_| {
+        format!(
+            "skipped: {} does not exist (run scripts/torch-venv.sh)",
+            status_file.display()
+        )
+    });
+    if !status.starts_with("ok") || !venv.join("bin").join("python").exists() {
+        println!("cargo::rustc-cfg=quilt_no_torch");
+        println!(
+            "cargo::warning=real-torch tests {}",
+            status.lines().next().unwrap_or("no status")
+        );
+    } else {
+        println!("cargo::rustc-env=QUILT_TORCH_VENV_FOUND={}", venv.display());
     }
 }

@@ -9,14 +9,21 @@ library, ``target/release/libquilt_torch.so``, with the C entry points that
 snapshot). This package wraps both sides:
 
 * :func:`enable` swaps PyTorch's allocator for Quilt, for the whole process;
-  it must run before CUDA allocates anything.
+  it must run before CUDA allocates anything. It checks ``QUILT_ALLOC_CONF``
+  first, builds (once, cached) the small C++ bridge that turns Quilt's out of
+  memory into ``torch.OutOfMemoryError``, and registers the hooks that make
+  ``torch.cuda.empty_cache()``, ``set_per_process_memory_fraction()`` and
+  ``Tensor.record_stream()`` reach Quilt.
 * :func:`mempool` gives a ``torch.cuda.MemPool`` served by Quilt, for use with
   ``torch.cuda.use_mem_pool(...)`` while PyTorch's own allocator stays the
   default.
-* :func:`memory_stats`, :func:`memory_summary`, :func:`dump_snapshot`,
-  :func:`last_error`, :func:`record_history`, :func:`empty_cache` and
-  :func:`set_memory_fraction` talk to the library directly through
-  :mod:`ctypes`. They do not need torch.
+* :func:`memory_stats`, :func:`memory_allocated`, :func:`memory_reserved`,
+  :func:`max_memory_allocated`, :func:`max_memory_reserved`,
+  :func:`memory_summary`, :func:`dump_snapshot`, :func:`last_error`,
+  :func:`record_history`, :func:`empty_cache` and :func:`set_memory_fraction`
+  talk to the library directly through :mod:`ctypes`. They do not need torch;
+  under :func:`enable` they stand in for torch's own statistics, which raise
+  under a pluggable allocator.
 * :func:`tag` (a context manager), :func:`sleep`, :func:`wake` and
   :func:`is_asleep`: the tensors allocated inside ``with tag("weights"):``
   carry the tag; ``sleep("weights")`` frees their device memory (contents to
@@ -45,6 +52,7 @@ import contextlib
 import ctypes
 import json
 import os
+import sys
 import textwrap
 import threading
 
@@ -53,6 +61,11 @@ __all__ = [
     "enable",
     "mempool",
     "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
     "memory_summary",
     "dump_snapshot",
     "last_error",
@@ -60,6 +73,11 @@ __all__ = [
     "empty_cache",
     "set_memory_fraction",
     "QuiltError",
+    "ConfigurationError",
+    "BridgeError",
+    "check_configuration",
+    "registered_hooks",
+    "HOOKS",
     "tag",
     "current_tag",
     "sleep",
@@ -197,46 +215,229 @@ def _import_torch():
 
 
 def _pluggable_allocator(torch):
-    """Return the (cached) CUDAPluggableAllocator for Quilt's library."""
+    """Return the (cached) CUDAPluggableAllocator on Quilt's own library.
+
+    This is the ``mempool()`` route: torch's caching allocator owns the pool
+    and checks what ``quilt_malloc`` returns, so the library's functions are
+    handed to torch as they are.
+    """
     global _pluggable
     with _lock:
         if _pluggable is None:
-            try:
-                _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-                    library_path(), "quilt_malloc", "quilt_free"
-                )
-            except FileNotFoundError:
-                raise  # library_path()'s message says how to build it
-            except Exception as exc:
-                raise RuntimeError(
-                    "quilt_torch: PyTorch could not load Quilt's allocator "
-                    "from {}: {}".format(library_path(), exc)
-                ) from exc
+            _pluggable = _load_pluggable(torch, library_path(), "quilt_malloc", "quilt_free")
         return _pluggable
+
+
+def _load_pluggable(torch, path, malloc_name, free_name):
+    """A CUDAPluggableAllocator on ``path``'s two functions, or RuntimeError."""
+    try:
+        return torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
+    except FileNotFoundError:
+        raise  # library_path()'s message says how to build it
+    except Exception as exc:
+        raise RuntimeError(
+            "quilt_torch: PyTorch could not load Quilt's allocator "
+            "from {}: {}".format(path, exc)
+        ) from exc
+
+
+# -- the out-of-memory bridge (enable()'s route) ----------------------------
+
+# The environment variable naming the folder where the bridge is compiled
+# and cached (default: ~/.cache/quilt/torch-bridge).
+BRIDGE_CACHE_ENV = "QUILT_TORCH_BRIDGE_CACHE"
+_BRIDGE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "oom_bridge.cpp")
+_bridge = None  # the bridge's path, once built and bound
+
+
+class BridgeError(RuntimeError):
+    """The out-of-memory bridge cannot be built or loaded (the message says why)."""
+
+
+def _bridge_cache_dir():
+    override = os.environ.get(BRIDGE_CACHE_ENV)
+    if override:
+        return os.path.abspath(override)
+    return os.path.join(os.path.expanduser("~"), ".cache", "quilt", "torch-bridge")
+
+
+def _compiler():
+    """The C++ compiler to build the bridge with: $CXX, else c++ or g++."""
+    import shutil
+
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _bridge_library(torch):
+    """Build (once, cached) and bind the out-of-memory bridge; return its path.
+
+    ``oom_bridge.cpp`` is compiled against the installed torch's headers and
+    ``libc10.so`` into a folder named after a hash of the source and the
+    torch version, location and C++ ABI, so one build serves every later
+    process with the same torch (a compiler is needed only to build it). It throws ``c10::OutOfMemoryError`` where
+    ``quilt_malloc`` returns null for an out of memory: torch turns that into
+    ``torch.OutOfMemoryError``.
+
+    Raises:
+        BridgeError: no C++ compiler, torch without its headers, or the
+            compiler failed (its output is in the message).
+    """
+    global _bridge
+    if _bridge is not None:
+        return _bridge
+    import hashlib
+    import subprocess
+    import tempfile
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    include = os.path.join(torch_dir, "include")
+    lib_dir = os.path.join(torch_dir, "lib")
+    if not os.path.isfile(os.path.join(include, "c10", "util", "Exception.h")):
+        raise BridgeError(
+            "quilt_torch.enable(): this torch ({}, {}) has no C++ headers, which "
+            "the out-of-memory bridge is compiled against".format(torch.__version__, torch_dir)
+        )
+    with open(_BRIDGE_SOURCE, "rb") as f:
+        source = f.read()
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    key = hashlib.sha256(
+        b"\0".join([source, torch.__version__.encode(), torch_dir.encode(), str(abi).encode()])
+    ).hexdigest()[:16]
+    folder = os.path.join(_bridge_cache_dir(), key)
+    target = os.path.join(folder, "libquilt_torch_bridge.so")
+    if not os.path.isfile(target):
+        cxx = _compiler()
+        if cxx is None:
+            raise BridgeError(
+                "quilt_torch.enable() needs a C++ compiler (g++ or clang++, or $CXX) "
+                "once, to build the bridge that turns Quilt's out of memory into "
+                "torch.OutOfMemoryError (torch does not check a pluggable "
+                "allocator's null pointer; it is cached in {} afterwards); install "
+                "one, e.g. `apt-get install g++`".format(folder)
+            )
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        command = [
+            cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
+            "-D_GLIBCXX_USE_CXX11_ABI={}".format(abi),
+            "-I", include, _BRIDGE_SOURCE,
+            "-L", lib_dir, "-lc10", "-Wl,-rpath," + lib_dir, "-ldl",
+            "-o", tmp,
+        ]
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise BridgeError(
+                "quilt_torch.enable(): building the out-of-memory bridge failed "
+                "({}):\n{}".format(" ".join(command), done.stdout.decode("utf-8", "replace"))
+            )
+        os.replace(tmp, target)  # atomic: a concurrent build wins or loses whole
+    bridge = ctypes.CDLL(target)
+    bridge.quilt_bridge_bind.argtypes = [ctypes.c_char_p]
+    bridge.quilt_bridge_bind.restype = ctypes.c_int
+    rc = bridge.quilt_bridge_bind(os.fsencode(library_path()))
+    if rc != 0:
+        raise BridgeError(
+            "quilt_torch.enable(): the out-of-memory bridge {} cannot bind to {} "
+            "({})".format(target, library_path(), "dlopen failed" if rc == 1 else "a function is missing")
+        )
+    _bridge = target
+    return target
+
+
+# The hooks enable() registers: torch's setter, and Quilt's C function.
+HOOKS = (
+    ("set_reset_fn", "quilt_empty_cache"),  # torch.cuda.empty_cache()
+    ("set_memory_fraction_fn", "quilt_set_memory_fraction"),  # set_per_process_memory_fraction
+    ("set_record_stream_fn", "quilt_record_stream"),  # Tensor.record_stream
+)
+
+_registered = {}  # setter name -> address of the C function registered with it
+
+
+def registered_hooks():
+    """The hooks :func:`enable` registered: {torch's setter: C function address}.
+
+    Empty before :func:`enable`. The setters torch offers that Quilt has no
+    function for (``set_init_fn``, ``set_base_alloc_fn`` and the CUDA graph
+    pool ones) are not registered: torch then does nothing for them.
+    """
+    return dict(_registered)
+
+
+def _function_address(name):
+    return ctypes.cast(getattr(_library(), name), ctypes.c_void_p).value
+
+
+def check_configuration():
+    """Check ``QUILT_ALLOC_CONF`` and the backend the way :func:`enable` does.
+
+    Returns Quilt's statistics of device 0 (creating its allocator).
+
+    Raises:
+        ConfigurationError: a bad key or value, or ``backend:sim`` (whose
+            pointers address no memory: the first copy would crash).
+        QuiltError: the backend is unavailable (no CUDA driver, for one).
+    """
+    stats = memory_stats(0)
+    error = stats.get("error")
+    if error:
+        if "QUILT_ALLOC_CONF=" in error:
+            raise ConfigurationError(error)
+        raise QuiltError("Quilt cannot serve device 0: {}".format(error))
+    if stats.get("backend") == "sim":
+        raise ConfigurationError(
+            "QUILT_ALLOC_CONF selects backend:sim, the simulated device: its "
+            "pointers address no memory, so PyTorch would crash on the first "
+            "copy; use backend:cuda (the default) on a GPU, or backend:host "
+            "(host memory) for a simulated CUDA device"
+        )
+    return stats
 
 
 def enable():
     """Make Quilt PyTorch's CUDA allocator for the whole process.
 
-    Equivalent to::
+    In order, before anything is installed:
 
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(
-            library_path(), "quilt_malloc", "quilt_free")
-        torch.cuda.memory.change_current_allocator(alloc)
+    1. ``QUILT_ALLOC_CONF`` and the backend are checked
+       (:func:`check_configuration`): a bad key or value, ``backend:sim`` or
+       an unavailable driver raises, and PyTorch keeps its own allocator.
+    2. The out-of-memory bridge is built once and cached (a C++ compiler is
+       needed the first time; see :func:`_bridge_library`): torch does not
+       check a pluggable allocator's null pointer, so the bridge throws
+       ``torch.OutOfMemoryError`` with Quilt's message (request, figures,
+       verdict) instead, and other failures as ``RuntimeError``.
+    3. A ``CUDAPluggableAllocator`` on the bridge is created and Quilt's hooks
+       registered (:data:`HOOKS`): ``torch.cuda.empty_cache()``,
+       ``torch.cuda.set_per_process_memory_fraction()`` and
+       ``Tensor.record_stream()`` reach Quilt.
+    4. ``change_current_allocator``.
 
     PyTorch can swap its allocator only before it has allocated, so call this
-    first thing, before any CUDA tensor is created. Calling it again after a
-    successful call does nothing. Returns the CUDAPluggableAllocator.
+    first thing, before any CUDA tensor is created. Calling it again (also
+    after ``importlib.reload(quilt_torch)``) returns the same allocator.
 
     Raises:
-        RuntimeError: if torch is missing, if CUDA has already allocated
-            memory through another allocator, or if PyTorch refuses the swap.
+        ConfigurationError: a bad ``QUILT_ALLOC_CONF``, or ``backend:sim``.
+        QuiltError: the backend is unavailable.
+        BridgeError: the bridge cannot be built (no compiler, say).
+        RuntimeError: if torch is missing, or CUDA already allocated through
+            another allocator, or PyTorch refuses the swap.
         FileNotFoundError: if the library does not exist.
     """
     global _enabled
     torch = _import_torch()
-    if _enabled is not None:
-        return _enabled
+    with _lock:
+        if _enabled is None:
+            # A reloaded module finds what its earlier self installed.
+            _enabled = getattr(torch.cuda.memory, _ENABLED_ATTR, None)
+        if _enabled is not None:
+            return _enabled
     if torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
         raise RuntimeError(
             "quilt_torch.enable() must run before CUDA allocates: PyTorch's "
@@ -245,7 +446,17 @@ def enable():
                 torch.cuda.memory_allocated()
             )
         )
-    allocator = _pluggable_allocator(torch)
+    check_configuration()
+    bridge = _bridge_library(torch)
+    allocator = _load_pluggable(torch, bridge, "quilt_bridge_malloc", "quilt_bridge_free")
+    raw = allocator.allocator()
+    hooks = {}
+    for setter, function in HOOKS:
+        if not hasattr(raw, setter):
+            continue  # an older torch without this hook
+        address = _function_address(function)
+        getattr(raw, setter)(address)
+        hooks[setter] = address
     try:
         torch.cuda.memory.change_current_allocator(allocator)
     except Exception as exc:
@@ -254,8 +465,17 @@ def enable():
             "for Quilt ({}); the allocator can only be changed before CUDA "
             "is first used".format(exc)
         ) from exc
-    _enabled = allocator
+    with _lock:
+        _registered.clear()
+        _registered.update(hooks)
+        _enabled = allocator
+        setattr(torch.cuda.memory, _ENABLED_ATTR, allocator)
     return allocator
+
+
+# Where enable() leaves its allocator on torch, so that a reloaded
+# quilt_torch finds it.
+_ENABLED_ATTR = "_quilt_torch_enabled"
 
 
 def mempool():
@@ -284,19 +504,119 @@ def mempool():
     return torch.cuda.MemPool(allocator.allocator())
 
 
-def memory_stats(device=0):
+def _device_index(device):
+    """torch's device arguments as an index: None (torch's current device,
+    or 0 without torch or CUDA), an int, a ``torch.device`` or "cuda:N"."""
+    if device is None:
+        torch = sys.modules.get("torch")  # not imported here: it is slow
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+        return 0
+    if isinstance(device, str):
+        text = device.split(":", 1)[1] if ":" in device else "0"
+        try:
+            index = int(text)
+        except ValueError:
+            raise ValueError("not a device: {!r}".format(device)) from None
+    elif isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        index = 0 if device.index is None else int(device.index)
+    else:
+        raise TypeError("not a device: {!r}".format(device))
+    if index < 0:
+        raise ValueError("not a device index: {}".format(index))
+    return index
+
+
+# Quilt's statistics that torch's flat memory_stats() keys name.
+_FLAT_STATS = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "requested_bytes",
+    "inactive_split_bytes",
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+)
+
+
+def memory_stats(device=None):
     """Return Quilt's statistics for ``device`` as a dict.
 
-    The keys follow ``torch.cuda.memory_stats()`` in spirit: ``allocated_bytes``,
-    ``reserved_bytes``, ``active_bytes``, ``requested_bytes``, ``allocation``,
-    ``segment`` and ``active`` are dicts with ``current`` and ``peak``;
-    ``num_ooms``, ``num_alloc_retries`` and ``num_stream_waits`` are counts;
+    Where ``torch.cuda.memory_stats()`` raises under :func:`enable` (a
+    pluggable allocator has none of torch's statistics), call this instead.
+    The dict has torch's flat keys (``"allocated_bytes.all.current"``,
+    ``"reserved_bytes.all.peak"``, ``"segment.all.current"``, ``"num_ooms"``,
+    ...; Quilt has no small and large pools, so only ``all``), and Quilt's
+    own: ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
+    ``requested_bytes``, ``allocation``, ``segment`` (the segments a snapshot
+    shows) and ``active`` are dicts with ``current`` and ``peak``;
+    ``physical_chunk`` counts Quilt's physical allocations; ``num_ooms``,
+    ``num_alloc_retries`` and ``num_stream_waits`` are counts;
     ``driver_calls`` maps driver calls to counts; ``device``, ``allocator``,
     ``backend`` and ``capacity_bytes`` describe the allocator. For a device
     never used the dict may instead be ``{"device": N, "error": "..."}``.
     """
     lib = _library()
-    return json.loads(_read_string(lib.quilt_stats_json, int(device)))
+    stats = json.loads(_read_string(lib.quilt_stats_json, _device_index(device)))
+    if "error" in stats:
+        return stats
+    for key in _FLAT_STATS:
+        value = stats.get(key)
+        if isinstance(value, dict):
+            for field in ("current", "peak", "allocated", "freed"):
+                if field in value:
+                    stats["{}.all.{}".format(key, field)] = value[field]
+    calls = stats.get("driver_calls") or {}
+    stats["num_device_alloc"] = calls.get("create", 0)
+    stats["num_device_free"] = calls.get("release", 0)
+    return stats
+
+
+def _stat(device, key, field):
+    stats = memory_stats(device)
+    if "error" in stats:
+        raise QuiltError("Quilt has no statistics for device {}: {}".format(device, stats["error"]))
+    return int(stats[key][field])
+
+
+def memory_allocated(device=None):
+    """Bytes in live blocks now: ``torch.cuda.memory_allocated()`` for Quilt."""
+    return _stat(device, "allocated_bytes", "current")
+
+
+def max_memory_allocated(device=None):
+    """The most bytes in live blocks since the allocator was created."""
+    return _stat(device, "allocated_bytes", "peak")
+
+
+def memory_reserved(device=None):
+    """Bytes of physical memory Quilt holds now (mapped or cached):
+    ``torch.cuda.memory_reserved()`` for Quilt."""
+    return _stat(device, "reserved_bytes", "current")
+
+
+def max_memory_reserved(device=None):
+    """The most bytes Quilt held since the allocator was created."""
+    return _stat(device, "reserved_bytes", "peak")
+
+
+def reset_peak_memory_stats(device=None):
+    """Not available: Quilt's allocator keeps its peaks from its creation
+    (quilt-alloc exposes no reset).
+
+    Raises:
+        QuiltError: always, saying so; read :func:`max_memory_allocated`
+            before and after the region instead.
+    """
+    raise QuiltError(
+        "quilt_torch.reset_peak_memory_stats(): Quilt keeps its peaks since the "
+        "allocator was created and cannot reset them; compare "
+        "max_memory_allocated() before and after instead"
+    )
 
 
 def last_error():
@@ -370,6 +690,10 @@ _SLEEP_RELEASE = 2
 
 class QuiltError(RuntimeError):
     """An operation the library refused; the message is its last error."""
+
+
+class ConfigurationError(QuiltError, ValueError):
+    """``QUILT_ALLOC_CONF`` is invalid, or names a backend torch cannot use."""
 
 
 def _tag_bytes(name):
@@ -488,7 +812,7 @@ def _counter(stats, key):
     return value.get("current", 0), value.get("peak", 0)
 
 
-def memory_summary(device=0):
+def memory_summary(device=None):
     """Return a short human-readable table of Quilt's statistics.
 
     In the spirit of ``torch.cuda.memory_summary()``: allocated, reserved,

@@ -697,8 +697,17 @@ def check_snapshot(snap, reserved, what):
     for trace in traces:
         check(isinstance(trace, list), "{}: a device trace is a {}", what, type(trace).__name__)
         for entry in trace:
+            # PyTorch's oom entries carry device_free instead of addr.
+            where = "device_free" if entry.get("action") == "oom" else "addr"
             for key in TRACE_KEYS:
+                key = where if key == "addr" else key
                 check(key in entry, "{}: trace entry lacks {!r}: {}", what, key, entry)
+            check(
+                len(entry["frames"]) == 1 and entry["frames"][0]["name"].startswith("quilt_"),
+                "{}: trace entry's frames do not name the C function: {}",
+                what,
+                entry,
+            )
     return blocks
 
 

@@ -5,6 +5,7 @@
 //! `Result` whose error is the message `quilt_last_error` gives back.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, SleepMode, SleepPages};
@@ -18,12 +19,34 @@ use crate::conf::{self, Backend, LibraryConf};
 use crate::history::History;
 use crate::snapshot::{self, DeviceMemory};
 
+/// The driver's map and unmap count of `alloc`: the mapped memory changes
+/// only when it moves ([`History::sync_segments`]).
+fn map_mark(alloc: &QuiltAllocator) -> u64 {
+    let d = alloc.stats().driver;
+    d.count(CallKind::Map) + d.count(CallKind::Unmap)
+}
+
 /// One device: its driver backend and its allocator.
 pub struct Device {
     index: i32,
     /// The CUDA backend, to adopt the caller's streams (`None` on host and sim).
     cuda: Option<Arc<CudaVmm>>,
     alloc: QuiltAllocator,
+    /// The most segments a statistics call or a snapshot has shown.
+    segment_peak: AtomicU64,
+}
+
+impl Device {
+    /// The memory a snapshot shows, and its segment count (current, peak).
+    fn memory(&self) -> (DeviceMemory, u64, u64) {
+        let memory = DeviceMemory::of(self.index, &self.alloc);
+        let count = snapshot::segment_count(&memory);
+        let peak = self
+            .segment_peak
+            .fetch_max(count, Ordering::Relaxed)
+            .max(count);
+        (memory, count, peak)
+    }
 }
 
 impl Device {
@@ -38,6 +61,7 @@ impl Device {
 
 /// The library: see the module documentation.
 pub struct Library {
+    conf_text: String,
     conf: Result<LibraryConf, String>,
     devices: Mutex<BTreeMap<i32, Arc<Device>>>,
     /// Memory fractions set for devices not created yet.
@@ -99,6 +123,7 @@ impl Library {
     /// A library configured by `conf_text` (`QUILT_ALLOC_CONF`'s grammar).
     pub fn new(conf_text: &str) -> Library {
         Library {
+            conf_text: conf_text.to_string(),
             conf: conf::parse(conf_text),
             devices: Mutex::new(BTreeMap::new()),
             fractions: Mutex::new(BTreeMap::new()),
@@ -157,7 +182,12 @@ impl Library {
         }
         let alloc = QuiltAllocator::new(vmm, config)
             .map_err(|e| format!("device {index}: cannot build the allocator: {e}"))?;
-        let d = Arc::new(Device { index, cuda, alloc });
+        let d = Arc::new(Device {
+            index,
+            cuda,
+            alloc,
+            segment_peak: AtomicU64::new(0),
+        });
         devices.insert(index, d.clone());
         Ok(d)
     }
@@ -191,15 +221,17 @@ impl Library {
             Some(t) => d.alloc.allocate_tagged(size, s, t),
             None => d.alloc.allocate(size, s),
         };
+        self.sync_segments(&d, "quilt_malloc");
         match made {
             Ok(a) => {
-                self.history.record(device, "alloc", a.ptr, size, stream);
+                self.history
+                    .record(device, "alloc", a.ptr, size, stream, "quilt_malloc");
                 Ok(a.ptr)
             }
             Err(e) => {
                 if let AllocError::OutOfMemory(r) = &e {
                     self.history
-                        .record(device, "oom", r.device_free, size, stream);
+                        .record(device, "oom", r.device_free, size, stream, "quilt_malloc");
                 }
                 Err(e.to_string())
             }
@@ -220,10 +252,23 @@ impl Library {
         };
         d.alloc.free(ptr).map_err(|e| e.to_string())?;
         self.history
-            .record(device, "free_requested", ptr, size, stream);
+            .record(device, "free_requested", ptr, size, stream, "quilt_free");
         self.history
-            .record(device, "free_completed", ptr, size, stream);
+            .record(device, "free_completed", ptr, size, stream, "quilt_free");
+        self.sync_segments(&d, "quilt_free");
         Ok(())
+    }
+
+    /// Record in the history how `d`'s mapped memory changed, if it did.
+    fn sync_segments(&self, d: &Device, source: &'static str) {
+        if self.history.is_on() {
+            self.history.sync_segments(
+                d.index,
+                map_mark(&d.alloc),
+                || snapshot::runs_of(&d.alloc),
+                source,
+            );
+        }
     }
 
     /// `quilt_empty_cache`: every device's cached pages go back to the driver.
@@ -232,10 +277,9 @@ impl Library {
             .existing()
             .iter()
             .filter_map(|d| {
-                d.alloc
-                    .empty_cache()
-                    .err()
-                    .map(|e| format!("device {}: {e}", d.index))
+                let done = d.alloc.empty_cache();
+                self.sync_segments(d, "quilt_empty_cache");
+                done.err().map(|e| format!("device {}: {e}", d.index))
             })
             .collect();
         if errors.is_empty() {
@@ -271,12 +315,12 @@ impl Library {
         }
         let existing = lock(&self.devices).get(&device).cloned();
         match existing {
-            Some(d) => d
-                .alloc
-                .pool()
-                .set_limit(MemoryLimit::Fraction(f))
-                .map(|_| ())
-                .map_err(|e| format!("device {device}: {e} (call quilt_empty_cache first)")),
+            Some(d) => {
+                let done = d.alloc.pool().set_limit(MemoryLimit::Fraction(f));
+                self.sync_segments(&d, "quilt_set_memory_fraction");
+                done.map(|_| ())
+                    .map_err(|e| format!("device {device}: {e} (call quilt_empty_cache first)"))
+            }
             None => {
                 lock(&self.fractions).insert(device, f);
                 Ok(())
@@ -288,6 +332,7 @@ impl Library {
     pub fn stats_json(&self, device: i32) -> Result<String, String> {
         let conf = self.conf()?;
         let d = self.device(device)?;
+        let (_, segments, segment_peak) = d.memory();
         let s = d.alloc.stats();
         let stat = |x: &quilt_alloc::Stat| {
             serde_json::json!({
@@ -324,7 +369,12 @@ impl Library {
             "requested_bytes": stat(&s.requested_bytes),
             "inactive_split_bytes": stat(&s.inactive_split_bytes),
             "allocation": stat(&s.allocation),
-            "segment": stat(&s.segment),
+            // The segments a snapshot shows (runs of mapped memory, and the
+            // pool's pages mapped nowhere; the peak is the most a statistics
+            // call or a snapshot saw); Quilt's physical chunks are
+            // `physical_chunk`.
+            "segment": { "current": segments, "peak": segment_peak },
+            "physical_chunk": stat(&s.segment),
             "active": stat(&s.active),
             "inactive_split": stat(&s.inactive_split),
             "num_alloc_retries": s.num_alloc_retries,
@@ -369,9 +419,9 @@ impl Library {
         }
         for (d, asleep) in devices {
             if !asleep {
-                d.alloc
-                    .sleep_with(tag, mode, pages)
-                    .map_err(|e| format!("device {}: {e}", d.index))?;
+                let done = d.alloc.sleep_with(tag, mode, pages);
+                self.sync_segments(&d, "quilt_sleep");
+                done.map_err(|e| format!("device {}: {e}", d.index))?;
             }
         }
         Ok(())
@@ -389,9 +439,9 @@ impl Library {
         }
         for (d, asleep) in devices {
             if asleep {
-                d.alloc
-                    .wake(tag)
-                    .map_err(|e| format!("device {}: {e}", d.index))?;
+                let done = d.alloc.wake(tag);
+                self.sync_segments(&d, "quilt_wake");
+                done.map_err(|e| format!("device {}: {e}", d.index))?;
             }
         }
         Ok(())
@@ -404,19 +454,29 @@ impl Library {
     }
 
     /// `quilt_record_history`.
+    /// Starting takes every device's mapped memory as the history's
+    /// baseline: the segment events that follow say how it changes.
     pub fn record_history(&self, enabled: bool, max_entries: usize) {
         self.history.set(enabled, max_entries);
+        if enabled {
+            for d in self.existing() {
+                self.history
+                    .baseline(d.index, map_mark(&d.alloc), snapshot::runs_of(&d.alloc));
+            }
+        }
     }
 
     /// The snapshot of every device, as a pickle (PyTorch's layout).
     pub fn snapshot_pickle(&self) -> Result<Vec<u8>, String> {
         self.conf()?;
-        let devices: Vec<DeviceMemory> = self
-            .existing()
-            .iter()
-            .map(|d| DeviceMemory::of(d.index, &d.alloc))
-            .collect();
-        let value = snapshot::snapshot(&devices, &self.history.entries());
+        let existing = self.existing();
+        for d in &existing {
+            // The history ends where the snapshot is: PyTorch's viewer
+            // replays it backwards from the segments.
+            self.sync_segments(d, "quilt_dump_snapshot");
+        }
+        let devices: Vec<DeviceMemory> = existing.iter().map(|d| d.memory().0).collect();
+        let value = snapshot::snapshot(&devices, &self.history.entries(), &self.conf_text);
         serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())
             .map_err(|e| format!("encoding the snapshot: {e}"))
     }

@@ -2,9 +2,10 @@
 //! that PyTorch's memory viewer and `torch.cuda._memory_viz` read.
 //!
 //! How Quilt's memory is shown: one segment per maximal run of mapped pages
-//! (a virtual range backed end to end), tiled exactly by its blocks: live
-//! blocks `active_allocated`, the free pieces between them `inactive`.
-//! Unmapped virtual space is not shown. The pool's pages that are held but
+//! on one stream (a virtual range backed end to end; runs of two arenas that
+//! happen to be adjacent are one segment, as PyTorch's viewer merges them),
+//! tiled exactly by its blocks: live blocks `active_allocated`, the free
+//! pieces between them `inactive`. Unmapped virtual space is not shown. The pool's pages that are held but
 //! mapped nowhere (the growth margin, pages reclaimed and not yet reused)
 //! make one more segment of their own at address 0, wholly `inactive`, so
 //! that the segments add up to the reserved bytes, as in PyTorch.
@@ -12,10 +13,43 @@
 
 use std::collections::BTreeMap;
 
-use quilt_alloc::{BlockState, DeviceAllocator, MemorySnapshot};
+use quilt_alloc::{BlockState, DeviceAllocator, MemorySnapshot, SegmentInfo};
 use serde_pickle::{HashableValue, Value};
 
-use crate::history::TraceEntry;
+use crate::history::{Run, TraceEntry};
+
+/// `snap`'s segments with adjacent ones of the same stream joined: the
+/// segments a snapshot shows, and the [`Run`]s of the history.
+pub fn joined(snap: MemorySnapshot) -> MemorySnapshot {
+    let mut segments: Vec<SegmentInfo> = Vec::with_capacity(snap.segments.len());
+    for s in snap.segments {
+        match segments.last_mut() {
+            Some(p) if p.address + p.total_size == s.address && p.stream == s.stream => {
+                p.total_size += s.total_size;
+                p.mapped_size += s.mapped_size;
+                p.blocks.extend(s.blocks);
+            }
+            _ => segments.push(s),
+        }
+    }
+    MemorySnapshot {
+        allocator: snap.allocator,
+        segments,
+    }
+}
+
+/// The runs of mapped memory of `alloc`: its [`joined`] GPU segments.
+pub fn runs_of(alloc: &dyn DeviceAllocator) -> Vec<Run> {
+    joined(alloc.gpu_segments())
+        .segments
+        .iter()
+        .map(|s| Run {
+            addr: s.address,
+            size: s.total_size,
+            stream: s.stream.0,
+        })
+        .collect()
+}
 
 /// One device's memory for a snapshot.
 pub struct DeviceMemory {
@@ -27,12 +61,18 @@ pub struct DeviceMemory {
     pub unmapped_pool_bytes: u64,
 }
 
+/// The number of segments a snapshot of `memory` shows (the statistics'
+/// `segment`).
+pub fn segment_count(memory: &DeviceMemory) -> u64 {
+    memory.segments.segments.len() as u64 + u64::from(memory.unmapped_pool_bytes > 0)
+}
+
 impl DeviceMemory {
     /// The memory of `alloc` as device `device`: its
     /// [`gpu_segments`](DeviceAllocator::gpu_segments), and what it reserves
     /// beyond them.
     pub fn of(device: i32, alloc: &dyn DeviceAllocator) -> DeviceMemory {
-        let segments = alloc.gpu_segments();
+        let segments = joined(alloc.gpu_segments());
         let shown: u64 = segments.segments.iter().map(|s| s.total_size).sum();
         DeviceMemory {
             device,
@@ -45,7 +85,7 @@ impl DeviceMemory {
 /// A snapshot pickle of one allocator as device 0, with no history (what
 /// `quilt-bench ab --export-snapshot` writes).
 pub fn pickle_of(alloc: &dyn DeviceAllocator) -> Result<Vec<u8>, String> {
-    let value = snapshot(&[DeviceMemory::of(0, alloc)], &BTreeMap::new());
+    let value = snapshot(&[DeviceMemory::of(0, alloc)], &BTreeMap::new(), "");
     serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())
         .map_err(|e| format!("encoding the snapshot: {e}"))
 }
@@ -62,13 +102,35 @@ fn dict(entries: Vec<(&str, Value)>) -> Value {
     Value::Dict(entries.into_iter().map(|(k, v)| (key(k), v)).collect())
 }
 
+/// The one frame of an entry or a block: the C function it came from (no
+/// Python stack is recorded).
+fn frames(function: &str) -> Value {
+    Value::List(vec![dict(vec![
+        (
+            "filename",
+            Value::String("libquilt_torch.so (no Python stack recorded)".into()),
+        ),
+        ("line", Value::I64(0)),
+        ("name", Value::String(function.to_string())),
+    ])])
+}
+
+fn pool_id() -> Value {
+    Value::Tuple(vec![Value::I64(0), Value::I64(0)])
+}
+
 fn block(address: u64, size: u64, requested: u64, state: &str) -> Value {
+    let from = if state == "inactive" {
+        Value::List(Vec::new())
+    } else {
+        frames("quilt_malloc")
+    };
     dict(vec![
         ("address", int(address)),
         ("size", int(size)),
         ("requested_size", int(requested)),
         ("state", Value::String(state.to_string())),
-        ("frames", Value::List(Vec::new())),
+        ("frames", from),
     ])
 }
 
@@ -93,12 +155,9 @@ fn segment(device: i32, address: u64, stream: u64, blocks: Vec<(u64, u64, u64, &
         ("requested_size", int(requested)),
         ("stream", int(stream)),
         ("segment_type", Value::String("large".into())),
-        (
-            "segment_pool_id",
-            Value::Tuple(vec![Value::I64(0), Value::I64(0)]),
-        ),
+        ("segment_pool_id", pool_id()),
         ("is_expandable", Value::Bool(true)),
-        ("frames", Value::List(Vec::new())),
+        ("frames", frames("quilt_malloc")),
         (
             "blocks",
             Value::List(
@@ -111,8 +170,34 @@ fn segment(device: i32, address: u64, stream: u64, blocks: Vec<(u64, u64, u64, &
     ])
 }
 
-/// The snapshot of `devices` with the history `traces`, as a pickle value.
-pub fn snapshot(devices: &[DeviceMemory], traces: &BTreeMap<i32, Vec<TraceEntry>>) -> Value {
+/// One history entry as PyTorch writes it: `device_free` instead of `addr`
+/// on `oom`.
+fn trace_entry(t: &TraceEntry) -> Value {
+    let addr_key = if t.action == "oom" {
+        "device_free"
+    } else {
+        "addr"
+    };
+    dict(vec![
+        ("action", Value::String(t.action.to_string())),
+        (addr_key, int(t.addr)),
+        ("size", int(t.size)),
+        ("stream", int(t.stream)),
+        ("time_us", int(t.time_us)),
+        ("frames", frames(t.source)),
+        ("pool_id", pool_id()),
+        ("user_metadata", Value::String(String::new())),
+        ("compile_context", Value::String("N/A".into())),
+    ])
+}
+
+/// The snapshot of `devices` with the history `traces`, as a pickle value;
+/// `conf` is `QUILT_ALLOC_CONF`'s text, for `allocator_settings`.
+pub fn snapshot(
+    devices: &[DeviceMemory],
+    traces: &BTreeMap<i32, Vec<TraceEntry>>,
+    conf: &str,
+) -> Value {
     let mut segments = Vec::new();
     for d in devices {
         for s in &d.segments.segments {
@@ -151,27 +236,28 @@ pub fn snapshot(devices: &[DeviceMemory], traces: &BTreeMap<i32, Vec<TraceEntry>
             Value::List(
                 traces
                     .get(&d)
-                    .map(|entries| {
-                        entries
-                            .iter()
-                            .map(|t| {
-                                dict(vec![
-                                    ("action", Value::String(t.action.to_string())),
-                                    ("addr", int(t.addr)),
-                                    ("size", int(t.size)),
-                                    ("stream", int(t.stream)),
-                                    ("time_us", int(t.time_us)),
-                                    ("frames", Value::List(Vec::new())),
-                                ])
-                            })
-                            .collect()
-                    })
+                    .map(|entries| entries.iter().map(trace_entry).collect())
                     .unwrap_or_default(),
             )
         })
         .collect();
+    let settings = dict(vec![
+        ("PYTORCH_CUDA_ALLOC_CONF", Value::String(String::new())),
+        ("QUILT_ALLOC_CONF", Value::String(conf.to_string())),
+        ("max_split_size", Value::I64(-1)),
+        ("garbage_collection_threshold", Value::F64(0.0)),
+        ("expandable_segments", Value::Bool(true)),
+        ("pinned_num_register_threads", Value::I64(1)),
+        ("release_lock_on_cudamalloc", Value::Bool(false)),
+        ("pinned_use_cuda_host_register", Value::Bool(false)),
+        ("roundup_power2_divisions", Value::Dict(BTreeMap::new())),
+    ]);
     dict(vec![
         ("segments", Value::List(segments)),
         ("device_traces", Value::List(device_traces)),
+        ("allocator_settings", settings),
+        ("external_annotations", Value::List(Vec::new())),
+        ("host_segments", Value::List(Vec::new())),
+        ("host_traces", Value::List(Vec::new())),
     ])
 }

@@ -1,0 +1,526 @@
+"""Tests of quilt_torch against the real torch package, without a GPU.
+
+Run with the python of the virtual environment that scripts/torch-venv.sh
+installs (crates/torch/tests/real_torch.rs does, from `cargo test`)::
+
+    scripts/torch-venv.sh
+    ~/.cache/quilt/torch-venv/bin/python -m unittest discover -s python/tests_real -v
+
+Without a GPU torch cannot create a CUDA tensor, so what is checked is what
+torch does reach without one: its CUDAPluggableAllocator loading Quilt's
+library and the bridge under the names quilt_torch uses; enable() checking
+the configuration and installing the allocator and its hooks into torch;
+torch's own C entry points for empty_cache and the memory fraction reaching
+Quilt through those hooks; the out-of-memory bridge throwing torch's
+c10::OutOfMemoryError with Quilt's message; and torch's
+``python -m torch.cuda._memory_viz`` (stats, trace, segments, memory,
+trace_plot, segment_plot) on every kind of snapshot Quilt writes, with the
+backward replay of PyTorch's browser viewer (MemoryViz.js) checked on each.
+
+The library reads QUILT_ALLOC_CONF once per process, so every scenario runs
+in a subprocess of its own: ``python test_real_torch.py SCENARIO CONF``.
+"""
+
+import ctypes
+import importlib
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+MiB = 1 << 20
+HOST = "backend:host,capacity:256MiB"
+
+
+def check(cond, message, *args):
+    if not cond:
+        raise AssertionError(message.format(*args) if args else message)
+
+
+def quilt():
+    import quilt_torch
+
+    return quilt_torch
+
+
+def lib():
+    return quilt()._library()
+
+
+def malloc(size, stream=0):
+    p = lib().quilt_malloc(size, 0, stream)
+    check(p, "quilt_malloc({}) failed: {}", size, quilt().last_error())
+    return p
+
+
+def free(p, size, stream=0):
+    lib().quilt_free(p, size, 0, stream)
+    check(quilt().last_error() == "" or p, "quilt_free failed")
+
+
+def reserved():
+    return quilt().memory_stats(0)["reserved_bytes"]["current"]
+
+
+# -- scenarios (each in its own process) ------------------------------------
+
+
+def scenario_loads():
+    """torch's CUDAPluggableAllocator loads the library and the bridge under
+    the names quilt_torch uses; the hooks' setters and functions exist."""
+    import torch
+
+    qt = quilt()
+    mod = torch.cuda.memory
+    plain = mod.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc", "quilt_free")
+    raw = plain.allocator()
+    for setter, function in qt.HOOKS:
+        check(hasattr(raw, setter), "torch {} has no {}", torch.__version__, setter)
+        check(qt._function_address(function), "the library lacks {}", function)
+    bridge = qt._bridge_library(torch)
+    mod.CUDAPluggableAllocator(bridge, "quilt_bridge_malloc", "quilt_bridge_free")
+    try:
+        mod.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc_nope", "quilt_free")
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("a missing symbol was accepted: the check above proves nothing")
+    # The hooks torch offers that Quilt leaves unregistered are the ones
+    # registered_hooks() documents; a new one in a later torch fails here.
+    offered = {m for m in dir(raw) if m.startswith("set_")}
+    known = {s for s, _ in qt.HOOKS} | {
+        "set_init_fn",
+        "set_base_alloc_fn",
+        "set_begin_allocate_to_pool",
+        "set_end_allocate_to_pool_fn",
+        "set_release_pool",
+    }
+    check(offered <= known, "torch offers hooks quilt_torch does not know: {}", offered - known)
+
+
+def scenario_enable():
+    """enable() installs the bridge with every hook; torch's own entry points
+    for empty_cache and the memory fraction reach Quilt; it is idempotent,
+    also after a reload."""
+    import torch
+
+    qt = quilt()
+    allocator = qt.enable()
+    check(torch._C._cuda_getAllocator() is allocator.allocator(), "torch's allocator is not Quilt's")
+    hooks = qt.registered_hooks()
+    expected = {s: qt._function_address(f) for s, f in qt.HOOKS}
+    check(hooks == expected, "registered hooks {} != {}", hooks, expected)
+    # Quilt's statistics under torch's names.
+    q = malloc(10 * MiB)
+    flat = qt.memory_stats()
+    check(
+        qt.memory_allocated() == flat["allocated_bytes.all.current"] >= 10 * MiB,
+        "memory_allocated {} vs {}",
+        qt.memory_allocated(),
+        flat,
+    )
+    check(qt.memory_reserved(torch.device("cuda", 0)) >= qt.memory_allocated("cuda:0"), "reserved < allocated")
+    check(qt.max_memory_allocated(0) >= 10 * MiB, "peak {}", qt.max_memory_allocated(0))
+    check(flat["segment.all.current"] == flat["segment"]["current"] >= 1, "segments {}", flat)
+    try:
+        qt.reset_peak_memory_stats()
+    except qt.QuiltError:
+        pass
+    else:
+        raise AssertionError("reset_peak_memory_stats() pretended to reset")
+    free(q, 10 * MiB)
+    # torch.cuda.empty_cache() calls torch._C._cuda_emptyCache() once CUDA
+    # is initialised; without a GPU it is called directly.
+    p = malloc(64 * MiB)
+    free(p, 64 * MiB)
+    check(reserved() > 0, "nothing cached to empty")
+    torch._C._cuda_emptyCache()
+    check(reserved() == 0, "empty_cache did not reach Quilt: {} reserved", reserved())
+    # set_per_process_memory_fraction -> torch._C._cuda_setMemoryFraction.
+    torch._C._cuda_setMemoryFraction(0.25, 0)
+    cap = qt.memory_stats(0)["capacity_bytes"]
+    check(cap == 64 * MiB, "the fraction did not reach Quilt: capacity {}", cap)
+    check(not lib().quilt_malloc(100 * MiB, 0, 0), "100 MiB served under a 64 MiB cap")
+    # Idempotent, also across a reload.
+    check(qt.enable() is allocator, "a second enable() made another allocator")
+    reloaded = importlib.reload(qt)
+    check(reloaded.enable() is allocator, "enable() after a reload made another allocator")
+
+
+def scenario_oom():
+    """The bridge turns Quilt's out of memory into c10::OutOfMemoryError
+    (torch.OutOfMemoryError) naming the request; the next allocation works
+    and keeps its bytes; other failures are c10::Error; size 0 is no error."""
+    import torch
+
+    qt = quilt()
+    qt.enable()
+    bridge = ctypes.CDLL(qt._bridge_library(torch))
+    try_malloc = bridge.quilt_bridge_try_malloc
+    try_malloc.argtypes = [
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ]
+    try_malloc.restype = ctypes.c_int
+
+    def attempt(size, device=0):
+        out = ctypes.c_void_p(0)
+        buf = ctypes.create_string_buffer(4096)
+        kind = try_malloc(size, device, ctypes.byref(out), buf, len(buf))
+        return kind, out.value, buf.value.decode()
+
+    kind, _, msg = attempt(300 * MiB)
+    check(kind == 1, "300 MiB of 256: kind {} ({})", kind, msg)
+    for word in ("CUDA out of memory", "Tried to allocate 300.00 MiB", "314572800 bytes", "verdict"):
+        check(word in msg, "the OutOfMemoryError lacks {!r}: {}", word, msg)
+    kind, p, msg = attempt(1 * MiB)
+    check(kind == 0 and p, "allocation after the OOM: kind {} ({})", kind, msg)
+    ctypes.memset(p, 0x5A, MiB)
+    check(ctypes.string_at(p, MiB) == b"\x5a" * MiB, "the bytes did not stay")
+    kind, _, msg = attempt(MiB, device=-1)
+    check(kind == 2 and "device -1" in msg, "a bad device: kind {} ({})", kind, msg)
+    kind, p0, msg = attempt(0)
+    check(kind == 0 and not p0, "size 0: kind {} ptr {} ({})", kind, p0, msg)
+    check(qt.memory_stats(0)["num_ooms"] == 1, "num_ooms {}", qt.memory_stats(0)["num_ooms"])
+
+
+def scenario_refuse(expect_type, *words):
+    """enable() refuses this configuration with a message, installing nothing."""
+    import torch
+
+    qt = quilt()
+    before = torch._C._cuda_getAllocator()
+    try:
+        qt.enable()
+    except getattr(qt, expect_type) as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("enable() accepted QUILT_ALLOC_CONF={}".format(os.environ["QUILT_ALLOC_CONF"]))
+    for word in words:
+        check(word in message, "the message lacks {!r}: {}", word, message)
+    check(torch._C._cuda_getAllocator() is before, "a refused enable() changed torch's allocator")
+    check(qt.registered_hooks() == {}, "a refused enable() registered hooks")
+    check(getattr(torch.cuda.memory, qt._ENABLED_ATTR, None) is None, "marked as enabled")
+
+
+# -- snapshots and torch's viewer -------------------------------------------
+
+
+def viewer_replay(snap, device=0):
+    """PyTorch's viewer's "Allocator State History" (simulate_memory in
+    torch/utils/viz/MemoryViz.js), ported: annotate (free_requested then
+    free_completed is one 'free'), then for every event index replay the
+    history backwards from the snapshot and find each live block's segment,
+    which the viewer dereferences. Returns the number of states checked."""
+    events = []
+    for t in snap["device_traces"][device]:
+        if t["action"] == "free_completed" and events:
+            prev = events[-1]
+            if prev["action"] == "free_requested" and prev["addr"] == t["addr"]:
+                prev["action"] = "free"
+                continue
+        events.append(dict(t))
+    segments = []
+    blocks = {}
+    for seg in snap["segments"]:
+        if seg["device"] != device:
+            continue
+        segments.append([seg["address"], seg["total_size"], seg["stream"]])
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                blocks[addr] = (addr, b["size"])
+            addr += b["size"]
+    segments.sort()
+
+    def simulate(idx):
+        segs = [list(s) for s in segments]
+        live = dict(blocks)
+        for i in range(len(events) - 1, idx, -1):
+            e = events[i]
+            a = e["action"]
+            if a in ("free", "free_completed"):
+                live[e["addr"]] = (e["addr"], e["size"])
+            elif a == "alloc":
+                live.pop(e["addr"], None)
+            elif a in ("segment_free", "segment_unmap"):
+                seg = [e["addr"], e["size"], e["stream"]]
+                j = next((k for k, s in enumerate(segs) if s[0] > seg[0]), len(segs))
+                segs.insert(j, seg)
+                if a == "segment_unmap":
+                    if j + 1 < len(segs):
+                        n = segs[j + 1]
+                        if seg[0] + seg[1] == n[0] and seg[2] == n[2]:
+                            seg[1] += n[1]
+                            del segs[j + 1]
+                    if j > 0:
+                        p = segs[j - 1]
+                        if p[0] + p[1] == seg[0] and p[2] == seg[2]:
+                            p[1] += seg[1]
+                            del segs[j]
+            elif a == "segment_alloc":
+                j = next((k for k, s in enumerate(segs) if s[0] == e["addr"]), None)
+                check(j is not None, "event {}: segment_alloc of {:#x}: no such segment", i, e["addr"])
+                del segs[j]
+            elif a == "segment_map":
+                end = e["addr"] + e["size"]
+                j = next((k for k, s in enumerate(segs) if s[0] <= e["addr"] and end <= s[0] + s[1]), None)
+                check(j is not None, "event {}: segment_map {:#x}+{}: no segment holds it", i, e["addr"], e["size"])
+                s = segs[j]
+                s_end = s[0] + s[1]
+                if s[0] == e["addr"]:
+                    s[0] += e["size"]
+                    s[1] -= e["size"]
+                    if s[1] == 0:
+                        del segs[j]
+                elif s_end == end:
+                    s[1] -= e["size"]
+                else:
+                    s[1] = e["addr"] - s[0]
+                    segs.insert(j + 1, [end, s_end - end, e["stream"]])
+        for addr, size in live.values():
+            check(
+                any(s[0] <= addr < s[0] + s[1] for s in segs),
+                "viewer state at event {} of {}: block {:#x}+{} is in no segment "
+                "(the viewer fails: 'Cannot read properties of null')",
+                idx,
+                len(events),
+                addr,
+                size,
+            )
+
+    for idx in range(-1, len(events)):
+        simulate(idx)
+    return len(events) + 1
+
+
+def make_snapshot(kind, path):
+    """Write one kind of snapshot with history; returns what it must show."""
+    qt = quilt()
+    qt.record_history(True, 100000)
+    if kind == "empty":
+        pass
+    elif kind == "oom":
+        a = malloc(100 * MiB)
+        check(not lib().quilt_malloc(300 * MiB, 0, 0), "300 MiB of 256 served")
+        b = malloc(8 * MiB)
+        free(a, 100 * MiB)
+        free(b, 8 * MiB)
+    elif kind in ("empty_cache", "reclaim_always"):
+        live = [malloc(s * MiB) for s in (3, 30, 5, 64, 1)]
+        for p, s in list(zip(live, (3, 30, 5, 64, 1)))[::2]:
+            free(p, s * MiB)
+        qt.empty_cache()
+        c = malloc(20 * MiB)
+        for p, s in list(zip(live, (3, 30, 5, 64, 1)))[1::2]:
+            free(p, s * MiB)
+        free(c, 20 * MiB)
+        keep = malloc(2 * MiB)  # something live in the snapshot
+        check(keep, "no block")
+        qt.empty_cache()
+    elif kind == "streams":
+        held = []
+        for i, stream in enumerate((0, 0x1111, 0x2222, 0x3333) * 4):
+            held.append((malloc((i % 5 + 1) * MiB, stream), (i % 5 + 1) * MiB, stream))
+        for p, size, stream in held[::3]:
+            free(p, size, stream)
+        qt.empty_cache()
+    else:
+        raise AssertionError("no snapshot kind " + kind)
+    qt.dump_snapshot(path)
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+FLAMEGRAPH_STUB = """#!{python}
+# Stands in for flamegraph.pl (which _memory_viz downloads from GitHub, not
+# reachable here): checks each input line is 'frame;frame;... bytes'.
+import re, sys
+lines = sys.stdin.read().splitlines()
+bad = [l for l in lines if not re.fullmatch(r".+ [0-9]+", l)]
+if bad:
+    sys.stderr.write("malformed flamegraph input: %r\\n" % bad[:3])
+    sys.exit(1)
+print("<svg><!-- %d stacks --></svg>" % len(lines))
+"""
+
+
+def scenario_viz(kind):
+    """`python -m torch.cuda._memory_viz` runs on this kind of snapshot, and
+    PyTorch's viewer can replay its history."""
+    tmp = tempfile.mkdtemp(prefix="quilt-viz-")
+    path = os.path.join(tmp, "snap.pickle")
+    snap = make_snapshot(kind, path)
+    stats = quilt().memory_stats(0)
+    trace = snap["device_traces"][0] if snap["device_traces"] else []
+    actions = [t["action"] for t in trace]
+    for key in ("allocator_settings", "external_annotations", "host_segments", "host_traces"):
+        check(key in snap, "the snapshot lacks {!r}", key)
+    check(
+        stats["segment"]["current"] == len(snap["segments"]),
+        "stats count {} segments, the snapshot shows {}",
+        stats["segment"]["current"],
+        len(snap["segments"]),
+    )
+    if kind == "oom":
+        ooms = [t for t in trace if t["action"] == "oom"]
+        check(len(ooms) == 1 and "device_free" in ooms[0] and "addr" not in ooms[0], "oom entries: {}", ooms)
+        check(ooms[0]["size"] == 300 * MiB, "the oom entry's size {}", ooms[0]["size"])
+    if kind in ("empty_cache", "reclaim_always", "streams", "oom"):
+        check("segment_alloc" in actions, "no segment_alloc in {}", sorted(set(actions)))
+    if kind in ("empty_cache", "reclaim_always"):
+        check(
+            "segment_unmap" in actions or "segment_free" in actions,
+            "memory was unmapped but the history says nothing: {}",
+            sorted(set(actions)),
+        )
+    if kind == "streams":
+        streams = {t["stream"] for t in trace if t["action"] == "alloc"}
+        check(streams == {0, 0x1111, 0x2222, 0x3333}, "alloc streams {}", streams)
+    for t in trace:
+        check(t["frames"] and t["frames"][0]["name"].startswith("quilt_"), "frames of {}", t)
+    states = viewer_replay(snap)
+    # torch's own tools, as a user runs them.
+    home = os.path.join(tmp, "home")
+    os.makedirs(os.path.join(home, ".cache"))
+    stub = os.path.join(home, ".cache", "flamegraph.pl")
+    with open(stub, "w") as f:
+        f.write(FLAMEGRAPH_STUB.format(python=sys.executable))
+    os.chmod(stub, 0o755)
+    env = dict(os.environ, HOME=home)
+    outputs = {}
+    for command in ("stats", "trace", "segments", "memory", "trace_plot", "segment_plot"):
+        out = os.path.join(tmp, command + (".svg" if command in ("segments", "memory") else ".html"))
+        argv = [sys.executable, "-m", "torch.cuda._memory_viz", command, path]
+        if command not in ("stats", "trace"):
+            argv += ["-o", out]
+        done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        check(
+            done.returncode == 0,
+            "_memory_viz {} failed on the {} snapshot ({}):\n{}{}",
+            command,
+            kind,
+            done.returncode,
+            done.stdout,
+            done.stderr,
+        )
+        if command in ("stats", "trace"):
+            outputs[command] = done.stdout
+        else:
+            with open(out) as f:
+                outputs[command] = f.read()
+    total = sum(s["total_size"] for s in snap["segments"])
+    check(total == stats["reserved_bytes"]["current"], "segments {} != reserved {}", total, stats["reserved_bytes"])
+    check("segments: {}".format(len(snap["segments"])) in outputs["stats"], "stats: {}", outputs["stats"])
+    if kind == "oom":
+        check("raise OutOfMemoryError # 300.0MiB requested" in outputs["trace"], "trace: {}", outputs["trace"])
+    if "segment_alloc" in actions:
+        check("cudaMalloc(" in outputs["trace"], "trace shows no segment: {}", outputs["trace"])
+    for command in ("trace_plot", "segment_plot"):
+        check("snapshot.pickle" in outputs[command], "{} holds no snapshot", command)
+    for command in ("segments", "memory"):
+        check(outputs[command].startswith("<svg>"), "{}: {}", command, outputs[command][:200])
+    print("{} events, {} viewer states checked, actions {}".format(len(trace), states, sorted(set(actions))))
+
+
+SCENARIOS = {
+    "loads": scenario_loads,
+    "enable": scenario_enable,
+    "oom": scenario_oom,
+    "refuse": scenario_refuse,
+    "viz": scenario_viz,
+}
+
+
+def run(test, scenario, conf, *args, env=None):
+    env = dict(os.environ, QUILT_ALLOC_CONF=conf, **(env or {}))
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), scenario] + list(args),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        timeout=600,
+    )
+    if done.returncode != 0 or "WORKER OK" not in done.stdout:
+        test.fail(
+            "{} {} (QUILT_ALLOC_CONF={}) failed ({}):\n{}\n{}".format(
+                scenario, " ".join(args), conf, done.returncode, done.stdout, done.stderr
+            )
+        )
+    return done.stdout
+
+
+class RealTorchTest(unittest.TestCase):
+    def test_torch_loads_the_library_and_the_bridge(self):
+        run(self, "loads", HOST)
+
+    def test_enable_installs_the_hooks_and_they_reach_quilt(self):
+        run(self, "enable", HOST)
+
+    def test_out_of_memory_is_torchs_out_of_memory_error(self):
+        run(self, "oom", HOST)
+
+    def test_enable_refuses_a_bad_capacity(self):
+        run(self, "refuse", "backend:host,capacity:lots", "ConfigurationError", "capacity", "lots")
+
+    def test_enable_refuses_an_unknown_key(self):
+        run(self, "refuse", "backend:host,colour:blue", "ConfigurationError", "colour")
+
+    def test_enable_refuses_the_simulated_backend(self):
+        run(self, "refuse", "backend:sim", "ConfigurationError", "backend:sim")
+
+    def test_enable_without_a_compiler_says_so(self):
+        """No C++ compiler and no cached bridge: BridgeError, nothing installed."""
+        env = {
+            "CXX": "",
+            "PATH": os.path.dirname(sys.executable),
+            "QUILT_TORCH_BRIDGE_CACHE": tempfile.mkdtemp(prefix="quilt-no-bridge-"),
+        }
+        run(self, "refuse", HOST, "BridgeError", "needs a C++ compiler", env=env)
+
+    def test_enable_refuses_cuda_without_a_driver(self):
+        import torch
+
+        if torch.cuda.is_available():
+            self.skipTest("a CUDA driver is present: the cuda backend is available")
+        run(self, "refuse", "", "QuiltError", "CUDA backend is unavailable")
+
+
+class MemoryVizTest(unittest.TestCase):
+    """torch.cuda._memory_viz on every kind of snapshot Quilt exports."""
+
+    def test_empty(self):
+        run(self, "viz", HOST, "empty")
+
+    def test_after_an_out_of_memory(self):
+        run(self, "viz", HOST, "oom")
+
+    def test_after_empty_cache(self):
+        run(self, "viz", HOST, "empty_cache")
+
+    def test_reclaim_always(self):
+        run(self, "viz", HOST + ",reclaim:always", "reclaim_always")
+
+    def test_several_streams(self):
+        run(self, "viz", HOST, "streams")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in SCENARIOS:
+        SCENARIOS[sys.argv[1]](*sys.argv[2:])
+        print("WORKER OK", flush=True)
+        sys.exit(0)
+    unittest.main()
