@@ -611,7 +611,9 @@ impl CachingEngine {
         Ok(())
     }
 
-    /// `release_block`: `cudaFree` a free block that is a whole classic segment.
+    /// `release_block`: `cudaFree` a free block that is a whole classic
+    /// segment, synchronising the device first as `cudaFree` does (one
+    /// [`Vmm::device_synchronize`], counted as one stream synchronisation).
     fn release_block(&self, st: &mut State, bid: BlockId) -> Result<(), AllocError> {
         let b = &st.blocks[bid];
         let seg_id = b.segment;
@@ -620,6 +622,9 @@ impl CachingEngine {
             return Ok(());
         };
         let (base, size, pool, key) = (seg.base, seg.size, b.pool, size_key(b));
+        // `cudaFree` synchronises the device before it frees: no work queued
+        // on any stream may still use the segment when it is unmapped.
+        self.vmm.device_synchronize()?;
         self.vmm.unmap(base, phys_size)?;
         let released = give_back(&*self.vmm, &mut st.orphans, Orphan::Handle(handle));
         let freed = give_back(&*self.vmm, &mut st.orphans, Orphan::Range(base, phys_size));
