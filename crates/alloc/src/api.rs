@@ -71,6 +71,20 @@ pub trait DeviceAllocator: Send + Sync {
     /// on `stream` before its free has completed.
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError>;
 
+    /// Forget `stream`: its owner is about to destroy it. Afterwards the
+    /// allocator never hands the stream's handle to the driver again (its
+    /// work is made complete once, its pending events resolved, memory
+    /// cached with its hazards becomes plain free memory). Quilt implements
+    /// it ([`crate::quilt::QuiltAllocator::forget_stream`]); the default,
+    /// for the baselines, refuses with [`AllocError::StreamBusy`] and
+    /// changes nothing (they keep per-stream state that would name it).
+    fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        Err(AllocError::StreamBusy {
+            stream: stream.0,
+            reason: "this allocator cannot forget a stream (only Quilt can)",
+        })
+    }
+
     /// Release every cached block that can be released back to the driver
     /// (PyTorch's `empty_cache`).
     fn empty_cache(&self) -> Result<(), AllocError>;

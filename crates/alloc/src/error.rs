@@ -49,7 +49,8 @@ pub enum AllocError {
         source: VmmError,
     },
     /// A stream operation the stream's state forbids now (a stream that is
-    /// capturing a CUDA graph, or one a live growable buffer grows on).
+    /// capturing a CUDA graph, one a live growable buffer grows on, the
+    /// default stream forgotten), or that the allocator does not support.
     #[error("stream {stream:#x}: {reason}")]
     StreamBusy {
         /// The stream (its [`quilt_vmm::StreamId`] value).

@@ -276,6 +276,10 @@ impl DeviceAllocator for QuiltAllocator {
         st.record_stream(ptr, stream)
     }
 
+    fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        QuiltAllocator::forget_stream(self, stream)
+    }
+
     fn empty_cache(&self) -> Result<(), AllocError> {
         let ctx = self.ctx();
         self.lock()?.empty_cache(&ctx)
