@@ -1,8 +1,8 @@
-//! `CudaBuffer` on a real GPU: cudarc's copies through Quilt buffers across
+//! `CudaBuffer` with cudarc: cudarc's copies through Quilt buffers across
 //! two streams, the typed errors of a wrong backend, stream or length, and
-//! the free at drop. Every test needs a CUDA GPU and is ignored by default
-//! (`cargo test --release -p quilt-alloc --test cuda_buffer -- --ignored` on
-//! a GPU machine, where a missing device fails them).
+//! the free at drop. Every test runs over the CUDA double
+//! (`quilt-cuda-double`, in a child process); `QUILT_CUDA_TESTS=real` runs
+//! them on a GPU, where a missing device fails them.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
@@ -26,8 +26,10 @@ fn quilt_on_gpu() -> (Arc<CudaVmm>, Arc<dyn DeviceAllocator>) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cudarc_copies_through_quilt_buffers_on_two_streams() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
@@ -53,8 +55,10 @@ fn cudarc_copies_through_quilt_buffers_on_two_streams() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn wrong_backend_stream_or_length_is_a_typed_error() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
@@ -85,8 +89,10 @@ fn wrong_backend_stream_or_length_is_a_typed_error() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn into_buffer_gives_the_block_back_untyped() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let (cuda, alloc) = quilt_on_gpu();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();

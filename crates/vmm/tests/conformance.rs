@@ -3,13 +3,13 @@
 //!
 //! - simulated: always;
 //! - host: always on Linux (64 MiB capacity, 2 MiB granularity);
-//! - CUDA: device 0, in two tests of their own that are ignored by default
+//! - CUDA: device 0, in two tests of their own
 //!   (`cuda_backend_passes_the_shared_checks` runs every shared check on it,
-//!   `cuda_agrees_with_the_simulated_one` the differential check), so that
-//!   `cargo test` reports them as ignored rather than passed where there is
-//!   no GPU. On a GPU machine: `cargo test --release -p quilt-vmm --test
-//!   conformance -- --ignored` (`scripts/gpu-check.sh` does); there a
-//!   missing device is a failure.
+//!   `cuda_agrees_with_the_simulated_one` the differential check), over the
+//!   CUDA double (`quilt-cuda-double`, in a child process, with the host
+//!   backend's capacity and granularity); on a GPU machine
+//!   `QUILT_CUDA_TESTS=real` runs them on the real driver
+//!   (`scripts/gpu-check.sh` does), where a missing device is a failure.
 //!
 //! Every check takes a [`Backend`] and uses only the trait, so a backend passes
 //! exactly when it follows the same rules with the same typed errors. The
@@ -118,14 +118,16 @@ fn cuda_backend() -> Backend {
     panic!("the CUDA checks need the `cuda` feature");
 }
 
-/// The CUDA backend on device 0; a missing device fails the test (only the
-/// ignored CUDA tests ask for it).
+/// The CUDA backend on device 0: over the CUDA double (a child process the
+/// CUDA tests start, with the host backend's capacity and granularity, so
+/// exhaustion is exact), or on a real GPU with `QUILT_CUDA_TESTS=real`. A
+/// missing device fails the test.
 #[cfg(feature = "cuda")]
 fn cuda_backend() -> Backend {
     match quilt_vmm::cuda::CudaVmm::new(0) {
         Ok(vmm) => Backend {
             vmm: Arc::new(vmm),
-            exhaustible: None,
+            exhaustible: quilt_cuda_double::harness::active().then_some(SMALL_CAPACITY),
         },
         Err(error) => panic!("the CUDA checks need CUDA device 0: {error}"),
     }
@@ -148,10 +150,33 @@ fn backends() -> Vec<Backend> {
     out
 }
 
-/// Every shared check, on CUDA device 0.
+/// The double's rules for the CUDA tests: the host backend's capacity and
+/// granularity.
+fn double_rules() -> [(&'static str, String); 2] {
+    [
+        ("QUILT_CUDA_DOUBLE_MEMORY", SMALL_CAPACITY.to_string()),
+        (
+            "QUILT_CUDA_DOUBLE_GRANULARITY",
+            SMALL_GRANULARITY.to_string(),
+        ),
+    ]
+}
+
+/// Runs the calling test over the CUDA double with [`double_rules`]; true
+/// where its body is to run here.
+fn over_the_double() -> bool {
+    let rules = double_rules();
+    let vars: Vec<(&str, &str)> = rules.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    quilt_cuda_double::harness::rerun_over_double_with(&vars)
+}
+
+/// Every shared check, on CUDA device 0 (over the CUDA double; on a GPU
+/// with `QUILT_CUDA_TESTS=real`).
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cuda_backend_passes_the_shared_checks() {
+    if !over_the_double() {
+        return;
+    }
     CUDA_ONLY.with(|c| c.set(true));
     let checks: [(&str, fn()); 19] = [
         (
@@ -1173,11 +1198,22 @@ proptest::proptest! {
         }
     }
 
-    /// The same on CUDA device 0 (shared by every case, never exhausted).
-    #[test]
-    #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
-    fn cuda_agrees_with_the_simulated_one(ops in proptest::collection::vec(op_strategy(), 1..60)) {
-        agrees_with_the_simulated_one(&shared_cuda_backend(), &ops)?;
+}
+
+/// The differential check on CUDA device 0 (over the CUDA double, exhausted
+/// exactly like the host backend; on a GPU with `QUILT_CUDA_TESTS=real`,
+/// never exhausted), one backend shared by every case.
+#[test]
+fn cuda_agrees_with_the_simulated_one() {
+    if !over_the_double() {
+        return;
+    }
+    let mut runner = proptest::test_runner::TestRunner::new(proptest_config(64));
+    let result = runner.run(&proptest::collection::vec(op_strategy(), 1..60), |ops| {
+        agrees_with_the_simulated_one(&shared_cuda_backend(), &ops)
+    });
+    if let Err(e) = result {
+        panic!("the CUDA backend disagrees with the simulated one: {e}");
     }
 }
 

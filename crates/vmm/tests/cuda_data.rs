@@ -1,11 +1,11 @@
 //! CUDA backend checks.
 //!
-//! The first test runs everywhere: without `libcuda` (every CI machine)
-//! construction must return `Unavailable`, never panic. The others need a
-//! GPU and are ignored by default, so that `cargo test` reports them as
-//! ignored rather than passed; on a GPU machine `cargo test --release -p
-//! quilt-vmm --test cuda_data -- --ignored` runs them (`scripts/gpu-check.sh`
-//! does), and there a missing device is a failure. They check data through
+//! The first test runs in the test process itself: without `libcuda` (every
+//! CI machine) construction must return `Unavailable`, never panic. The
+//! others run over the CUDA double (`quilt-cuda-double`), each in a child
+//! process; on a GPU machine `QUILT_CUDA_TESTS=real cargo test --release -p
+//! quilt-vmm --test cuda_data` runs them on the real driver
+//! (`scripts/gpu-check.sh` does), and there a missing device is a failure. They check data through
 //! stitched mappings (one handle per page, each mapped whole: CUDA's rule)
 //! with `cuMemcpyHtoD` / `cuMemcpyDtoH`, streams and events, and that
 //! nothing leaks.
@@ -31,7 +31,7 @@ fn libcuda_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// The backend on device 0; the (ignored) GPU tests fail without one.
+/// The backend on device 0 (the double's, or a GPU's); a test fails without one.
 #[allow(clippy::panic)] // a test helper: no device fails the test
 fn gpu() -> CudaVmm {
     match CudaVmm::new(0) {
@@ -68,8 +68,10 @@ fn construction_without_a_driver_or_device_is_a_typed_error() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn stitched_pages_hold_what_each_handle_holds() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let g = v.granularity();
     let scene = stitch::stitch_three_handles(&v, 11);
@@ -96,8 +98,10 @@ fn stitched_pages_hold_what_each_handle_holds() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn streams_and_events_order_work() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let s1 = v.create_stream().unwrap();
     let s2 = v.create_stream().unwrap();
@@ -131,8 +135,10 @@ fn streams_and_events_order_work() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn out_of_memory_names_the_size_and_what_is_free() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let g = v.granularity();
     let too_much = (v.total_memory() / g + 1) * g;
@@ -152,8 +158,10 @@ fn out_of_memory_names_the_size_and_what_is_free() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn drop_gives_back_what_a_careless_user_left() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let g = v.granularity();
     let va = v.reserve(2 * g, 0).unwrap();
@@ -192,8 +200,10 @@ fn current_context() -> cudarc::driver::sys::CUcontext {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn calls_leave_the_threads_context_as_they_found_it() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let g = v.granularity();
     // A fresh thread has no current context; construction and every call
@@ -224,8 +234,10 @@ fn calls_leave_the_threads_context_as_they_found_it() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn destroyed_events_are_pooled_and_recorded_again() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu();
     let s = quilt_vmm::StreamId::DEFAULT;
     let a = v.event_record(s).unwrap();

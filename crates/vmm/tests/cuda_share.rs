@@ -2,11 +2,12 @@
 //! machine with two or more devices, and export / import of a handle between
 //! two processes on one device (POSIX file descriptor over a Unix socket).
 //!
-//! Every test needs a GPU and is ignored by `cargo test`; `scripts/gpu-check.sh`
-//! runs them with `--ignored` (step `cuda_share`). A check that cannot run on
-//! the machine it finds (one device only; no POSIX handle support) prints
-//! `cuda_share: SKIPPED: <why>` and returns, and the script records the step
-//! with that reason. Compile-checked only where there is no GPU.
+//! `cargo test` runs every test over the CUDA double (`quilt-cuda-double`,
+//! two devices for the peer test), each in a child process;
+//! `QUILT_CUDA_TESTS=real` runs them on a real GPU (`scripts/gpu-check.sh`,
+//! step `cuda_share`). A check that cannot run on the machine it finds (one
+//! device only; no POSIX handle support) prints `cuda_share: SKIPPED: <why>`
+//! and returns, and the script records the step with that reason.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -36,8 +37,10 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cuda_share_the_device_reports_its_sharing_capabilities() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu(0);
     let caps = v.caps();
     println!(
@@ -97,8 +100,11 @@ fn cuda_share_the_device_reports_its_sharing_capabilities() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cuda_share_peer_access_for_every_device() {
+    // Two devices on the double, so that peer access is exercised here.
+    if !quilt_cuda_double::harness::rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_DEVICES", "2")]) {
+        return; // ran over the CUDA double in a child process
+    }
     let v = gpu(0);
     let caps = v.caps();
     if caps.device_count < 2 {
@@ -160,8 +166,10 @@ fn child(path: &str) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine"]
 fn cuda_share_export_and_import_between_two_processes() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
     if let Ok(path) = std::env::var(CHILD_SOCKET) {
         child(&path);
         return;
@@ -191,7 +199,6 @@ fn cuda_share_export_and_import_between_two_processes() {
         .args([
             "cuda_share_export_and_import_between_two_processes",
             "--exact",
-            "--ignored",
             "--nocapture",
         ])
         .env(CHILD_SOCKET, &path)

@@ -1,0 +1,31 @@
+//! A strict CUDA driver double.
+//!
+//! Built as `libquilt_cuda_double.so` (`cargo build --release -p
+//! quilt-cuda-double`), it exports the driver functions that Quilt's CUDA
+//! backend and cudarc's safe layer call, under cuda.h's names, and answers
+//! them on host memory: device addresses are host addresses, a reservation
+//! is a `PROT_NONE` mapping, a physical handle a memory file, `cuMemMap`
+//! maps the file at the address and `cuMemSetAccess` grants access, so a
+//! test can read and write device memory directly.
+//!
+//! It is strict where the driver reference is (see `memory.rs` and
+//! `work.rs` for each rule), and makes queued work run late, so that an
+//! allocator that unmaps or reuses memory under queued work is caught: the
+//! work faults when it runs and the context is poisoned with
+//! `CUDA_ERROR_ILLEGAL_ADDRESS`. What it cannot check: kernels (module and
+//! launch calls answer `CUDA_ERROR_NOT_SUPPORTED`), timing, and the
+//! driver's undocumented behaviour; its rules can be relaxed to mirror a
+//! real GPU's answers (`rules.rs`).
+//!
+//! It never shadows a real driver: a program reaches it only through a
+//! private directory holding `libcuda.so` and `libcuda.so.1` links, first
+//! on its library path; [`harness`] makes one and runs tests over it.
+
+pub mod abi;
+mod exports;
+pub mod harness;
+mod memory;
+mod os;
+pub mod rules;
+mod state;
+mod work;

@@ -1,0 +1,611 @@
+//! Virtual memory management as the driver reference states it: address
+//! reservations, physical handles, mappings and access, each checked before
+//! anything changes (a refused call changes nothing).
+
+use std::collections::BTreeMap;
+use std::ffi::c_int;
+use std::os::fd::OwnedFd;
+
+use crate::abi::*;
+use crate::os;
+use crate::rules::Rules;
+use crate::state::{Call, Driver};
+
+/// A physical allocation (`CUmemGenericAllocationHandle`).
+#[derive(Debug)]
+pub struct Handle {
+    /// Its memory file.
+    pub file: OwnedFd,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The device it lives on.
+    pub device: CuDevice,
+    /// Requested shareable handle types (`CUmemAllocationHandleType` bits).
+    pub types: c_int,
+    /// `gpuDirectRDMACapable`.
+    pub rdma: bool,
+    /// Handle references not released yet (`cuMemCreate`, `cuMemImport...`,
+    /// `cuMemRetainAllocationHandle` each add one, `cuMemRelease` takes one).
+    pub references: u32,
+    /// Mappings of it.
+    pub mappings: u32,
+    /// Imported from a shareable handle (its memory is counted by its exporter).
+    pub imported: bool,
+}
+
+/// A mapping made by `cuMemMap`.
+#[derive(Debug, Clone)]
+pub struct Mapping {
+    /// Its size.
+    pub size: u64,
+    /// The handle mapped.
+    pub handle: u64,
+}
+
+/// A `cuMemAlloc` allocation: a reservation, a handle and a mapping of its own.
+#[derive(Debug, Clone, Copy)]
+pub struct Alloc {
+    /// Its size (the request rounded up to the granularity).
+    pub size: u64,
+    /// Its handle.
+    pub handle: u64,
+}
+
+/// All device memory of the process.
+#[derive(Debug, Default)]
+pub struct Memory {
+    /// Reservations: start to size.
+    pub reservations: BTreeMap<u64, u64>,
+    /// Address space reserved in all.
+    pub reserved: u64,
+    /// Live handles.
+    pub handles: BTreeMap<u64, Handle>,
+    /// Mappings: start to mapping.
+    pub mappings: BTreeMap<u64, Mapping>,
+    /// `cuMemAlloc` allocations by address.
+    pub allocs: BTreeMap<u64, Alloc>,
+    /// Access granted to each device (`CUmemAccess_flags`), by granule
+    /// (`granule`-aligned start) of mapped memory; absent: none.
+    pub access: BTreeMap<u64, Vec<c_int>>,
+    /// The unit of access: the smallest granularity.
+    pub granule: u64,
+    /// Bytes of physical memory in use on each device.
+    pub used: Vec<u64>,
+}
+
+impl Memory {
+    /// No memory in use on any of `rules.devices`.
+    pub fn new(rules: &Rules) -> Memory {
+        Memory {
+            used: vec![0; rules.devices.max(0) as usize],
+            granule: rules.granularity.min(rules.shareable_granularity),
+            ..Memory::default()
+        }
+    }
+
+    /// The reservation holding all of `[ptr, ptr + size)`, if one does.
+    fn reservation_of(&self, ptr: u64, size: u64) -> Option<(u64, u64)> {
+        let (&start, &len) = self.reservations.range(..=ptr).next_back()?;
+        let end = ptr.checked_add(size)?;
+        (end <= start + len).then_some((start, len))
+    }
+
+    /// The mappings that exactly tile `[ptr, ptr + size)`, in order, or
+    /// `None` where the range starts or ends inside a mapping or has a hole.
+    fn tiling(&self, ptr: u64, size: u64) -> Option<Vec<u64>> {
+        let end = ptr.checked_add(size)?;
+        let mut at = ptr;
+        let mut out = Vec::new();
+        for (&start, m) in self.mappings.range(ptr..end) {
+            if start != at {
+                return None;
+            }
+            out.push(start);
+            at = start + m.size;
+        }
+        (at == end && !out.is_empty()).then_some(out)
+    }
+
+    /// Whether `[ptr, ptr + len)` is mapped throughout with at least
+    /// `need` access (`ACCESS_READ` or `ACCESS_READWRITE`) for `device`.
+    pub fn accessible(&self, ptr: u64, len: u64, device: CuDevice, need: c_int) -> bool {
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        let mut at = ptr - ptr % self.granule;
+        while at < end {
+            let grant = self
+                .access
+                .get(&at)
+                .and_then(|a| a.get(device as usize).copied())
+                .unwrap_or(ACCESS_NONE);
+            if grant & need != need {
+                return false;
+            }
+            at += self.granule;
+        }
+        true
+    }
+
+    /// Whether `[ptr, ptr + size)` is mapped throughout (mappings may
+    /// start before it and end after it).
+    fn fully_mapped(&self, ptr: u64, size: u64) -> bool {
+        let Some(end) = ptr.checked_add(size) else {
+            return false;
+        };
+        let mut at = ptr;
+        let mut cursor = self.mappings.range(..=ptr).next_back();
+        while at < end {
+            match cursor {
+                Some((&start, m)) if start <= at && at < start + m.size => {
+                    at = start + m.size;
+                    cursor = self.mappings.range(at..).next();
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Frees a handle whose last reference and last mapping are gone.
+    fn settle(&mut self, handle: u64) {
+        if let Some(h) = self.handles.get(&handle) {
+            if h.references == 0 && h.mappings == 0 {
+                if !h.imported {
+                    if let Some(u) = self.used.get_mut(h.device as usize) {
+                        *u -= h.size;
+                    }
+                }
+                self.handles.remove(&handle);
+            }
+        }
+    }
+}
+
+impl Driver {
+    /// The granularity for allocations of `types` (`minimum` or recommended).
+    fn granularity_for(&self, types: c_int, minimum: bool) -> u64 {
+        let min = if types != 0 {
+            self.rules.shareable_granularity
+        } else {
+            self.rules.granularity
+        };
+        if minimum {
+            min
+        } else {
+            self.rules.recommended.max(min)
+        }
+    }
+
+    /// Checks a `CUmemAllocationProp` as `cuMemCreate` and
+    /// `cuMemGetAllocationGranularity` do: pinned device memory on a device
+    /// that exists, handle types this device supports.
+    pub fn check_prop(&self, prop: &MemAllocationProp) -> Call<()> {
+        if prop.type_ != ALLOCATION_TYPE_PINNED || prop.location.type_ != LOCATION_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.device(prop.location.id)
+            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+        let types = prop.requested_handle_types;
+        let known =
+            HANDLE_TYPE_POSIX_FD | HANDLE_TYPE_WIN32 | HANDLE_TYPE_WIN32_KMT | HANDLE_TYPE_FABRIC;
+        if types & !known != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if types & !HANDLE_TYPE_POSIX_FD != 0
+            || (types & HANDLE_TYPE_POSIX_FD != 0 && !self.rules.posix_fd)
+        {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if prop.alloc_flags.gpu_direct_rdma_capable != 0 && !self.rules.rdma {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        Ok(())
+    }
+
+    /// `cuMemGetAllocationGranularity`.
+    pub fn allocation_granularity(&self, prop: &MemAllocationProp, option: c_int) -> Call<u64> {
+        self.check_prop(prop)?;
+        match option {
+            GRANULARITY_MINIMUM => Ok(self.granularity_for(prop.requested_handle_types, true)),
+            GRANULARITY_RECOMMENDED => Ok(self.granularity_for(prop.requested_handle_types, false)),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    }
+
+    /// `cuMemAddressReserve`. Running out of address space is
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, as on the driver.
+    pub fn reserve(&mut self, size: u64, alignment: u64, flags: u64) -> Call<u64> {
+        self.forbidden_under_capture()?;
+        let g = self.rules.granularity;
+        let alignment = if alignment == 0 { g } else { alignment };
+        if flags != 0
+            || size == 0
+            || !size.is_multiple_of(g)
+            || !alignment.is_power_of_two()
+            || alignment % g != 0
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let total = self.memory.reserved.checked_add(size);
+        if total.is_none_or(|t| t > self.rules.address_space) {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let ptr = os::reserve(size, alignment).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        self.memory.reservations.insert(ptr, size);
+        self.memory.reserved += size;
+        Ok(ptr)
+    }
+
+    /// `cuMemAddressFree`: a whole reservation, with no mapping left in it.
+    pub fn address_free(&mut self, ptr: u64, size: u64) -> Call<()> {
+        self.forbidden_under_capture()?;
+        if self.memory.reservations.get(&ptr) != Some(&size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if self.memory.mappings.range(ptr..ptr + size).next().is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        os::free(ptr, size);
+        self.memory.reservations.remove(&ptr);
+        self.memory.reserved -= size;
+        Ok(())
+    }
+
+    /// `cuMemCreate`.
+    pub fn create(&mut self, size: u64, prop: &MemAllocationProp, flags: u64) -> Call<u64> {
+        self.forbidden_under_capture()?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.check_prop(prop)?;
+        let types = prop.requested_handle_types;
+        if size == 0 || !size.is_multiple_of(self.granularity_for(types, true)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = prop.location.id;
+        let used = self.memory.used[device as usize];
+        if used.checked_add(size).is_none_or(|u| u > self.rules.memory) {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let file = os::backing(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let id = self.new_handle();
+        self.memory.handles.insert(
+            id,
+            Handle {
+                file,
+                size,
+                device,
+                types,
+                rdma: prop.alloc_flags.gpu_direct_rdma_capable != 0,
+                references: 1,
+                mappings: 0,
+                imported: false,
+            },
+        );
+        self.memory.used[device as usize] += size;
+        Ok(id)
+    }
+
+    /// `cuMemRelease`: the memory lives on until its last mapping goes.
+    pub fn release(&mut self, handle: u64) -> Call<()> {
+        self.forbidden_under_capture()?;
+        let h = self
+            .memory
+            .handles
+            .get_mut(&handle)
+            .filter(|h| h.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        h.references -= 1;
+        self.memory.settle(handle);
+        Ok(())
+    }
+
+    /// `cuMemMap`.
+    pub fn map(&mut self, ptr: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Call<()> {
+        self.forbidden_under_capture()?;
+        let h = self
+            .memory
+            .handles
+            .get(&handle)
+            .filter(|h| h.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let g = self.granularity_for(h.types, true);
+        let fits = offset.checked_add(size).is_some_and(|e| e <= h.size);
+        let whole = offset == 0 && size == h.size;
+        if flags != 0
+            || size == 0
+            || !ptr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !offset.is_multiple_of(g)
+            || !fits
+            || (offset != 0 && !self.rules.map_offset)
+            || !(whole || self.rules.partial_map || self.rules.map_offset)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if self.memory.reservation_of(ptr, size).is_none() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let overlaps = self
+            .memory
+            .mappings
+            .range(..ptr + size)
+            .next_back()
+            .is_some_and(|(s, m)| s + m.size > ptr);
+        if overlaps {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if !os::map(ptr, size, &h.file, offset) {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        if let Some(h) = self.memory.handles.get_mut(&handle) {
+            h.mappings += 1;
+        }
+        self.memory.mappings.insert(ptr, Mapping { size, handle });
+        Ok(())
+    }
+
+    /// `cuMemUnmap`: whole mappings only, one unless `unmap_spans` is relaxed.
+    /// Work still queued on the range is not waited for (unless
+    /// `unmap_waits` is relaxed): when it runs, it faults.
+    pub fn unmap(&mut self, ptr: u64, size: u64) -> Call<()> {
+        self.forbidden_under_capture()?;
+        let starts = self
+            .memory
+            .tiling(ptr, size)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if starts.len() > 1 && !self.rules.unmap_spans {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if self.rules.unmap_waits {
+            self.run_all();
+        }
+        for start in starts {
+            if let Some(m) = self.memory.mappings.remove(&start) {
+                os::unmap(start, m.size);
+                let granules: Vec<u64> = self
+                    .memory
+                    .access
+                    .range(start..start + m.size)
+                    .map(|(g, _)| *g)
+                    .collect();
+                for g in granules {
+                    self.memory.access.remove(&g);
+                }
+                if let Some(h) = self.memory.handles.get_mut(&m.handle) {
+                    h.mappings -= 1;
+                }
+                self.memory.settle(m.handle);
+            }
+        }
+        Ok(())
+    }
+
+    /// `cuMemSetAccess`: a fully mapped, granularity-aligned range (whole
+    /// mappings or parts of them), a valid device and flags per entry.
+    pub fn set_access(&mut self, ptr: u64, size: u64, descs: &[MemAccessDesc]) -> Call<()> {
+        self.forbidden_under_capture()?;
+        if descs.is_empty() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for d in descs {
+            if d.location.type_ != LOCATION_DEVICE
+                || !matches!(d.flags, ACCESS_NONE | ACCESS_READ | ACCESS_READWRITE)
+            {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            self.device(d.location.id)?;
+        }
+        let g = self.memory.granule;
+        if size == 0
+            || !ptr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !self.memory.fully_mapped(ptr, size)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let devices = self.rules.devices as usize;
+        let mut at = ptr;
+        while at < ptr + size {
+            let flags = self
+                .memory
+                .access
+                .entry(at)
+                .or_insert_with(|| vec![ACCESS_NONE; devices]);
+            for d in descs {
+                flags[d.location.id as usize] = d.flags;
+            }
+            let any = flags.iter().fold(0, |a, f| a | f);
+            os::protect(at, g, any & ACCESS_READ != 0, any == ACCESS_READWRITE);
+            at += g;
+        }
+        Ok(())
+    }
+
+    /// `cuMemGetAccess`: the flags of `device` at `ptr`.
+    pub fn get_access(&self, device: CuDevice, ptr: u64) -> Call<c_int> {
+        self.device(device)?;
+        if !self.memory.fully_mapped(ptr, 1) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let granule = ptr - ptr % self.memory.granule;
+        Ok(self
+            .memory
+            .access
+            .get(&granule)
+            .map_or(ACCESS_NONE, |a| a[device as usize]))
+    }
+
+    /// `cuMemExportToShareableHandle` as a POSIX file descriptor (the only
+    /// shareable type the double has); the handle must have asked for it.
+    pub fn export(&self, handle: u64, kind: c_int, flags: u64) -> Call<OwnedFd> {
+        let h = self
+            .memory
+            .handles
+            .get(&handle)
+            .filter(|h| h.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if kind != HANDLE_TYPE_POSIX_FD {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if h.types & HANDLE_TYPE_POSIX_FD == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        h.file.try_clone().map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// `cuMemImportFromShareableHandle` of a POSIX file descriptor (kept:
+    /// the caller still owns `file`'s original). Its size is the file's.
+    pub fn import(&mut self, file: OwnedFd, device: CuDevice) -> Call<u64> {
+        let size = os::backing_size(&file).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if size == 0 || size % self.rules.shareable_granularity != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let id = self.new_handle();
+        self.memory.handles.insert(
+            id,
+            Handle {
+                file,
+                size,
+                device,
+                types: HANDLE_TYPE_POSIX_FD,
+                rdma: false,
+                references: 1,
+                mappings: 0,
+                imported: true,
+            },
+        );
+        Ok(id)
+    }
+
+    /// `cuMemRetainAllocationHandle`: the handle mapped at `ptr`, with one
+    /// more reference for the caller to release.
+    pub fn retain_handle(&mut self, ptr: u64) -> Call<u64> {
+        let handle = self
+            .memory
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .filter(|(s, m)| ptr < *s + m.size)
+            .map(|(_, m)| m.handle)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if let Some(h) = self.memory.handles.get_mut(&handle) {
+            h.references += 1;
+        }
+        Ok(handle)
+    }
+
+    /// `cuMemGetAllocationPropertiesFromHandle`.
+    pub fn handle_prop(&self, handle: u64) -> Call<MemAllocationProp> {
+        let h = self
+            .memory
+            .handles
+            .get(&handle)
+            .filter(|h| h.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(MemAllocationProp {
+            type_: ALLOCATION_TYPE_PINNED,
+            requested_handle_types: h.types,
+            location: MemLocation {
+                type_: LOCATION_DEVICE,
+                id: h.device,
+            },
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: AllocFlags {
+                compression_type: 0,
+                gpu_direct_rdma_capable: u8::from(h.rdma),
+                usage: 0,
+                reserved: [0; 4],
+            },
+        })
+    }
+
+    /// `cuMemGetAddressRange`: the mapping holding `ptr`.
+    pub fn address_range(&self, ptr: u64) -> Call<(u64, u64)> {
+        self.memory
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .filter(|(s, m)| ptr < *s + m.size)
+            .map(|(s, m)| (*s, m.size))
+            .ok_or(CUDA_ERROR_NOT_FOUND)
+    }
+
+    /// `cuMemGetInfo` for the current context's device: (free, total).
+    pub fn mem_info(&self) -> Call<(u64, u64)> {
+        let device = self.context_device()?;
+        let used = self.memory.used[device as usize];
+        Ok((self.rules.memory.saturating_sub(used), self.rules.memory))
+    }
+
+    /// `cuMemAlloc`: a reservation, a handle and a mapping of its own, with
+    /// access for the current context's device.
+    pub fn mem_alloc(&mut self, bytes: u64) -> Call<u64> {
+        self.forbidden_under_capture()?;
+        let device = self.context_device()?;
+        let g = self.rules.granularity;
+        if bytes == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let size = bytes
+            .checked_next_multiple_of(g)
+            .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let prop = MemAllocationProp {
+            type_: ALLOCATION_TYPE_PINNED,
+            requested_handle_types: 0,
+            location: MemLocation {
+                type_: LOCATION_DEVICE,
+                id: device,
+            },
+            win32_handle_meta_data: std::ptr::null_mut(),
+            alloc_flags: AllocFlags {
+                compression_type: 0,
+                gpu_direct_rdma_capable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        };
+        let handle = self.create(size, &prop, 0)?;
+        let ptr = match self.reserve(size, 0, 0) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = self.release(handle);
+                return Err(e);
+            }
+        };
+        let access = [MemAccessDesc {
+            location: prop.location,
+            flags: ACCESS_READWRITE,
+        }];
+        if let Err(e) = self
+            .map(ptr, size, 0, handle, 0)
+            .and_then(|()| self.set_access(ptr, size, &access))
+        {
+            let _ = self.unmap(ptr, size);
+            let _ = self.release(handle);
+            let _ = self.address_free(ptr, size);
+            return Err(e);
+        }
+        self.memory.allocs.insert(ptr, Alloc { size, handle });
+        Ok(ptr)
+    }
+
+    /// `cuMemFree`: synchronises the device first (as `cudaFree` does).
+    pub fn mem_free(&mut self, ptr: u64) -> Call<()> {
+        self.forbidden_under_capture()?;
+        let a = *self
+            .memory
+            .allocs
+            .get(&ptr)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        self.run_all();
+        self.memory.allocs.remove(&ptr);
+        self.unmap(ptr, a.size)?;
+        self.release(a.handle)?;
+        self.address_free(ptr, a.size)
+    }
+}
