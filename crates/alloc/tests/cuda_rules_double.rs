@@ -67,10 +67,13 @@ fn memory_freed_on_one_threads_stream_is_not_reused_under_its_work_on_another() 
         .unwrap();
     });
     // Thread B (this one) allocates the same size on its own per-thread
-    // stream, writes, lets every queued copy run, and reads back.
+    // stream and writes; its own stream's work runs first (its
+    // synchronisation runs nothing of thread A's stream), then every queued
+    // copy runs, and B reads back.
     let stream = ctx.per_thread_stream();
     let mut buf = CudaBuffer::<u32>::new(alloc.clone(), &cuda, stream.clone(), n).unwrap();
     stream.memcpy_htod(&second, &mut buf).unwrap();
+    stream.synchronize().unwrap();
     ctx.synchronize().unwrap();
     let back = stream.clone_dtoh(&buf).unwrap();
     assert!(
