@@ -39,7 +39,7 @@ fn the_allocators_drop_waits_for_queued_work_before_it_unmaps() {
     stream.memcpy_htod(&data, &mut buf).unwrap();
     drop(buf); // freed on its stream: no wait on the host
     drop(alloc); // unmaps every page: only after the copy is done
-    // A copy that had run on unmapped memory would have poisoned the context.
+                 // A copy that had run on unmapped memory would have poisoned the context.
     ctx.synchronize().unwrap();
     cuda.stream_synchronize(StreamId::DEFAULT).unwrap();
     assert!(cuda.leak_report().is_clean(), "{}", cuda.leak_report());
@@ -83,5 +83,76 @@ fn memory_freed_on_one_threads_stream_is_not_reused_under_its_work_on_another() 
     drop(buf);
     // The cudarc interop forgets the per-thread stream of this thread.
     forget_cudarc_stream(alloc.as_ref(), &cuda, &stream).unwrap();
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn under_relaxed_capture_freed_blocks_wait_for_its_end_and_it_stays_valid() {
+    use cudarc::driver::sys::{CUstreamCaptureMode, CUstreamCaptureStatus};
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let (cuda, alloc) = quilt_on_gpu();
+    let ctx = CudaContext::new(0).unwrap();
+    let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let (id1, id2) = (
+        cuda.adopt_cudarc_stream(&s1).unwrap(),
+        cuda.adopt_cudarc_stream(&s2).unwrap(),
+    );
+    // Two streams in use, and memory freed on each before the capture.
+    let a = alloc.allocate(8 << 20, id2).unwrap();
+    let b = alloc.allocate(4 << 20, id1).unwrap();
+    alloc.free(a.ptr).unwrap();
+    alloc.free(b.ptr).unwrap();
+    s1.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    assert!(cuda.stream_is_capturing(id1).unwrap());
+    assert!(!cuda.stream_is_capturing(id2).unwrap());
+    let mut live = Vec::new();
+    // Freed during the capture: the graph may use them; never reused in it.
+    let mut freed_in_capture: Vec<quilt_alloc::Allocation> = Vec::new();
+    let overlaps = |x: &quilt_alloc::Allocation, y: &quilt_alloc::Allocation| {
+        x.ptr < y.ptr + y.size && y.ptr < x.ptr + x.size
+    };
+    for i in 0..12u64 {
+        let blk = alloc.allocate((1 + i % 4) << 20, id1).unwrap();
+        assert!(
+            freed_in_capture.iter().all(|f| !overlaps(f, &blk)),
+            "{blk:?} reuses memory freed during the capture"
+        );
+        live.push(blk);
+        if i % 3 == 2 {
+            let gone = live.remove(0);
+            alloc.free(gone.ptr).unwrap();
+            freed_in_capture.push(gone);
+        }
+    }
+    // Over the range freed on the other stream: ordered without a wait by
+    // the capturing stream.
+    live.push(alloc.allocate(8 << 20, id1).unwrap());
+    for blk in live.drain(..) {
+        alloc.free(blk.ptr).unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(
+        s1.capture_status().unwrap(),
+        CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE,
+        "the allocator invalidated the capture"
+    );
+    // Ended without instantiating the graph (the double has no graph
+    // instantiation; cudarc's `end_capture` instantiates).
+    // SAFETY: `s1` is a live stream of this context, capturing; the graph
+    // returned is ours and destroyed once, right after.
+    let graph = unsafe { cudarc::driver::result::stream::end_capture(s1.cu_stream()) }.unwrap();
+    if !graph.is_null() {
+        // SAFETY: the graph the capture just produced, destroyed once.
+        unsafe { cudarc::driver::result::graph::destroy(graph) }.unwrap();
+    }
+    // After the capture, the frees deferred during it are carried out.
+    let c = alloc.allocate(2 << 20, id1).unwrap();
+    alloc.free(c.ptr).unwrap();
+    ctx.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().allocated_bytes.current, 0);
     alloc.check_invariants().unwrap();
 }

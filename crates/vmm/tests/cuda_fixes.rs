@@ -33,7 +33,11 @@ fn per_thread_default_streams_are_one_stream_per_thread() {
     assert_eq!(v.adopt_stream(0), StreamId::DEFAULT);
     assert_eq!(v.adopt_stream(CU_STREAM_LEGACY), StreamId::DEFAULT);
     let mine = v.adopt_stream(CU_STREAM_PER_THREAD);
-    assert_eq!(v.adopt_stream(CU_STREAM_PER_THREAD), mine, "stable per thread");
+    assert_eq!(
+        v.adopt_stream(CU_STREAM_PER_THREAD),
+        mine,
+        "stable per thread"
+    );
     assert_ne!(mine, StreamId(CU_STREAM_PER_THREAD));
     assert_eq!(v.per_thread_owner(mine), Some(std::thread::current().id()));
     let theirs = std::thread::scope(|s| {
@@ -58,7 +62,10 @@ fn per_thread_default_streams_are_one_stream_per_thread() {
         .join()
         .unwrap()
     });
-    assert_ne!(theirs, mine, "two threads' per-thread streams are two streams");
+    assert_ne!(
+        theirs, mine,
+        "two threads' per-thread streams are two streams"
+    );
     // Calls from the owner thread on the other thread's stream fall back too.
     let e = v.event_record(theirs).unwrap();
     v.stream_synchronize(theirs).unwrap();
