@@ -74,14 +74,15 @@ pub trait DeviceAllocator: Send + Sync {
     /// Forget `stream`: its owner is about to destroy it. Afterwards the
     /// allocator never hands the stream's handle to the driver again (its
     /// work is made complete once, its pending events resolved, memory
-    /// cached with its hazards becomes plain free memory). Quilt implements
-    /// it ([`crate::quilt::QuiltAllocator::forget_stream`]); the default,
-    /// for the baselines, refuses with [`AllocError::StreamBusy`] and
-    /// changes nothing (they keep per-stream state that would name it).
+    /// cached with its hazards becomes plain free memory). Quilt
+    /// ([`crate::quilt::QuiltAllocator::forget_stream`]) and the caching
+    /// baselines (`classic`, `expandable`) implement it; the default (the
+    /// `offset` baseline) refuses with [`AllocError::StreamBusy`] and
+    /// changes nothing.
     fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         Err(AllocError::StreamBusy {
             stream: stream.0,
-            reason: "this allocator cannot forget a stream (only Quilt can)",
+            reason: "this allocator cannot forget a stream",
         })
     }
 

@@ -13,6 +13,8 @@
 use std::sync::{Arc, Mutex};
 
 use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
+use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::sim::{SimConfig, SimVmm};
@@ -291,6 +293,56 @@ fn a_stream_forgotten_then_named_again_is_a_new_stream() {
     alloc.forget_stream(StreamId(99)).unwrap(); // never seen: only the backend forgets it
     drop(alloc);
     assert!(sim.leak_report().is_empty(), "{}", sim.leak_report());
+}
+
+#[test]
+fn the_caching_baselines_forget_a_stream_too() {
+    for expandable in [false, true] {
+        let sim = sim(1 << 30);
+        let rec = Recorder::new(sim.clone());
+        let alloc: Box<dyn DeviceAllocator> = if expandable {
+            Box::new(ExpandableAllocator::new(rec.clone(), ExpandableConfig::default()).unwrap())
+        } else {
+            Box::new(ClassicAllocator::new(rec.clone(), ClassicConfig::default()).unwrap())
+        };
+        // A block of S1 used on S2 (its free waits for an event of S2), a
+        // live one used on S2, and S1's own blocks cached in its segments.
+        let a = alloc.allocate(6 * MIB, S1).unwrap();
+        let live = alloc.allocate(2 * MIB, S1).unwrap();
+        alloc.record_stream(a.ptr, S2).unwrap();
+        alloc.record_stream(live.ptr, S2).unwrap();
+        alloc.free(a.ptr).unwrap();
+        rec.clear();
+        alloc.forget_stream(S2).unwrap();
+        let calls = rec.calls();
+        assert_eq!(
+            calls.iter().filter(|c| **c == Call::Sync(S2)).count(),
+            1,
+            "expandable {expandable}: {calls:?}"
+        );
+        alloc.forget_stream(S1).unwrap();
+        rec.clear();
+        alloc.free(live.ptr).unwrap();
+        alloc.empty_cache().unwrap();
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.stats().reserved_bytes.current, 0);
+        drop(alloc);
+        let after = rec.calls();
+        assert!(
+            after
+                .iter()
+                .all(|c| c.stream() != Some(S1) && c.stream() != Some(S2)),
+            "expandable {expandable}: a forgotten stream named: {after:?}"
+        );
+        assert!(sim.leak_report().is_empty(), "{}", sim.leak_report());
+    }
+    // The offset baseline cannot forget a stream, and says so.
+    let sim = sim(1 << 30);
+    let offset = OffsetAllocator::new(sim, OffsetConfig::default()).unwrap();
+    assert!(matches!(
+        offset.forget_stream(S1),
+        Err(AllocError::StreamBusy { .. })
+    ));
 }
 
 // ---- stream capture ----
