@@ -1541,7 +1541,7 @@ impl Vmm for CudaVmm {
     /// not taken on the caller's word: a POSIX descriptor that is a regular
     /// file (a memory file) must be exactly `size` bytes by `fstat`; any
     /// other handle is mapped whole once after the import
-    /// ([`CudaVmm::map_check_import`]: a size beyond the memory is refused
+    /// (`CudaVmm::map_check_import`: a size beyond the memory is refused
     /// by `cuMemMap`). A refused import releases what it imported. No lock
     /// is held across the driver calls.
     fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {

@@ -19,6 +19,13 @@
 //! `cuStreamWaitEvent`, at most once per pair of streams for any span of
 //! frees). Placement prefers ranges that need no wait and no new page.
 //!
+//! Streams the allocator no longer may name (their owner destroys them) are
+//! forgotten ([`QuiltAllocator::forget_stream`]). Under stream capture (CUDA
+//! graphs) it makes only the calls relaxed capture mode permits, and a
+//! block freed while one of its streams captures is not reused until the
+//! capture ends (see `streams.rs`). At drop, every stream is synchronised
+//! before anything is unmapped.
+//!
 //! When the pool cannot grow, cached pages are unmapped and returned to the
 //! pool, after synchronising only the streams whose work may still use them.
 //! A request of `N` new pages fails only when fewer than `N` pages are free,

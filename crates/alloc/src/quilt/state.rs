@@ -394,8 +394,9 @@ impl State {
     }
 
     /// Carry out the frees deferred under capture whose streams capture no
-    /// more (at most one question per stream per call). A failure (none is
-    /// expected: the block is live) is logged and the block stays deferred.
+    /// more (at most one question per stream per call), and whose tag (if
+    /// any) is awake. A failure (none is expected: the block is live) is
+    /// logged and the block stays deferred.
     pub(crate) fn end_deferred_frees(&mut self, ctx: &Ctx<'_>) {
         if self.deferred_frees.is_empty() {
             return;
@@ -403,10 +404,13 @@ impl State {
         self.tick += 1;
         let tick = self.tick;
         for ptr in std::mem::take(&mut self.deferred_frees) {
-            let Some(mask) = self.blocks.get(&ptr).map(|b| b.streams) else {
+            let Some((mask, arena)) = self.blocks.get(&ptr).map(|b| (b.streams, b.arena)) else {
                 continue;
             };
-            if self.streams.any_capturing(ctx.vmm, mask, tick) {
+            // A block of a sleeping tag waits for its wake as well.
+            if self.check_arena_awake(arena).is_err()
+                || self.streams.any_capturing(ctx.vmm, mask, tick)
+            {
                 self.deferred_frees.push(ptr);
                 continue;
             }
