@@ -574,11 +574,13 @@ impl<P> Ledger<P> {
     /// lock: until [`Ledger::unpin`], an unmap touching it is refused, so
     /// the copy never meets an unmapped range. Call it after
     /// [`Ledger::check_accessible`] succeeded; pins of one range stack.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend copies without the lock
     pub fn pin(&mut self, ptr: DevicePtr, len: u64) {
         self.pins.push((ptr, len));
     }
 
     /// Takes back one pin of exactly `[ptr, ptr + len)` (nothing when none).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend copies without the lock
     pub fn unpin(&mut self, ptr: DevicePtr, len: u64) {
         if let Some(i) = self.pins.iter().position(|&p| p == (ptr, len)) {
             self.pins.swap_remove(i);
