@@ -188,3 +188,67 @@ fn an_import_is_checked_against_the_size_of_the_memory() {
     v.release(h).unwrap();
     assert!(v.leak_report().is_clean(), "{}", v.leak_report());
 }
+
+/// Set in the child of [`a_driver_lacking_symbols_is_unavailable_not_a_panic`].
+const FAKE_LIBCUDA_ENV: &str = "QUILT_TEST_LIBCUDA_WITHOUT_SYMBOLS";
+
+#[test]
+fn a_driver_lacking_symbols_is_unavailable_not_a_panic() {
+    if std::env::var_os(FAKE_LIBCUDA_ENV).is_some() {
+        // In the child, `libcuda.so` is the C maths library: it loads, and
+        // exports none of the driver's symbols. cudarc would panic at the
+        // first call (and again in a destructor, aborting the process).
+        match CudaVmm::new(0) {
+            Err(VmmError::Unavailable { reason }) => {
+                for name in ["cuInit", "cuMemCreate", "cuStreamIsCapturing"] {
+                    assert!(reason.contains(name), "{name} not named: {reason}");
+                }
+            }
+            other => panic!("expected Unavailable naming the missing symbols, got {other:?}"),
+        }
+        return;
+    }
+    let libm = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+        "/lib/aarch64-linux-gnu/libm.so.6",
+        "/usr/lib/aarch64-linux-gnu/libm.so.6",
+        "/usr/lib64/libm.so.6",
+        "/lib64/libm.so.6",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+    .expect("a libm.so.6 to stand for a libcuda without the driver's symbols");
+    let dir = std::env::temp_dir().join(format!(
+        "quilt-libcuda-without-symbols-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["libcuda.so", "libcuda.so.1"] {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(libm, &link).unwrap();
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_driver_lacking_symbols_is_unavailable_not_a_panic",
+            "--exact",
+            "--nocapture",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env(FAKE_LIBCUDA_ENV, "1")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "the child failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("1 passed"),
+        "the child ran no test: {stdout}"
+    );
+}
