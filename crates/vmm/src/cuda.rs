@@ -1539,8 +1539,8 @@ impl Vmm for CudaVmm {
 
     /// The size is checked where the system or the driver can tell it,
     /// not taken on the caller's word: a POSIX descriptor that is a regular
-    /// file (a memory file) must be exactly `size` bytes by `fstat`; any
-    /// other handle is mapped whole once after the import
+    /// file of non-zero size (a memory file) must be exactly `size` bytes by
+    /// `fstat`; any other handle is mapped whole once after the import
     /// (`CudaVmm::map_check_import`: a size beyond the memory is refused
     /// by `cuMemMap`). A refused import releases what it imported. No lock
     /// is held across the driver calls.
@@ -1564,8 +1564,11 @@ impl Vmm for CudaVmm {
             let mut map_check = true;
             if let ShareableHandle::PosixFd(fd) = shared {
                 if let Ok(stat) = rustix::fs::fstat(fd) {
+                    // A memory file says its size; anything else (the
+                    // driver's own descriptors, a file of size 0) does not.
                     if rustix::fs::FileType::from_raw_mode(stat.st_mode)
                         == rustix::fs::FileType::RegularFile
+                        && stat.st_size > 0
                     {
                         if u64::try_from(stat.st_size).ok() != Some(size) {
                             return Err(VmmError::InvalidArgument {
