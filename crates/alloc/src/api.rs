@@ -71,6 +71,21 @@ pub trait DeviceAllocator: Send + Sync {
     /// on `stream` before its free has completed.
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError>;
 
+    /// Forget `stream`: its owner is about to destroy it. Afterwards the
+    /// allocator never hands the stream's handle to the driver again (its
+    /// work is made complete once, its pending events resolved, memory
+    /// cached with its hazards becomes plain free memory). Quilt
+    /// ([`crate::quilt::QuiltAllocator::forget_stream`]) and the caching
+    /// baselines (`classic`, `expandable`) implement it; the default (the
+    /// `offset` baseline) refuses with [`AllocError::StreamBusy`] and
+    /// changes nothing.
+    fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        Err(AllocError::StreamBusy {
+            stream: stream.0,
+            reason: "this allocator cannot forget a stream",
+        })
+    }
+
     /// Release every cached block that can be released back to the driver
     /// (PyTorch's `empty_cache`).
     fn empty_cache(&self) -> Result<(), AllocError>;

@@ -109,6 +109,25 @@ pub struct CudaBuffer<T> {
     _elem: PhantomData<fn() -> T>,
 }
 
+/// Before a cudarc stream is dropped: `alloc` forgets it
+/// ([`DeviceAllocator::forget_stream`]: its work made complete once, its
+/// handle never given to the driver again), and so does the backend. Call
+/// it once no [`CudaBuffer`] on the stream is alive (dropping one queues
+/// work on its stream). `cuda` is the allocator's backend. A per-thread
+/// default stream is the calling thread's ([`CudaVmm::adopt_stream`]).
+pub fn forget_cudarc_stream(
+    alloc: &dyn DeviceAllocator,
+    cuda: &CudaVmm,
+    stream: &CudaStream,
+) -> Result<(), CudaBufferError> {
+    if !std::ptr::addr_eq(Arc::as_ptr(alloc.vmm()), cuda as *const CudaVmm) {
+        return Err(CudaBufferError::OtherBackend);
+    }
+    let id = cuda.adopt_cudarc_stream(stream)?;
+    alloc.forget_stream(id)?;
+    Ok(())
+}
+
 impl<T> CudaBuffer<T> {
     /// `len` elements of `T` from `alloc`, on `stream`. `cuda` is the
     /// allocator's backend (to adopt the stream, [`CudaVmm::adopt_cudarc_stream`]).

@@ -34,6 +34,30 @@ pub enum AllocError {
     /// A driver call failed; what the allocator held before the call is intact.
     #[error("driver call failed: {0}")]
     Driver(#[from] VmmError),
+    /// A reservation of virtual address space failed for lack of address
+    /// space (the driver's [`VmmError::AddressSpaceExhausted`]): not device
+    /// memory, so no out-of-memory report, and freeing memory does not help.
+    /// Reserving less does: a smaller `ArenaLayout::va_factor`, or fewer
+    /// arenas (growable buffers, tags, per-stream arenas each reserve one).
+    #[error("virtual address space exhausted reserving {requested} bytes with {reservations} reservation(s) held: {source}")]
+    AddressSpaceExhausted {
+        /// Bytes of address space asked for.
+        requested: u64,
+        /// Reservations the allocator held when it failed.
+        reservations: usize,
+        /// The driver's error.
+        source: VmmError,
+    },
+    /// A stream operation the stream's state forbids now (a stream that is
+    /// capturing a CUDA graph, one a live growable buffer grows on, the
+    /// default stream forgotten), or that the allocator does not support.
+    #[error("stream {stream:#x}: {reason}")]
+    StreamBusy {
+        /// The stream (its [`quilt_vmm::StreamId`] value).
+        stream: u64,
+        /// Why, in words.
+        reason: &'static str,
+    },
     /// An internal lock was poisoned by a panic on another thread.
     #[error("allocator state poisoned by a panic on another thread")]
     Poisoned,

@@ -1,10 +1,13 @@
 //! CUDA backend: the real driver, through `cudarc`'s raw bindings
 //! (`cudarc::driver::sys`), with `libcuda` loaded at run time.
 //!
-//! - Construction checks `is_culib_present()` before any driver call (cudarc
-//!   panics on the first call otherwise) and returns
-//!   [`VmmError::Unavailable`] where there is no driver, no device of that
-//!   ordinal, or no virtual memory management on it.
+//! - Construction checks `is_culib_present()`, then that `libcuda` exports
+//!   every symbol this backend calls ([`DRIVER_SYMBOLS`]), before any driver
+//!   call (cudarc panics on the first call of a missing symbol, and again in
+//!   a destructor, which aborts the process), and returns
+//!   [`VmmError::Unavailable`] naming what is missing where there is no
+//!   driver, a symbol is missing, there is no device of that ordinal, or no
+//!   virtual memory management on it.
 //! - It retains the device's primary context (released at drop) and makes it
 //!   current on the calling thread for each driver call, since allocators call
 //!   from many threads, but keeps the thread's own context: when the primary
@@ -12,7 +15,11 @@
 //!   one is current, the primary context is pushed (`cuCtxPushCurrent`) for
 //!   the call and popped after it (`cuCtxPopCurrent`), so the caller finds
 //!   the context it had.
-//! - The granularity is queried (`cuMemGetAllocationGranularity`, minimum), not assumed.
+//! - The granularity is queried (`cuMemGetAllocationGranularity`, minimum), not
+//!   assumed, with the properties of the `cuMemCreate` it rules: plain ones
+//!   for [`Vmm::granularity`], and those of each [`CreateProps`] for
+//!   [`Vmm::create_with`] ([`CudaVmm::granularity_for`]; a size that is not a
+//!   multiple of it is refused before the driver sees it).
 //! - Every call is checked against the same ledger as the host backend before
 //!   the driver sees it, so bad input gets the same typed errors on every
 //!   backend and never reaches the driver. Driver failures become
@@ -22,8 +29,15 @@
 //! - [`PhysHandle`] and [`EventId`] values are this backend's own ids (mapped to
 //!   the driver's objects inside), so a handle the driver recycles can never be
 //!   confused with a released one. [`StreamId`] values are raw `CUstream`
-//!   pointers made by [`CudaVmm::create_stream`]; `StreamId(0)` is the legacy
-//!   default stream.
+//!   pointers made by [`CudaVmm::create_stream`] or adopted by
+//!   [`CudaVmm::adopt_stream`]; `StreamId(0)` is the legacy default stream
+//!   (adopting `CU_STREAM_LEGACY`, `0x1`, gives it too), and the per-thread
+//!   default stream (`CU_STREAM_PER_THREAD`, `0x2`, which names the calling
+//!   thread's own stream) is one id per adopting thread, its calls issued
+//!   on that thread (see [`CudaVmm::adopt_stream`] for what another thread
+//!   gets instead). [`Vmm::forget_stream`] drops an adopted stream: its
+//!   handle is never passed to the driver again.
+//! - [`Vmm::stream_is_capturing`] asks `cuStreamIsCapturing`.
 //! - `map` follows CUDA's documented rule ([`MapRule::WholeHandle`], always:
 //!   the offset "currently must be zero", and a mapping covers its handle
 //!   whole); the ledger refuses anything else before the driver sees it.
@@ -41,17 +55,28 @@
 //! - [`CudaVmm::copy_to_device`] synchronises the legacy default stream after
 //!   `cuMemcpyHtoD`: from pageable memory the copy returns once the bytes are
 //!   staged, before the DMA has landed (CUDA's "API synchronization
-//!   behavior").
+//!   behavior"). Copies run without the ledger's lock: the range is pinned
+//!   in the ledger (an unmap of it is refused meanwhile), the lock dropped,
+//!   the copy made, the range unpinned. No lock is held across a driver
+//!   call beyond the call it guards.
+//! - `cuMemAddressReserve` failing with `CUDA_ERROR_OUT_OF_MEMORY` is
+//!   [`VmmError::AddressSpaceExhausted`], not device memory.
+//! - An imported handle's size is checked against what the system or the
+//!   driver says ([`Vmm::import_handle`] below): a POSIX descriptor that is
+//!   a regular file (a memory file) by `fstat`, any other handle by mapping
+//!   it whole once (a size larger than the memory is refused by
+//!   `cuMemMap`).
 //! - At drop, the context is synchronised (`cuCtxSynchronize`: no queued work
 //!   may still touch the memory), then whatever is still alive (events,
 //!   streams, mappings, handles, reservations) is given back to the driver,
 //!   and the leak is logged.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
 use std::time::Instant;
 
 use cudarc::driver::result::DriverError;
@@ -74,6 +99,87 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 /// Most driver events kept for reuse after [`Vmm::event_destroy`]; beyond it
 /// `cuEventDestroy` runs.
 pub const EVENT_POOL_MAX: usize = 1024;
+
+/// Every `libcuda` symbol this backend calls (through `cudarc::driver::sys`,
+/// which loads each by this exact name on first use and panics when it is
+/// missing). [`CudaVmm::new`] checks that all are exported before any call.
+/// A unit test checks that every `sys::cu…` call of this file is listed, so
+/// the list stays true: add a symbol here when adding a call.
+pub const DRIVER_SYMBOLS: &[&str] = &[
+    // errors (`describe`, through cudarc's `DriverError`)
+    "cuGetErrorName",
+    "cuGetErrorString",
+    // setup and device queries
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem_v2",
+    "cuDriverGetVersion",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    // the current context
+    "cuCtxGetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxSynchronize",
+    // virtual memory management
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetInfo_v2",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    // streams and events
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuStreamIsCapturing",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    // copies
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+];
+
+/// The symbols of [`DRIVER_SYMBOLS`] the loaded `libcuda` does not export.
+/// Only call once `is_culib_present()` is true.
+fn missing_driver_symbols() -> Vec<&'static str> {
+    // SAFETY: the library is present (the caller checked), so `culib`
+    // loads it and does not panic; loading a library runs its initialisers,
+    // which `is_culib_present` did already.
+    let lib = unsafe { sys::culib() };
+    DRIVER_SYMBOLS
+        .iter()
+        .copied()
+        .filter(|name| {
+            // SAFETY: only looks the symbol up; it is never called or
+            // dereferenced through this pointer type.
+            unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err()
+        })
+        .collect()
+}
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, as a handle.
+pub const CU_STREAM_LEGACY: u64 = 0x1;
+/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+pub const CU_STREAM_PER_THREAD: u64 = 0x2;
+
+/// The [`StreamId`] of the `n`th thread to adopt the per-thread default
+/// stream (`n >= 1`): `2 + 8n`, a value no `CUstream` pointer takes (they
+/// are aligned), distinct from `0x1` and `0x2`.
+fn per_thread_id(n: u64) -> u64 {
+    CU_STREAM_PER_THREAD + 8 * n
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -235,30 +341,55 @@ impl Drop for PrimaryContext {
 struct SyncBook {
     /// Raw `CUstream` addresses made by `create_stream`.
     streams: BTreeSet<u64>,
-    /// Raw `CUstream` handles made elsewhere (PyTorch's streams, the legacy
-    /// and per-thread default streams) and adopted by `adopt_stream`: usable
-    /// in every stream call, never destroyed here.
+    /// Raw `CUstream` handles made elsewhere (PyTorch's streams, cudarc's)
+    /// and adopted by `adopt_stream`: usable in every stream call until
+    /// forgotten, never destroyed here.
     adopted: BTreeSet<u64>,
+    /// Per-thread default streams adopted: each id with its owning thread.
+    per_thread: BTreeMap<u64, ThreadId>,
+    /// The per-thread id each adopting thread has (until forgotten).
+    per_thread_of: std::collections::HashMap<ThreadId, u64>,
+    /// Per-thread ids handed out so far (the next is this plus one).
+    per_thread_issued: u64,
+    /// A non-blocking stream of ours that never runs work, made on first
+    /// need: events standing for work already known complete are recorded
+    /// there (see [`CudaVmm::adopt_stream`]).
+    quiet: Option<u64>,
     /// Live events, each with its raw `CUevent` address.
     events: EventBook<usize>,
     /// Raw `CUevent` addresses ready to be recorded again.
     pooled: Vec<usize>,
 }
 
+/// Where a call naming a stream goes.
+#[derive(Clone, Copy, Debug)]
+enum StreamTarget {
+    /// This handle, valid on the calling thread.
+    Raw(sys::CUstream),
+    /// Another thread's per-thread default stream: no handle names it on
+    /// this thread (see [`CudaVmm::adopt_stream`] for what is done instead).
+    OtherThread,
+}
+
 impl SyncBook {
-    fn stream(&self, call: CallKind, stream: StreamId) -> Result<sys::CUstream> {
+    fn target(&self, call: CallKind, stream: StreamId) -> Result<StreamTarget> {
         if stream == StreamId::DEFAULT
             || self.streams.contains(&stream.0)
             || self.adopted.contains(&stream.0)
         {
-            Ok(stream.0 as usize as sys::CUstream)
-        } else {
-            Err(VmmError::InvalidArgument {
+            return Ok(StreamTarget::Raw(stream.0 as usize as sys::CUstream));
+        }
+        match self.per_thread.get(&stream.0) {
+            Some(owner) if *owner == std::thread::current().id() => Ok(StreamTarget::Raw(
+                CU_STREAM_PER_THREAD as usize as sys::CUstream,
+            )),
+            Some(_) => Ok(StreamTarget::OtherThread),
+            None => Err(VmmError::InvalidArgument {
                 call,
                 argument: "stream",
                 value: stream.0,
-                rule: "is neither the default stream nor a live stream of this backend",
-            })
+                rule: "is neither the default stream nor a live stream of this backend (never adopted, or forgotten)",
+            }),
         }
     }
 
@@ -277,6 +408,9 @@ pub struct CudaVmm {
     /// Device memory in bytes (`cuDeviceTotalMem`): no handle can be larger.
     total_memory: u64,
     granularity: u64,
+    /// Granularities queried for the properties of [`Vmm::create_with`]
+    /// (the plain properties' is `granularity`).
+    granularities: Mutex<Vec<(CreateProps, u64)>>,
     ledger: Mutex<Ledger<sys::CUmemGenericAllocationHandle>>,
     sync: Mutex<SyncBook>,
     log: CallLog,
@@ -371,8 +505,18 @@ impl CudaVmm {
                 reason: "libcuda could not be loaded: no CUDA driver on this machine".to_owned(),
             });
         }
-        // SAFETY: libcuda is present (checked above), so the symbol loads;
-        // `cuInit` takes no pointers.
+        let missing = missing_driver_symbols();
+        if !missing.is_empty() {
+            return Err(VmmError::Unavailable {
+                reason: format!(
+                    "libcuda lacks {} symbol(s) this backend calls: {}",
+                    missing.len(),
+                    missing.join(", ")
+                ),
+            });
+        }
+        // SAFETY: libcuda is present and exports every symbol we call
+        // (checked above), so the symbol loads; `cuInit` takes no pointers.
         check_setup("cuInit", unsafe { sys::cuInit(0) })?;
         let mut count: c_int = 0;
         // SAFETY: `count` is a valid, writable `c_int`.
@@ -501,6 +645,7 @@ impl CudaVmm {
             driver_version,
             total_memory: total_memory as u64,
             granularity,
+            granularities: Mutex::new(vec![(CreateProps::default(), granularity)]),
             ledger: Mutex::new(ledger),
             sync: Mutex::new(SyncBook::default()),
             log: CallLog::new("cuda"),
@@ -521,6 +666,90 @@ impl CudaVmm {
     /// Device memory in bytes (`cuDeviceTotalMem`).
     pub fn total_memory(&self) -> u64 {
         self.total_memory
+    }
+
+    /// The minimum granularity `cuMemGetAllocationGranularity` reports for a
+    /// `cuMemCreate` with `props` (handle types, RDMA flag), queried once per
+    /// distinct properties and kept. [`Vmm::create_with`] refuses a size
+    /// that is not a multiple of it. The plain properties' is
+    /// [`Vmm::granularity`].
+    pub fn granularity_for(&self, props: CreateProps) -> Result<u64> {
+        if let Some(&(_, g)) = lock(&self.granularities).iter().find(|(p, _)| *p == props) {
+            return Ok(g);
+        }
+        let call = CallKind::Create;
+        let prop = allocation_prop_with(self.ordinal_c(), props);
+        let _context = self.bind(call)?;
+        let mut granularity: usize = 0;
+        // SAFETY: valid out-pointer and a fully initialised `prop` that lives
+        // across the call; the context is current.
+        check(call, unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        if !granularity.is_power_of_two() {
+            return Err(VmmError::InvalidArgument {
+                call,
+                argument: "prop",
+                value: granularity as u64,
+                rule: "the driver's granularity for these properties is not a power of two",
+            });
+        }
+        let granularity = granularity as u64;
+        lock(&self.granularities).push((props, granularity));
+        Ok(granularity)
+    }
+
+    /// Checks that the memory behind the freshly imported `raw` holds at
+    /// least `size` bytes, where the caller's word is all the import has:
+    /// maps it whole, once, on a private reservation (`cuMemMap` refuses a
+    /// size beyond the memory), then unmaps and frees the range. The
+    /// context must be current; no lock is held.
+    fn map_check_import(
+        &self,
+        call: CallKind,
+        raw: sys::CUmemGenericAllocationHandle,
+        size: usize,
+    ) -> Result<()> {
+        let mut va: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; no fixed address, flags 0.
+        check(call, unsafe {
+            sys::cuMemAddressReserve(&mut va, size, 0, 0, 0)
+        })?;
+        // SAFETY: `va..va + size` is a fresh reservation of ours; `raw` is
+        // a live imported handle; offset and flags 0.
+        let mapped = unsafe { sys::cuMemMap(va, size, 0, raw, 0) };
+        if mapped == sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: exactly the mapping just made; nothing used it.
+            let r = unsafe { sys::cuMemUnmap(va, size) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!(
+                    code = r as u32,
+                    "cuMemUnmap of an import's size check failed"
+                );
+            }
+        }
+        // SAFETY: our reservation, without mappings now.
+        let r = unsafe { sys::cuMemAddressFree(va, size) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(
+                code = r as u32,
+                "cuMemAddressFree of an import's size check failed"
+            );
+        }
+        if mapped == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(VmmError::InvalidArgument {
+                call,
+                argument: "size",
+                value: size as u64,
+                rule: "exceeds the imported memory: cuMemMap refused to map it whole",
+            })
+        }
     }
 
     /// The driver's CUDA version (`cuDriverGetVersion`), e.g. 12080 for 12.8.
@@ -594,17 +823,117 @@ impl CudaVmm {
         result
     }
 
-    /// Accept a `CUstream` this backend did not create (a caller's stream,
-    /// `CU_STREAM_LEGACY` = 1, `CU_STREAM_PER_THREAD` = 2) in every stream
-    /// call from now on, as the `StreamId` of the same value. The caller
-    /// keeps it alive while work of this backend may use it, and destroys it;
-    /// [`CudaVmm::destroy_stream`] refuses it. No driver call.
+    /// Accept a `CUstream` this backend did not create in every stream call
+    /// from now on (until [`Vmm::forget_stream`]), and return its
+    /// [`StreamId`]. No driver call. The caller keeps the stream alive while
+    /// work of this backend may use it, and calls [`Vmm::forget_stream`]
+    /// (through the allocator: `QuiltAllocator::forget_stream`) before
+    /// destroying it; [`CudaVmm::destroy_stream`] refuses it.
+    ///
+    /// - A caller's stream: the `StreamId` of the same value.
+    /// - `0` and `CU_STREAM_LEGACY` (`0x1`): both the legacy default stream,
+    ///   [`StreamId::DEFAULT`] (one stream, one id).
+    /// - `CU_STREAM_PER_THREAD` (`0x2`): the calling thread's own default
+    ///   stream, so each thread gets its own id (the same one each time it
+    ///   adopts it, until forgotten), and two threads' per-thread streams
+    ///   are two streams to the allocator (reusing one's memory on the
+    ///   other needs an event). A call naming that id is issued with the
+    ///   handle `0x2` on the owning thread. From any other thread (a free
+    ///   or a reclaim on another thread, the map-ahead worker), where `0x2`
+    ///   would name a different stream, the backend never acts on the wrong
+    ///   stream; it falls back to something that covers the owner's stream:
+    ///   - `stream_synchronize`: `cuCtxSynchronize` (all work of the device);
+    ///   - `event_record`/`event_record_on`: `cuCtxSynchronize`, then the
+    ///     event is recorded on a quiet stream of the backend (one that
+    ///     never runs work), so it stands for work already complete;
+    ///   - `stream_wait_event`: `cuCtxSynchronize` (the waiter's later work
+    ///     cannot start before work already complete);
+    ///   - `stream_is_capturing`: `cuStreamIsCapturing` of the legacy stream,
+    ///     which reports when any blocking stream of the context (every
+    ///     per-thread stream is one) is capturing: true then, conservatively.
+    ///
+    ///   Each fallback is correct and slower; an allocator that frees on the
+    ///   thread that allocated never needs one.
     pub fn adopt_stream(&self, raw: u64) -> StreamId {
         let mut book = lock(&self.sync);
-        if raw != 0 && !book.streams.contains(&raw) {
-            book.adopted.insert(raw);
+        match raw {
+            0 | CU_STREAM_LEGACY => StreamId::DEFAULT,
+            CU_STREAM_PER_THREAD => {
+                let me = std::thread::current().id();
+                if let Some(id) = book.per_thread_of.get(&me) {
+                    return StreamId(*id);
+                }
+                book.per_thread_issued += 1;
+                let id = per_thread_id(book.per_thread_issued);
+                book.per_thread.insert(id, me);
+                book.per_thread_of.insert(me, id);
+                StreamId(id)
+            }
+            raw => {
+                if !book.streams.contains(&raw) {
+                    book.adopted.insert(raw);
+                }
+                StreamId(raw)
+            }
         }
-        StreamId(raw)
+    }
+
+    /// The owning thread of a per-thread default stream's id, or `None`
+    /// for any other id.
+    pub fn per_thread_owner(&self, stream: StreamId) -> Option<ThreadId> {
+        lock(&self.sync).per_thread.get(&stream.0).copied()
+    }
+
+    /// `cuCtxSynchronize` in the current context (the caller binds it).
+    fn synchronize_context(call: CallKind) -> Result<()> {
+        // SAFETY: takes no arguments; the caller made the context current.
+        check(call, unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// The quiet stream (made on first need, under the book's lock): a
+    /// non-blocking stream of ours that never runs work. The context must
+    /// be current.
+    fn quiet_stream(book: &mut SyncBook, call: CallKind) -> Result<sys::CUstream> {
+        if let Some(raw) = book.quiet {
+            return Ok(raw as usize as sys::CUstream);
+        }
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current (caller).
+        check(call, unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
+            )
+        })?;
+        book.quiet = Some(stream as usize as u64);
+        Ok(stream)
+    }
+
+    /// The stream an event record naming `stream` goes to, under the book's
+    /// lock: the stream itself, or for another thread's per-thread stream
+    /// (after the caller synchronised the context) the quiet stream.
+    fn record_target(
+        &self,
+        book: &mut SyncBook,
+        call: CallKind,
+        stream: StreamId,
+    ) -> Result<sys::CUstream> {
+        match book.target(call, stream)? {
+            StreamTarget::Raw(raw) => Ok(raw),
+            StreamTarget::OtherThread => Self::quiet_stream(book, call),
+        }
+    }
+
+    /// Before a record naming `stream`: when it is another thread's
+    /// per-thread stream, synchronise the context (see
+    /// [`CudaVmm::adopt_stream`]), without the book's lock. The context
+    /// must be current.
+    fn settle_other_thread(&self, call: CallKind, stream: StreamId) -> Result<()> {
+        let target = lock(&self.sync).target(call, stream)?;
+        match target {
+            StreamTarget::Raw(_) => Ok(()),
+            StreamTarget::OtherThread => Self::synchronize_context(call),
+        }
     }
 
     /// `cuStreamDestroy`: destroys a stream made by [`CudaVmm::create_stream`]
@@ -613,7 +942,10 @@ impl CudaVmm {
         let started = Instant::now();
         let call = CallKind::StreamSynchronize;
         let mut book = lock(&self.sync);
-        if stream == StreamId::DEFAULT || !book.streams.contains(&stream.0) {
+        if stream == StreamId::DEFAULT
+            || !book.streams.contains(&stream.0)
+            || book.quiet == Some(stream.0)
+        {
             return Err(VmmError::InvalidArgument {
                 call,
                 argument: "stream",
@@ -641,21 +973,29 @@ impl CudaVmm {
     }
 
     /// Runs the copy `op` once the ledger has confirmed that every byte of
-    /// `[ptr, ptr + len)` is mapped with access set, holding the ledger's
-    /// lock so that no unmap can race it. Nothing runs for `len == 0`.
+    /// `[ptr, ptr + len)` is mapped with access set. The range is pinned in
+    /// the ledger for the copy's length (an unmap touching it is refused
+    /// meanwhile), and the ledger's lock is not held across the copy, so
+    /// other threads' VMM calls go on. Nothing runs for `len == 0`.
     fn copy_checked(
         &self,
         ptr: DevicePtr,
         len: usize,
         op: impl FnOnce() -> sys::CUresult,
     ) -> Result<()> {
-        let ledger = lock(&self.ledger);
-        ledger.check_accessible(ptr, len as u64)?;
-        if len == 0 {
-            return Ok(());
+        {
+            let mut ledger = lock(&self.ledger);
+            ledger.check_accessible(ptr, len as u64)?;
+            if len == 0 {
+                return Ok(());
+            }
+            ledger.pin(ptr, len as u64);
         }
-        let _context = self.bind(CallKind::StreamSynchronize)?;
-        check(CallKind::StreamSynchronize, op())
+        let result = self
+            .bind(CallKind::StreamSynchronize)
+            .and_then(|_context| check(CallKind::StreamSynchronize, op()));
+        lock(&self.ledger).unpin(ptr, len as u64);
+        result
     }
 
     /// `cuMemcpyHtoD`: copies `data` to `ptr`. The whole range must be mapped
@@ -671,8 +1011,8 @@ impl CudaVmm {
     pub fn copy_to_device(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
         self.copy_checked(ptr, data.len(), || {
             // SAFETY: `data` is valid for `data.len()` reads; `copy_checked`
-            // confirmed the device range is mapped and accessible, and holds
-            // the ledger's lock that keeps it so.
+            // confirmed the device range is mapped and accessible, and pins
+            // it in the ledger so that no unmap can take it meanwhile.
             let r =
                 unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len()) };
             if r != sys::CUresult::CUDA_SUCCESS {
@@ -691,7 +1031,8 @@ impl CudaVmm {
         let len = out.len();
         self.copy_checked(ptr, len, || {
             // SAFETY: `out` is valid for `len` writes; the device range is
-            // mapped and accessible (`copy_checked`), and the copy is synchronous.
+            // mapped, accessible and pinned (`copy_checked`), and the copy
+            // is synchronous.
             unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), ptr, len) }
         })
     }
@@ -719,7 +1060,8 @@ impl Vmm for CudaVmm {
             // the driver picks a fresh range; flags must be 0.
             let r = unsafe { sys::cuMemAddressReserve(&mut ptr, size_u, alignment_u, 0, 0) };
             if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                return Err(VmmError::OutOfMemory {
+                // No free range of virtual addresses: not device memory.
+                return Err(VmmError::AddressSpaceExhausted {
                     call,
                     requested: size,
                     available: 0,
@@ -879,9 +1221,10 @@ impl Vmm for CudaVmm {
     fn event_record(&self, stream: StreamId) -> Result<EventId> {
         let call = CallKind::EventRecord;
         self.log.time(call, 0, || {
-            let mut book = lock(&self.sync);
-            let raw_stream = book.stream(call, stream)?;
             let _context = self.bind(call)?;
+            self.settle_other_thread(call, stream)?;
+            let mut book = lock(&self.sync);
+            let raw_stream = self.record_target(&mut book, call, stream)?;
             // A pooled event if there is one, else a new one.
             let event = match book.pooled.pop() {
                 Some(raw) => raw as sys::CUevent,
@@ -899,7 +1242,8 @@ impl Vmm for CudaVmm {
             };
             // SAFETY: `event` is a live event of this context, owned by no
             // id (fresh, or taken from the pool under the book's lock);
-            // `raw_stream` is the default stream or a live stream of ours
+            // `raw_stream` is the default stream, a live stream of ours or
+            // adopted, or the calling thread's own per-thread stream
             // (checked in the book we hold). Recording a pooled event again
             // overwrites its state; waits made on its earlier record keep
             // waiting for that one.
@@ -916,14 +1260,17 @@ impl Vmm for CudaVmm {
     fn event_record_on(&self, event: EventId, stream: StreamId) -> Result<()> {
         let call = CallKind::EventRecord;
         self.log.time(call, 0, || {
-            let book = lock(&self.sync);
-            let raw_stream = book.stream(call, stream)?;
-            let raw_event = book.event(call, event)?;
             let _context = self.bind(call)?;
+            lock(&self.sync).event(call, event)?;
+            self.settle_other_thread(call, stream)?;
+            let mut book = lock(&self.sync);
+            let raw_stream = self.record_target(&mut book, call, stream)?;
+            let raw_event = book.event(call, event)?;
             // SAFETY: `raw_event` is a live event of this context, named by
             // `event` (in the book, which we hold locked, so no destroy can
-            // race); `raw_stream` is the default stream or a live stream of
-            // ours (checked in the same book). Recording it again overwrites
+            // race); `raw_stream` is the default stream, a live stream of
+            // ours or adopted, the calling thread's own per-thread stream, or
+            // the quiet stream (checked in the same book). Recording it again overwrites
             // its state; waits made on its earlier record keep waiting for
             // that one. A failed record leaves the event live and named by
             // `event`.
@@ -971,8 +1318,18 @@ impl Vmm for CudaVmm {
         let call = CallKind::StreamWaitEvent;
         self.log.time(call, 0, || {
             let book = lock(&self.sync);
-            let raw_stream = book.stream(call, stream)?;
+            let target = book.target(call, stream)?;
             let raw_event = book.event(call, event)?;
+            let raw_stream = match target {
+                StreamTarget::Raw(raw) => raw,
+                StreamTarget::OtherThread => {
+                    // Another thread's per-thread stream: wait on the host
+                    // for everything so far, the event's work included.
+                    drop(book);
+                    let _context = self.bind(call)?;
+                    return Self::synchronize_context(call);
+                }
+            };
             let _context = self.bind(call)?;
             // SAFETY: both are live objects of this context (checked in the
             // book, held locked); flags must be 0.
@@ -985,12 +1342,73 @@ impl Vmm for CudaVmm {
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
         let call = CallKind::StreamSynchronize;
         self.log.time(call, 0, || {
-            let raw_stream = lock(&self.sync).stream(call, stream)?;
+            let target = lock(&self.sync).target(call, stream)?;
             let _context = self.bind(call)?;
-            // SAFETY: the default stream or a live stream of ours. The book's
-            // lock is not held while waiting, so a concurrent destroy_stream
-            // of the same stream is the caller's race, as with the driver.
-            check(call, unsafe { sys::cuStreamSynchronize(raw_stream) })
+            match target {
+                // SAFETY: the default stream, a live stream of ours or
+                // adopted, or this thread's per-thread stream. The book's
+                // lock is not held while waiting, so a concurrent
+                // destroy_stream of the same stream is the caller's race, as
+                // with the driver.
+                StreamTarget::Raw(raw) => check(call, unsafe { sys::cuStreamSynchronize(raw) }),
+                // Another thread's per-thread stream: all of the device's work.
+                StreamTarget::OtherThread => Self::synchronize_context(call),
+            }
+        })
+    }
+
+    /// `cuCtxSynchronize`, counted as one `cuStreamSynchronize`.
+    fn device_synchronize(&self) -> Result<()> {
+        let call = CallKind::StreamSynchronize;
+        self.log.time(call, 0, || {
+            let _context = self.bind(call)?;
+            Self::synchronize_context(call)
+        })
+    }
+
+    /// `cuStreamIsCapturing` (not counted). An invalidated capture counts as
+    /// capturing; `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` (the legacy stream
+    /// asked while a blocking stream captures) is true, as is the
+    /// conservative answer for another thread's per-thread stream (see
+    /// [`CudaVmm::adopt_stream`]).
+    fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
+        let call = CallKind::StreamSynchronize;
+        let target = lock(&self.sync).target(call, stream)?;
+        let raw = match target {
+            StreamTarget::Raw(raw) => raw,
+            StreamTarget::OtherThread => CU_STREAM_LEGACY as usize as sys::CUstream,
+        };
+        let _context = self.bind(call)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a stream of this context (checked in the book) or the
+        // legacy stream's handle; `status` is a valid out-pointer.
+        match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
+            sys::CUresult::CUDA_SUCCESS => {
+                Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            }
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            r => Err(driver_error(call, r)),
+        }
+    }
+
+    /// Drops an adopted stream or a per-thread stream's id: later calls
+    /// naming it are refused until it is adopted again. A stream made by
+    /// [`CudaVmm::create_stream`] is refused (destroy it with
+    /// [`CudaVmm::destroy_stream`]), as is the default stream. No driver call.
+    fn forget_stream(&self, stream: StreamId) -> Result<()> {
+        let mut book = lock(&self.sync);
+        if book.adopted.remove(&stream.0) {
+            return Ok(());
+        }
+        if let Some(owner) = book.per_thread.remove(&stream.0) {
+            book.per_thread_of.remove(&owner);
+            return Ok(());
+        }
+        Err(VmmError::InvalidArgument {
+            call: CallKind::StreamSynchronize,
+            argument: "stream",
+            value: stream.0,
+            rule: "is not an adopted stream (the default stream and streams made by create_stream cannot be forgotten)",
         })
     }
 
@@ -1030,6 +1448,16 @@ impl Vmm for CudaVmm {
     fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
         let call = CallKind::Create;
         self.log.time(call, size, || {
+            lock(&self.ledger).check_create_with(size, props)?;
+            let granularity = self.granularity_for(props)?;
+            if !size.is_multiple_of(granularity) {
+                return Err(VmmError::InvalidArgument {
+                    call,
+                    argument: "size",
+                    value: size,
+                    rule: "is not a multiple of the granularity cuMemGetAllocationGranularity reports for these properties (CudaVmm::granularity_for)",
+                });
+            }
             let mut ledger = lock(&self.ledger);
             ledger.check_create_with(size, props)?;
             let size_u = to_usize(call, "size", size)?;
@@ -1109,10 +1537,16 @@ impl Vmm for CudaVmm {
         })
     }
 
+    /// The size is checked where the system or the driver can tell it,
+    /// not taken on the caller's word: a POSIX descriptor that is a regular
+    /// file of non-zero size (a memory file) must be exactly `size` bytes by
+    /// `fstat`; any other handle is mapped whole once after the import
+    /// (`CudaVmm::map_check_import`: a size beyond the memory is refused
+    /// by `cuMemMap`). A refused import releases what it imported. No lock
+    /// is held across the driver calls.
     fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
         let call = CallKind::ImportHandle;
         self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
             let kind = match shared {
                 ShareableHandle::PosixFd(_) => HandleKind::PosixFd,
                 ShareableHandle::Fabric(_) => HandleKind::Fabric,
@@ -1125,7 +1559,29 @@ impl Vmm for CudaVmm {
                     ))
                 }
             };
-            ledger.check_import(size, kind)?;
+            lock(&self.ledger).check_import(size, kind)?;
+            let size_u = to_usize(call, "size", size)?;
+            let mut map_check = true;
+            if let ShareableHandle::PosixFd(fd) = shared {
+                if let Ok(stat) = rustix::fs::fstat(fd) {
+                    // A memory file says its size; anything else (the
+                    // driver's own descriptors, a file of size 0) does not.
+                    if rustix::fs::FileType::from_raw_mode(stat.st_mode)
+                        == rustix::fs::FileType::RegularFile
+                        && stat.st_size > 0
+                    {
+                        if u64::try_from(stat.st_size).ok() != Some(size) {
+                            return Err(VmmError::InvalidArgument {
+                                call,
+                                argument: "size",
+                                value: size,
+                                rule: "differs from the size of the memory file the descriptor names (fstat)",
+                            });
+                        }
+                        map_check = false;
+                    }
+                }
+            }
             let _context = self.bind(call)?;
             let mut raw: sys::CUmemGenericAllocationHandle = 0;
             let mut fabric_bytes = match shared {
@@ -1143,6 +1599,15 @@ impl Vmm for CudaVmm {
             check(call, unsafe {
                 sys::cuMemImportFromShareableHandle(&mut raw, os_handle, handle_kind_type(kind))
             })?;
+            if map_check {
+                if let Err(e) = self.map_check_import(call, raw, size_u) {
+                    // SAFETY: the handle just imported, released once here;
+                    // nothing else knows it.
+                    let _ = unsafe { sys::cuMemRelease(raw) };
+                    return Err(e);
+                }
+            }
+            let mut ledger = lock(&self.ledger);
             let id = ledger.add_handle(size, raw);
             ledger.set_handle_types(
                 id,
@@ -1209,8 +1674,9 @@ impl Drop for CudaVmm {
             // from the book and the pooled ones are disjoint (the book's invariant).
             let _ = unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) };
         }
-        for raw in book.streams {
-            // SAFETY: each stream is live and destroyed once, here.
+        for raw in book.streams.into_iter().chain(book.quiet) {
+            // SAFETY: each stream is live and destroyed once, here (the
+            // quiet stream is never in `streams`).
             let _ = unsafe { sys::cuStreamDestroy_v2(raw as usize as sys::CUstream) };
         }
         let drained = lock(&self.ledger).drain();
@@ -1259,6 +1725,52 @@ mod tests {
         if !present {
             assert!(CudaVmm::new(0).is_err());
         }
+    }
+
+    #[test]
+    fn every_driver_call_of_this_backend_is_in_the_symbol_list() {
+        // Every `sys::cu…(` call in this file and in the cudarc interop, by
+        // the name cudarc loads (its function's name).
+        let sources = [include_str!("cuda.rs"), include_str!("cudarc_interop.rs")];
+        let mut called = BTreeSet::new();
+        for source in sources {
+            for (i, _) in source.match_indices("sys::cu") {
+                let rest = &source[i + "sys::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                // Calls only (not types such as `sys::CUresult`, which start
+                // with an upper-case `CU`, nor `sys::culib`).
+                if rest[name.len()..].starts_with('(') && name != "culib" {
+                    called.insert(name);
+                }
+            }
+        }
+        assert!(called.len() > 30, "found only {called:?}");
+        let listed: BTreeSet<&str> = DRIVER_SYMBOLS.iter().copied().collect();
+        for name in &called {
+            assert!(
+                listed.contains(name.as_str()),
+                "{name} is called but missing from DRIVER_SYMBOLS"
+            );
+        }
+        assert_eq!(
+            listed.len(),
+            DRIVER_SYMBOLS.len(),
+            "a symbol is listed twice"
+        );
+    }
+
+    #[test]
+    fn per_thread_ids_are_no_stream_pointer_nor_a_special_handle() {
+        let ids: Vec<u64> = (1..=1000).map(per_thread_id).collect();
+        for id in &ids {
+            assert_ne!(id % 8, 0, "{id:#x} could be an aligned CUstream pointer");
+            assert!(![0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD].contains(id));
+        }
+        let distinct: BTreeSet<u64> = ids.iter().copied().collect();
+        assert_eq!(distinct.len(), ids.len());
     }
 
     #[test]

@@ -122,6 +122,57 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// `cuStreamSynchronize`: wait for all work on `stream`.
     fn stream_synchronize(&self, stream: StreamId) -> Result<()>;
 
+    /// `cuCtxSynchronize`: wait for all work on every stream of the device
+    /// (what `cudaFree` does before it frees). Counted and costed as one
+    /// [`crate::CallKind::StreamSynchronize`] (one drain of the device's
+    /// queue). Illegal while a stream of the device is capturing (the
+    /// simulated backend refuses it then, as CUDA may).
+    ///
+    /// By default the legacy default stream's synchronisation
+    /// (`stream_synchronize(StreamId::DEFAULT)`), which on CUDA waits for
+    /// every blocking stream but not for non-blocking ones; the CUDA,
+    /// host and simulated backends override it with the device-wide one, so
+    /// the default only serves wrappers that do not forward it.
+    fn device_synchronize(&self) -> Result<()> {
+        self.stream_synchronize(StreamId::DEFAULT)
+    }
+
+    /// `cuStreamIsCapturing`: true while `stream` is being captured into a
+    /// CUDA graph (also once the capture was invalidated and not ended yet).
+    /// Under capture an allocator may make only the calls legal under
+    /// relaxed capture mode: no event recorded on the capturing stream for
+    /// later queries, no query of an event recorded during the capture, no
+    /// synchronisation of the capturing stream (nor of the device), no wait
+    /// by the capturing stream on an event recorded outside the capture. Not
+    /// counted in [`Vmm::driver_stats`]. By default `Ok(false)`: a backend
+    /// that cannot capture never captures; the simulated backend models
+    /// capture ([`crate::sim::SimVmm::begin_capture`]).
+    fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
+        let _ = stream;
+        Ok(false)
+    }
+
+    /// The caller is done with `stream` (its owner is about to destroy it, or
+    /// did): the backend forgets it, and a later call naming it is refused
+    /// ([`VmmError::InvalidArgument`]) unless it is adopted again (a new
+    /// stream may get the same handle). No driver call: the caller first
+    /// makes sure nothing it owns still needs the stream (its work known
+    /// complete, its events destroyed). The default stream cannot be
+    /// forgotten. By default `Ok(())`: a backend that accepts any stream id
+    /// (the simulated and host ones) keeps nothing that could go stale; the
+    /// CUDA backend drops the adopted handle.
+    fn forget_stream(&self, stream: StreamId) -> Result<()> {
+        if stream == StreamId::DEFAULT {
+            return Err(VmmError::InvalidArgument {
+                call: crate::CallKind::StreamSynchronize,
+                argument: "stream",
+                value: 0,
+                rule: "the default stream cannot be forgotten",
+            });
+        }
+        Ok(())
+    }
+
     /// Calls made through this backend so far, by kind, and their time.
     fn driver_stats(&self) -> DriverStats;
 

@@ -16,6 +16,20 @@ pub enum VmmError {
         /// Bytes still available when the call failed (0 when unknown).
         available: u64,
     },
+    /// `cuMemAddressReserve` found no free range of virtual address space of
+    /// `requested` bytes (the driver's `CUDA_ERROR_OUT_OF_MEMORY` for a
+    /// reservation, the simulated device's address-space limit, the host
+    /// backend's arena). Not device memory: releasing physical memory does
+    /// not help, releasing reservations (or reserving less) does.
+    #[error("{call}: virtual address space exhausted: no free range of {requested} bytes ({available} bytes unreserved, 0 when unknown)")]
+    AddressSpaceExhausted {
+        /// The call that failed ([`CallKind::Reserve`]).
+        call: CallKind,
+        /// Bytes of address space asked for.
+        requested: u64,
+        /// Bytes of address space still unreserved when known (0 when unknown).
+        available: u64,
+    },
     /// An argument broke one of the driver's rules.
     #[error("{call}: invalid argument `{argument}` = {value:#x}: {rule}")]
     InvalidArgument {
@@ -96,6 +110,7 @@ impl VmmError {
     pub fn call(&self) -> Option<CallKind> {
         match self {
             VmmError::OutOfMemory { call, .. }
+            | VmmError::AddressSpaceExhausted { call, .. }
             | VmmError::InvalidArgument { call, .. }
             | VmmError::NotMapped { call, .. }
             | VmmError::AlreadyMapped { call, .. }
@@ -106,10 +121,19 @@ impl VmmError {
         }
     }
 
-    /// True for out-of-memory (including a driver's `CUDA_ERROR_OUT_OF_MEMORY`).
+    /// True for out-of-memory (including a driver's `CUDA_ERROR_OUT_OF_MEMORY`)
+    /// of device memory; false for [`VmmError::AddressSpaceExhausted`].
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, VmmError::OutOfMemory { .. })
             || matches!(self, VmmError::Driver { code: 2, .. })
+    }
+}
+
+impl VmmError {
+    /// True when a reservation found no free virtual address space
+    /// ([`VmmError::AddressSpaceExhausted`]).
+    pub fn is_address_space_exhausted(&self) -> bool {
+        matches!(self, VmmError::AddressSpaceExhausted { .. })
     }
 }
 

@@ -24,7 +24,7 @@
 //! workload therefore meets the same rules at the same relative addresses on
 //! both backends, and a stale address can never reach a newer reservation.
 //! The arena is `munmap`ped at drop; a reservation past its end fails with
-//! `OutOfMemory { call: Reserve }`. Its size is 16 × the capacity, at least
+//! `AddressSpaceExhausted { call: Reserve }`. Its size is 16 × the capacity, at least
 //! 64 GiB and at most 8 TiB; where the system refuses that much address space
 //! (a limit on it, or valgrind), the size is halved until it fits, down to 1 GiB.
 //!
@@ -336,7 +336,7 @@ impl Vmm for HostVmm {
         self.call(CallKind::Reserve, size, |state| {
             let alignment = state.ledger.check_reserve(size, alignment)?;
             let arena_end = self.arena_base + self.arena_size;
-            let out_of_space = VmmError::OutOfMemory {
+            let out_of_space = VmmError::AddressSpaceExhausted {
                 call: CallKind::Reserve,
                 requested: size,
                 available: arena_end.saturating_sub(state.next_va),
@@ -477,6 +477,12 @@ impl Vmm for HostVmm {
     }
 
     fn stream_synchronize(&self, _stream: StreamId) -> Result<()> {
+        self.log.time(CallKind::StreamSynchronize, 0, || Ok(()))
+    }
+
+    /// Nothing to wait for (the host completes work at once); counted as one
+    /// `cuStreamSynchronize`, as the trait says.
+    fn device_synchronize(&self) -> Result<()> {
         self.log.time(CallKind::StreamSynchronize, 0, || Ok(()))
     }
 

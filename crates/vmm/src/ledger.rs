@@ -160,6 +160,10 @@ pub(crate) struct Ledger<P> {
     /// What the device supports for sharing (a lone device sharing nothing
     /// until [`Ledger::set_caps`]).
     caps: DeviceCaps,
+    /// Ranges a copy is reading or writing now, as (start, length), one
+    /// entry per copy in flight: an unmap that touches one is refused
+    /// ([`Ledger::pin`]).
+    pins: Vec<(DevicePtr, u64)>,
 }
 
 /// An `InvalidArgument` error.
@@ -194,6 +198,7 @@ impl<P> Ledger<P> {
             handles: BTreeMap::new(),
             mappings: BTreeMap::new(),
             caps: DeviceCaps::single(granularity),
+            pins: Vec::new(),
         }
     }
 
@@ -550,7 +555,36 @@ impl<P> Ledger<P> {
                 "the range ends inside a mapping; unmap must cover whole mappings",
             ));
         }
+        if self
+            .pins
+            .iter()
+            .any(|&(p, len)| p < end && ptr < p.saturating_add(len))
+        {
+            return Err(invalid(
+                call,
+                "ptr",
+                ptr,
+                "a copy between host and device is reading or writing the range now",
+            ));
+        }
         Ok(starts)
+    }
+
+    /// Pins `[ptr, ptr + len)` for a copy that runs without the ledger's
+    /// lock: until [`Ledger::unpin`], an unmap touching it is refused, so
+    /// the copy never meets an unmapped range. Call it after
+    /// [`Ledger::check_accessible`] succeeded; pins of one range stack.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend copies without the lock
+    pub fn pin(&mut self, ptr: DevicePtr, len: u64) {
+        self.pins.push((ptr, len));
+    }
+
+    /// Takes back one pin of exactly `[ptr, ptr + len)` (nothing when none).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend copies without the lock
+    pub fn unpin(&mut self, ptr: DevicePtr, len: u64) {
+        if let Some(i) = self.pins.iter().position(|&p| p == (ptr, len)) {
+            self.pins.swap_remove(i);
+        }
     }
 
     /// Forgets mappings the backend has unmapped. Returns the payloads of the
@@ -1003,6 +1037,37 @@ mod tests {
             Err(VmmError::InvalidArgument { argument: a, .. }) if a == argument => {}
             other => panic!("expected InvalidArgument {{ argument: {argument:?} }}, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_pinned_range_cannot_be_unmapped_until_unpinned() {
+        const G: u64 = 2 << 20;
+        let mut l: Ledger<()> = Ledger::new(G, u64::MAX);
+        let va = 0x7000_0000_0000;
+        l.add_reservation(va, 4 * G);
+        for i in 0..2 {
+            let h = l.add_handle(G, ());
+            l.check_map(va + i * G, G, h, 0).unwrap();
+            l.add_mapping(va + i * G, G, h, 0);
+        }
+        l.mark_accessible(va, 2 * G);
+        l.check_accessible(va + G - 10, 20).unwrap();
+        l.pin(va + G - 10, 20);
+        l.pin(va + G - 10, 20);
+        for (ptr, size) in [(va, G), (va + G, G), (va, 2 * G)] {
+            assert!(
+                matches!(
+                    l.check_unmap(ptr, size),
+                    Err(VmmError::InvalidArgument { .. })
+                ),
+                "{ptr:#x}+{size:#x} is being copied"
+            );
+        }
+        l.unpin(va + G - 10, 20);
+        assert!(l.check_unmap(va, G).is_err(), "the second pin remains");
+        l.unpin(va + G - 10, 20);
+        assert_eq!(l.check_unmap(va, 2 * G).unwrap(), vec![va, va + G]);
+        l.unpin(va, 1); // no such pin: nothing happens
     }
 
     #[test]

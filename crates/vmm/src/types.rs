@@ -11,7 +11,12 @@ pub type DevicePtr = u64;
 pub struct PhysHandle(pub u64);
 
 /// A stream: work on one stream runs in order. `StreamId(0)` is the default stream.
-/// On the CUDA backend the value is the raw `CUstream` pointer.
+/// On the CUDA backend the value is the raw `CUstream` pointer of a stream it
+/// made or adopted, except for two: the legacy default stream (`0x1`,
+/// `CU_STREAM_LEGACY`, adopted) is `StreamId(0)`, and the per-thread default
+/// stream (`0x2`, `CU_STREAM_PER_THREAD`, which names the calling thread's
+/// own stream) is one id per adopting thread (see
+/// `quilt_vmm::cuda::CudaVmm::adopt_stream`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub u64);
 
@@ -105,7 +110,8 @@ pub enum CallKind {
     EventDestroy,
     /// `cuStreamWaitEvent`.
     StreamWaitEvent,
-    /// `cuStreamSynchronize`.
+    /// `cuStreamSynchronize` (and `cuCtxSynchronize`, made by
+    /// [`crate::Vmm::device_synchronize`]: one drain of the queue either way).
     StreamSynchronize,
     /// `cuMemExportToShareableHandle`.
     ExportHandle,

@@ -1336,26 +1336,30 @@ fn sim_reserve_requires_power_of_two_alignment_and_respects_va_limit() {
         })
     ));
     let a = v.reserve(6 * MIB, 0).unwrap();
-    assert_out_of_memory(
-        v.backend_name(),
-        v.reserve(4 * MIB, 0),
-        CallKind::Reserve,
-        4 * MIB,
-        2 * MIB,
+    // Out of address space, not of device memory.
+    let err = v.reserve(4 * MIB, 0).unwrap_err();
+    assert_eq!(
+        err,
+        VmmError::AddressSpaceExhausted {
+            call: CallKind::Reserve,
+            requested: 4 * MIB,
+            available: 2 * MIB,
+        }
     );
+    assert!(!err.is_out_of_memory() && err.is_address_space_exhausted());
     let b = v.reserve(2 * MIB, 0).unwrap();
     v.address_free(a, 6 * MIB).unwrap();
     let c = v.reserve(4 * MIB, 0).unwrap();
     // Addresses are never reused, and reservations are never adjacent.
     assert!(c > b + 2 * MIB && b > a + 6 * MIB);
     // An absurd alignment is honoured once, then runs out of addresses: an
-    // out-of-memory, not a panic.
+    // exhausted address space, not a panic.
     let v = sim(GIB);
     let top = v.reserve(2 * MIB, 1 << 63).unwrap();
     assert_eq!(top, 1 << 63);
     assert!(matches!(
         v.reserve(2 * MIB, 1 << 63),
-        Err(VmmError::OutOfMemory {
+        Err(VmmError::AddressSpaceExhausted {
             call: CallKind::Reserve,
             ..
         })

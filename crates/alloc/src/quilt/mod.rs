@@ -19,6 +19,13 @@
 //! `cuStreamWaitEvent`, at most once per pair of streams for any span of
 //! frees). Placement prefers ranges that need no wait and no new page.
 //!
+//! Streams the allocator no longer may name (their owner destroys them) are
+//! forgotten ([`QuiltAllocator::forget_stream`]). Under stream capture (CUDA
+//! graphs) it makes only the calls relaxed capture mode permits, and a
+//! block freed while one of its streams captures is not reused until the
+//! capture ends (see `streams.rs`). At drop, every stream is synchronised
+//! before anything is unmapped.
+//!
 //! When the pool cannot grow, cached pages are unmapped and returned to the
 //! pool, after synchronising only the streams whose work may still use them.
 //! A request of `N` new pages fails only when fewer than `N` pages are free,
@@ -206,6 +213,41 @@ impl QuiltAllocator {
         }
     }
 
+    /// Forget `stream`: its owner is about to destroy it (a cudarc
+    /// `CudaStream` dropped, a `torch.cuda.Stream` collected). The stream
+    /// is synchronised once (its work on any block is then complete), its
+    /// pending events are retired, blocks cached with hazards of it become
+    /// plain free memory, and the backend forgets its handle
+    /// ([`Vmm::forget_stream`]): no later driver call names it. A later
+    /// request naming the same [`StreamId`] (a new stream the driver gave
+    /// the same handle) is a new stream. Blocks still live that were used
+    /// on it stay live; their free makes no call on it.
+    ///
+    /// Errors ([`AllocError::StreamBusy`], nothing changed): the default
+    /// stream; a stream that is capturing a CUDA graph; a stream a live
+    /// growable buffer grows on. A failed synchronisation is
+    /// [`AllocError::Driver`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(4 << 20, StreamId(7))?;
+    /// alloc.free(a.ptr)?;
+    /// alloc.forget_stream(StreamId(7))?; // before its owner destroys it
+    /// let b = alloc.allocate(4 << 20, StreamId(8))?; // no wait on stream 7
+    /// # alloc.free(b.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        self.lock()?.forget_stream(&ctx, stream)
+    }
+
     /// Pages touched by at least one live block, over all arenas, in bytes:
     /// the physical memory blocks hold.
     pub fn touched_bytes(&self) -> u64 {
@@ -239,6 +281,10 @@ impl DeviceAllocator for QuiltAllocator {
         let mut st = self.lock()?;
         self.core.exports.check_not_freed(ptr)?;
         st.record_stream(ptr, stream)
+    }
+
+    fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        QuiltAllocator::forget_stream(self, stream)
     }
 
     fn empty_cache(&self) -> Result<(), AllocError> {
@@ -303,6 +349,13 @@ impl Drop for QuiltAllocator {
                 "quilt allocator dropped with live allocations; releasing their memory"
             );
         }
+        // No unmap or release while work that may use the memory is not
+        // known complete: synchronise every stream first, as PyTorch's
+        // expandable segments do before unmapping (`cuMemUnmap` and
+        // `cuMemRelease` "do not appear to synchronize in all cases").
+        state.tick += 1;
+        let tick = state.tick;
+        state.streams.synchronize_all(self.core.vmm.as_ref(), tick);
         state.streams.destroy_events(self.core.vmm.as_ref());
         let mut give = Vec::new();
         for a in &mut state.arenas {

@@ -58,6 +58,12 @@ pub(crate) struct BlockRec {
     pub(crate) streams: u64,
     /// Its piece in the arena's tiling.
     pub(crate) piece: PieceId,
+    /// Freed while one of its streams was capturing a CUDA graph: the
+    /// graph may use it, so it is not reused (it stays occupied and counted
+    /// as allocated) until no stream of it captures; then the free is
+    /// carried out ([`State::end_deferred_frees`]). PyTorch's
+    /// `needs_events_deferred_until_no_capture`.
+    pub(crate) freed_in_capture: bool,
 }
 
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
@@ -120,6 +126,9 @@ pub(crate) struct State {
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
+    /// Blocks freed under capture, waiting for it to end (see
+    /// [`BlockRec::freed_in_capture`]).
+    pub(crate) deferred_frees: Vec<DevicePtr>,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -180,7 +189,17 @@ impl State {
         if let Some(&i) = self.arena_index.get(&(owner, kind)) {
             return Ok(i);
         }
-        let base = ctx.vmm.reserve(ctx.arena_va, 0)?;
+        let base = ctx.vmm.reserve(ctx.arena_va, 0).map_err(|e| {
+            if e.is_address_space_exhausted() {
+                AllocError::AddressSpaceExhausted {
+                    requested: ctx.arena_va,
+                    reservations: self.arenas.iter().filter(|a| a.size > 0).count(),
+                    source: e,
+                }
+            } else {
+                e.into()
+            }
+        })?;
         let i = self.arenas.len();
         self.arenas.push(Arena::new(base, ctx.arena_va, ctx.page));
         self.arena_meta.push((owner, kind));
@@ -267,6 +286,7 @@ impl State {
             self.tags.check_awake(t)?;
         }
         check_size(size)?;
+        self.end_deferred_frees(ctx);
         let rounded = round_up(size, MIN_BLOCK_SIZE).ok_or(AllocError::InvalidSize {
             size,
             reason: "size overflows when rounded",
@@ -327,6 +347,7 @@ impl State {
                 requested: size,
                 streams: Streams::bit(si),
                 piece,
+                freed_in_capture: false,
             },
         );
         self.freed_recent.remove(&ptr);
@@ -339,13 +360,111 @@ impl State {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Free the block at `ptr`.
+    /// Free the block at `ptr`. A block one of whose streams is capturing a
+    /// CUDA graph is not reusable until the capture ends: its free is
+    /// deferred ([`BlockRec::freed_in_capture`]), and carried out by the
+    /// first operation that finds no stream of it capturing.
     pub(crate) fn free(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
         if self.tags.any_asleep() {
             if let Some(b) = self.blocks.get(&ptr) {
                 self.check_arena_awake(b.arena)?;
             }
         }
+        self.end_deferred_frees(ctx);
+        let Some(b) = self.blocks.get(&ptr) else {
+            return Err(if self.freed_recent.contains(&ptr) {
+                AllocError::DoubleFree { ptr }
+            } else {
+                AllocError::UnknownPointer { ptr }
+            });
+        };
+        if b.freed_in_capture {
+            return Err(AllocError::DoubleFree { ptr });
+        }
+        let mask = b.streams;
+        self.tick += 1;
+        if self.streams.any_capturing(ctx.vmm, mask, self.tick) {
+            if let Some(b) = self.blocks.get_mut(&ptr) {
+                b.freed_in_capture = true;
+            }
+            self.deferred_frees.push(ptr);
+            return Ok(());
+        }
+        self.free_now(ctx, ptr)
+    }
+
+    /// Carry out the frees deferred under capture whose streams capture no
+    /// more (at most one question per stream per call), and whose tag (if
+    /// any) is awake. A failure (none is expected: the block is live) is
+    /// logged and the block stays deferred.
+    pub(crate) fn end_deferred_frees(&mut self, ctx: &Ctx<'_>) {
+        if self.deferred_frees.is_empty() {
+            return;
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        for ptr in std::mem::take(&mut self.deferred_frees) {
+            let Some((mask, arena)) = self.blocks.get(&ptr).map(|b| (b.streams, b.arena)) else {
+                continue;
+            };
+            // A block of a sleeping tag waits for its wake as well.
+            if self.check_arena_awake(arena).is_err()
+                || self.streams.any_capturing(ctx.vmm, mask, tick)
+            {
+                self.deferred_frees.push(ptr);
+                continue;
+            }
+            if let Some(b) = self.blocks.get_mut(&ptr) {
+                b.freed_in_capture = false;
+            }
+            if let Err(e) = self.free_now(ctx, ptr) {
+                tracing::warn!(error = %e, ptr, "a free deferred under capture failed");
+                if let Some(b) = self.blocks.get_mut(&ptr) {
+                    b.freed_in_capture = true;
+                    self.deferred_frees.push(ptr);
+                }
+            }
+        }
+    }
+
+    /// Forget `stream`: its owner is destroying it (see
+    /// [`crate::quilt::QuiltAllocator::forget_stream`]).
+    pub(crate) fn forget_stream(
+        &mut self,
+        ctx: &Ctx<'_>,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        if stream == StreamId::DEFAULT {
+            return Err(AllocError::StreamBusy {
+                stream: stream.0,
+                reason: "the default stream cannot be forgotten",
+            });
+        }
+        self.end_deferred_frees(ctx);
+        self.tick += 1;
+        if let Some(i) = self.streams.find(stream) {
+            if self.growables.values().any(|g| g.stream == i) {
+                return Err(AllocError::StreamBusy {
+                    stream: stream.0,
+                    reason: "a live growable buffer grows on it: release the buffer first",
+                });
+            }
+            if self.streams.capturing(ctx.vmm, i, self.tick) {
+                return Err(AllocError::StreamBusy {
+                    stream: stream.0,
+                    reason: "it is capturing a CUDA graph: forget it after the capture ends",
+                });
+            }
+            self.streams.forget(ctx.vmm, i, self.tick)?;
+        }
+        ctx.vmm.forget_stream(stream)?;
+        self.sync_arena_stats(ctx);
+        Ok(())
+    }
+
+    /// The free itself: the block's range becomes free memory (with a
+    /// hazard of its streams' work where several streams exist).
+    fn free_now(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
         let Some(b) = self.blocks.remove(&ptr) else {
             return Err(if self.freed_recent.contains(&ptr) {
                 AllocError::DoubleFree { ptr }
@@ -395,7 +514,7 @@ impl State {
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        let Some(b) = self.blocks.get(&ptr) else {
+        let Some(b) = self.blocks.get(&ptr).filter(|b| !b.freed_in_capture) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
         self.check_arena_awake(b.arena)?;
@@ -409,6 +528,7 @@ impl State {
     /// Release every cached and retired page (synchronising the streams
     /// whose work may still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
+        self.end_deferred_frees(ctx);
         self.tick += 1;
         let r = self
             .reclaim(ctx, u64::MAX, Reclaim::Drain)

@@ -34,6 +34,22 @@
 //! the id once it left its stream's list, and a wait made on its earlier
 //! record keeps waiting for that one. Spares are destroyed at the
 //! allocator's drop ([`Streams::destroy_events`]).
+//!
+//! Stream capture (CUDA graphs): before it records an event on a stream,
+//! synchronises one or makes one wait, the allocator asks whether the
+//! stream is capturing ([`Vmm::stream_is_capturing`], at most once per
+//! stream per operation), and under capture makes only the calls legal
+//! under relaxed capture mode: no event is recorded on a capturing stream
+//! (so none is ever queried that was recorded in a capture), a capturing
+//! stream is never synchronised and never waits for an event (its ordering
+//! after another stream's work is a synchronisation of that other stream,
+//! on the host, instead). Where only such a call would do, the operation
+//! fails with [`capturing`]'s typed error.
+//!
+//! A forgotten stream ([`Streams::forget`]: its owner destroys it) keeps its
+//! index, as a tombstone whose work is all complete: its handle is never
+//! passed to the driver again, and a later stream with the same handle is a
+//! new stream.
 
 use std::collections::VecDeque;
 
@@ -65,6 +81,17 @@ impl Iterator for BitIter {
 #[inline(never)]
 fn event_call_failed(what: &str, err: &VmmError) {
     tracing::warn!(error = %err, "{what} failed");
+}
+
+/// The error of a call that would act on a capturing stream where only a
+/// synchronisation or a wait would do: refused until the capture ends.
+pub(crate) fn capturing(call: quilt_vmm::CallKind, stream: StreamId) -> VmmError {
+    VmmError::InvalidArgument {
+        call,
+        argument: "stream",
+        value: stream.0,
+        rule: "is capturing a CUDA graph: it cannot be synchronised, record events or wait until the capture ends",
+    }
 }
 
 /// Streams polled on each growth path, round robin.
@@ -119,6 +146,13 @@ struct StreamState {
     due_at: u64,
     /// `waited[s]`: this stream has waited for stream `s`'s work up to this tick.
     waited: Vec<u64>,
+    /// The tick at which [`Streams::capturing`] last asked the driver
+    /// (`u64::MAX`: never), and its answer.
+    capture_asked_at: u64,
+    capturing: bool,
+    /// Forgotten ([`Streams::forget`]): a tombstone whose work is all
+    /// complete; its handle is never passed to the driver again.
+    forgotten: bool,
 }
 
 /// Every stream seen, by dense index. See the module documentation.
@@ -166,8 +200,88 @@ impl Streams {
             polled_at: 0,
             due_at: 0,
             waited: Vec::new(),
+            capture_asked_at: u64::MAX,
+            capturing: false,
+            forgotten: false,
         });
         (i, true)
+    }
+
+    /// The index of `id` if it is known (and not forgotten).
+    pub(crate) fn find(&self, id: StreamId) -> Option<u32> {
+        self.index.get(&id).copied()
+    }
+
+    /// Whether stream `i` is capturing a CUDA graph now: asked of the driver
+    /// at most once per operation `tick` (a failed question is logged and
+    /// answered yes: nothing is recorded on, waited by or synchronised on a
+    /// stream that may be capturing). A forgotten stream never captures.
+    pub(crate) fn capturing(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> bool {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return false;
+        };
+        if s.forgotten {
+            return false;
+        }
+        if s.capture_asked_at != tick {
+            s.capturing = match vmm.stream_is_capturing(s.id) {
+                Ok(c) => c,
+                Err(err) => {
+                    event_call_failed("asking whether a stream is capturing", &err);
+                    true
+                }
+            };
+            s.capture_asked_at = tick;
+        }
+        s.capturing
+    }
+
+    /// Whether any stream of `mask` is capturing now (see [`Streams::capturing`]).
+    pub(crate) fn any_capturing(&mut self, vmm: &dyn Vmm, mask: u64, tick: u64) -> bool {
+        for i in self.in_mask(mask) {
+            if self.capturing(vmm, i, tick) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Forget stream `i` (its owner is destroying it): synchronise it once
+    /// (its work, on memory freed or live, is then complete; a capturing
+    /// stream is refused and nothing changes), retire its events, and keep
+    /// it as a tombstone whose work is all complete, under no id: its
+    /// handle is never passed to the driver again, and a later mention of
+    /// the same handle registers a new stream.
+    pub(crate) fn forget(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> Result<(), VmmError> {
+        let Some(id) = self.states.get(i as usize).map(|s| s.id) else {
+            return Ok(());
+        };
+        if self.capturing(vmm, i, tick) {
+            return Err(capturing(quilt_vmm::CallKind::StreamSynchronize, id));
+        }
+        vmm.stream_synchronize(id)?;
+        self.syncs += 1;
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return Ok(());
+        };
+        s.forgotten = true;
+        s.done = u64::MAX;
+        s.due_at = 0;
+        let events: Vec<EventId> = s.events.drain(..).map(|(_, e)| e).collect();
+        for e in events {
+            retire(&mut self.spare, vmm, e);
+        }
+        self.index.remove(&id);
+        if self.recent.is_some_and(|(r, _)| r == id) {
+            self.recent = None;
+        }
+        // Others' waits for it stand for work now complete anyway.
+        Ok(())
+    }
+
+    /// Whether stream `i` was forgotten.
+    pub(crate) fn is_forgotten(&self, i: u32) -> bool {
+        self.states.get(i as usize).is_some_and(|s| s.forgotten)
     }
 
     /// Streams seen so far.
@@ -271,11 +385,14 @@ impl Streams {
     /// failed record is only logged: these events are an optimisation, waits
     /// and synchronisations do without them.
     fn record_progress(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
-        let Some(s) = self.states.get_mut(i as usize) else {
+        let Some(s) = self.states.get(i as usize) else {
             return;
         };
+        if s.forgotten {
+            return; // all its work is complete, and its handle is gone
+        }
         let covered = s.events.back().map_or(s.done, |&(t, _)| t);
-        if s.last_free > covered {
+        if s.last_free > covered && !self.capturing(vmm, i, tick) {
             if let Err(err) = self.record(vmm, i, tick) {
                 event_call_failed("recording a progress event", &err);
             }
@@ -289,6 +406,11 @@ impl Streams {
     /// event is recorded instead.
     fn record(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> Result<EventId, VmmError> {
         let stream = self.id(i);
+        if self.is_forgotten(i) || self.capturing(vmm, i, tick) {
+            // Never reached for a forgotten stream (its work is all done),
+            // and a record on a capturing stream would be a graph node.
+            return Err(capturing(quilt_vmm::CallKind::EventRecord, stream));
+        }
         let e = match self.spare.pop() {
             Some(e) => match vmm.event_record_on(e, stream) {
                 Ok(()) => e,
@@ -347,6 +469,13 @@ impl Streams {
         if self.is_done(s, k) {
             return Ok(false);
         }
+        if self.capturing(vmm, t, tick) {
+            // A capturing stream may not wait for work outside its capture:
+            // make that work complete on the host instead (legal under
+            // relaxed capture when `s` is not capturing itself).
+            self.complete(vmm, s, k, tick)?;
+            return Ok(false);
+        }
         let Some(st) = self.states.get(s as usize) else {
             return Ok(false);
         };
@@ -392,6 +521,12 @@ impl Streams {
         if self.is_done(i, k) {
             return Ok(false);
         }
+        if self.capturing(vmm, i, tick) {
+            return Err(capturing(
+                quilt_vmm::CallKind::StreamSynchronize,
+                self.id(i),
+            ));
+        }
         let Some(s) = self.states.get_mut(i as usize) else {
             return Ok(false);
         };
@@ -403,6 +538,36 @@ impl Streams {
             retire(&mut self.spare, vmm, e);
         }
         Ok(true)
+    }
+
+    /// Synchronise every stream known and not forgotten, so that no work
+    /// may still use the memory (at the allocator's drop, before anything
+    /// is unmapped; a single stream records no events, so pending events
+    /// alone cannot tell which streams have work). A capturing stream cannot
+    /// be synchronised: it is skipped and logged. Returns how many streams
+    /// were synchronised.
+    pub(crate) fn synchronize_all(&mut self, vmm: &dyn Vmm, tick: u64) -> usize {
+        let mut synced = 0;
+        for i in 0..self.states.len() as u32 {
+            if self.is_forgotten(i) {
+                continue;
+            }
+            if self.capturing(vmm, i, tick) {
+                tracing::warn!(
+                    stream = self.id(i).0,
+                    "a stream is capturing at the allocator's drop: not synchronised"
+                );
+                continue;
+            }
+            match vmm.stream_synchronize(self.id(i)) {
+                Ok(()) => {
+                    synced += 1;
+                    self.syncs += 1;
+                }
+                Err(err) => event_call_failed("synchronising a stream at drop", &err),
+            }
+        }
+        synced
     }
 
     /// Destroy every outstanding event and every spare (at the allocator's

@@ -225,6 +225,53 @@ impl SimVmm {
         self.lock().state.complete_stream(stream);
     }
 
+    /// Start capturing `stream` into a graph (as `cuStreamBeginCapture`
+    /// would, in any mode): from now until [`SimVmm::end_capture`],
+    /// [`Vmm::stream_is_capturing`] says so, and the device refuses what
+    /// CUDA forbids under relaxed capture, invalidating the capture: a
+    /// synchronisation of the stream or of the device
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`), a query of an event last
+    /// recorded in the capture (`CUDA_ERROR_CAPTURED_EVENT`), and a wait
+    /// that crosses the capture's edge (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`:
+    /// the capturing stream waiting for an event recorded outside, or a
+    /// stream outside waiting for an event recorded inside). A record on the
+    /// capturing stream is legal: a graph node, not work of the stream, so
+    /// its event never completes by the stream's progress. Not a driver
+    /// call: not counted, costs nothing. An error if the stream is
+    /// capturing already.
+    ///
+    /// ```
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let sim = SimVmm::with_capacity(1 << 30)?;
+    /// let s = StreamId(5);
+    /// sim.begin_capture(s)?;
+    /// assert!(sim.stream_is_capturing(s)?);
+    /// let e = sim.event_record(s)?; // legal: a node of the graph
+    /// assert!(sim.event_query(e).is_err()); // illegal even in relaxed mode
+    /// assert!(sim.end_capture(s).is_err(), "the query invalidated the capture");
+    /// assert!(!sim.stream_is_capturing(s)?);
+    /// assert_eq!(sim.capture_violations(), 1);
+    /// # sim.event_destroy(e)?;
+    /// # Ok::<(), quilt_vmm::VmmError>(())
+    /// ```
+    pub fn begin_capture(&self, stream: StreamId) -> Result<()> {
+        self.lock().state.begin_capture(stream)
+    }
+
+    /// End the capture of `stream` (as `cuStreamEndCapture`): an error if
+    /// it was not capturing, or `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when
+    /// a refused call invalidated it; the capture is over either way.
+    pub fn end_capture(&self, stream: StreamId) -> Result<()> {
+        self.lock().state.end_capture(stream)
+    }
+
+    /// Calls the device refused because of a capture, over its life (each
+    /// also invalidated the capture it broke).
+    pub fn capture_violations(&self) -> u64 {
+        self.lock().state.capture_violations()
+    }
+
     /// Complete every event recorded so far on every stream.
     ///
     /// ```
@@ -501,11 +548,23 @@ impl Vmm for SimVmm {
         })
     }
 
+    /// Refused on a capturing stream (see [`SimVmm::begin_capture`]).
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
         self.call(CallKind::StreamSynchronize, 0, |s| {
-            s.complete_stream(stream);
-            Ok(())
+            s.stream_synchronize(stream)
         })
+    }
+
+    /// Every stream's work completes at once; counted and charged as one
+    /// `cuStreamSynchronize` (one drain). Refused while a stream captures.
+    fn device_synchronize(&self) -> Result<()> {
+        self.call(CallKind::StreamSynchronize, 0, |s| s.device_synchronize())
+    }
+
+    /// As [`SimVmm::begin_capture`] and [`SimVmm::end_capture`] left it.
+    /// Not counted, costs nothing.
+    fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
+        Ok(self.lock().state.is_capturing(stream))
     }
 
     fn driver_stats(&self) -> DriverStats {
@@ -605,6 +664,94 @@ mod tests {
             assert_eq!(d.measured_ns > 0, time_calls, "{d:?}");
             sim.event_destroy(e).unwrap();
             assert!(sim.leak_report().is_empty());
+        }
+    }
+
+    #[test]
+    fn under_capture_the_device_refuses_what_relaxed_mode_forbids() {
+        let sim = SimVmm::with_capacity(1 << 30).unwrap();
+        let (s, other) = (StreamId(1), StreamId(2));
+        let before_capture = sim.event_record(s).unwrap();
+        let outside = sim.event_record(other).unwrap();
+        assert!(!sim.stream_is_capturing(s).unwrap());
+        sim.begin_capture(s).unwrap();
+        assert!(sim.begin_capture(s).is_err(), "capturing already");
+        assert!(sim.stream_is_capturing(s).unwrap());
+        assert!(!sim.stream_is_capturing(other).unwrap());
+        // Legal under relaxed capture: a record (a graph node), a query of an
+        // event recorded before the capture, work on other streams.
+        let inside = sim.event_record(s).unwrap();
+        assert!(!sim.event_query(before_capture).unwrap());
+        sim.stream_synchronize(other).unwrap();
+        assert!(sim.event_query(outside).unwrap());
+        assert_eq!(sim.capture_violations(), 0);
+        sim.end_capture(s).unwrap();
+
+        // Each forbidden call is refused with its code and invalidates the capture.
+        type Forbidden<'a> = Box<dyn Fn(&SimVmm) -> Result<()> + 'a>;
+        let cases: Vec<(Forbidden, u32)> = vec![
+            (Box::new(|v: &SimVmm| v.stream_synchronize(s)), 900),
+            (Box::new(|v: &SimVmm| v.device_synchronize()), 900),
+            (
+                Box::new(|v: &SimVmm| {
+                    let e = v.event_record(s)?;
+                    let r = v.event_query(e).map(drop);
+                    v.event_destroy(e)?;
+                    r
+                }),
+                907,
+            ),
+            (Box::new(|v: &SimVmm| v.stream_wait_event(s, outside)), 905),
+            (
+                Box::new(|v: &SimVmm| {
+                    let e = v.event_record(s)?;
+                    let r = v.stream_wait_event(other, e);
+                    v.event_destroy(e)?;
+                    r
+                }),
+                905,
+            ),
+        ];
+        for (n, (call, code)) in cases.iter().enumerate() {
+            sim.begin_capture(s).unwrap();
+            match call(&sim) {
+                Err(VmmError::Driver { code: got, .. }) => assert_eq!(got, *code, "case {n}"),
+                other => panic!("case {n}: expected a capture error, got {other:?}"),
+            }
+            assert!(
+                matches!(sim.end_capture(s), Err(VmmError::Driver { code: 901, .. })),
+                "case {n}: the capture is invalidated"
+            );
+        }
+        assert_eq!(sim.capture_violations(), cases.len() as u64);
+        // After the capture: an event recorded inside it stays refused until
+        // recorded again outside; synchronisation works again.
+        assert!(sim.event_query(inside).is_err());
+        sim.event_record_on(inside, s).unwrap();
+        sim.stream_synchronize(s).unwrap();
+        assert!(sim.event_query(inside).unwrap());
+        assert!(sim.end_capture(s).is_err(), "not capturing");
+        for e in [before_capture, outside, inside] {
+            sim.event_destroy(e).unwrap();
+        }
+        sim.check_invariants().unwrap();
+        assert!(sim.leak_report().is_empty());
+    }
+
+    #[test]
+    fn a_device_synchronisation_completes_every_stream_and_costs_one_drain() {
+        let sim = SimVmm::with_capacity(1 << 30).unwrap();
+        let events: Vec<EventId> = (1..=3)
+            .map(|s| sim.event_record(StreamId(s)).unwrap())
+            .collect();
+        let before = sim.driver_stats();
+        sim.device_synchronize().unwrap();
+        let d = sim.driver_stats().since(&before);
+        assert_eq!(d.count(CallKind::StreamSynchronize), 1);
+        assert_eq!(d.modelled_ns, sim.config().cost.sync_ns);
+        for e in events {
+            assert!(sim.event_query(e).unwrap());
+            sim.event_destroy(e).unwrap();
         }
     }
 

@@ -57,11 +57,57 @@ struct Stream {
     waits: VecDeque<(u64, StreamId, u64)>,
 }
 
-/// A live event: the `seq`th event recorded on `stream`.
+/// A live event: the `seq`th event recorded on `stream`, or (`captured`)
+/// an event last recorded on `stream` while it was being captured: a node
+/// of the graph, not work of the stream (its `seq` is the stream's last
+/// record before it and means nothing).
 #[derive(Clone, Copy, Debug)]
 struct Event {
     stream: StreamId,
     seq: u64,
+    captured: bool,
+}
+
+/// A `CUresult` of the capture family as the simulated device's error.
+fn capture_error(call: CallKind, code: u32, name: &str, text: &str) -> VmmError {
+    VmmError::Driver {
+        call,
+        code,
+        name: name.to_owned(),
+        text: text.to_owned(),
+    }
+}
+
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: the call is not permitted on a
+/// capturing stream (a synchronisation); the capture is invalidated.
+fn capture_unsupported(call: CallKind) -> VmmError {
+    capture_error(
+        call,
+        900,
+        "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        "operation not permitted when stream is capturing",
+    )
+}
+
+/// `CUDA_ERROR_CAPTURED_EVENT`: the event was last recorded in a capture.
+fn captured_event(call: CallKind) -> VmmError {
+    capture_error(
+        call,
+        907,
+        "CUDA_ERROR_CAPTURED_EVENT",
+        "operation not permitted on an event last recorded in a capturing stream",
+    )
+}
+
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream would depend
+/// on work outside its capture, or a stream outside would join it.
+fn capture_isolation(call: CallKind) -> VmmError {
+    capture_error(
+        call,
+        905,
+        "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+        "dependency created on uncaptured work in another stream",
+    )
 }
 
 /// All of the simulated device's state.
@@ -79,6 +125,11 @@ pub(crate) struct State {
     clock: u64,
     /// Operations after which work queued on a stream completes by itself.
     gpu_lag_ops: u64,
+    /// Streams being captured into a graph, each with whether its capture
+    /// was invalidated (by a call not permitted under capture).
+    capturing: FxHashMap<StreamId, bool>,
+    /// Calls refused because of a capture, over the device's life.
+    capture_violations: u64,
 }
 
 impl State {
@@ -93,6 +144,8 @@ impl State {
             events: EventBook::default(),
             clock: 0,
             gpu_lag_ops,
+            capturing: FxHashMap::default(),
+            capture_violations: 0,
         }
     }
 
@@ -149,7 +202,7 @@ impl State {
     /// unreserved gap after each reservation so no two are ever adjacent.
     pub(crate) fn reserve(&mut self, size: u64, alignment: u64) -> Result<DevicePtr> {
         let alignment = self.ledger.check_reserve(size, alignment)?;
-        let oom = || VmmError::OutOfMemory {
+        let oom = || VmmError::AddressSpaceExhausted {
             call: CallKind::Reserve,
             requested: size,
             available: self.va_limit.saturating_sub(self.ledger.reserved_bytes()),
@@ -342,10 +395,115 @@ impl State {
     }
 
     /// Record an event on `stream`: it reaches the front of the device at
-    /// [`State::ready_time`].
+    /// [`State::ready_time`]. On a capturing stream the record is a node of
+    /// the graph (legal): the event is captured, and querying it or waiting
+    /// for it outside the capture is refused until it is recorded again
+    /// outside a capture.
     pub(crate) fn event_record(&mut self, stream: StreamId) -> EventId {
+        let event = self.next_event(stream);
+        self.events.record(event)
+    }
+
+    /// The event a record on `stream` makes now (see [`State::event_record`]).
+    fn next_event(&mut self, stream: StreamId) -> Event {
+        if self.capturing.contains_key(&stream) {
+            let seq = self.streams.get(&stream).map_or(0, |s| s.recorded);
+            return Event {
+                stream,
+                seq,
+                captured: true,
+            };
+        }
         let seq = self.enqueue(stream);
-        self.events.record(Event { stream, seq })
+        Event {
+            stream,
+            seq,
+            captured: false,
+        }
+    }
+
+    /// Starts capturing `stream` into a graph (`cuStreamBeginCapture`, any
+    /// mode: the simulated device enforces what relaxed mode forbids). An
+    /// error if it is capturing already.
+    pub(crate) fn begin_capture(&mut self, stream: StreamId) -> Result<()> {
+        if self.capturing.contains_key(&stream) {
+            return Err(capture_error(
+                CallKind::StreamSynchronize,
+                900,
+                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                "the stream is already capturing",
+            ));
+        }
+        self.capturing.insert(stream, false);
+        Ok(())
+    }
+
+    /// Ends the capture of `stream` (`cuStreamEndCapture`): an error if it
+    /// was not capturing, or `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` if a
+    /// call not permitted under capture invalidated it (the capture ends
+    /// either way).
+    pub(crate) fn end_capture(&mut self, stream: StreamId) -> Result<()> {
+        match self.capturing.remove(&stream) {
+            None => Err(capture_error(
+                CallKind::StreamSynchronize,
+                906,
+                "CUDA_ERROR_ILLEGAL_STATE",
+                "the stream is not capturing",
+            )),
+            Some(true) => Err(capture_error(
+                CallKind::StreamSynchronize,
+                901,
+                "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+                "capture sequence invalidated by a prohibited operation",
+            )),
+            Some(false) => Ok(()),
+        }
+    }
+
+    /// Whether `stream` is capturing (an invalidated capture, not ended
+    /// yet, included).
+    pub(crate) fn is_capturing(&self, stream: StreamId) -> bool {
+        self.capturing.contains_key(&stream)
+    }
+
+    /// Calls refused because of a capture so far.
+    pub(crate) fn capture_violations(&self) -> u64 {
+        self.capture_violations
+    }
+
+    /// A call not permitted under capture was made on `stream` (when it is
+    /// capturing): its capture is invalidated; returns `error`.
+    fn violation(&mut self, stream: StreamId, error: VmmError) -> VmmError {
+        if let Some(invalidated) = self.capturing.get_mut(&stream) {
+            *invalidated = true;
+        }
+        self.capture_violations += 1;
+        error
+    }
+
+    /// `cuStreamSynchronize`: refused (and the capture invalidated) on a
+    /// capturing stream; otherwise [`State::complete_stream`].
+    pub(crate) fn stream_synchronize(&mut self, stream: StreamId) -> Result<()> {
+        if self.capturing.contains_key(&stream) {
+            return Err(self.violation(stream, capture_unsupported(CallKind::StreamSynchronize)));
+        }
+        self.complete_stream(stream);
+        Ok(())
+    }
+
+    /// `cuCtxSynchronize`: refused (and every capture invalidated) while a
+    /// stream is capturing; otherwise [`State::complete_all`].
+    pub(crate) fn device_synchronize(&mut self) -> Result<()> {
+        if !self.capturing.is_empty() {
+            let streams: Vec<StreamId> = self.capturing.keys().copied().collect();
+            let error = capture_unsupported(CallKind::StreamSynchronize);
+            for stream in streams {
+                let _ = self.violation(stream, error.clone());
+            }
+            return Err(error);
+        }
+        self.complete_all();
+        Ok(())
     }
 
     /// Record the live `event` again, on `stream`: it now stands for the
@@ -356,9 +514,9 @@ impl State {
     pub(crate) fn event_record_on(&mut self, event: EventId, stream: StreamId) -> Result<()> {
         // Checked before queueing anything, so that a bad id changes nothing.
         self.events.get(CallKind::EventRecord, event)?;
-        let seq = self.enqueue(stream);
+        let recorded = self.next_event(stream);
         let e = self.events.get_mut(CallKind::EventRecord, event)?;
-        *e = Event { stream, seq };
+        *e = recorded;
         Ok(())
     }
 
@@ -465,8 +623,14 @@ impl State {
     }
 
     /// `cuEventQuery`.
+    /// An event last recorded in a capture is refused
+    /// (`CUDA_ERROR_CAPTURED_EVENT`, illegal even under relaxed capture),
+    /// and invalidates the capture if it is still under way.
     pub(crate) fn event_query(&mut self, event: EventId) -> Result<bool> {
         let e = *self.events.get(CallKind::EventQuery, event)?;
+        if e.captured {
+            return Err(self.violation(e.stream, captured_event(CallKind::EventQuery)));
+        }
         Ok(self.is_complete(&e))
     }
 
@@ -476,8 +640,25 @@ impl State {
     }
 
     /// `cuStreamWaitEvent`: later work on `stream` is ordered after `event`.
+    /// Refused where capture is concerned unless both sides belong to it:
+    /// a capturing stream waiting for uncaptured work, or a stream outside
+    /// the capture waiting for a captured event (it would join the
+    /// capture), is `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and invalidates
+    /// the capture (the simulated device is strict where CUDA's rules for
+    /// external events depend on flags an allocator does not use).
     pub(crate) fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<()> {
         let e = *self.events.get(CallKind::StreamWaitEvent, event)?;
+        let waiter_captures = self.capturing.contains_key(&stream);
+        if waiter_captures != e.captured {
+            let captured_stream = if waiter_captures { stream } else { e.stream };
+            return Err(self.violation(
+                captured_stream,
+                capture_isolation(CallKind::StreamWaitEvent),
+            ));
+        }
+        if e.captured {
+            return Ok(()); // an edge of the graph: no work of the streams
+        }
         if e.stream != stream && !self.is_complete(&e) {
             let s = self.streams.entry(stream).or_default();
             let position = s.recorded;
@@ -547,6 +728,9 @@ impl State {
             ));
         }
         for (id, e) in self.events.iter() {
+            if e.captured && e.seq == 0 && !self.streams.contains_key(&e.stream) {
+                continue; // captured on a stream that never recorded outside a capture
+            }
             match self.streams.get(&e.stream) {
                 Some(s) if e.seq <= s.recorded && s.completed <= s.recorded => {}
                 _ => return Err(format!("event {} on {:?} is out of order", id.0, e.stream)),

@@ -239,7 +239,11 @@ impl CachingEngine {
         if begin >= end {
             return Ok(());
         }
-        self.vmm.stream_synchronize(seg.stream)?;
+        if !st.forgotten.contains(&seg.stream) {
+            // A forgotten stream's work was made complete when it was
+            // forgotten, and its handle is gone.
+            self.vmm.stream_synchronize(seg.stream)?;
+        }
         let to_release: Vec<Option<PhysHandle>> = (begin..end)
             .map(|i| handles.get(i as usize).copied().flatten())
             .collect();

@@ -62,6 +62,12 @@ macro_rules! delegate_to_engine {
             fn empty_cache(&self) -> Result<(), $crate::error::AllocError> {
                 self.engine.empty_cache()
             }
+            fn forget_stream(
+                &self,
+                stream: quilt_vmm::StreamId,
+            ) -> Result<(), $crate::error::AllocError> {
+                self.engine.forget_stream(stream)
+            }
             fn stats(&self) -> $crate::stats::AllocatorStats {
                 self.engine.stats()
             }
@@ -108,6 +114,11 @@ pub(crate) struct State {
     orphans: Vec<Orphan>,
     /// The report of the last request that ran out of memory.
     last_oom: Option<crate::error::OomReport>,
+    /// Streams forgotten ([`CachingEngine::forget_stream`]) and not named
+    /// again since: never handed to the driver (an expandable segment of
+    /// one is unmapped without synchronising it: its work was made
+    /// complete when it was forgotten).
+    forgotten: std::collections::BTreeSet<StreamId>,
 }
 
 /// A driver resource the allocator no longer uses but could not give back.
@@ -193,6 +204,9 @@ impl CachingEngine {
         check_size(orig)?;
         let mut guard = self.lock()?;
         let st = &mut *guard;
+        if !st.forgotten.is_empty() {
+            st.forgotten.remove(&stream); // named again: a new stream
+        }
         self.process_events(st)?;
         let size = round_size(orig, &self.cfg.divisions);
         let p = Params {
@@ -567,11 +581,58 @@ impl CachingEngine {
         let mut guard = self.lock()?;
         let st = &mut *guard;
         let bid = live_block(st, ptr).map_err(|_| AllocError::UnknownPointer { ptr })?;
+        if !st.forgotten.is_empty() {
+            st.forgotten.remove(&stream); // named again: a new stream
+        }
         let b = &mut st.blocks[bid];
         if b.stream != stream && !b.stream_uses.contains(&stream) {
             b.stream_uses.push(stream);
         }
         Ok(())
+    }
+
+    /// Forget `stream` (its owner is destroying it): synchronise it once,
+    /// complete its deferred frees, drop it from the recorded uses of live
+    /// blocks (their uses on it are complete), and have the backend forget
+    /// it; from then on no call names it (its blocks cached in the pools
+    /// stay, free, for a later stream of the same id; its expandable
+    /// segments are unmapped without synchronising it). The default stream
+    /// cannot be forgotten ([`AllocError::StreamBusy`]).
+    pub fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        if stream == StreamId::DEFAULT {
+            return Err(AllocError::StreamBusy {
+                stream: stream.0,
+                reason: "the default stream cannot be forgotten",
+            });
+        }
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        if st.forgotten.contains(&stream) {
+            return Ok(());
+        }
+        self.vmm.stream_synchronize(stream)?;
+        let mut first_err = None;
+        for (ev, bid) in st.events.remove(&stream).unwrap_or_default() {
+            self.complete_event(st, bid);
+            if let Err(e) = self.vmm.event_destroy(ev) {
+                first_err.get_or_insert(e);
+            }
+        }
+        let users: Vec<BlockId> = st
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.stream_uses.contains(&stream))
+            .map(|(id, _)| id)
+            .collect();
+        for bid in users {
+            st.blocks[bid].stream_uses.retain(|s| *s != stream);
+        }
+        st.forgotten.insert(stream);
+        self.vmm.forget_stream(stream)?;
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     // -------------------------------------------------------- releasing
@@ -611,7 +672,9 @@ impl CachingEngine {
         Ok(())
     }
 
-    /// `release_block`: `cudaFree` a free block that is a whole classic segment.
+    /// `release_block`: `cudaFree` a free block that is a whole classic
+    /// segment, synchronising the device first as `cudaFree` does (one
+    /// [`Vmm::device_synchronize`], counted as one stream synchronisation).
     fn release_block(&self, st: &mut State, bid: BlockId) -> Result<(), AllocError> {
         let b = &st.blocks[bid];
         let seg_id = b.segment;
@@ -620,6 +683,9 @@ impl CachingEngine {
             return Ok(());
         };
         let (base, size, pool, key) = (seg.base, seg.size, b.pool, size_key(b));
+        // `cudaFree` synchronises the device before it frees: no work queued
+        // on any stream may still use the segment when it is unmapped.
+        self.vmm.device_synchronize()?;
         self.vmm.unmap(base, phys_size)?;
         let released = give_back(&*self.vmm, &mut st.orphans, Orphan::Handle(handle));
         let freed = give_back(&*self.vmm, &mut st.orphans, Orphan::Range(base, phys_size));
