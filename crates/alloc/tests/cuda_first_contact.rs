@@ -114,7 +114,10 @@ fn per_thread_default_streams_are_one_stream_per_thread() {
         .unwrap()
     });
     bind_primary();
-    ok(synchronize_context(), "everything queued ran without a fault");
+    ok(
+        synchronize_context(),
+        "everything queued ran without a fault",
+    );
     let bytes = device_bytes(b_ptr, size);
     assert!(
         bytes.iter().all(|b| *b == 0x55),
