@@ -238,6 +238,18 @@ pub extern "C" fn quilt_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     })
 }
 
+/// Quilt forgets `stream` before its owner destroys it (a `torch.cuda.Stream`
+/// or a `CUstream` going away): work pending on it is waited for once, and
+/// its handle is never passed to the driver again. 0 on success; 1 on
+/// error (the default stream, a stream capturing now; see
+/// `quilt_last_error`).
+#[no_mangle]
+pub extern "C" fn quilt_forget_stream(stream: *mut c_void) -> c_int {
+    guard(1, || {
+        library().forget_stream(stream as usize as u64).map(|()| 0)
+    })
+}
+
 /// The share of `device` Quilt may hold, in (0, 1].
 #[no_mangle]
 pub extern "C" fn quilt_set_memory_fraction(fraction: c_double, device: c_int) {

@@ -289,6 +289,25 @@ impl Library {
         }
     }
 
+    /// `quilt_forget_stream`: forgets `stream` on every device created so far: its pending work is
+    /// waited for once, its cached memory becomes plain free memory, and its
+    /// handle is never passed to the driver again (call it before the
+    /// stream is destroyed). The default streams (`NULL`, `0x1`) cannot be
+    /// forgotten; `0x2` is the calling thread's per-thread stream.
+    pub fn forget_stream(&self, stream: u64) -> Result<(), String> {
+        if stream == 0 || stream == 0x1 {
+            return Err(format!(
+                "forget_stream of {stream:#x}: the legacy default stream cannot be forgotten"
+            ));
+        }
+        for d in self.existing() {
+            d.alloc
+                .forget_stream(d.stream(stream))
+                .map_err(|e| format!("forget_stream of {stream:#x} on device {}: {e}", d.index))?;
+        }
+        Ok(())
+    }
+
     /// `quilt_record_stream`: the block at `ptr` is used on `stream` too.
     pub fn record_stream(&self, ptr: DevicePtr, stream: u64) -> Result<(), String> {
         if ptr == 0 {

@@ -11,7 +11,9 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use quilt_torch::ffi::{quilt_free, quilt_malloc, quilt_record_stream, quilt_stats_json};
+use quilt_torch::ffi::{
+    quilt_forget_stream, quilt_free, quilt_malloc, quilt_record_stream, quilt_stats_json,
+};
 
 fn ok(r: sys::CUresult, what: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
@@ -96,10 +98,20 @@ fn client(thread: u8, rounds: usize, legacy: bool) {
         }
         quilt_free(p, size, 0, stream.cast());
     }
-    // SAFETY: the stream made above; all its work is waited for first.
-    unsafe {
-        ok(sys::cuStreamSynchronize(own), "own stream");
-    }
+    // The stream goes: Quilt forgets it first, then it is destroyed, and
+    // the other threads go on (a later use of the dead handle by Quilt would
+    // be CUDA_ERROR_INVALID_HANDLE on the double).
+    assert_eq!(quilt_forget_stream(own.cast()), 0, "{}", last_error());
+    // SAFETY: the stream made above, forgotten by Quilt.
+    ok(
+        unsafe { sys::cuStreamDestroy_v2(own) },
+        "destroy own stream",
+    );
+    assert_ne!(
+        quilt_forget_stream(std::ptr::null_mut()),
+        0,
+        "the legacy stream cannot be forgotten"
+    );
 }
 
 /// The double's rules for these tests.
