@@ -54,18 +54,29 @@ mod cu {
 
     const RTLD_NOW: c_int = 2;
 
+    type MemsetD32Async = unsafe extern "C" fn(u64, c_uint, usize, CuStream) -> CuResult;
+    type MemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, CuStream) -> CuResult;
+    type MemcpyDtoDAsync = unsafe extern "C" fn(u64, u64, usize, CuStream) -> CuResult;
+    type StreamSynchronize = unsafe extern "C" fn(CuStream) -> CuResult;
+    type CtxSynchronize = unsafe extern "C" fn() -> CuResult;
+    type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
+    type PrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult;
+    type PrimaryCtxRelease = unsafe extern "C" fn(c_int) -> CuResult;
+    type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> CuResult;
+    type GetErrorName = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
+
     /// The functions, each as cuda.h declares it.
     pub struct Driver {
-        pub memset_d32_async: unsafe extern "C" fn(u64, c_uint, usize, CuStream) -> CuResult,
-        pub memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, CuStream) -> CuResult,
-        pub memcpy_dtod_async: unsafe extern "C" fn(u64, u64, usize, CuStream) -> CuResult,
-        pub stream_synchronize: unsafe extern "C" fn(CuStream) -> CuResult,
-        pub ctx_synchronize: unsafe extern "C" fn() -> CuResult,
-        pub device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CuResult,
-        pub primary_ctx_retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult,
-        pub primary_ctx_release: unsafe extern "C" fn(c_int) -> CuResult,
-        pub ctx_set_current: unsafe extern "C" fn(*mut c_void) -> CuResult,
-        pub get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+        memset_d32_async: MemsetD32Async,
+        memcpy_dtoh_async: MemcpyDtoHAsync,
+        memcpy_dtod_async: MemcpyDtoDAsync,
+        stream_synchronize: StreamSynchronize,
+        ctx_synchronize: CtxSynchronize,
+        device_get: DeviceGet,
+        primary_ctx_retain: PrimaryCtxRetain,
+        primary_ctx_release: PrimaryCtxRelease,
+        ctx_set_current: CtxSetCurrent,
+        get_error_name: GetErrorName,
     }
 
     /// Looks up `name` in `lib`.
@@ -77,11 +88,11 @@ mod cu {
     }
 
     macro_rules! load {
-        ($lib:expr, $name:literal) => {{
+        ($lib:expr, $name:literal, $ty:ty) => {{
             let p = symbol($lib, $name);
-            // SAFETY: `p` is the driver's function of that name, whose
-            // signature (cuda.h's) is the field's type it is assigned to.
-            unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+            // SAFETY: `p` is the driver's function of that name, and `$ty`
+            // its signature as cuda.h declares it.
+            unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
         }};
     }
 
@@ -100,16 +111,16 @@ mod cu {
                 panic!("dlopen libcuda.so.1: {why:?}");
             }
             Driver {
-                memset_d32_async: load!(lib, c"cuMemsetD32Async"),
-                memcpy_dtoh_async: load!(lib, c"cuMemcpyDtoHAsync_v2"),
-                memcpy_dtod_async: load!(lib, c"cuMemcpyDtoDAsync_v2"),
-                stream_synchronize: load!(lib, c"cuStreamSynchronize"),
-                ctx_synchronize: load!(lib, c"cuCtxSynchronize"),
-                device_get: load!(lib, c"cuDeviceGet"),
-                primary_ctx_retain: load!(lib, c"cuDevicePrimaryCtxRetain"),
-                primary_ctx_release: load!(lib, c"cuDevicePrimaryCtxRelease_v2"),
-                ctx_set_current: load!(lib, c"cuCtxSetCurrent"),
-                get_error_name: load!(lib, c"cuGetErrorName"),
+                memset_d32_async: load!(lib, c"cuMemsetD32Async", MemsetD32Async),
+                memcpy_dtoh_async: load!(lib, c"cuMemcpyDtoHAsync_v2", MemcpyDtoHAsync),
+                memcpy_dtod_async: load!(lib, c"cuMemcpyDtoDAsync_v2", MemcpyDtoDAsync),
+                stream_synchronize: load!(lib, c"cuStreamSynchronize", StreamSynchronize),
+                ctx_synchronize: load!(lib, c"cuCtxSynchronize", CtxSynchronize),
+                device_get: load!(lib, c"cuDeviceGet", DeviceGet),
+                primary_ctx_retain: load!(lib, c"cuDevicePrimaryCtxRetain", PrimaryCtxRetain),
+                primary_ctx_release: load!(lib, c"cuDevicePrimaryCtxRelease_v2", PrimaryCtxRelease),
+                ctx_set_current: load!(lib, c"cuCtxSetCurrent", CtxSetCurrent),
+                get_error_name: load!(lib, c"cuGetErrorName", GetErrorName),
             }
         })
     }
@@ -185,7 +196,12 @@ mod cu {
     pub fn fill(ptr: u64, bytes: u64, value: u32, stream: u64) -> Result<(), String> {
         // SAFETY: no host pointer; the driver checks the device range.
         check("cuMemsetD32Async", unsafe {
-            (driver().memset_d32_async)(ptr, value, (bytes / 4) as usize, stream as usize as CuStream)
+            (driver().memset_d32_async)(
+                ptr,
+                value,
+                (bytes / 4) as usize,
+                stream as usize as CuStream,
+            )
         })
     }
 
@@ -270,28 +286,45 @@ impl Block {
     /// compares it with the pattern last written.
     fn check(&self, stream: StreamId) -> Result<(), String> {
         for (r, (off, bytes)) in regions(self.len).into_iter().enumerate() {
-            let mut out = vec![0u8; bytes as usize];
-            cu::read(self.ptr + off, &mut out, stream.0)
-                .map_err(|e| format!("{}: reading its pattern: {e}", self.what))?;
             let want = word(self.tag, self.ptr, r);
-            if let Some((i, got)) = out
-                .chunks_exact(4)
-                .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
-                .enumerate()
-                .find(|(_, w)| *w != want)
-            {
-                return Err(format!(
-                    "pattern broken: {} ({} bytes at {:#x}, stream {:#x}): byte {:#x} holds {got:#010x}, expected {want:#010x} (tag {})",
+            check_words(self.ptr + off, bytes, want, stream).map_err(|e| {
+                format!(
+                    "{}: {} ({} bytes at {:#x}, stream {:#x}, tag {:#x}): region +{:#x} {e}",
+                    if e.starts_with("holds") {
+                        "pattern broken"
+                    } else {
+                        "pattern unreadable"
+                    },
                     self.what,
                     self.len,
                     self.ptr,
                     self.stream.0,
-                    off + 4 * i as u64,
-                    self.tag
-                ));
-            }
+                    self.tag,
+                    off
+                )
+            })?;
         }
         Ok(())
+    }
+}
+
+/// Reads `bytes` at `ptr` on `stream` (after its earlier work): `Err` with
+/// the first word that is not `want` (`+OFFSET holds X, expected Y`), or
+/// the driver's error.
+fn check_words(ptr: u64, bytes: u64, want: u32, stream: StreamId) -> Result<(), String> {
+    let mut out = vec![0u8; bytes as usize];
+    cu::read(ptr, &mut out, stream.0)?;
+    match out
+        .chunks_exact(4)
+        .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .enumerate()
+        .find(|(_, w)| *w != want)
+    {
+        None => Ok(()),
+        Some((i, got)) => Err(format!(
+            "holds {got:#010x} at +{:#x}, expected {want:#010x}",
+            4 * i
+        )),
     }
 }
 
@@ -346,8 +379,7 @@ fn cuda() -> Arc<CudaVmm> {
 /// then the streams are destroyed and the backend dropped.
 fn finish(alloc: Box<dyn DeviceAllocator>, cuda: Arc<CudaVmm>, streams: Vec<StreamId>) {
     drop(alloc);
-    cu::ctx_synchronize()
-        .unwrap_or_else(|e| panic!("the context after the allocator's drop: {e}"));
+    cu::ctx_synchronize().unwrap_or_else(|e| panic!("the context after the allocator's drop: {e}"));
     for s in streams {
         cuda.destroy_stream(s).unwrap();
     }
@@ -425,7 +457,11 @@ fn replay(
     };
     for (i, e) in trace.events.iter().take(plan.max_events).enumerate() {
         match *e {
-            Event::Alloc { id, size, stream: k } => {
+            Event::Alloc {
+                id,
+                size,
+                stream: k,
+            } => {
                 let k = plan.spread.map_or(k, |n| id % n);
                 let s = stream(k)?;
                 let what = format!("event {i}: allocation {id}");
@@ -500,9 +536,7 @@ fn replay_test(plan: ReplayPlan, make: fn(Arc<dyn Vmm>) -> Box<dyn DeviceAllocat
         stats.num_stream_waits,
         started.elapsed().as_secs_f64()
     );
-    if plan.empty_cache_every.is_some() {
-        assert_eq!(stats.reserved_bytes.current, 0, "empty_cache kept segments");
-    }
+    assert_eq!(stats.reserved_bytes.current, 0, "empty_cache kept segments");
     finish(alloc, cuda, streams.into_values().collect());
 }
 
@@ -556,6 +590,32 @@ fn trace_on_four_streams_on_quilt_keeps_every_pattern_over_the_double() {
     replay_test(plan, quilt);
 }
 
+/// The device 2% above the trace's peak (2,297 MiB live; Quilt reserves
+/// 2,374 MiB at its peak with room): Quilt reclaims cached pages under
+/// queued work (the last uses of blocks freed on every stream) to fit, and
+/// reserves the whole device at its peak.
+#[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
+fn trace_on_four_streams_on_quilt_under_memory_pressure_keeps_every_pattern_over_the_double() {
+    if !quilt_cuda_double::harness::rerun_over_double_with(&[(
+        "QUILT_CUDA_DOUBLE_MEMORY",
+        "2350MiB",
+    )]) {
+        return; // ran over the CUDA double in a child process
+    }
+    let plan = ReplayPlan {
+        trace: TRACE,
+        max_events: usize::MAX,
+        spread: Some(4),
+        empty_cache_every: None,
+        invariants_every: 1,
+    };
+    replay_test(plan, quilt);
+}
+
 #[test]
 #[cfg_attr(
     not(has_shared_traces),
@@ -573,4 +633,311 @@ fn trace_on_classic_with_empty_cache_keeps_every_pattern_over_the_double() {
         invariants_every: 1,
     };
     replay_test(plan, classic);
+}
+
+// --- 2. Offloading: layers prefetched on side streams ------------------------
+
+/// An offloading pipeline (the shape of layer offloading / pipelined
+/// inference): each step consumes one layer's weights on the compute stream.
+/// The weights were prefetched on a side stream (allocated there, the
+/// pattern written there as the host-to-device copy would, an event
+/// recorded); the compute stream waits for that event, reads them, writes
+/// an activation, and writes into the weights (an in-place use still queued
+/// when they are freed); the step's side stream copies the head of the
+/// activation out to its offload slot (after waiting for an event of the
+/// compute stream); both blocks are freed at once, after `record_stream`
+/// for the stream that still uses each; then the next layer is prefetched
+/// on the freed layer's side stream. A prefetcher waits for its copy to
+/// finish (its staging buffer recycled) on odd steps only, so that both
+/// orders of a missing ordering show.
+#[derive(Clone, Copy, Debug)]
+struct Offload {
+    /// Streams: one compute stream and `streams - 1` side streams (the
+    /// layers in flight).
+    streams: usize,
+    /// Layers of the model.
+    layers: usize,
+    /// Passes over the layers.
+    passes: usize,
+    /// The compute stream waits for each prefetch's event (else: broken).
+    wait_for_prefetch: bool,
+    /// `record_stream(weights, compute)` before each layer's free (else: broken).
+    record_weights: bool,
+    /// `record_stream(activation, side stream)` before each activation's
+    /// free (else: broken).
+    record_activations: bool,
+}
+
+/// Bytes of layer `l`'s weights: 3 to 96 MiB, not all page multiples.
+fn layer_size(l: usize) -> u64 {
+    const SIZES_MIB: [u64; 8] = [6, 24, 6, 48, 12, 3, 96, 18];
+    SIZES_MIB[l % SIZES_MIB.len()] * MIB + (l as u64 % 5) * 1000
+}
+
+/// Bytes of step `i`'s activation: 2 to 4 MiB and a few pages.
+fn act_size(i: usize) -> u64 {
+    (2 + i as u64 % 3) * MIB + (i as u64 % 7) * REGION
+}
+
+/// The tag of the content of kind `kind` made at step `i`.
+fn tag(kind: u64, i: usize) -> u64 {
+    (kind << 40) | i as u64
+}
+
+/// What an offloading run did.
+#[derive(Debug, Default)]
+struct OffloadRun {
+    steps: usize,
+    slot_checks: usize,
+    allocator_stream_waits: u64,
+}
+
+/// Prefetches step `i`'s layer on its side stream: the block, and the event
+/// recorded after its pattern.
+fn prefetch(
+    cfg: &Offload,
+    alloc: &dyn DeviceAllocator,
+    cuda: &CudaVmm,
+    sides: &[StreamId],
+    i: usize,
+) -> Result<(Block, quilt_vmm::EventId), String> {
+    let k = i % sides.len();
+    let l = i % cfg.layers;
+    let what = format!("the weights of layer {l} prefetched for step {i} on side stream {k}");
+    let b = allocate(alloc, layer_size(l), sides[k], tag(1, i), what)?;
+    if i % 2 == 1 {
+        cu::stream_synchronize(sides[k].0)?;
+    }
+    let e = cuda
+        .event_record(sides[k])
+        .map_err(|e| format!("event_record: {e}"))?;
+    Ok((b, e))
+}
+
+/// Runs the pipeline `cfg` on `alloc` (streams made by `cuda`, into
+/// `streams`): `Err` with the first broken pattern or driver error.
+fn offload(
+    cfg: &Offload,
+    alloc: &dyn DeviceAllocator,
+    cuda: &CudaVmm,
+    streams: &mut Vec<StreamId>,
+) -> Result<OffloadRun, String> {
+    assert!(
+        cfg.streams >= 2,
+        "a compute stream and a side stream at least"
+    );
+    let stream = |streams: &mut Vec<StreamId>| -> Result<StreamId, String> {
+        let s = cuda
+            .create_stream()
+            .map_err(|e| format!("create_stream: {e}"))?;
+        streams.push(s);
+        Ok(s)
+    };
+    let vmm_err = |what: &str| {
+        let what = what.to_owned();
+        move |e: quilt_vmm::VmmError| format!("{what}: {e}")
+    };
+    let compute = stream(streams)?;
+    let sides = (1..cfg.streams)
+        .map(|_| stream(streams))
+        .collect::<Result<Vec<_>, _>>()?;
+    let n = sides.len();
+    let mut run = OffloadRun::default();
+    // Each side stream's offload slot, and the word its copy must have left.
+    let mut slots = Vec::new();
+    for (k, s) in sides.iter().enumerate() {
+        let what = format!("the offload slot of side stream {k}");
+        slots.push(allocate(alloc, REGION, *s, tag(4, k), what)?);
+    }
+    let mut pending: Vec<Option<(u32, String)>> = vec![None; n];
+    let mut verify_slot = |k: usize, pending: &mut Vec<Option<(u32, String)>>| {
+        let Some((want, what)) = pending[k].take() else {
+            return Ok(());
+        };
+        cu::stream_synchronize(sides[k].0)?;
+        run.slot_checks += 1;
+        check_words(slots[k].ptr, REGION, want, sides[k])
+            .map_err(|e| format!("pattern broken: the offload slot of side stream {k}, holding a copy of {what}: {e}"))
+    };
+    let total = cfg.layers * cfg.passes;
+    let mut weights = HashMap::new();
+    for i in 0..n.min(total) {
+        weights.insert(i, prefetch(cfg, alloc, cuda, &sides, i)?);
+    }
+    for i in 0..total {
+        let k = i % n;
+        let side = sides[k];
+        // The compute stream consumes the layer.
+        let (mut w, ready) = weights.remove(&i).ok_or("no prefetch")?;
+        if cfg.wait_for_prefetch {
+            cuda.stream_wait_event(compute, ready)
+                .map_err(vmm_err("stream_wait_event"))?;
+        }
+        cuda.event_destroy(ready)
+            .map_err(vmm_err("event_destroy"))?;
+        w.check(compute)?;
+        // Its activation, written on the compute stream.
+        let what = format!("the activation of step {i}");
+        let act = allocate(alloc, act_size(i), compute, tag(2, i), what)?;
+        let written = cuda
+            .event_record(compute)
+            .map_err(vmm_err("event_record"))?;
+        // The side stream copies its head out once its slot's last copy is
+        // done.
+        verify_slot(k, &mut pending)?;
+        cuda.stream_wait_event(side, written)
+            .map_err(vmm_err("stream_wait_event"))?;
+        cuda.event_destroy(written)
+            .map_err(vmm_err("event_destroy"))?;
+        cu::copy(slots[k].ptr, act.ptr, REGION, side.0)?;
+        pending[k] = Some((word(act.tag, act.ptr, 0), act.what.clone()));
+        act.check(compute)?;
+        // The compute stream writes into the layer (still queued at its free).
+        w.write(tag(3, i), compute)?;
+        // Both freed, each still used by the other stream.
+        if cfg.record_activations {
+            alloc
+                .record_stream(act.ptr, side)
+                .map_err(|e| format!("record_stream: {e}"))?;
+        }
+        if cfg.record_weights {
+            alloc
+                .record_stream(w.ptr, compute)
+                .map_err(|e| format!("record_stream: {e}"))?;
+        }
+        alloc
+            .free(act.ptr)
+            .map_err(|e| format!("{}: free: {e}", act.what))?;
+        alloc
+            .free(w.ptr)
+            .map_err(|e| format!("{}: free: {e}", w.what))?;
+        // The next layer on this side stream.
+        if i + n < total {
+            weights.insert(i + n, prefetch(cfg, alloc, cuda, &sides, i + n)?);
+        }
+        alloc
+            .check_invariants()
+            .map_err(|e| format!("invariants after step {i}: {e}"))?;
+        run.steps += 1;
+    }
+    for k in 0..n {
+        verify_slot(k, &mut pending)?;
+    }
+    for slot in slots {
+        alloc
+            .free(slot.ptr)
+            .map_err(|e| format!("{}: free: {e}", slot.what))?;
+    }
+    alloc
+        .check_invariants()
+        .map_err(|e| format!("invariants after the last free: {e}"))?;
+    let stats = alloc.stats();
+    if stats.allocated_bytes.current != 0 {
+        return Err(format!(
+            "{} bytes still allocated after every free",
+            stats.allocated_bytes.current
+        ));
+    }
+    run.allocator_stream_waits = stats.num_stream_waits;
+    Ok(run)
+}
+
+/// Runs `cfg` on Quilt over the CUDA backend: the run's result, and on
+/// success the end state is checked as the replays' is ([`finish`]).
+fn offload_on_quilt(cfg: Offload) -> Result<OffloadRun, String> {
+    let started = Instant::now();
+    let cuda = cuda();
+    let alloc = quilt(cuda.clone());
+    let mut streams = Vec::new();
+    let r = offload(&cfg, alloc.as_ref(), &cuda, &mut streams);
+    eprintln!(
+        "offload {cfg:?} on quilt: {r:?}, {} s",
+        started.elapsed().as_secs_f64()
+    );
+    if r.is_ok() {
+        finish(alloc, cuda, streams);
+    } else {
+        // A broken run's end state is not examined.
+        std::mem::forget(alloc);
+        std::mem::forget(cuda);
+    }
+    r
+}
+
+const PIPELINE: Offload = Offload {
+    streams: 4,
+    layers: 24,
+    passes: 3,
+    wait_for_prefetch: true,
+    record_weights: true,
+    record_activations: true,
+};
+
+#[test]
+fn offload_on_four_streams_keeps_every_pattern_on_quilt_over_the_double() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let run = offload_on_quilt(PIPELINE).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(run.steps, 72);
+}
+
+#[test]
+fn offload_on_ten_streams_keeps_every_pattern_on_quilt_over_the_double() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let cfg = Offload {
+        streams: 10,
+        ..PIPELINE
+    };
+    let run = offload_on_quilt(cfg).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(run.steps, 72);
+}
+
+/// The test can fail: without the compute stream's wait for the prefetch,
+/// it reads weights whose copy has not run yet.
+#[test]
+fn offload_without_the_prefetch_wait_is_caught() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let cfg = Offload {
+        wait_for_prefetch: false,
+        ..PIPELINE
+    };
+    let e = offload_on_quilt(cfg).expect_err("a missing wait went unnoticed");
+    assert!(e.starts_with("pattern broken"), "{e}");
+}
+
+/// The test can fail: without `record_stream` for the compute stream, a
+/// freed layer goes to its side stream again while the compute stream's
+/// write into it is still queued.
+#[test]
+fn offload_without_record_stream_for_the_weights_is_caught() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let cfg = Offload {
+        record_weights: false,
+        ..PIPELINE
+    };
+    let e = offload_on_quilt(cfg).expect_err("a missing record_stream went unnoticed");
+    assert!(e.starts_with("pattern broken: the weights"), "{e}");
+}
+
+/// The test can fail: without `record_stream` for the side stream, a freed
+/// activation goes to the compute stream again while the side stream's copy
+/// of it is still queued.
+#[test]
+fn offload_without_record_stream_for_the_activations_is_caught() {
+    if !quilt_cuda_double::harness::rerun_over_double() {
+        return; // ran over the CUDA double in a child process
+    }
+    let cfg = Offload {
+        record_activations: false,
+        ..PIPELINE
+    };
+    let e = offload_on_quilt(cfg).expect_err("a missing record_stream went unnoticed");
+    assert!(e.starts_with("pattern broken: the offload slot"), "{e}");
 }
