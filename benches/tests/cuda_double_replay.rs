@@ -590,6 +590,31 @@ fn trace_on_four_streams_on_quilt_keeps_every_pattern_over_the_double() {
     replay_test(plan, quilt);
 }
 
+/// A large training trace's first 2,000 events (its 326 preexisting
+/// allocations, 13 GiB, among them; 27 GiB live at the end), then every
+/// block still live freed. Not further: the double holds one file
+/// descriptor per physical handle, so `ulimit -n` (20,000 here) times the
+/// 2 MiB granularity bounds its memory.
+#[test]
+#[cfg_attr(
+    not(has_shared_traces),
+    ignore = "needs ../shared/traces/converted (absent when built)"
+)]
+fn large_trace_prefix_on_quilt_keeps_every_pattern_over_the_double() {
+    if !quilt_cuda_double::harness::rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_MEMORY", "80GiB")])
+    {
+        return; // ran over the CUDA double in a child process
+    }
+    let plan = ReplayPlan {
+        trace: "cs336_lm_ctx512_train.trace",
+        max_events: 2000,
+        spread: None,
+        empty_cache_every: None,
+        invariants_every: 1,
+    };
+    replay_test(plan, quilt);
+}
+
 /// The device 2% above the trace's peak (2,297 MiB live; Quilt reserves
 /// 2,374 MiB at its peak with room): Quilt reclaims cached pages under
 /// queued work (the last uses of blocks freed on every stream) to fit, and
