@@ -1360,3 +1360,261 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
         Ok(())
     }))
 }
+
+// --- Per-thread default-stream variants -------------------------------------
+//
+// A client compiled with `CUDA_API_PER_THREAD_DEFAULT_STREAM` (nvcc's
+// `--default-stream per-thread`) calls these names, in which the null stream
+// means the calling thread's per-thread stream (`_ptsz`), and the
+// synchronous calls run on that stream (`_ptds`).
+
+/// The stream a `_ptsz` call means: null is the per-thread stream.
+fn per_thread(stream: Opaque) -> Opaque {
+    if stream.is_null() {
+        STREAM_PER_THREAD as usize as Opaque
+    } else {
+        stream
+    }
+}
+
+/// The per-thread stream, as `_ptds` calls use it.
+fn per_thread_stream() -> Opaque {
+    STREAM_PER_THREAD as usize as Opaque
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2_ptsz(
+    dst: CuDevicePtr,
+    src: *const c_void,
+    len: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemcpyHtoDAsync_v2(dst, src, len, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2_ptsz(
+    dst: *mut c_void,
+    src: CuDevicePtr,
+    len: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemcpyDtoHAsync_v2(dst, src, len, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2_ptsz(
+    dst: CuDevicePtr,
+    src: CuDevicePtr,
+    len: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemcpyDtoDAsync_v2(dst, src, len, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyAsync_ptsz(
+    dst: CuDevicePtr,
+    src: CuDevicePtr,
+    len: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemcpyAsync(dst, src, len, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD8Async_ptsz(
+    dst: CuDevicePtr,
+    value: u8,
+    count: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemsetD8Async(dst, value, count, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD16Async_ptsz(
+    dst: CuDevicePtr,
+    value: u16,
+    count: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemsetD16Async(dst, value, count, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD32Async_ptsz(
+    dst: CuDevicePtr,
+    value: c_uint,
+    count: usize,
+    stream: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuMemsetD32Async(dst, value, count, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamSynchronize_ptsz(stream: Opaque) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamSynchronize(per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamQuery_ptsz(stream: Opaque) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamQuery(per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWaitEvent_ptsz(
+    stream: Opaque,
+    event: Opaque,
+    flags: c_uint,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamWaitEvent(per_thread(stream), event, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventRecord_ptsz(event: Opaque, stream: Opaque) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuEventRecord(event, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(stream: Opaque, mode: c_int) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamBeginCapture_v2(per_thread(stream), mode) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(stream: Opaque, graph: *mut Opaque) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamEndCapture(per_thread(stream), graph) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(stream: Opaque, status: *mut c_int) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamIsCapturing(per_thread(stream), status) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoD_v2_ptds(
+    dst: CuDevicePtr,
+    src: *const c_void,
+    len: usize,
+) -> CuResult {
+    code(queue_to_device(STREAM_PER_THREAD, dst, src, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoH_v2_ptds(
+    dst: *mut c_void,
+    src: CuDevicePtr,
+    len: usize,
+) -> CuResult {
+    code(copy_to_host(STREAM_PER_THREAD, dst, src, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoD_v2_ptds(
+    dst: CuDevicePtr,
+    src: CuDevicePtr,
+    len: usize,
+) -> CuResult {
+    code(queue_device_copy(STREAM_PER_THREAD, dst, src, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpy_ptds(dst: CuDevicePtr, src: CuDevicePtr, len: usize) -> CuResult {
+    code(unified_copy(STREAM_PER_THREAD, dst, src, len))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD8_v2_ptds(dst: CuDevicePtr, value: u8, count: usize) -> CuResult {
+    // SAFETY: the same contract, on the per-thread stream.
+    unsafe { cuMemsetD8Async(dst, value, count, per_thread_stream()) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemsetD32_v2_ptds(
+    dst: CuDevicePtr,
+    value: c_uint,
+    count: usize,
+) -> CuResult {
+    // SAFETY: the same contract, on the per-thread stream.
+    unsafe { cuMemsetD32Async(dst, value, count, per_thread_stream()) }
+}
+
+// --- Names that CUDA 12.8 and 13 headers map to -----------------------------
+
+/// `cuEventElapsedTime_v2` (CUDA 12.8+).
+#[no_mangle]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: Opaque,
+    end: Opaque,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuEventElapsedTime(ms, start, end) }
+}
+
+/// `cuCtxSynchronize_v2(ctx)` (CUDA 13): synchronises `ctx` (null: the
+/// current context).
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: Opaque) -> CuResult {
+    if !ctx.is_null() && state::current() != Some(ctx as usize as u64) {
+        state::push(ctx as usize as u64);
+        let r = code(with_driver(|d| {
+            d.live_context(ctx as usize as u64)?;
+            d.synchronize_context()
+        }));
+        state::pop();
+        return r;
+    }
+    code(with_driver(|d| d.synchronize_context()))
+}
+
+/// `cuCtxGetDevice_v2(device, ctx)` (CUDA 13): the device of `ctx` (null:
+/// the current context).
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetDevice_v2(device: *mut CuDevice, ctx: Opaque) -> CuResult {
+    code(with_driver(|d| {
+        need(device)?;
+        let c = if ctx.is_null() {
+            d.context()?
+        } else {
+            d.live_context(ctx as usize as u64)?
+        };
+        let dev = d
+            .contexts
+            .get(&c)
+            .map(|c| c.device)
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        // SAFETY: checked non-null.
+        unsafe { put(device, dev) };
+        Ok(())
+    }))
+}
+
+/// `cuStreamGetCtx_v2(stream, ctx, green)` (CUDA 12.5+): no green contexts.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetCtx_v2(
+    stream: Opaque,
+    ctx: *mut Opaque,
+    green: *mut Opaque,
+) -> CuResult {
+    if !green.is_null() {
+        // SAFETY: non-null out-pointer of the client.
+        unsafe { put(green, std::ptr::null_mut()) };
+    }
+    // SAFETY: the same contract.
+    unsafe { cuStreamGetCtx(stream, ctx) }
+}

@@ -213,20 +213,22 @@ impl Driver {
         }
     }
 
-    /// `cuMemAddressReserve`. Running out of address space is
+    /// `cuMemAddressReserve` (alignment 0 or a power of two). Running out of address space is
     /// `CUDA_ERROR_OUT_OF_MEMORY`, as on the driver.
     pub fn reserve(&mut self, size: u64, alignment: u64, flags: u64) -> Call<u64> {
         self.forbidden_under_capture()?;
         let g = self.rules.granularity;
-        let alignment = if alignment == 0 { g } else { alignment };
+        // The reference states no rule for an alignment below the
+        // granularity: any power of two is taken, and the granularity is
+        // the least alignment given.
         if flags != 0
             || size == 0
             || !size.is_multiple_of(g)
-            || !alignment.is_power_of_two()
-            || alignment % g != 0
+            || (alignment != 0 && !alignment.is_power_of_two())
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let alignment = alignment.max(g);
         let total = self.memory.reserved.checked_add(size);
         if total.is_none_or(|t| t > self.rules.address_space) {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
