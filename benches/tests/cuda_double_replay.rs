@@ -924,10 +924,10 @@ fn offload_on_ten_streams_keeps_every_pattern_on_quilt_over_the_double() {
     assert_eq!(run.steps, 72);
 }
 
-/// The test can fail: without the compute stream's wait for the prefetch,
-/// it reads weights whose copy has not run yet.
-#[test]
-fn offload_without_the_prefetch_wait_is_caught() {
+/// Runs the pipeline with one ordering left out, over the double only
+/// (on a real GPU whether it shows depends on timing), and checks that the
+/// broken ordering is reported with a message starting `expected`.
+fn caught(cfg: Offload, unnoticed: &str, expected: &str) {
     if !quilt_cuda_double::harness::rerun_over_double() {
         return; // ran over the CUDA double in a child process
     }
@@ -935,12 +935,22 @@ fn offload_without_the_prefetch_wait_is_caught() {
         eprintln!("{REAL_DRIVER_SKIP}");
         return;
     }
-    let cfg = Offload {
-        wait_for_prefetch: false,
-        ..PIPELINE
-    };
-    let e = offload_on_quilt(cfg).expect_err("a missing wait went unnoticed");
-    assert!(e.starts_with("pattern broken"), "{e}");
+    let e = offload_on_quilt(cfg).expect_err(unnoticed);
+    assert!(e.starts_with(expected), "{e}");
+}
+
+/// The test can fail: without the compute stream's wait for the prefetch,
+/// it reads weights whose copy has not run yet.
+#[test]
+fn offload_without_the_prefetch_wait_is_caught() {
+    caught(
+        Offload {
+            wait_for_prefetch: false,
+            ..PIPELINE
+        },
+        "a missing wait went unnoticed",
+        "pattern broken",
+    );
 }
 
 /// The test can fail: without `record_stream` for the compute stream, a
@@ -948,19 +958,14 @@ fn offload_without_the_prefetch_wait_is_caught() {
 /// write into it is still queued.
 #[test]
 fn offload_without_record_stream_for_the_weights_is_caught() {
-    if !quilt_cuda_double::harness::rerun_over_double() {
-        return; // ran over the CUDA double in a child process
-    }
-    if quilt_cuda_double::harness::real_driver() {
-        eprintln!("{REAL_DRIVER_SKIP}");
-        return;
-    }
-    let cfg = Offload {
-        record_weights: false,
-        ..PIPELINE
-    };
-    let e = offload_on_quilt(cfg).expect_err("a missing record_stream went unnoticed");
-    assert!(e.starts_with("pattern broken: the weights"), "{e}");
+    caught(
+        Offload {
+            record_weights: false,
+            ..PIPELINE
+        },
+        "a missing record_stream went unnoticed",
+        "pattern broken: the weights",
+    );
 }
 
 /// The test can fail: without `record_stream` for the side stream, a freed
@@ -968,17 +973,12 @@ fn offload_without_record_stream_for_the_weights_is_caught() {
 /// of it is still queued.
 #[test]
 fn offload_without_record_stream_for_the_activations_is_caught() {
-    if !quilt_cuda_double::harness::rerun_over_double() {
-        return; // ran over the CUDA double in a child process
-    }
-    if quilt_cuda_double::harness::real_driver() {
-        eprintln!("{REAL_DRIVER_SKIP}");
-        return;
-    }
-    let cfg = Offload {
-        record_activations: false,
-        ..PIPELINE
-    };
-    let e = offload_on_quilt(cfg).expect_err("a missing record_stream went unnoticed");
-    assert!(e.starts_with("pattern broken: the offload slot"), "{e}");
+    caught(
+        Offload {
+            record_activations: false,
+            ..PIPELINE
+        },
+        "a missing record_stream went unnoticed",
+        "pattern broken: the offload slot",
+    );
 }
