@@ -147,6 +147,15 @@ impl Memory {
         true
     }
 
+    /// A handle with a reference not released yet (`CUDA_ERROR_INVALID_VALUE`
+    /// for any other: unknown, or released while still mapped).
+    fn live_handle(&self, handle: u64) -> Call<&Handle> {
+        self.handles
+            .get(&handle)
+            .filter(|h| h.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    }
+
     /// Frees a handle whose last reference and last mapping are gone.
     fn settle(&mut self, handle: u64) {
         if let Some(h) = self.handles.get(&handle) {
@@ -306,12 +315,7 @@ impl Driver {
     /// `cuMemMap`.
     pub fn map(&mut self, ptr: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Call<()> {
         self.forbidden_under_capture()?;
-        let h = self
-            .memory
-            .handles
-            .get(&handle)
-            .filter(|h| h.references > 0)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let h = self.memory.live_handle(handle)?;
         let g = self.granularity_for(h.types, true);
         let fits = offset.checked_add(size).is_some_and(|e| e <= h.size);
         let whole = offset == 0 && size == h.size;
@@ -442,12 +446,7 @@ impl Driver {
     /// `cuMemExportToShareableHandle` as a POSIX file descriptor (the only
     /// shareable type the double has); the handle must have asked for it.
     pub fn export(&self, handle: u64, kind: c_int, flags: u64) -> Call<OwnedFd> {
-        let h = self
-            .memory
-            .handles
-            .get(&handle)
-            .filter(|h| h.references > 0)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let h = self.memory.live_handle(handle)?;
         if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -503,12 +502,7 @@ impl Driver {
 
     /// `cuMemGetAllocationPropertiesFromHandle`.
     pub fn handle_prop(&self, handle: u64) -> Call<MemAllocationProp> {
-        let h = self
-            .memory
-            .handles
-            .get(&handle)
-            .filter(|h| h.references > 0)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let h = self.memory.live_handle(handle)?;
         Ok(MemAllocationProp {
             type_: ALLOCATION_TYPE_PINNED,
             requested_handle_types: h.types,
