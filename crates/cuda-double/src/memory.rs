@@ -11,11 +11,45 @@ use crate::os;
 use crate::rules::Rules;
 use crate::state::{Call, Driver};
 
+/// Where a handle's bytes live: a memory file of its own (shareable and
+/// imported handles: the file is what a POSIX descriptor exports), or a
+/// range of its device's arena file (every other handle: one descriptor per
+/// device, so the process's descriptor limit does not cap device memory).
+pub enum Backing {
+    /// A memory file of its own.
+    Own(OwnedFd),
+    /// A range of the device's arena file.
+    Arena(offset_allocator::Allocation),
+}
+
+impl std::fmt::Debug for Backing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backing::Own(file) => f.debug_tuple("Own").field(file).finish(),
+            Backing::Arena(range) => f.debug_tuple("Arena").field(&range.offset).finish(),
+        }
+    }
+}
+
+/// A device's arena file and the ranges of it in use, in granules.
+pub struct Arena {
+    file: OwnedFd,
+    ranges: offset_allocator::Allocator,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("file", &self.file)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A physical allocation (`CUmemGenericAllocationHandle`).
 #[derive(Debug)]
 pub struct Handle {
-    /// Its memory file.
-    pub file: OwnedFd,
+    /// Where its bytes live.
+    pub backing: Backing,
     /// Its size in bytes.
     pub size: u64,
     /// The device it lives on.
@@ -67,10 +101,14 @@ pub struct Memory {
     /// Access granted to each device (`CUmemAccess_flags`), by granule
     /// (`granule`-aligned start) of mapped memory; absent: none.
     pub access: BTreeMap<u64, Vec<c_int>>,
-    /// The unit of access: the smallest granularity.
+    /// The unit of access and of arena ranges: the smallest granularity.
     pub granule: u64,
+    /// Each device's arena file, made at its first plain create.
+    pub arenas: BTreeMap<CuDevice, Arena>,
     /// Bytes of physical memory in use on each device.
     pub used: Vec<u64>,
+    /// Bytes of memory of each device.
+    pub capacity: u64,
 }
 
 impl Memory {
@@ -78,6 +116,7 @@ impl Memory {
     pub fn new(rules: &Rules) -> Memory {
         Memory {
             used: vec![0; rules.devices.max(0) as usize],
+            capacity: rules.memory,
             granule: rules.granularity.min(rules.shareable_granularity),
             ..Memory::default()
         }
@@ -147,6 +186,62 @@ impl Memory {
         true
     }
 
+    /// Bytes for a new handle of `size` on `device`: a file of its own for a
+    /// shareable handle, else a range of the device's arena (a file of its
+    /// own where the arena has no room left in one piece).
+    fn back(&mut self, size: u64, device: CuDevice, shareable: bool) -> Call<Backing> {
+        let own = || {
+            os::backing(size)
+                .map(Backing::Own)
+                .ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+        };
+        if shareable {
+            return own();
+        }
+        let granule = self.granule;
+        let Ok(units) = u32::try_from(size / granule) else {
+            return own();
+        };
+        if !self.arenas.contains_key(&device) {
+            // Twice the device's memory, sparse: room for its ranges to
+            // fragment without refusing what the device still has.
+            let span = self.capacity.saturating_mul(2);
+            let Ok(total) = u32::try_from(span / granule) else {
+                return own();
+            };
+            let Some(file) = os::backing(total as u64 * granule) else {
+                return own();
+            };
+            self.arenas.insert(
+                device,
+                Arena {
+                    file,
+                    ranges: offset_allocator::Allocator::new(total),
+                },
+            );
+        }
+        match self
+            .arenas
+            .get_mut(&device)
+            .and_then(|a| a.ranges.allocate(units))
+        {
+            Some(range) => Ok(Backing::Arena(range)),
+            None => own(),
+        }
+    }
+
+    /// The file holding a handle's bytes and where they start in it (an
+    /// arena is never removed, so an arena handle always finds its file).
+    fn file_of<'a>(&'a self, h: &'a Handle) -> Option<(&'a OwnedFd, u64)> {
+        match &h.backing {
+            Backing::Own(file) => Some((file, 0)),
+            Backing::Arena(range) => self
+                .arenas
+                .get(&h.device)
+                .map(|a| (&a.file, u64::from(range.offset) * self.granule)),
+        }
+    }
+
     /// A handle with a reference not released yet (`CUDA_ERROR_INVALID_VALUE`
     /// for any other: unknown, or released while still mapped).
     fn live_handle(&self, handle: u64) -> Call<&Handle> {
@@ -165,7 +260,20 @@ impl Memory {
                         *u -= h.size;
                     }
                 }
-                self.handles.remove(&handle);
+                if let Some(Handle {
+                    backing: Backing::Arena(range),
+                    device,
+                    size,
+                    ..
+                }) = self.handles.remove(&handle)
+                {
+                    if let Some(a) = self.arenas.get_mut(&device) {
+                        // The bytes go back to the system, as a freed
+                        // allocation's do.
+                        os::discard(&a.file, u64::from(range.offset) * self.granule, size);
+                        a.ranges.free(range);
+                    }
+                }
             }
         }
     }
@@ -279,12 +387,12 @@ impl Driver {
         if used.checked_add(size).is_none_or(|u| u > self.rules.memory) {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let file = os::backing(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let backing = self.memory.back(size, device, types != 0)?;
         let id = self.new_handle();
         self.memory.handles.insert(
             id,
             Handle {
-                file,
+                backing,
                 size,
                 device,
                 types,
@@ -342,7 +450,8 @@ impl Driver {
         if overlaps {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if !os::map(ptr, size, &h.file, offset) {
+        let (file, base) = self.memory.file_of(h).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if !os::map(ptr, size, file, base + offset) {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         if let Some(h) = self.memory.handles.get_mut(&handle) {
@@ -456,7 +565,10 @@ impl Driver {
         if h.types & HANDLE_TYPE_POSIX_FD == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        h.file.try_clone().map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)
+        match &h.backing {
+            Backing::Own(file) => file.try_clone().map_err(|_| CUDA_ERROR_OUT_OF_MEMORY),
+            Backing::Arena(_) => Err(CUDA_ERROR_INVALID_VALUE),
+        }
     }
 
     /// `cuMemImportFromShareableHandle` of a POSIX file descriptor (kept:
@@ -470,7 +582,7 @@ impl Driver {
         self.memory.handles.insert(
             id,
             Handle {
-                file,
+                backing: Backing::Own(file),
                 size,
                 device,
                 types: HANDLE_TYPE_POSIX_FD,

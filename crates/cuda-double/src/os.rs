@@ -6,7 +6,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 
-use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
+use rustix::fs::{fallocate, fstat, ftruncate, memfd_create, FallocateFlags, MemfdFlags};
 use rustix::mm::{mmap, mmap_anonymous, mprotect, munmap, MapFlags, MprotectFlags, ProtFlags};
 
 /// Reserves `size` bytes of address space aligned to `align` (a power of
@@ -53,6 +53,17 @@ pub fn backing(size: u64) -> Option<OwnedFd> {
     let fd = memfd_create("quilt-cuda-double", MemfdFlags::CLOEXEC).ok()?;
     ftruncate(&fd, size).ok()?;
     Some(fd)
+}
+
+/// Gives the memory behind `[offset, offset + len)` of a memory file back
+/// to the system (the range reads as zeros afterwards).
+pub fn discard(fd: &impl AsFd, offset: u64, len: u64) {
+    let _ = fallocate(
+        fd,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        offset,
+        len,
+    );
 }
 
 /// The size of a memory file (an imported handle's real size).

@@ -1830,3 +1830,47 @@ fn the_driver_version_is_configurable_and_needs_no_init() {
     }
     assert_eq!((before, after), (12040, 12040));
 }
+
+/// Plain handles share one arena file per device, so a device holds more
+/// handles than the process may open descriptors (80 GiB in 2 MiB pages:
+/// 40,960 handles), and each keeps its own bytes.
+#[test]
+fn plain_handles_do_not_take_a_descriptor_each() {
+    if !over_double(&[("QUILT_CUDA_DOUBLE_MEMORY", "80GiB")]) {
+        return;
+    }
+    setup();
+    let hs: Vec<u64> = (0..40_960).map(|_| create(G)).collect();
+    assert_eq!(mem_info().unwrap().0, 0, "the whole device is in handles");
+    assert_eq!(create_with(G, false), Err(CUDA_ERROR_OUT_OF_MEMORY));
+    // Two of them mapped side by side hold their own bytes.
+    let va = reserve_aligned(2 * G, 0).unwrap();
+    for (i, h) in [hs[7], hs[40_000]].iter().enumerate() {
+        let at = va + (i * G) as u64;
+        // SAFETY: a live handle mapped whole into the reservation.
+        unsafe {
+            assert_eq!(sys::cuMemMap(at, G, 0, *h, 0), CUDA_SUCCESS);
+        }
+    }
+    set_access(
+        va,
+        2 * G,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    )
+    .unwrap();
+    // SAFETY: both pages are mapped with read-write access; on the double
+    // device memory is host memory.
+    unsafe {
+        std::ptr::write_bytes(va as usize as *mut u8, 0x11, G);
+        std::ptr::write_bytes((va as usize + G) as *mut u8, 0x22, G);
+        assert_eq!(*(va as usize as *const u8), 0x11);
+        assert_eq!(*((va as usize + 2 * G - 1) as *const u8), 0x22);
+        assert_eq!(sys::cuMemUnmap(va, G), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemUnmap(va + G as u64, G), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(va, 2 * G), CUDA_SUCCESS);
+    }
+    for h in hs {
+        release(h).unwrap();
+    }
+    assert_eq!(mem_info().unwrap().0, 80usize << 30);
+}
