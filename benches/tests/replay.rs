@@ -441,6 +441,9 @@ impl DeviceAllocator for Probe {
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
         self.inner.record_stream(ptr, stream)
     }
+    fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        self.inner.reset_peak_stats()
+    }
     fn empty_cache(&self) -> Result<(), AllocError> {
         self.inner.empty_cache()
     }

@@ -66,6 +66,7 @@ __all__ = [
     "memory_reserved",
     "max_memory_reserved",
     "reset_peak_memory_stats",
+    "forget_stream",
     "memory_summary",
     "dump_snapshot",
     "last_error",
@@ -141,6 +142,10 @@ def _declare(lib):
         "quilt_empty_cache": ([], None),
         # void quilt_record_stream(void* ptr, void* stream)
         "quilt_record_stream": ([vp, vp], None),
+        # int quilt_reset_peak_stats(int device)
+        "quilt_reset_peak_stats": ([i32], i32),
+        # int quilt_forget_stream(void* stream)
+        "quilt_forget_stream": ([vp], i32),
         # void quilt_set_memory_fraction(double fraction, int device)
         "quilt_set_memory_fraction": ([ctypes.c_double, i32], None),
         # size_t quilt_stats_json(int device, char* buf, size_t len)
@@ -605,18 +610,28 @@ def max_memory_reserved(device=None):
 
 
 def reset_peak_memory_stats(device=None):
-    """Not available: Quilt's allocator keeps its peaks from its creation
-    (quilt-alloc exposes no reset).
+    """Set every peak of ``device``'s statistics to its current value, as
+    ``torch.cuda.reset_peak_memory_stats()`` does for torch's own allocator.
 
     Raises:
-        QuiltError: always, saying so; read :func:`max_memory_allocated`
-            before and after the region instead.
+        QuiltError: where Quilt refuses (a bad configuration).
     """
-    raise QuiltError(
-        "quilt_torch.reset_peak_memory_stats(): Quilt keeps its peaks since the "
-        "allocator was created and cannot reset them; compare "
-        "max_memory_allocated() before and after instead"
+    _check(
+        _library().quilt_reset_peak_stats(_device_index(device)),
+        "quilt_reset_peak_stats",
     )
+
+
+def forget_stream(stream):
+    """Make Quilt forget ``stream`` (a ``torch.cuda.Stream`` or a raw
+    ``CUstream`` as an int) before it is destroyed: work pending on it is
+    waited for once, and its handle is never passed to the driver again.
+
+    Raises:
+        QuiltError: for the default stream, or a stream capturing now.
+    """
+    raw = getattr(stream, "cuda_stream", stream)
+    _check(_library().quilt_forget_stream(ctypes.c_void_p(int(raw))), "quilt_forget_stream")
 
 
 def last_error():

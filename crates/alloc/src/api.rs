@@ -93,6 +93,10 @@ pub trait DeviceAllocator: Send + Sync {
     /// Statistics, in PyTorch's vocabulary.
     fn stats(&self) -> AllocatorStats;
 
+    /// Sets every peak of [`DeviceAllocator::stats`] to its current value
+    /// (`torch.cuda.reset_peak_memory_stats`).
+    fn reset_peak_stats(&self) -> Result<(), AllocError>;
+
     /// Segments and blocks as they stand now.
     fn snapshot(&self) -> MemorySnapshot;
 

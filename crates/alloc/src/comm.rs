@@ -473,6 +473,11 @@ impl DeviceAllocator for CommAllocator {
         self.release_cached(&mut st)
     }
 
+    fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        self.lock()?.stats.reset_peaks();
+        Ok(())
+    }
+
     fn stats(&self) -> AllocatorStats {
         let mut s = match self.state.lock() {
             Ok(st) => st.stats.clone(),

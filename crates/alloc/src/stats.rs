@@ -37,6 +37,25 @@ impl Stat {
     }
 }
 
+impl AllocatorStats {
+    /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peaks(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+        ] {
+            s.reset_peak();
+        }
+    }
+}
+
 /// Allocator statistics. Names follow `torch.cuda.memory_stats()`:
 /// - *allocated*: bytes and blocks handed out to live allocations (rounded sizes);
 /// - *requested*: the bytes the caller asked for, before rounding;

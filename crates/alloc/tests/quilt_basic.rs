@@ -1550,3 +1550,48 @@ fn a_failed_record_of_a_spare_event_falls_back_to_a_new_one() {
     drop(a);
     assert!(sim.leak_report().is_empty(), "{:?}", sim.leak_report());
 }
+
+/// `reset_peak_stats` sets every peak to its current value, on Quilt and on
+/// the caching baseline, and the peaks climb again from there.
+#[test]
+fn resetting_the_peaks_starts_them_from_now() {
+    use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    let allocators: Vec<Box<dyn DeviceAllocator>> = vec![
+        Box::new(
+            QuiltAllocator::new(
+                Arc::new(SimVmm::with_capacity(1 << 30).unwrap()),
+                QuiltConfig::default(),
+            )
+            .unwrap(),
+        ),
+        Box::new(
+            ClassicAllocator::new(
+                Arc::new(SimVmm::with_capacity(1 << 30).unwrap()),
+                ClassicConfig::default(),
+            )
+            .unwrap(),
+        ),
+    ];
+    for a in allocators {
+        let big = a.allocate(64 << 20, StreamId::DEFAULT).unwrap();
+        let small = a.allocate(1 << 20, StreamId::DEFAULT).unwrap();
+        a.free(big.ptr).unwrap();
+        let before = a.stats();
+        assert!(before.allocated_bytes.peak >= 65 << 20, "{}", a.name());
+        a.reset_peak_stats().unwrap();
+        let after = a.stats();
+        assert_eq!(
+            after.allocated_bytes.peak,
+            after.allocated_bytes.current,
+            "{}",
+            a.name()
+        );
+        assert_eq!(after.allocation.peak, 1, "{}", a.name());
+        assert!(after.allocated_bytes.peak < before.allocated_bytes.peak);
+        let again = a.allocate(2 << 20, StreamId::DEFAULT).unwrap();
+        assert!(a.stats().allocated_bytes.peak >= after.allocated_bytes.current + (2 << 20));
+        a.free(again.ptr).unwrap();
+        a.free(small.ptr).unwrap();
+        a.check_invariants().unwrap();
+    }
+}

@@ -250,6 +250,14 @@ pub extern "C" fn quilt_forget_stream(stream: *mut c_void) -> c_int {
     })
 }
 
+/// Sets every peak of `device`'s statistics to its current value (what
+/// `torch.cuda.reset_peak_memory_stats` does). 0 on success, 1 on error
+/// (see `quilt_last_error`).
+#[no_mangle]
+pub extern "C" fn quilt_reset_peak_stats(device: c_int) -> c_int {
+    guard(1, || library().reset_peak_stats(device).map(|()| 0))
+}
+
 /// The share of `device` Quilt may hold, in (0, 1].
 #[no_mangle]
 pub extern "C" fn quilt_set_memory_fraction(fraction: c_double, device: c_int) {

@@ -9,6 +9,7 @@
 //! void   quilt_empty_cache(void);
 //! void   quilt_record_stream(void* ptr, void* stream);
 //! int    quilt_forget_stream(void* stream);     // before the stream is destroyed
+//! int    quilt_reset_peak_stats(int device);
 //! void   quilt_set_memory_fraction(double fraction, int device);
 //! size_t quilt_stats_json(int device, char* buf, size_t len);
 //! size_t quilt_last_error(char* buf, size_t len);

@@ -347,6 +347,16 @@ impl Library {
         }
     }
 
+    /// `quilt_reset_peak_stats`: every peak of `device`'s statistics set to
+    /// its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self, device: i32) -> Result<(), String> {
+        let d = self.device(device)?;
+        d.alloc.reset_peak_stats().map_err(|e| e.to_string())?;
+        let (_, segments, _) = d.memory();
+        d.segment_peak.store(segments, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// `quilt_stats_json`: the statistics of `device`, as JSON text.
     pub fn stats_json(&self, device: i32) -> Result<String, String> {
         let conf = self.conf()?;

@@ -382,6 +382,11 @@ impl DeviceAllocator for OffsetAllocator {
         self.process_events(&mut guard, true)
     }
 
+    fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        self.lock()?.stats.reset_peaks();
+        Ok(())
+    }
+
     fn stats(&self) -> AllocatorStats {
         let mut s = match self.state.lock() {
             Ok(st) => st.stats.clone(),

@@ -292,6 +292,14 @@ impl DeviceAllocator for QuiltAllocator {
         self.lock()?.empty_cache(&ctx)
     }
 
+    fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        let ctx = self.ctx();
+        let mut st = self.lock()?;
+        st.sync_stats(&ctx);
+        st.stats.reset_peaks();
+        Ok(())
+    }
+
     fn stats(&self) -> AllocatorStats {
         let ctx = self.ctx();
         let mut s = match self.lock() {

@@ -71,6 +71,9 @@ macro_rules! delegate_to_engine {
             fn stats(&self) -> $crate::stats::AllocatorStats {
                 self.engine.stats()
             }
+            fn reset_peak_stats(&self) -> Result<(), $crate::error::AllocError> {
+                self.engine.reset_peak_stats()
+            }
             fn snapshot(&self) -> $crate::snapshot::MemorySnapshot {
                 self.engine.snapshot()
             }
@@ -799,6 +802,12 @@ impl CachingEngine {
     }
 
     // ------------------------------------------------------------ reports
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        self.lock()?.stats.reset_peaks();
+        Ok(())
+    }
 
     /// Statistics, with the driver's counters.
     pub fn stats(&self) -> AllocatorStats {
