@@ -450,6 +450,27 @@ fn allocation_prop(ordinal: c_int) -> sys::CUmemAllocationProp {
     }
 }
 
+/// `CU_MEM_ALLOC_GRANULARITY_MINIMUM`.
+const MINIMUM: sys::CUmemAllocationGranularity_flags =
+    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+
+/// `cuMemGetAllocationGranularity` of `prop` with `flag`. The caller has
+/// made a context current.
+fn allocation_granularity(
+    prop: &sys::CUmemAllocationProp,
+    flag: sys::CUmemAllocationGranularity_flags,
+) -> std::result::Result<usize, sys::CUresult> {
+    let mut granularity: usize = 0;
+    // SAFETY: a valid out-pointer and a fully initialised `prop` that lives
+    // across the call.
+    let r = unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, prop, flag) };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(granularity)
+    } else {
+        Err(r)
+    }
+}
+
 /// Allocation properties for `props` on device `ordinal`:
 /// `requestedHandleTypes` as CUDA's bit set, `gpuDirectRDMACapable` as asked.
 fn allocation_prop_with(ordinal: c_int, props: CreateProps) -> sys::CUmemAllocationProp {
@@ -585,36 +606,19 @@ impl CudaVmm {
         let _current = CurrentContext::enter(context.as_raw())
             .map_err(|r| setup_error("cuCtxPushCurrent", r))?;
         let prop = allocation_prop(ordinal_c);
-        let mut granularity: usize = 0;
-        // SAFETY: valid out-pointer and a fully initialised `prop` that lives
-        // across the call.
-        check_setup("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut granularity,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
+        let granularity = allocation_granularity(&prop, MINIMUM)
+            .map_err(|r| setup_error("cuMemGetAllocationGranularity", r))?;
         if !granularity.is_power_of_two() {
             return Err(VmmError::Unavailable {
                 reason: format!("granularity {granularity} is not a power of two"),
             });
         }
         let granularity = granularity as u64;
-        let mut recommended: usize = 0;
-        // SAFETY: as above, with the RECOMMENDED flag.
-        let recommended = match unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut recommended,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-            )
-        } {
-            sys::CUresult::CUDA_SUCCESS
-                if recommended.is_power_of_two() && recommended as u64 >= granularity =>
-            {
-                recommended as u64
-            }
+        let recommended = match allocation_granularity(
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        ) {
+            Ok(r) if r.is_power_of_two() && r as u64 >= granularity => r as u64,
             _ => granularity,
         };
         use sys::CUdevice_attribute as A;
@@ -680,16 +684,8 @@ impl CudaVmm {
         let call = CallKind::Create;
         let prop = allocation_prop_with(self.ordinal_c(), props);
         let _context = self.bind(call)?;
-        let mut granularity: usize = 0;
-        // SAFETY: valid out-pointer and a fully initialised `prop` that lives
-        // across the call; the context is current.
-        check(call, unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut granularity,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
+        let granularity =
+            allocation_granularity(&prop, MINIMUM).map_err(|r| driver_error(call, r))?;
         if !granularity.is_power_of_two() {
             return Err(VmmError::InvalidArgument {
                 call,
