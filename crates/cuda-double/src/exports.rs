@@ -12,7 +12,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::os::fd::{BorrowedFd, IntoRawFd};
 
 use crate::abi::*;
-use crate::state::{self, with_driver, Call};
+use crate::state::{self, with_driver, Call, Driver};
 use crate::work::Op;
 
 fn code(r: Call<()>) -> CuResult {
@@ -39,6 +39,24 @@ fn need<T>(p: *const T) -> Call<()> {
 unsafe fn put<T>(p: *mut T, v: T) {
     // SAFETY: the caller's contract; checked non-null before.
     unsafe { p.write(v) }
+}
+
+/// Runs `f` on the driver and writes its value through `out`: the shape of
+/// every call that answers through one out-pointer. A null `out` is
+/// `CUDA_ERROR_INVALID_VALUE` before `f` runs, so a refused call changes
+/// nothing.
+///
+/// # Safety
+///
+/// `out` is null or valid for a write of `T`.
+unsafe fn answer<T>(out: *mut T, f: impl FnOnce(&mut Driver) -> Call<T>) -> CuResult {
+    code(with_driver(|d| {
+        need(out)?;
+        let v = f(d)?;
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe { put(out, v) };
+        Ok(())
+    }))
 }
 
 // --- Initialisation, version, errors -------------------------------------
@@ -110,23 +128,19 @@ pub unsafe extern "C" fn cuGetErrorString(error: CuResult, out: *mut *const c_ch
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
-    code(with_driver(|d| {
-        need(count)?;
-        // SAFETY: checked non-null.
-        unsafe { put(count, d.rules.devices) };
-        Ok(())
-    }))
+    let compute = |d: &mut Driver| Ok(d.rules.devices);
+    // SAFETY: `count` is the client's out-pointer (the API's contract).
+    unsafe { answer(count, compute) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CuDevice, ordinal: c_int) -> CuResult {
-    code(with_driver(|d| {
-        need(device)?;
+    let compute = |d: &mut Driver| {
         let dev = d.device(ordinal)?;
-        // SAFETY: checked non-null.
-        unsafe { put(device, dev) };
-        Ok(())
-    }))
+        Ok(dev)
+    };
+    // SAFETY: `device` is the client's out-pointer (the API's contract).
+    unsafe { answer(device, compute) }
 }
 
 #[no_mangle]
@@ -155,13 +169,12 @@ pub unsafe extern "C" fn cuDeviceGetName(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CuDevice) -> CuResult {
-    code(with_driver(|d| {
-        need(bytes)?;
+    let compute = |d: &mut Driver| {
         d.device(device)?;
-        // SAFETY: checked non-null.
-        unsafe { put(bytes, d.rules.memory as usize) };
-        Ok(())
-    }))
+        Ok(d.rules.memory as usize)
+    };
+    // SAFETY: `bytes` is the client's out-pointer (the API's contract).
+    unsafe { answer(bytes, compute) }
 }
 
 #[no_mangle]
@@ -176,8 +189,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     attribute: c_int,
     device: CuDevice,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(value)?;
+    let compute = |d: &mut Driver| {
         d.device(device)?;
         if !(1..ATTR_MAX).contains(&attribute) {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -195,23 +207,22 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
             ATTR_MEMORY_POOLS_SUPPORTED | ATTR_HANDLE_TYPE_FABRIC_SUPPORTED => 0,
             _ => 0,
         };
-        // SAFETY: checked non-null.
-        unsafe { put(value, v) };
-        Ok(())
-    }))
+        Ok(v)
+    };
+    // SAFETY: `value` is the client's out-pointer (the API's contract).
+    unsafe { answer(value, compute) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut Uuid, device: CuDevice) -> CuResult {
-    code(with_driver(|d| {
-        need(uuid)?;
+    let compute = |d: &mut Driver| {
         d.device(device)?;
         let mut bytes = *b"quilt-double-dev";
         bytes[15] = b'0' + device as u8;
-        // SAFETY: checked non-null.
-        unsafe { put(uuid, Uuid { bytes }) };
-        Ok(())
-    }))
+        Ok(Uuid { bytes })
+    };
+    // SAFETY: `uuid` is the client's out-pointer (the API's contract).
+    unsafe { answer(uuid, compute) }
 }
 
 #[no_mangle]
@@ -224,13 +235,12 @@ pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut Uuid, device: CuDevice) -
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Opaque, device: CuDevice) -> CuResult {
-    code(with_driver(|d| {
-        need(ctx)?;
+    let compute = |d: &mut Driver| {
         let c = d.primary_retain(device)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ctx, c as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(c as usize as Opaque)
+    };
+    // SAFETY: `ctx` is the client's out-pointer (the API's contract).
+    unsafe { answer(ctx, compute) }
 }
 
 #[no_mangle]
@@ -286,13 +296,12 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
     _flags: c_uint,
     device: CuDevice,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(ctx)?;
+    let compute = |d: &mut Driver| {
         let c = d.create_context(device)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ctx, c as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(c as usize as Opaque)
+    };
+    // SAFETY: `ctx` is the client's out-pointer (the API's contract).
+    unsafe { answer(ctx, compute) }
 }
 
 #[no_mangle]
@@ -304,13 +313,12 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut Opaque) -> CuResult {
-    code(with_driver(|_| {
-        need(ctx)?;
+    let compute = |_: &mut Driver| {
         let c = state::current().unwrap_or(0);
-        // SAFETY: checked non-null.
-        unsafe { put(ctx, c as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(c as usize as Opaque)
+    };
+    // SAFETY: `ctx` is the client's out-pointer (the API's contract).
+    unsafe { answer(ctx, compute) }
 }
 
 #[no_mangle]
@@ -351,29 +359,27 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CuDevice) -> CuResult {
-    code(with_driver(|d| {
-        need(device)?;
+    let compute = |d: &mut Driver| {
         let dev = d.context_device()?;
-        // SAFETY: checked non-null.
-        unsafe { put(device, dev) };
-        Ok(())
-    }))
+        Ok(dev)
+    };
+    // SAFETY: `device` is the client's out-pointer (the API's contract).
+    unsafe { answer(device, compute) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: Opaque, version: *mut c_uint) -> CuResult {
-    code(with_driver(|d| {
-        need(version)?;
+    let compute = |d: &mut Driver| {
         let c = ctx as usize as u64;
         if c == 0 {
             d.context()?;
         } else if !d.contexts.contains_key(&c) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        // SAFETY: checked non-null.
-        unsafe { put(version, 12080) };
-        Ok(())
-    }))
+        Ok(12080)
+    };
+    // SAFETY: `version` is the client's out-pointer (the API's contract).
+    unsafe { answer(version, compute) }
 }
 
 #[no_mangle]
@@ -389,15 +395,14 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     prop: *const MemAllocationProp,
     option: c_int,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(granularity)?;
+    let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemAllocationProp, or null.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let g = d.allocation_granularity(prop, option)?;
-        // SAFETY: checked non-null.
-        unsafe { put(granularity, g as usize) };
-        Ok(())
-    }))
+        Ok(g as usize)
+    };
+    // SAFETY: `granularity` is the client's out-pointer (the API's contract).
+    unsafe { answer(granularity, compute) }
 }
 
 #[no_mangle]
@@ -408,13 +413,12 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     _addr: CuDevicePtr,
     flags: u64,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(ptr)?;
+    let compute = |d: &mut Driver| {
         let p = d.reserve(size as u64, alignment as u64, flags)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ptr, p) };
-        Ok(())
-    }))
+        Ok(p)
+    };
+    // SAFETY: `ptr` is the client's out-pointer (the API's contract).
+    unsafe { answer(ptr, compute) }
 }
 
 #[no_mangle]
@@ -429,15 +433,14 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const MemAllocationProp,
     flags: u64,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(handle)?;
+    let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemAllocationProp, or null.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let h = d.create(size as u64, prop, flags)?;
-        // SAFETY: checked non-null.
-        unsafe { put(handle, h) };
-        Ok(())
-    }))
+        Ok(h)
+    };
+    // SAFETY: `handle` is the client's out-pointer (the API's contract).
+    unsafe { answer(handle, compute) }
 }
 
 #[no_mangle]
@@ -487,18 +490,17 @@ pub unsafe extern "C" fn cuMemGetAccess(
     location: *const MemLocation,
     ptr: CuDevicePtr,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(flags)?;
+    let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemLocation, or null.
         let location = unsafe { location.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if location.type_ != LOCATION_DEVICE {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let f = d.get_access(location.id, ptr)?;
-        // SAFETY: checked non-null.
-        unsafe { put(flags, f as u64) };
-        Ok(())
-    }))
+        Ok(f as u64)
+    };
+    // SAFETY: `flags` is the client's out-pointer (the API's contract).
+    unsafe { answer(flags, compute) }
 }
 
 #[no_mangle]
@@ -523,8 +525,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     os_handle: *mut c_void,
     kind: c_int,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(handle)?;
+    let compute = |d: &mut Driver| {
         if kind != HANDLE_TYPE_POSIX_FD {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
@@ -540,10 +541,10 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
             .try_clone_to_owned()
             .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         let h = d.import(file, device)?;
-        // SAFETY: checked non-null.
-        unsafe { put(handle, h) };
-        Ok(())
-    }))
+        Ok(h)
+    };
+    // SAFETY: `handle` is the client's out-pointer (the API's contract).
+    unsafe { answer(handle, compute) }
 }
 
 #[no_mangle]
@@ -551,13 +552,12 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
     handle: *mut CuMemHandle,
     addr: *mut c_void,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(handle)?;
+    let compute = |d: &mut Driver| {
         let h = d.retain_handle(addr as usize as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(handle, h) };
-        Ok(())
-    }))
+        Ok(h)
+    };
+    // SAFETY: `handle` is the client's out-pointer (the API's contract).
+    unsafe { answer(handle, compute) }
 }
 
 #[no_mangle]
@@ -565,13 +565,12 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
     prop: *mut MemAllocationProp,
     handle: CuMemHandle,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(prop)?;
+    let compute = |d: &mut Driver| {
         let p = d.handle_prop(handle)?;
-        // SAFETY: checked non-null.
-        unsafe { put(prop, p) };
-        Ok(())
-    }))
+        Ok(p)
+    };
+    // SAFETY: `prop` is the client's out-pointer (the API's contract).
+    unsafe { answer(prop, compute) }
 }
 
 #[no_mangle]
@@ -612,13 +611,12 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut CuDevicePtr, bytes: usize) -> CuResult {
-    code(with_driver(|d| {
-        need(ptr)?;
+    let compute = |d: &mut Driver| {
         let p = d.mem_alloc(bytes as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ptr, p) };
-        Ok(())
-    }))
+        Ok(p)
+    };
+    // SAFETY: `ptr` is the client's out-pointer (the API's contract).
+    unsafe { answer(ptr, compute) }
 }
 
 #[no_mangle]
@@ -649,18 +647,17 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     bytes: usize,
     _flags: c_uint,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(ptr)?;
+    let compute = |d: &mut Driver| {
         if bytes == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut buf = vec![0u8; bytes];
         let p = buf.as_mut_ptr();
         d.host.insert(p as usize as u64, buf);
-        // SAFETY: checked non-null.
-        unsafe { put(ptr, p.cast()) };
-        Ok(())
-    }))
+        Ok(p.cast())
+    };
+    // SAFETY: `ptr` is the client's out-pointer (the API's contract).
+    unsafe { answer(ptr, compute) }
 }
 
 #[no_mangle]
@@ -874,13 +871,12 @@ pub unsafe extern "C" fn cuMemsetD32Async(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(stream: *mut Opaque, flags: c_uint) -> CuResult {
-    code(with_driver(|d| {
-        need(stream)?;
+    let compute = |d: &mut Driver| {
         let s = d.create_stream(flags)?;
-        // SAFETY: checked non-null.
-        unsafe { put(stream, s as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(s as usize as Opaque)
+    };
+    // SAFETY: `stream` is the client's out-pointer (the API's contract).
+    unsafe { answer(stream, compute) }
 }
 
 #[no_mangle]
@@ -923,24 +919,22 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetFlags(stream: Opaque, flags: *mut c_uint) -> CuResult {
-    code(with_driver(|d| {
-        need(flags)?;
+    let compute = |d: &mut Driver| {
         let (f, _) = d.stream_info(stream as usize as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(flags, f) };
-        Ok(())
-    }))
+        Ok(f)
+    };
+    // SAFETY: `flags` is the client's out-pointer (the API's contract).
+    unsafe { answer(flags, compute) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetCtx(stream: Opaque, ctx: *mut Opaque) -> CuResult {
-    code(with_driver(|d| {
-        need(ctx)?;
+    let compute = |d: &mut Driver| {
         let (_, c) = d.stream_info(stream as usize as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ctx, c as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(c as usize as Opaque)
+    };
+    // SAFETY: `ctx` is the client's out-pointer (the API's contract).
+    unsafe { answer(ctx, compute) }
 }
 
 #[no_mangle]
@@ -964,13 +958,12 @@ pub unsafe extern "C" fn cuStreamEndCapture(stream: Opaque, graph: *mut Opaque) 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamIsCapturing(stream: Opaque, status: *mut c_int) -> CuResult {
-    code(with_driver(|d| {
-        need(status)?;
+    let compute = |d: &mut Driver| {
         let (s, _) = d.capture_status(stream as usize as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(status, s) };
-        Ok(())
-    }))
+        Ok(s)
+    };
+    // SAFETY: `status` is the client's out-pointer (the API's contract).
+    unsafe { answer(status, compute) }
 }
 
 /// The three capture-info calls: status and id (graph and dependencies
@@ -1088,13 +1081,12 @@ pub unsafe extern "C" fn cuGraphDestroy(graph: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(event: *mut Opaque, flags: c_uint) -> CuResult {
-    code(with_driver(|d| {
-        need(event)?;
+    let compute = |d: &mut Driver| {
         let e = d.create_event(flags)?;
-        // SAFETY: checked non-null.
-        unsafe { put(event, e as usize as Opaque) };
-        Ok(())
-    }))
+        Ok(e as usize as Opaque)
+    };
+    // SAFETY: `event` is the client's out-pointer (the API's contract).
+    unsafe { answer(event, compute) }
 }
 
 #[no_mangle]
@@ -1134,13 +1126,12 @@ pub unsafe extern "C" fn cuEventDestroy_v2(event: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Opaque, end: Opaque) -> CuResult {
-    code(with_driver(|d| {
-        need(ms)?;
+    let compute = |d: &mut Driver| {
         let t = d.elapsed(start as usize as u64, end as usize as u64)?;
-        // SAFETY: checked non-null.
-        unsafe { put(ms, t) };
-        Ok(())
-    }))
+        Ok(t)
+    };
+    // SAFETY: `ms` is the client's out-pointer (the API's contract).
+    unsafe { answer(ms, compute) }
 }
 
 // --- Kernels: not modelled --------------------------------------------------
@@ -1257,14 +1248,13 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
     device: CuDevice,
     peer: CuDevice,
 ) -> CuResult {
-    code(with_driver(|d| {
-        need(can)?;
+    let compute = |d: &mut Driver| {
         d.device(device)?;
         d.device(peer)?;
-        // SAFETY: checked non-null.
-        unsafe { put(can, c_int::from(device != peer)) };
-        Ok(())
-    }))
+        Ok(c_int::from(device != peer))
+    };
+    // SAFETY: `can` is the client's out-pointer (the API's contract).
+    unsafe { answer(can, compute) }
 }
 
 #[no_mangle]
@@ -1586,8 +1576,7 @@ pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: Opaque) -> CuResult {
 /// the current context).
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice_v2(device: *mut CuDevice, ctx: Opaque) -> CuResult {
-    code(with_driver(|d| {
-        need(device)?;
+    let compute = |d: &mut Driver| {
         let c = if ctx.is_null() {
             d.context()?
         } else {
@@ -1598,10 +1587,10 @@ pub unsafe extern "C" fn cuCtxGetDevice_v2(device: *mut CuDevice, ctx: Opaque) -
             .get(&c)
             .map(|c| c.device)
             .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-        // SAFETY: checked non-null.
-        unsafe { put(device, dev) };
-        Ok(())
-    }))
+        Ok(dev)
+    };
+    // SAFETY: `device` is the client's out-pointer (the API's contract).
+    unsafe { answer(device, compute) }
 }
 
 /// `cuStreamGetCtx_v2(stream, ctx, green)` (CUDA 12.5+): no green contexts.
