@@ -1245,12 +1245,17 @@ fn agrees_with_the_simulated_one(
 }
 
 /// One CUDA backend for every case of the differential check (a context per
-/// case would be slow).
+/// case would be slow), exhaustible as [`cuda_backend`] says (over the
+/// double: exactly at its capacity, as every case ends with nothing held).
 fn shared_cuda_backend() -> Backend {
-    static SHARED: std::sync::OnceLock<Arc<dyn Vmm>> = std::sync::OnceLock::new();
+    static SHARED: std::sync::OnceLock<(Arc<dyn Vmm>, Option<u64>)> = std::sync::OnceLock::new();
+    let (vmm, exhaustible) = SHARED.get_or_init(|| {
+        let b = cuda_backend();
+        (b.vmm, b.exhaustible)
+    });
     Backend {
-        vmm: Arc::clone(SHARED.get_or_init(|| cuda_backend().vmm)),
-        exhaustible: None,
+        vmm: Arc::clone(vmm),
+        exhaustible: *exhaustible,
     }
 }
 
