@@ -837,23 +837,26 @@ fn quilt_pool_counts_survive_failed_growth_and_failed_stitch() {
         let sim = device();
         let alloc = QuiltAllocator::new(sim.clone(), cfg).unwrap();
         let keep = alloc.allocate(5 * MIB, StreamId(0)).unwrap();
-        let (total, free) = (alloc.pool().total_pages(), alloc.pool().free_pages());
+        let (total, free) = (
+            alloc.pool_stats().total_pages,
+            alloc.pool_stats().free_pages,
+        );
         // Every create fails (one failure alone, Quilt retries after reclaiming).
         sim.inject(Fault::always(CallKind::Create));
         let r = alloc.allocate(2 * GIB, StreamId(0));
         sim.clear_faults();
         assert!(r.is_err(), "{label}: growth should have failed");
         assert_eq!(
-            alloc.pool().total_pages(),
+            alloc.pool_stats().total_pages,
             total,
             "{label}: pool pages after failed growth"
         );
         assert_eq!(
-            alloc.pool().free_pages(),
+            alloc.pool_stats().free_pages,
             free,
             "{label}: free pages after failed growth"
         );
-        alloc.pool().check_invariants().unwrap();
+        alloc.check_invariants().unwrap();
         alloc.check_invariants().unwrap();
 
         // Now let growth succeed and the 5th map fail: pages come back to the pool.
@@ -862,11 +865,11 @@ fn quilt_pool_counts_survive_failed_growth_and_failed_stitch() {
         let r = alloc.allocate(600 * MIB, StreamId(0));
         assert!(r.is_err(), "{label}: the 5th map should have failed");
         assert_eq!(
-            alloc.pool().free_pages(),
-            alloc.pool().total_pages() - (total - free),
+            alloc.pool_stats().free_pages,
+            alloc.pool_stats().total_pages - (total - free),
             "{label}: pages of the failed stitch not all back in the pool"
         );
-        alloc.pool().check_invariants().unwrap();
+        alloc.check_invariants().unwrap();
         alloc.check_invariants().unwrap();
         sim.clear_faults();
         let mut live = vec![keep.ptr];

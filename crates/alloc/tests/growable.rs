@@ -292,7 +292,10 @@ fn growable_release_with_pending_work_frees_its_range_later() {
     buf.release().unwrap();
     a.check_invariants().unwrap();
     // Its pool pages are free at once; the mappings wait for stream 1.
-    assert_eq!(a.pool().free_pages() * a.pool().page_size(), 16 * MIB);
+    assert_eq!(
+        a.pool_stats().free_pages * a.pool_stats().page_size,
+        16 * MIB
+    );
     s.complete_all();
     a.empty_cache().unwrap();
     a.check_invariants().unwrap();
@@ -518,13 +521,13 @@ fn growable_pages_mapped_ahead_are_reclaimed_before_ordinary_cached_pages() {
     let buf = GrowableBuffer::new(a.clone(), 16 * MIB, StreamId(1)).unwrap();
     buf.grow_to(2 * MIB).unwrap();
     assert_eq!(a.map_ahead_now().unwrap(), 2);
-    assert_eq!(a.pool().total_pages(), 3);
+    assert_eq!(a.pool_stats().total_pages, 3);
     // An ordinary block with no free page in the pool: the 2 pages ahead
     // (never used, so no work on them) are taken before the pool grows.
     let before = s.driver_stats();
     let old = a.allocate(4 * MIB, StreamId(1)).unwrap();
     assert_eq!(s.driver_stats().since(&before).count(CallKind::Create), 0);
-    assert_eq!(a.pool().total_pages(), 3);
+    assert_eq!(a.pool_stats().total_pages, 3);
     assert_eq!(a.serving_stats().spare_pages_reclaimed, 2);
     assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 2 * MIB);
     a.check_invariants().unwrap();
@@ -693,7 +696,7 @@ fn growable_growth_moves_done_cached_pages_before_the_pool_grows() {
     // One stream: no event marks its frees until a driver call is near. The
     // first growth records one and finds it pending: the pool grows.
     buf.grow_to(2 * MIB).unwrap();
-    assert_eq!(a.pool().total_pages(), 5);
+    assert_eq!(a.pool_stats().total_pages, 5);
     assert_eq!(a.cached_bytes(), 8 * MIB);
     s.complete_all();
     let before = s.driver_stats();
@@ -701,7 +704,7 @@ fn growable_growth_moves_done_cached_pages_before_the_pool_grows() {
     let since = s.driver_stats().since(&before);
     // That work is now known done: the cached pages are unmapped and moved,
     // no page is created.
-    assert_eq!(a.pool().total_pages(), 5);
+    assert_eq!(a.pool_stats().total_pages, 5);
     assert_eq!(a.cached_bytes(), 0);
     assert_eq!(since.count(CallKind::Create), 0, "{since:?}");
     assert_eq!(since.count(CallKind::Unmap), 4, "{since:?}");
@@ -711,12 +714,12 @@ fn growable_growth_moves_done_cached_pages_before_the_pool_grows() {
     // synchronisation): the pool grows instead.
     let pending = a.allocate(8 * MIB, StreamId(1)).unwrap();
     a.free(pending.ptr).unwrap();
-    assert_eq!(a.pool().total_pages(), 9);
+    assert_eq!(a.pool_stats().total_pages, 9);
     let before = s.driver_stats();
     buf.grow_to(18 * MIB).unwrap();
     let since = s.driver_stats().since(&before);
     assert_eq!(a.cached_bytes(), 8 * MIB);
-    assert_eq!(a.pool().total_pages(), 13);
+    assert_eq!(a.pool_stats().total_pages, 13);
     assert_eq!(since.count(CallKind::Create), 4, "{since:?}");
     assert_eq!(since.count(CallKind::Unmap), 0, "{since:?}");
     assert_eq!(since.count(CallKind::StreamSynchronize), 0);
@@ -740,15 +743,15 @@ fn growable_default_map_ahead_maps_only_free_pool_pages() {
     // No free page in the pool: nothing is mapped ahead, the pool holds what
     // the buffer uses.
     assert_eq!(a.map_ahead_now().unwrap(), 0);
-    assert_eq!(a.pool().total_pages(), 2);
+    assert_eq!(a.pool_stats().total_pages, 2);
     // A released buffer's pages are free in the pool: both are mapped ahead
     // (of the 8 wanted: no step seen yet), the nearest first.
     let other = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(1)).unwrap();
     other.grow_to(4 * MIB).unwrap();
     other.release().unwrap();
-    assert_eq!(a.pool().free_pages(), 2);
+    assert_eq!(a.pool_stats().free_pages, 2);
     assert_eq!(a.map_ahead_now().unwrap(), 2);
-    assert_eq!(a.pool().total_pages(), 4);
+    assert_eq!(a.pool_stats().total_pages, 4);
     assert_eq!(a.growable_info(buf.id()).unwrap().mapped_bytes, 8 * MIB);
     a.check_invariants().unwrap();
     drop(buf);
@@ -770,12 +773,12 @@ fn growable_map_ahead_leaves_a_free_page_for_each_other_buffer() {
     z.grow_to(6 * MIB).unwrap();
     z.release().unwrap();
     s.complete_all();
-    assert_eq!(a.pool().free_pages(), 3);
+    assert_eq!(a.pool_stats().free_pages, 3);
     // Two live buffers: each maps ahead only what leaves one free page for
     // the other's next growth (a page taken from it would come back at once):
     // x takes 2 of the 4 it wants, y none.
     assert_eq!(a.map_ahead_now().unwrap(), 2);
-    assert_eq!(a.pool().free_pages(), 1);
+    assert_eq!(a.pool_stats().free_pages, 1);
     assert_eq!(a.growable_info(y.id()).unwrap().mapped_bytes, 2 * MIB);
     let before = s.driver_stats();
     y.grow_to(4 * MIB).unwrap(); // the kept page: no page ahead taken back

@@ -44,7 +44,7 @@ fn peer_access_from_conf_text_reaches_every_mapping() {
         .collect();
     quilt.free(blocks[1].ptr).unwrap();
     let stitched = quilt.allocate(9 * MIB, s).unwrap();
-    let page = quilt.pool().page_size();
+    let page = quilt.pool_stats().page_size;
     for b in blocks
         .iter()
         .filter(|b| b.ptr != blocks[1].ptr)

@@ -731,8 +731,8 @@ struct PressureRun {
 fn pressure_run(capacity: u64, config: QuiltConfig, seed: u64, ops: u64) -> PressureRun {
     let (sim, spy, a) = spy_setup(capacity, config);
     let granule = sim.granularity();
-    let page = a.pool().page_size();
-    let cap_pages = a.pool().limit_pages();
+    let page = a.pool_stats().page_size;
+    let cap_pages = a.pool_stats().limit_pages;
     let mut rng = Rng(seed);
     let mut live: LiveMap = BTreeMap::new();
     let (mut live_bytes, mut peak_live, mut ooms) = (0u64, 0u64, 0u64);
@@ -849,7 +849,7 @@ fn pressure_configs() -> Vec<(&'static str, QuiltConfig)> {
 fn every_page_is_one_handle_mapped_whole_at_offset_zero() {
     for (name, config) in pressure_configs() {
         let run = pressure_run(96 * MIB, config, 0x9e37_79b9_7f4a_7c15, 2500);
-        let page = run.a.pool().page_size();
+        let page = run.a.pool_stats().page_size;
         let st = run.a.stats();
         let d = run.sim.driver_stats();
         assert!(
@@ -902,7 +902,7 @@ fn growth_creates_one_handle_per_page_and_maps_each_once() {
     // many maps again only for pages that were unmapped in between.
     for (name, config) in pressure_configs() {
         let (sim, spy, a) = spy_setup(1 << 30, config);
-        let page = a.pool().page_size();
+        let page = a.pool_stats().page_size;
         let x = a.allocate(10 * MIB, S0).unwrap();
         ok(&a);
         let d = sim.driver_stats();

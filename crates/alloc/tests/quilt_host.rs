@@ -110,7 +110,7 @@ fn stress(config: QuiltConfig, seed: u64) {
         0,
         "a driver call failed"
     );
-    let page = a.pool().page_size();
+    let page = a.pool_stats().page_size;
     assert!(
         st.driver.count(quilt_vmm::CallKind::Create) * page >= st.reserved_bytes.peak,
         "one handle per page"

@@ -79,12 +79,12 @@ fn sleep_wake_offload_restores_every_byte_at_every_address() {
         h.write_bytes(p, &pattern(seed, len)).unwrap();
     }
     h.write_bytes(plain.ptr, &pattern(9, 200 * KIB)).unwrap();
-    let free_before = a.pool().free_pages();
+    let free_before = a.pool_stats().free_pages;
     a.sleep("model", SleepMode::Offload).unwrap();
     a.check_invariants().unwrap();
     assert!(a.is_asleep("model").unwrap());
     assert_eq!(a.host_bytes(), m1.size + m2.size + 700 * KIB);
-    let freed = a.pool().free_pages() - free_before;
+    let freed = a.pool_stats().free_pages - free_before;
     assert!(
         freed * PAGE >= m1.size + m2.size + 700 * KIB,
         "{freed} pages"
@@ -221,13 +221,13 @@ fn sleep_wake_takes_done_cached_pages_before_the_pool_grows() {
     // stay cached in the shared arena, where the weights cannot use them.
     let b = a.allocate(20 * MIB, s1).unwrap();
     a.free(b.ptr).unwrap();
-    let held = a.pool().total_pages();
+    let held = a.pool_stats().total_pages;
     sim.complete_all();
     let before = sim.driver_stats();
     a.wake("weights").unwrap();
     let d = sim.driver_stats().since(&before);
     // Their work is done: moved (10 unmaps), no page created.
-    assert_eq!(a.pool().total_pages(), held);
+    assert_eq!(a.pool_stats().total_pages, held);
     assert_eq!(d.count(CallKind::Create), 0, "{d:?}");
     assert_eq!(d.count(CallKind::Unmap), 10, "{d:?}");
     assert_eq!(d.count(CallKind::StreamSynchronize), 0);

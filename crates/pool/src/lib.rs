@@ -113,6 +113,13 @@ pub struct PoolStats {
     pub handles_created: u64,
     /// Handles released so far.
     pub handles_released: u64,
+    /// The page size in bytes (the size of every handle).
+    pub page_size: u64,
+    /// The most pages the pool may hold (its memory limit, in pages).
+    pub limit_pages: u64,
+    /// The device's total memory in bytes, as `cuMemGetInfo` said at
+    /// construction: what a [`MemoryLimit`] is resolved against.
+    pub device_total: u64,
 }
 
 struct PoolState {
@@ -254,6 +261,12 @@ impl PagePool {
         Ok(pages)
     }
 
+    /// The device's total memory in bytes, as `cuMemGetInfo` said at
+    /// construction (what a [`MemoryLimit`] is resolved against).
+    pub fn device_total(&self) -> u64 {
+        self.device_total
+    }
+
     /// The configuration.
     pub fn config(&self) -> &PoolConfig {
         &self.config
@@ -269,6 +282,9 @@ impl PagePool {
                 peak_held_bytes: s.peak_pages * self.page_size,
                 handles_created: s.created,
                 handles_released: s.released,
+                page_size: self.page_size,
+                limit_pages: self.limit_pages(),
+                device_total: self.device_total,
             },
             Err(_) => PoolStats::default(),
         }

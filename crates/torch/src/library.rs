@@ -335,10 +335,10 @@ impl Library {
         let existing = lock(&self.devices).get(&device).cloned();
         match existing {
             Some(d) => {
-                let done = d.alloc.pool().set_limit(MemoryLimit::Fraction(f));
+                let done = d.alloc.set_memory_limit(MemoryLimit::Fraction(f));
                 self.sync_segments(&d, "quilt_set_memory_fraction");
                 done.map(|_| ())
-                    .map_err(|e| format!("device {device}: {e} (call quilt_empty_cache first)"))
+                    .map_err(|e| format!("device {device}: {e}"))
             }
             None => {
                 lock(&self.fractions).insert(device, f);
@@ -385,12 +385,12 @@ impl Library {
         .into_iter()
         .map(|(k, c)| (k.to_string(), serde_json::json!(s.driver.count(c))))
         .collect();
-        let page = d.alloc.pool().page_size();
+        let page = d.alloc.pool_stats().page_size;
         let v = serde_json::json!({
             "device": device,
             "allocator": d.alloc.name(),
             "backend": conf.backend.name(),
-            "capacity_bytes": d.alloc.pool().limit_pages() * page,
+            "capacity_bytes": d.alloc.pool_stats().limit_pages * page,
             "page_size": page,
             "allocated_bytes": stat(&s.allocated_bytes),
             "reserved_bytes": stat(&s.reserved_bytes),

@@ -164,6 +164,25 @@ fn memory_fraction_limits_a_device_before_and_after_its_creation() {
 }
 
 #[test]
+fn a_memory_fraction_raised_at_run_time_is_honoured() {
+    // The arena's address space is sized from the device, not the limit
+    // in force at the first request: after starting at 3 % of an 8 GiB
+    // device, a fraction of 1.0 admits a 3 GiB block on the empty device.
+    let lib = Library::new("backend:host,capacity:8GiB,memory_fraction:0.03");
+    let small = lib.malloc(64 * MIB, 0, 0).unwrap();
+    let refused = lib.malloc(3 << 30, 0, 0).unwrap_err();
+    assert!(refused.contains("out of memory"), "{refused}");
+    lib.free(small, 64 * MIB, 0, 0).unwrap();
+    lib.set_memory_fraction(1.0, 0).unwrap();
+    let big = lib.malloc(3 << 30, 0, 0).unwrap();
+    lib.free(big, 3 << 30, 0, 0).unwrap();
+    // Lowering below what is held returns the cache first: nothing live,
+    // so it is honoured.
+    lib.set_memory_fraction(0.03, 0).unwrap();
+    assert!(lib.malloc(3 << 30, 0, 0).is_err());
+}
+
+#[test]
 fn snapshots_add_up_and_read_back_through_quilt_s_importer() {
     let lib = Library::new("backend:sim,capacity:1GiB");
     lib.record_history(true, 10_000);

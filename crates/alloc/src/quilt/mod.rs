@@ -137,8 +137,10 @@ impl QuiltAllocator {
         config.validate()?;
         let pool = PagePool::new(vmm.clone(), config.pool).map_err(pool_err)?;
         let page = pool.page_size();
-        let limit = pool.limit_pages().max(1) * page;
-        let arena_va = limit.saturating_mul(config.layout.va_factor.max(1));
+        // Sized from the device, not the limit: any limit up to the
+        // device's size is honoured without a new reservation.
+        let device = pool.device_total().div_ceil(page).max(1) * page;
+        let arena_va = device.saturating_mul(config.layout.va_factor.max(1));
         let core = Arc::new(Core {
             vmm,
             pool,
@@ -160,9 +162,44 @@ impl QuiltAllocator {
         &self.core.config
     }
 
-    /// The physical page pool underneath.
-    pub fn pool(&self) -> &PagePool {
-        &self.core.pool
+    /// The physical page pool's figures: pages held and free, the page
+    /// size, the memory limit.
+    pub fn pool_stats(&self) -> quilt_pool::PoolStats {
+        self.core.pool.stats()
+    }
+
+    /// Change the memory limit (resolved against the device's total
+    /// memory), under the allocator's lock. Raising it is always honoured:
+    /// arenas are sized from the device, not the limit. Lowering it below
+    /// what the pool holds first returns cached and free pages to the
+    /// device (synchronising only the streams whose work may still use
+    /// them, as [`DeviceAllocator::empty_cache`] does); if live blocks
+    /// still hold more than the new limit, it fails with
+    /// [`AllocError::Pool`] (`LimitBelowHeld`) and the limit stays as it
+    /// was. Returns the limit now in force, in bytes.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_alloc::quilt::{MemoryLimit, PoolConfig, QuiltAllocator, QuiltConfig};
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(8 << 30)?);
+    /// let config = QuiltConfig {
+    ///     pool: PoolConfig { limit: MemoryLimit::Fraction(0.03), ..QuiltConfig::default().pool },
+    ///     ..QuiltConfig::default()
+    /// };
+    /// let alloc = QuiltAllocator::new(vmm, config)?;
+    /// assert!(alloc.allocate(3 << 30, StreamId::DEFAULT).is_err());
+    /// alloc.set_memory_limit(MemoryLimit::Fraction(1.0))?;
+    /// let big = alloc.allocate(3 << 30, StreamId::DEFAULT)?;
+    /// # alloc.free(big.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_memory_limit(&self, limit: MemoryLimit) -> Result<u64, AllocError> {
+        let ctx = self.ctx();
+        let mut st = self.lock()?;
+        st.set_memory_limit(&ctx, limit)
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>, AllocError> {

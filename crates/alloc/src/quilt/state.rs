@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use quilt_pool::{PageId, PagePool, PoolError};
+use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
@@ -544,6 +544,23 @@ impl State {
         Ok(())
     }
 
+    /// Change the pool's memory limit; below what the pool holds, first
+    /// drain the cache (see [`crate::quilt::QuiltAllocator::set_memory_limit`]).
+    /// Returns the limit in force, in bytes.
+    pub(crate) fn set_memory_limit(
+        &mut self,
+        ctx: &Ctx<'_>,
+        limit: MemoryLimit,
+    ) -> Result<u64, AllocError> {
+        let wanted = limit.resolve(ctx.pool.device_total()) / ctx.page;
+        if wanted < ctx.pool.total_pages() {
+            self.empty_cache(ctx)?;
+        }
+        let set = ctx.pool.set_limit(limit).map_err(pool_err);
+        self.sync_stats(ctx);
+        Ok(set? * ctx.page)
+    }
+
     /// The out-of-memory error for a request of `size` bytes that needed `n` new pages.
     pub(crate) fn oom(&mut self, ctx: &Ctx<'_>, size: u64, n: u64, growable: u64) -> AllocError {
         self.stats.num_ooms += 1;
@@ -589,6 +606,6 @@ pub(crate) fn pool_err(e: PoolError) -> AllocError {
         e @ PoolError::InvalidPageSize { .. } => AllocError::InvalidConfig {
             reason: e.to_string(),
         },
-        other => AllocError::Internal(other.to_string()),
+        other => AllocError::Pool(other),
     }
 }
