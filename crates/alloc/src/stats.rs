@@ -93,3 +93,46 @@ pub struct AllocatorStats {
     /// Driver calls and driver time of the backend underneath.
     pub driver: DriverStats,
 }
+
+/// Counters of growable buffers and sleep/wake (see
+/// `QuiltAllocator::serving_stats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServingStats {
+    /// Growable buffers live now.
+    pub growables: u64,
+    /// Growable buffers created.
+    pub created: u64,
+    /// `grow_to` calls that grew a buffer.
+    pub grows: u64,
+    /// Grows that found every page they reached already mapped (mapped
+    /// ahead, or left by a shrink): no driver call.
+    pub grows_already_mapped: u64,
+    /// Pages grows found already mapped.
+    pub pages_found_mapped: u64,
+    /// Pages grows had to map themselves.
+    pub pages_mapped_on_grow: u64,
+    /// Pages mapped ahead of a buffer's end.
+    pub pages_mapped_ahead: u64,
+    /// Spare pages (mapped ahead or left by a shrink) reclaimed for other use.
+    pub spare_pages_reclaimed: u64,
+    /// `shrink_to` calls that shrank a buffer.
+    pub shrinks: u64,
+    /// Tags put to sleep.
+    pub sleeps: u64,
+    /// Tags woken.
+    pub wakes: u64,
+    /// Bytes copied to the host by sleeps.
+    pub bytes_offloaded: u64,
+    /// Bytes copied back to the device by wakes.
+    pub bytes_restored: u64,
+    /// Stream synchronisations made by sleeps (the work on the memory must be
+    /// complete before it is copied or unmapped).
+    pub sleep_syncs: u64,
+    /// Buffers created in the range of a released one (its pages still
+    /// mapped: see `Recycle`).
+    pub recycled: u64,
+    /// Tags the offload tier put to sleep.
+    pub tier_offloads: u64,
+    /// Requests the offload tier saved from running out of memory.
+    pub tier_rescues: u64,
+}

@@ -9,8 +9,9 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{unbounded, Sender};
 
-use super::growable::{AheadMode, GrowableId, MapAhead};
-use super::Core;
+use super::allocator::Shared;
+use super::config::{AheadMode, MapAhead};
+use super::growable::GrowableId;
 
 /// The worker, if started.
 #[derive(Debug, Default)]
@@ -27,7 +28,7 @@ struct Running {
 impl Worker {
     /// Buffer `id` was created or grew: map ahead of it as `policy` says
     /// (inline, in the background, or not at all).
-    pub(crate) fn after_growth(&self, core: &Arc<Core>, id: GrowableId, policy: MapAhead) {
+    pub(crate) fn after_growth(&self, core: &Arc<Shared>, id: GrowableId, policy: MapAhead) {
         if policy.pages == 0 {
             return;
         }
@@ -44,13 +45,13 @@ impl Worker {
 
     /// Send `id` to the worker, starting it if need be; false when no
     /// worker can run.
-    fn send(&self, core: &Arc<Core>, id: GrowableId) -> bool {
+    fn send(&self, core: &Arc<Shared>, id: GrowableId) -> bool {
         let Ok(mut running) = self.running.lock() else {
             return false;
         };
         if running.is_none() {
             let (tx, rx) = unbounded::<GrowableId>();
-            let weak: Weak<Core> = Arc::downgrade(core);
+            let weak: Weak<Shared> = Arc::downgrade(core);
             let spawned = std::thread::Builder::new()
                 .name("quilt-map-ahead".into())
                 .spawn(move || {
@@ -82,18 +83,6 @@ impl Worker {
             if thread.join().is_err() {
                 tracing::warn!("the map-ahead worker panicked");
             }
-        }
-    }
-}
-
-impl Core {
-    /// Map ahead of buffer `id` now (a failure is only logged: mapping ahead
-    /// is an optimisation).
-    pub(crate) fn map_ahead(&self, id: GrowableId) {
-        let ctx = self.ctx();
-        let result = self.lock().and_then(|mut st| st.map_ahead_for(&ctx, id));
-        if let Err(e) = result {
-            tracing::debug!(error = %e, id = id.0, "mapping ahead failed");
         }
     }
 }

@@ -7,10 +7,10 @@ use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
 use super::reclaim::PagesFor;
-use super::state::{pool_err, Ctx, Kind, State};
+use super::stitch::{pool_err, Core, Ctx, Kind};
 use crate::error::AllocError;
 
-impl State {
+impl Core {
     /// Back the unmapped virtual pages `need` of arena `ai` (a block's on
     /// stream `t`) with pool pages: one map per page, one set-access per
     /// contiguous range. A retired page among them is unmapped first (its
@@ -38,7 +38,7 @@ impl State {
         }
         let n = need.len() as u64;
         let pages_for = match self.arena_meta[ai].1 {
-            Kind::Growable => PagesFor::Mapping,
+            Kind::Own => PagesFor::Mapping,
             _ => PagesFor::Block,
         };
         self.obtain_free_pages(ctx, size, n, pages_for)?;

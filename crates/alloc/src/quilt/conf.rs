@@ -43,8 +43,7 @@ use quilt_vmm::DeviceSet;
 use super::config::{
     AccessGranularity, ArenaSharing, Placement, QuiltConfig, ReclaimPolicy, SmallBlocks,
 };
-use super::growable::{AheadMode, Recycle};
-use super::offload::OffloadTier;
+use super::config::{AheadMode, OffloadTier, Recycle};
 use crate::units::parse_size;
 
 /// Quilt's placement and reclaim keys, in the table's order (the serving

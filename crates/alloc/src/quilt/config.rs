@@ -8,9 +8,6 @@
 use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 use quilt_vmm::DeviceSet;
 
-use super::growable::{MapAhead, Recycle};
-use super::offload::OffloadTier;
-
 use crate::error::AllocError;
 
 /// Where a block goes in its arena.
@@ -100,8 +97,10 @@ pub struct ArenaLayout {
     pub sharing: ArenaSharing,
     /// Where small requests go.
     pub small: SmallBlocks,
-    /// Virtual address space reserved per arena, as a multiple of the memory
-    /// limit (at least 2; address space is cheap: placement that prefers
+    /// Virtual address space reserved per arena, as a multiple of the
+    /// device's total memory (at least 2; sized from the device, not the
+    /// memory limit, so that a limit raised at run time needs no new
+    /// reservation; address space is cheap: placement that prefers
     /// mapped gaps spreads blocks, and a request must never fail for want of
     /// a free virtual range while pages are available).
     pub va_factor: u64,
@@ -321,7 +320,7 @@ impl QuiltConfig {
             );
         }
         if self.layout.va_factor < 2 {
-            return fail("ArenaLayout::va_factor must be at least 2 (virtual space per arena, as a multiple of the memory limit)");
+            return fail("ArenaLayout::va_factor must be at least 2 (virtual space per arena, as a multiple of the device's memory)");
         }
         if let ReclaimPolicy::CachedAbove(pm) = self.reclaim {
             if pm > 1000 {
@@ -354,4 +353,103 @@ impl QuiltConfig {
         self.pool.limit = limit;
         self
     }
+}
+
+/// How many pages past its end a growable buffer keeps mapped ahead of its
+/// growth, and who maps them.
+///
+/// A buffer keeps as many pages ahead as its last step reached (a growth
+/// from a non-empty length: a KV cache's decode step, not its prompt),
+/// `pages` before its first step, and never more than `pages`. They come
+/// only from the pool's free pages (leaving one for each other live
+/// buffer's next growth), or from growth while the pool holds less than
+/// `below_per_mille` thousandths of its limit, and they are the
+/// first cached pages reclaimed (before the pool grows, and before any
+/// other cached page when it cannot). A shrink keeps as many of the pages
+/// it leaves mapped, as if mapped ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapAhead {
+    /// The most pages kept mapped past each buffer's end (0: none).
+    pub pages: u64,
+    /// Also grow the pool for pages ahead while it holds less than this many
+    /// thousandths of its limit (0: only pages already free in the pool).
+    pub below_per_mille: u64,
+    /// Who maps them.
+    pub mode: AheadMode,
+}
+
+/// Who maps the pages ahead of a growable buffer's end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AheadMode {
+    /// A worker thread of the allocator, woken after each growth.
+    Background,
+    /// The growing thread, at the end of each growth (deterministic).
+    Inline,
+    /// Only `QuiltAllocator::map_ahead_now` (deterministic; tests).
+    Manual,
+}
+
+impl MapAhead {
+    /// Nothing mapped ahead; a shrink keeps no spare page.
+    pub const OFF: MapAhead = MapAhead {
+        pages: 0,
+        below_per_mille: 0,
+        mode: AheadMode::Manual,
+    };
+}
+
+impl Default for MapAhead {
+    /// Each buffer's last step ahead, at most 8 pages (16 MiB at 2 MiB
+    /// pages: the step of a 7B model's KV cache for 32 tokens), mapped in
+    /// the background from pages the pool already holds free: mapping ahead
+    /// is a bet on latency and never makes the pool grow (`below_per_mille`
+    /// 0), so it adds no memory to what the buffers' growth needs.
+    fn default() -> Self {
+        MapAhead {
+            pages: 8,
+            below_per_mille: 0,
+            mode: AheadMode::Background,
+        }
+    }
+}
+
+/// What happens to a released (untagged) growable buffer's range: kept
+/// whole, its pages still mapped, for the next buffer created with the same
+/// maximum (vAttention's deferred reclamation: a new request's KV cache
+/// starts on mapped pages, no driver call), up to `max_buffers` of them; the
+/// pages are spare pages meanwhile (reclaimed first, before the pool grows
+/// once their work is known complete). Past the bound, or with a tag, the
+/// range is released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recycle {
+    /// Released ranges kept at most (0: none).
+    pub max_buffers: usize,
+}
+
+impl Recycle {
+    /// Keep no released range.
+    pub const OFF: Recycle = Recycle { max_buffers: 0 };
+}
+
+impl Default for Recycle {
+    /// None kept: on `quilt-bench`'s `llm-serving-growable` keeping 64 saved
+    /// 15 % of the driver calls but held 4.6 % more memory (pages kept
+    /// mapped in released ranges while the pool grew), see
+    /// `docs/serving.md`.
+    fn default() -> Self {
+        Recycle::OFF
+    }
+}
+
+/// What happens when a request would run out of memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OffloadTier {
+    /// Nothing: the request fails with [`AllocError::OutOfMemory`].
+    #[default]
+    Off,
+    /// Put awake offloadable tags to sleep (offload mode), those holding the
+    /// most pages first, retrying the request after each, when the pages
+    /// they hold with what is free, cached and creatable cover the request;
+    /// never the tag the request is for.
+    OffloadableTags,
 }

@@ -7,17 +7,16 @@
 //! export of it is outstanding the block is *pinned*: a `free` of it is
 //! deferred (the block stays live, its pages mapped and counted, so no
 //! reclaim, no sleep and no other block can take them) until the last
-//! [`QuiltAllocator::end_export`], which frees it then. Blocks of a tag are
+//! `QuiltAllocator::end_export`, which frees it then. Blocks of a tag are
 //! refused: a sleep would unmap their pages under the importer.
+//!
+//! The pins live under the allocator's one lock, beside the core.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 use quilt_vmm::{DevicePtr, HandleKind};
 
-use super::state::{Kind, State};
-use super::QuiltAllocator;
+use super::stitch::{Core, Ctx, Kind};
 use crate::error::{AllocError, InvariantViolation};
 use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece, MAX_PIECES};
 
@@ -31,152 +30,65 @@ struct Pin {
 
 /// The pinned blocks, by address.
 #[derive(Debug, Default)]
-struct Exports {
+pub(crate) struct Exports {
     pins: BTreeMap<DevicePtr, Pin>,
 }
 
-/// The allocator's pinned blocks. Changed and read under the allocator's
-/// state lock (its own lock is taken after that one); `any` lets `free` skip
-/// the lookup while nothing is exported.
-#[derive(Debug, Default)]
-pub(crate) struct ExportRegistry {
-    any: AtomicBool,
-    exports: Mutex<Exports>,
-}
-
-/// What [`Exports::on_free`] decides about a `free`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FreeOfPinned {
-    /// Not pinned: free it now.
-    FreeNow,
-    /// Pinned: the free waits for the last export's end.
-    Deferred,
-}
-
-impl ExportRegistry {
-    fn lock(&self) -> Result<MutexGuard<'_, Exports>, AllocError> {
-        self.exports.lock().map_err(|_| AllocError::Poisoned)
-    }
-
-    /// A `free` of `ptr` (under the state lock): deferred while it is pinned
-    /// (a second free of a pinned block is a double free).
-    pub(crate) fn on_free(&self, ptr: DevicePtr) -> Result<FreeOfPinned, AllocError> {
-        if !self.any.load(Ordering::Relaxed) {
-            return Ok(FreeOfPinned::FreeNow);
-        }
-        self.lock()?.on_free(ptr)
-    }
-
-    /// An error when `ptr` was freed by its owner and waits for its
-    /// importers (under the state lock).
-    pub(crate) fn check_not_freed(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        if !self.any.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        self.lock()?.check_not_freed(ptr)
-    }
-
-    /// Every pin is a live block outside any tag, with at least one export.
-    pub(crate) fn check(&self, st: &State) -> Result<(), InvariantViolation> {
-        let e = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
-        if self.any.load(Ordering::Relaxed) == e.pins.is_empty() {
-            return Err(InvariantViolation(
-                "the export registry's flag disagrees with its pins".into(),
-            ));
-        }
-        e.check(st)
-    }
-}
-
 impl Exports {
-    fn on_free(&mut self, ptr: DevicePtr) -> Result<FreeOfPinned, AllocError> {
+    /// A `free` of `ptr`: true when it is pinned (the free waits for the
+    /// last export's end); a second free of a pinned block is a double free.
+    pub(crate) fn defers_free(&mut self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        if self.pins.is_empty() {
+            return Ok(false);
+        }
         match self.pins.get_mut(&ptr) {
-            None => Ok(FreeOfPinned::FreeNow),
+            None => Ok(false),
             Some(pin) if pin.freed => Err(AllocError::DoubleFree { ptr }),
             Some(pin) => {
                 pin.freed = true;
-                Ok(FreeOfPinned::Deferred)
+                Ok(true)
             }
         }
     }
 
-    /// An error when `ptr` was freed by its owner and waits for its importers
-    /// (nothing but `end_export` may touch it then).
-    fn check_not_freed(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+    /// An error when `ptr` is pinned and its owner freed it already.
+    pub(crate) fn check_not_freed(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         match self.pins.get(&ptr) {
             Some(pin) if pin.freed => Err(AllocError::UnknownPointer { ptr }),
             _ => Ok(()),
         }
     }
 
-    /// Exports outstanding, over every block.
-    fn outstanding(&self) -> u64 {
+    /// Exports outstanding, over all blocks.
+    pub(crate) fn outstanding(&self) -> u64 {
         self.pins.values().map(|p| u64::from(p.exports)).sum()
     }
 
-    fn check(&self, st: &State) -> Result<(), InvariantViolation> {
-        for (&ptr, pin) in &self.pins {
-            let Some(b) = st.blocks.get(&ptr) else {
-                return Err(InvariantViolation(format!(
-                    "exported block {ptr:#x} is not live"
-                )));
-            };
-            if matches!(
-                st.arena_meta.get(b.arena),
-                Some((_, Kind::Tagged(_))) | None
-            ) {
-                return Err(InvariantViolation(format!(
-                    "exported block {ptr:#x} is in a tag's arena"
-                )));
-            }
-            if pin.exports == 0 {
-                return Err(InvariantViolation(format!(
-                    "block {ptr:#x} pinned without an export"
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-impl QuiltAllocator {
-    /// Export the live block at `ptr` for another process
-    /// ([`crate::share`]): one shareable handle of `kind` per page under it
-    /// (`cuMemExportToShareableHandle` each; the pool must create its pages
-    /// with that handle type, [`quilt_pool::PoolConfig::create_props`]), and
-    /// the descriptor: the pages as pieces, in address order, and where the
-    /// block lies in them. Until as many [`QuiltAllocator::end_export`]s as
-    /// exports, the block is pinned: a `free` of it is deferred, so its
-    /// pages stay mapped and are neither reclaimed nor reused.
-    ///
-    /// Errors, nothing changed: [`AllocError::UnknownPointer`] (not a live
-    /// block, or one freed and waiting for its importers),
-    /// [`AllocError::Sharing`] (a block of a tag, or more pages than one
-    /// message carries, [`MAX_PIECES`]), [`AllocError::Driver`] (a handle the
-    /// driver cannot export as `kind`).
-    pub fn export(
-        &self,
+    /// Export the live block at `ptr` (`tag_name` names a tag for the
+    /// refusal of a tagged block).
+    pub(crate) fn export(
+        &mut self,
+        core: &Core,
+        ctx: &Ctx<'_>,
         ptr: DevicePtr,
         kind: HandleKind,
+        tag_name: impl Fn(u32) -> String,
     ) -> Result<ExportedAllocation, AllocError> {
-        let st = self.lock()?;
-        let registry = &self.core.exports;
-        let mut exports = registry.lock()?;
-        exports.check_not_freed(ptr)?;
-        let b = st
+        self.check_not_freed(ptr)?;
+        let b = core
             .blocks
             .get(&ptr)
             .ok_or(AllocError::UnknownPointer { ptr })?;
-        if let Some((_, Kind::Tagged(t))) = st.arena_meta.get(b.arena) {
+        if let Some((_, Kind::Isolated(t))) = core.arena_meta.get(b.arena) {
             return Err(AllocError::Sharing {
                 reason: format!(
                     "block {ptr:#x} carries tag {:?}: a sleep would unmap its pages under the importer; export untagged blocks",
-                    st.tags.name(*t)
+                    tag_name(*t)
                 ),
             });
         }
-        let arena = &st.arenas[b.arena];
-        let page = self.core.page;
+        let arena = &core.arenas[b.arena];
+        let page = ctx.page;
         let (first, last) = arena.page_span(b.off, b.size);
         let pages = last - first + 1;
         if pages > MAX_PIECES as u64 {
@@ -194,7 +106,7 @@ impl QuiltAllocator {
                     "page {p} under live block {ptr:#x} is not mapped"
                 )));
             };
-            handles.push(self.core.vmm.export_handle(phys.handle, kind)?);
+            handles.push(ctx.vmm.export_handle(phys.handle, kind)?);
             pieces.push(SharedPiece {
                 offset: i as u64 * page,
                 size: page,
@@ -208,24 +120,22 @@ impl QuiltAllocator {
             len: b.size,
         };
         descriptor.validate()?;
-        exports.pins.entry(ptr).or_default().exports += 1;
-        registry.any.store(true, Ordering::Relaxed);
+        self.pins.entry(ptr).or_default().exports += 1;
         Ok(ExportedAllocation {
             descriptor,
             handles,
         })
     }
 
-    /// One importer of the block exported at `ptr` has released it (its
-    /// release message, or its process gone). When none is left, the block
-    /// is unpinned, and freed now if its owner freed it meanwhile.
-    /// [`AllocError::Sharing`] when no export of `ptr` is outstanding.
-    pub fn end_export(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        let mut st = self.lock()?;
-        let registry = &self.core.exports;
-        let mut exports = registry.lock()?;
-        let Some(pin) = exports.pins.get_mut(&ptr) else {
+    /// End one export of `ptr`; the last carries out a deferred free (a
+    /// failure leaves the export outstanding, to be ended again).
+    pub(crate) fn end_export(
+        &mut self,
+        core: &mut Core,
+        ctx: &Ctx<'_>,
+        ptr: DevicePtr,
+    ) -> Result<(), AllocError> {
+        let Some(pin) = self.pins.get_mut(&ptr) else {
             return Err(AllocError::Sharing {
                 reason: format!("no export of {ptr:#x} is outstanding"),
             });
@@ -234,24 +144,35 @@ impl QuiltAllocator {
             pin.exports -= 1;
             return Ok(());
         }
-        // The last export: the owner's deferred free happens now (a failure
-        // leaves the export outstanding, to be ended again).
         if pin.freed {
-            st.free(&ctx, ptr)?;
+            core.free(ctx, ptr)?;
         }
-        exports.pins.remove(&ptr);
-        registry
-            .any
-            .store(!exports.pins.is_empty(), Ordering::Relaxed);
+        self.pins.remove(&ptr);
         Ok(())
     }
 
-    /// Exports outstanding (imports other processes may still hold), in total.
-    pub fn exports_outstanding(&self) -> u64 {
-        self.core
-            .exports
-            .lock()
-            .map(|e| e.outstanding())
-            .unwrap_or(0)
+    /// Every pinned block is live, untagged, and exported at least once.
+    pub(crate) fn check(&self, core: &Core) -> Result<(), InvariantViolation> {
+        for (&ptr, pin) in &self.pins {
+            let Some(b) = core.blocks.get(&ptr) else {
+                return Err(InvariantViolation(format!(
+                    "exported block {ptr:#x} is not live"
+                )));
+            };
+            if matches!(
+                core.arena_meta.get(b.arena),
+                Some((_, Kind::Isolated(_))) | None
+            ) {
+                return Err(InvariantViolation(format!(
+                    "exported block {ptr:#x} is in a tag's arena"
+                )));
+            }
+            if pin.exports == 0 {
+                return Err(InvariantViolation(format!(
+                    "block {ptr:#x} pinned without an export"
+                )));
+            }
+        }
+        Ok(())
     }
 }

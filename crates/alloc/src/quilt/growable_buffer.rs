@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use quilt_vmm::{DevicePtr, StreamId};
 
+use super::allocator::QuiltAllocator;
 use super::growable::{GrowableId, GrowableInfo};
-use super::QuiltAllocator;
 use crate::error::AllocError;
 
 /// A growable buffer owned by the value, as [`crate::Buffer`] owns a block:

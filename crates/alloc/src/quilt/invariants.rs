@@ -5,7 +5,10 @@ use std::collections::HashSet;
 
 use quilt_pool::{PageId, PagePool};
 
-use super::state::{Kind, State};
+use super::export::Exports;
+use super::growable::Growables;
+use super::sleep::{tag_arenas, tag_members, Tags};
+use super::stitch::{Core, Kind};
 use crate::error::InvariantViolation;
 
 fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
@@ -40,15 +43,24 @@ fn fail<T>(msg: String) -> Result<T, InvariantViolation> {
 ///    kept whole, nothing occupied), a zombie (released, nothing occupied,
 ///    still mapping something) or dead (size 0, its slot free); no arena is
 ///    two of these.
-/// 10. Only the arenas of a sleeping tag may have touched pages unmapped
+/// 10. The frozen arenas are exactly the sleeping tags' arenas, and only
+///     they may have touched pages unmapped
 ///     (until a wake maps them); in offload mode a sleeping tag's host
 ///     copies are exactly its members' ranges.
-pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), InvariantViolation> {
+pub(crate) fn check(
+    st: &Core,
+    growables: &Growables,
+    tags: &Tags,
+    exports: &Exports,
+    pool: &PagePool,
+    page: u64,
+) -> Result<(), InvariantViolation> {
     pool.check_invariants().map_err(InvariantViolation)?;
+    exports.check(st)?;
     let mut occupied_total = 0usize;
     let mut backing: Vec<PageId> = Vec::new();
     let mut cached_slots: Vec<(usize, u64, u64)> = Vec::new();
-    let asleep = check_sleeping_tags(st)?;
+    let asleep = check_sleeping_tags(st, growables, tags)?;
     for (ai, a) in st.arenas.iter().enumerate() {
         // 1. blocks and gaps tile the arena, coalesced, gaps indexed by size.
         if let Err(e) = a.tiling.check(a.size) {
@@ -194,7 +206,7 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         ));
     }
     // 9. growable buffers, zombies, dead arenas.
-    let growable_blocks = check_growables(st)?;
+    let growable_blocks = check_growables(st, growables)?;
     // 2. block records versus occupied ranges.
     if occupied_total != st.blocks.len() + growable_blocks {
         return fail(format!(
@@ -203,7 +215,7 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
         ));
     }
     let (mut alloc_bytes, mut requested) = (0u64, 0u64);
-    for g in st.growables.values() {
+    for g in growables.live.values() {
         alloc_bytes += g.extent();
         requested += g.len;
     }
@@ -219,7 +231,7 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
     }
     // 7. statistics.
     let s = &st.stats;
-    let n = st.blocks.len() as u64 + st.growables.len() as u64;
+    let n = st.blocks.len() as u64 + growables.live.len() as u64;
     let checks = [
         ("allocated_bytes", s.allocated_bytes.current, alloc_bytes),
         ("allocation", s.allocation.current, n),
@@ -252,14 +264,14 @@ pub(crate) fn check(st: &State, pool: &PagePool, page: u64) -> Result<(), Invari
 }
 
 /// Invariant 9; returns how many growable buffers occupy a range.
-fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
+fn check_growables(st: &Core, growables: &Growables) -> Result<usize, InvariantViolation> {
     let mut owner: Vec<u8> = vec![0; st.arenas.len()];
     let mut occupying = 0usize;
-    for (&id, g) in &st.growables {
+    for (&id, g) in &growables.live {
         let Some(a) = st.arenas.get(g.arena) else {
             return fail(format!("growable {id} names a missing arena"));
         };
-        if st.arena_meta[g.arena].1 != Kind::Growable || a.size != g.max || g.len > g.max {
+        if st.arena_meta[g.arena].1 != Kind::Own || a.size != g.max || g.len > g.max {
             return fail(format!(
                 "growable {id}: arena kind, size {} or length {} (max {}) wrong",
                 a.size, g.len, g.max
@@ -284,18 +296,18 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         let Some(a) = st.arenas.get(ai) else {
             return fail(format!("zombie arena {ai} is missing"));
         };
-        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Growable {
+        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Own {
             return fail(format!(
                 "zombie arena {ai} is dead, occupied or not growable"
             ));
         }
         owner[ai] += 1;
     }
-    for &ai in &st.recycled {
+    for &ai in &growables.recycled {
         let Some(a) = st.arenas.get(ai) else {
             return fail(format!("recycled arena {ai} is missing"));
         };
-        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Growable {
+        if a.size == 0 || a.tiling.block_count() != 0 || st.arena_meta[ai].1 != Kind::Own {
             return fail(format!(
                 "recycled arena {ai} is dead, occupied or not growable"
             ));
@@ -309,7 +321,7 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
         }
     }
     for (ai, &n) in owner.iter().enumerate() {
-        let growable = st.arena_meta[ai].1 == Kind::Growable;
+        let growable = st.arena_meta[ai].1 == Kind::Own;
         if (growable && n != 1) || (!growable && n != 0) {
             return fail(format!(
                 "arena {ai} ({:?}) is owned {n} times by growables, zombies and free slots",
@@ -321,17 +333,20 @@ fn check_growables(st: &State) -> Result<usize, InvariantViolation> {
 }
 
 /// Invariant 10 (the mapping part is checked with the pages); returns the
-/// arenas of sleeping tags.
-fn check_sleeping_tags(st: &State) -> Result<HashSet<usize>, InvariantViolation> {
+/// arenas of sleeping tags, which are exactly the core's frozen arenas.
+fn check_sleeping_tags(
+    st: &Core,
+    growables: &Growables,
+    tags: &Tags,
+) -> Result<HashSet<usize>, InvariantViolation> {
     let mut asleep = HashSet::new();
-    for t in 0..st.tags.len() {
-        if !st.tags.is_asleep(t) {
+    for t in 0..tags.len() {
+        if !tags.is_asleep(t) {
             continue;
         }
-        asleep.extend(st.tag_arenas(t));
-        if let Some(saved) = st.tags.saved_ranges(t) {
-            let members: Vec<(u64, u64)> = st
-                .tag_members(t)
+        asleep.extend(tag_arenas(st, growables, t));
+        if let Some(saved) = tags.saved_ranges(t) {
+            let members: Vec<(u64, u64)> = tag_members(st, growables, t)
                 .into_iter()
                 .map(|(p, l, _)| (p, l))
                 .collect();
@@ -340,15 +355,21 @@ fn check_sleeping_tags(st: &State) -> Result<HashSet<usize>, InvariantViolation>
             if saved != members {
                 return fail(format!(
                     "sleeping tag {:?}: host copies {saved:?} but members {members:?}",
-                    st.tags.name(t)
+                    tags.name(t)
                 ));
             }
         }
     }
-    let sleeping = (0..st.tags.len()).filter(|&t| st.tags.is_asleep(t)).count();
-    if st.tags.any_asleep() != (sleeping > 0) {
+    let sleeping = (0..tags.len()).filter(|&t| tags.is_asleep(t)).count();
+    if tags.any_asleep() != (sleeping > 0) {
         return fail(format!(
             "{sleeping} tags asleep, but the count says otherwise"
+        ));
+    }
+    let frozen: HashSet<usize> = st.frozen.keys().copied().collect();
+    if frozen != asleep {
+        return fail(format!(
+            "frozen arenas {frozen:?} are not the sleeping tags' arenas {asleep:?}"
         ));
     }
     Ok(asleep)

@@ -9,78 +9,81 @@
 //! memory again (a kernel reading an unmapped address faults; nothing wakes
 //! a tag behind the program's back).
 
-use super::sleep::{SleepMode, SleepPages};
-use super::state::{Ctx, State};
+use super::growable::Growables;
+use super::sleep::{tag_arenas, SleepMode, SleepPages, Tags};
+use super::stitch::{Core, Ctx};
 use crate::error::AllocError;
 
-/// What happens when a request would run out of memory.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum OffloadTier {
-    /// Nothing: the request fails with [`AllocError::OutOfMemory`].
-    #[default]
-    Off,
-    /// Put awake offloadable tags to sleep (offload mode), those holding the
-    /// most pages first, retrying the request after each, when the pages
-    /// they hold with what is free, cached and creatable cover the request;
-    /// never the tag the request is for.
-    OffloadableTags,
+/// What the offload tier works on: the core and the features whose memory
+/// it may put to sleep.
+pub(crate) struct Tier<'a> {
+    pub(crate) core: &'a mut Core,
+    pub(crate) growables: &'a mut Growables,
+    pub(crate) tags: &'a mut Tags,
 }
 
-impl State {
-    /// Run `op`; if it runs out of memory and the tier allows, put
-    /// offloadable tags (other than `exclude`) to sleep and run it again.
-    pub(crate) fn with_offload_tier<T>(
-        &mut self,
-        ctx: &Ctx<'_>,
-        exclude: Option<u32>,
-        mut op: impl FnMut(&mut State, &Ctx<'_>) -> Result<T, AllocError>,
-    ) -> Result<T, AllocError> {
-        let ooms = self.stats.num_ooms;
-        let first = op(self, ctx);
-        let needed = match (&first, self.offload_tier) {
-            (Err(AllocError::OutOfMemory(r)), OffloadTier::OffloadableTags) => {
-                r.needed.div_ceil(ctx.page)
-            }
-            _ => return first,
-        };
-        let mut candidates: Vec<(u64, u32)> = (0..self.tags.len())
-            .filter(|&t| {
-                Some(t) != exclude && self.tags.is_offloadable(t) && !self.tags.is_asleep(t)
-            })
-            .map(|t| {
-                let pages = self
-                    .tag_arenas(t)
-                    .iter()
-                    .map(|&ai| self.arenas[ai].mapped_pages)
-                    .sum::<u64>();
-                (pages, t)
-            })
-            .filter(|&(pages, _)| pages > 0)
-            .collect();
-        candidates.sort_unstable_by(|a, b| b.cmp(a));
-        let held: u64 = candidates.iter().map(|&(p, _)| p).sum();
-        let growable = ctx.pool.growable_pages().unwrap_or(0);
-        let usable = ctx.pool.free_pages() + self.cached_pages() + growable;
-        if usable + held < needed {
-            return first; // offloading everything would not be enough
+/// Run `op`; if it runs out of memory and the tier ([`super::config::OffloadTier`])
+/// allows, put offloadable tags (other than `exclude`) to sleep and run it
+/// again.
+pub(crate) fn with_offload_tier<T>(
+    tier: Tier<'_>,
+    ctx: &Ctx<'_>,
+    exclude: Option<u32>,
+    mut op: impl FnMut(&mut Tier<'_>, &Ctx<'_>) -> Result<T, AllocError>,
+) -> Result<T, AllocError> {
+    let mut tier = tier;
+    let ooms = tier.core.stats.num_ooms;
+    let first = op(&mut tier, ctx);
+    let needed = match (&first, ctx.cfg.offload_tier) {
+        (Err(AllocError::OutOfMemory(r)), super::config::OffloadTier::OffloadableTags) => {
+            r.needed.div_ceil(ctx.page)
         }
-        let mut last = first;
-        for (_, t) in candidates {
-            let name = self.tags.name(t).to_string();
-            if self
-                .sleep(ctx, &name, SleepMode::Offload, SleepPages::KeepInPool)
-                .is_err()
-            {
-                break;
-            }
-            self.serving.tier_offloads += 1;
-            last = op(self, ctx);
-            if last.is_ok() {
-                self.stats.num_ooms = ooms;
-                self.serving.tier_rescues += 1;
-                break;
-            }
-        }
-        last
+        _ => return first,
+    };
+    let Tier {
+        core,
+        growables,
+        tags,
+    } = &mut tier;
+    let mut candidates: Vec<(u64, u32)> = (0..tags.len())
+        .filter(|&t| Some(t) != exclude && tags.is_offloadable(t) && !tags.is_asleep(t))
+        .map(|t| {
+            let pages = tag_arenas(core, growables, t)
+                .iter()
+                .map(|&ai| core.arenas[ai].mapped_pages)
+                .sum::<u64>();
+            (pages, t)
+        })
+        .filter(|&(pages, _)| pages > 0)
+        .collect();
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    let held: u64 = candidates.iter().map(|&(p, _)| p).sum();
+    let growable = ctx.pool.growable_pages().unwrap_or(0);
+    let usable = ctx.pool.free_pages() + core.cached_pages() + growable;
+    if usable + held < needed {
+        return first; // offloading everything would not be enough
     }
+    let mut last = first;
+    for (_, t) in candidates {
+        let name = tier.tags.name(t).to_string();
+        let slept = tier.tags.sleep(
+            tier.core,
+            tier.growables,
+            ctx,
+            &name,
+            SleepMode::Offload,
+            SleepPages::KeepInPool,
+        );
+        if slept.is_err() {
+            break;
+        }
+        tier.tags.counts.tier_offloads += 1;
+        last = op(&mut tier, ctx);
+        if last.is_ok() {
+            tier.core.stats.num_ooms = ooms;
+            tier.tags.counts.tier_rescues += 1;
+            break;
+        }
+    }
+    last
 }

@@ -4,7 +4,7 @@
 
 use super::arena::PageSlot;
 use super::config::Placement;
-use super::state::{Ctx, Kind, State};
+use super::stitch::{Core, Ctx, Kind};
 use super::streams::Poll;
 use super::tiling::PieceId;
 use crate::error::AllocError;
@@ -59,7 +59,7 @@ impl Placed {
     }
 }
 
-impl State {
+impl Core {
     /// True when a block on stream `t` over `off .. off + len` of gap `gap`
     /// in arena `ai` would have to wait for another stream's work.
     pub(super) fn needs_wait(

@@ -5,7 +5,7 @@
 use quilt_pool::{PagePool, PoolError};
 
 use super::config::ReclaimPolicy;
-use super::state::{pool_err, Ctx, Kind, State};
+use super::stitch::{pool_err, Core, Ctx, Kind};
 use crate::error::AllocError;
 
 /// How a reclaim takes cached pages back to the pool.
@@ -40,7 +40,7 @@ pub(crate) enum PagesFor {
     Mapping,
 }
 
-impl State {
+impl Core {
     /// Make at least `n` pages free in the pool: by the reclaim policy, growth,
     /// and reclaiming cached pages when the pool cannot grow.
     pub(super) fn obtain_free_pages(
@@ -68,7 +68,7 @@ impl State {
             }
             ReclaimPolicy::IdleFor(k) => (missing(ctx.pool), self.tick.saturating_sub(k)),
         };
-        // Growable buffers' spare pages whose work is done come first.
+        // Spare pages (of arenas of their own) whose work is done come first.
         self.reclaim_spare_done(ctx, missing(ctx.pool))?;
         if want > 0 && missing(ctx.pool) > 0 {
             self.reclaim(ctx, want, Reclaim::Move { cached_before })?;
@@ -96,7 +96,7 @@ impl State {
         let all = Reclaim::Move {
             cached_before: u64::MAX,
         };
-        // Growable buffers' spare pages before any other cached page.
+        // Spare pages before any other cached page.
         let spare = self.reclaim_spare_all(ctx, want)?;
         if spare < want {
             self.reclaim(ctx, want - spare, all)?;
@@ -184,7 +184,7 @@ impl State {
             };
             let (ai, p, _) = entry;
             let slot = self.arenas[ai].slot(p);
-            if self.arena_meta[ai].1 == Kind::Growable {
+            if self.arena_meta[ai].1 == Kind::Own {
                 passed.push(entry);
                 continue;
             }
@@ -338,5 +338,63 @@ impl State {
                 s.is_cached() && s.cached_at == stamp
             });
         }
+    }
+
+    /// The spare pages: the cached pages of every arena of its own
+    /// (`Kind::Own`: a growable buffer's pages mapped past its end, ahead
+    /// or left by a shrink, or a recycled range's), arena by arena, the
+    /// farthest from the arena's start first. They are the first class of
+    /// cached pages reclaimed.
+    fn spare_pages(&self) -> Vec<(usize, u64)> {
+        let mut out = Vec::new();
+        for (ai, a) in self.arenas.iter().enumerate() {
+            if self.arena_meta[ai].1 != Kind::Own || a.cached_pages == 0 {
+                continue;
+            }
+            out.extend(
+                (0..a.pages.len() as u64)
+                    .rev()
+                    .filter(|&p| a.slot(p).is_cached())
+                    .map(|p| (ai, p)),
+            );
+        }
+        out
+    }
+
+    /// Before the pool grows: unmap the spare pages whose work is known
+    /// complete (no synchronisation, no retirement), up to `want`. Returns
+    /// the pages gained.
+    fn reclaim_spare_done(&mut self, ctx: &Ctx<'_>, want: u64) -> Result<u64, AllocError> {
+        if want == 0 {
+            return Ok(0);
+        }
+        let tick = self.tick;
+        let mut chosen = Vec::new();
+        for (ai, p) in self.spare_pages() {
+            if chosen.len() as u64 >= want {
+                break;
+            }
+            let s = self.arenas[ai].slot(p);
+            if self.work_done(ctx, s.freed_by, s.freed_at, tick) {
+                chosen.push((ai, p));
+            }
+        }
+        let gained = self.move_cached(ctx, &chosen, false, false)?;
+        self.spare_pages_reclaimed += gained;
+        Ok(gained)
+    }
+
+    /// When the pool cannot grow: move up to `want` spare pages to the pool
+    /// before any other cached page (unmapped, or retired when their work
+    /// may still run). Returns the pages gained.
+    fn reclaim_spare_all(&mut self, ctx: &Ctx<'_>, want: u64) -> Result<u64, AllocError> {
+        if want == 0 {
+            return Ok(0);
+        }
+        let mut chosen = self.spare_pages();
+        chosen.truncate(want.min(usize::MAX as u64) as usize);
+        let gained = self.move_cached(ctx, &chosen, false, false)?;
+        self.spare_pages_reclaimed += gained;
+        Ok(gained)
     }
 }

@@ -1,15 +1,18 @@
 //! The serving API of [`QuiltAllocator`]: growable buffers, tags, sleep and
-//! wake, and their counters. The state's side lives in `growable.rs` and
-//! `sleep.rs`; see `docs/serving.md`.
+//! wake, the offload tier, their policies and counters. Each feature's
+//! state and operations live in `growable.rs`, `sleep.rs` and `offload.rs`;
+//! see `docs/serving.md`.
 
 use quilt_vmm::StreamId;
 
-use super::growable::{GrowableId, GrowableInfo, MapAhead, Recycle, ServingStats};
-use super::offload::OffloadTier;
+use super::allocator::QuiltAllocator;
+use super::config::{MapAhead, OffloadTier, Recycle};
+use super::growable::{GrowableId, GrowableInfo};
+use super::offload::with_offload_tier;
 use super::sleep::{SleepMode, SleepPages};
-use super::QuiltAllocator;
 use crate::api::Allocation;
 use crate::error::AllocError;
+use crate::stats::ServingStats;
 
 impl QuiltAllocator {
     /// Create a growable buffer of at most `max_bytes` (rounded up to whole
@@ -41,15 +44,13 @@ impl QuiltAllocator {
         max_bytes: u64,
         stream: StreamId,
     ) -> Result<GrowableId, AllocError> {
-        let ctx = self.ctx();
-        let (id, ahead) = {
-            let mut st = self.lock()?;
-            (
-                st.growable_create(&ctx, max_bytes, stream, None)?,
-                st.map_ahead,
-            )
-        };
-        self.ahead.after_growth(&self.core, id, ahead);
+        let (id, ahead) = self.with(|l, ctx| {
+            let id = l
+                .growables
+                .create(&mut l.core, ctx, max_bytes, stream, None)?;
+            Ok((id, l.policy.map_ahead))
+        })?;
+        self.ahead.after_growth(&self.shared, id, ahead);
         Ok(id)
     }
 
@@ -62,16 +63,15 @@ impl QuiltAllocator {
         stream: StreamId,
         tag: &str,
     ) -> Result<GrowableId, AllocError> {
-        let ctx = self.ctx();
-        let (id, ahead) = {
-            let mut st = self.lock()?;
-            let t = st.tags.index(tag);
-            (
-                st.growable_create(&ctx, max_bytes, stream, Some(t))?,
-                st.map_ahead,
-            )
-        };
-        self.ahead.after_growth(&self.core, id, ahead);
+        let (id, ahead) = self.with(|l, ctx| {
+            let t = l.tags.index(tag);
+            l.tags.check_awake(t)?;
+            let id = l
+                .growables
+                .create(&mut l.core, ctx, max_bytes, stream, Some(t))?;
+            Ok((id, l.policy.map_ahead))
+        })?;
+        self.ahead.after_growth(&self.shared, id, ahead);
         Ok(id)
     }
 
@@ -84,14 +84,14 @@ impl QuiltAllocator {
     /// [`AllocError::OutOfMemory`] with the usual report and leaves the
     /// buffer as it was.
     pub fn grow_to(&self, id: GrowableId, bytes: u64) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        let ahead = {
-            let mut st = self.lock()?;
-            let tag = st.growable(id)?.tag;
-            st.with_offload_tier(&ctx, tag, |st, ctx| st.growable_grow(ctx, id, bytes))?;
-            st.map_ahead
-        };
-        self.ahead.after_growth(&self.core, id, ahead);
+        let ahead = self.with(|l, ctx| {
+            let tag = l.growables.get(id)?.tag;
+            with_offload_tier(l.tier(), ctx, tag, |t, ctx| {
+                t.growables.grow(t.core, ctx, id, bytes)
+            })?;
+            Ok(l.policy.map_ahead)
+        })?;
+        self.ahead.after_growth(&self.shared, id, ahead);
         Ok(())
     }
 
@@ -104,8 +104,7 @@ impl QuiltAllocator {
     /// are unmapped at once when their work is known complete, and are the
     /// first pages reclaimed otherwise, so ordinary allocations reuse them.
     pub fn shrink_to(&self, id: GrowableId, bytes: u64) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        self.lock()?.growable_shrink(&ctx, id, bytes)
+        self.with(|l, ctx| l.growables.shrink(&mut l.core, ctx, id, bytes))
     }
 
     /// Note that buffer `id` is used on `stream` too (as `record_stream`):
@@ -115,12 +114,15 @@ impl QuiltAllocator {
         id: GrowableId,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        self.lock()?.growable_record_stream(id, stream)
+        self.with(|l, _| l.growables.record_stream(&mut l.core, id, stream))
     }
 
     /// What buffer `id` is now.
     pub fn growable_info(&self, id: GrowableId) -> Result<GrowableInfo, AllocError> {
-        self.lock()?.growable_info(id)
+        self.with(|l, _| {
+            let tags = &l.tags;
+            l.growables.info(&l.core, id, |t| tags.name(t).to_string())
+        })
     }
 
     /// Release buffer `id`: its pages go back to the pool (unmapped when
@@ -129,8 +131,7 @@ impl QuiltAllocator {
     /// is mapped in it. The id is dead afterwards
     /// ([`AllocError::UnknownGrowable`]).
     pub fn release_growable(&self, id: GrowableId) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        self.lock()?.growable_release(&ctx, id)
+        self.with(|l, ctx| l.growables.release(&mut l.core, ctx, id))
     }
 
     /// Allocate `size` bytes on `stream` carrying `tag`: the block lives in
@@ -145,11 +146,12 @@ impl QuiltAllocator {
         stream: StreamId,
         tag: &str,
     ) -> Result<Allocation, AllocError> {
-        let ctx = self.ctx();
-        let mut st = self.lock()?;
-        let t = st.tags.index(tag);
-        st.with_offload_tier(&ctx, Some(t), |st, ctx| {
-            st.allocate_in(ctx, size, stream, Some(t))
+        self.with(|l, ctx| {
+            let t = l.tags.index(tag);
+            l.tags.check_awake(t)?;
+            with_offload_tier(l.tier(), ctx, Some(t), |tier, ctx| {
+                tier.core.allocate_in(ctx, size, stream, Some(t))
+            })
         })
     }
 
@@ -196,8 +198,10 @@ impl QuiltAllocator {
         mode: SleepMode,
         pages: SleepPages,
     ) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        self.lock()?.sleep(&ctx, tag, mode, pages)
+        self.with(|l, ctx| {
+            l.tags
+                .sleep(&mut l.core, &l.growables, ctx, tag, mode, pages)
+        })
     }
 
     /// Wake `tag`: map pages again under its members, at the same addresses
@@ -208,30 +212,30 @@ impl QuiltAllocator {
     /// `cuMemSetAccess` per contiguous run, one `cuMemcpyHtoD` per member.
     /// A tag that is awake is [`AllocError::TagState`].
     pub fn wake(&self, tag: &str) -> Result<(), AllocError> {
-        let ctx = self.ctx();
-        let mut st = self.lock()?;
-        let exclude = st.tags.lookup(tag);
-        st.with_offload_tier(&ctx, exclude, |st, ctx| st.wake(ctx, tag))
+        self.with(|l, ctx| {
+            let exclude = l.tags.lookup(tag);
+            with_offload_tier(l.tier(), ctx, exclude, |t, ctx| {
+                t.tags.wake(t.core, t.growables, ctx, tag)
+            })
+        })
     }
 
     /// True while `tag` sleeps ([`AllocError::TagState`] for an unknown tag).
     pub fn is_asleep(&self, tag: &str) -> Result<bool, AllocError> {
-        let st = self.lock()?;
-        let known = st.tags.lookup(tag);
-        match known {
-            Some(t) => Ok(st.tags.is_asleep(t)),
+        self.with(|l, _| match l.tags.lookup(tag) {
+            Some(t) => Ok(l.tags.is_asleep(t)),
             None => Err(AllocError::TagState {
                 tag: tag.to_string(),
                 reason: "unknown tag: no allocation or growable buffer ever carried it",
             }),
-        }
+        })
     }
 
     /// Set what happens when a request would run out of memory (see
-    /// [`OffloadTier`]; `Off` by default).
+    /// [`OffloadTier`]; `Off` by default). The policy in force changes
+    /// ([`QuiltAllocator::config`] returns it).
     pub fn set_offload_tier(&self, tier: OffloadTier) -> Result<(), AllocError> {
-        self.lock()?.offload_tier = tier;
-        Ok(())
+        self.update_policy(|c| c.offload_tier = tier)
     }
 
     /// Let the offload tier put `tag` to sleep when a request would
@@ -240,37 +244,54 @@ impl QuiltAllocator {
     /// [`is_asleep`](QuiltAllocator::is_asleep) and `wake` it before its
     /// memory is used again.
     pub fn set_offloadable(&self, tag: &str, offloadable: bool) -> Result<(), AllocError> {
-        let mut st = self.lock()?;
-        let t = st.tags.index(tag);
-        st.tags.set_offloadable(t, offloadable);
-        Ok(())
+        self.with(|l, _| {
+            let t = l.tags.index(tag);
+            l.tags.set_offloadable(t, offloadable);
+            Ok(())
+        })
     }
 
     /// Bytes of host memory holding sleeping tags' contents.
     pub fn host_bytes(&self) -> u64 {
-        self.lock().map(|s| s.tags.host_bytes()).unwrap_or(0)
+        self.with(|l, _| Ok(l.tags.host_bytes())).unwrap_or(0)
     }
 
     /// The map-ahead policy of growable buffers.
     pub fn map_ahead(&self) -> MapAhead {
-        self.lock().map(|s| s.map_ahead).unwrap_or(MapAhead::OFF)
+        self.config().map_ahead
     }
 
-    /// Set the map-ahead policy of growable buffers (see [`MapAhead`]).
+    /// Set the map-ahead policy of growable buffers (see [`MapAhead`]),
+    /// validated as [`super::QuiltConfig::validate`] does: refused with
+    /// [`AllocError::InvalidConfig`] (`below_per_mille` above 1000),
+    /// nothing changes.
     pub fn set_map_ahead(&self, policy: MapAhead) -> Result<(), AllocError> {
-        self.lock()?.map_ahead = policy;
-        Ok(())
+        self.update_policy(|c| c.map_ahead = policy)
     }
 
-    /// Set what happens to released growable buffers' ranges (see [`Recycle`]).
+    /// Set what happens to released growable buffers' ranges (see
+    /// [`Recycle`]); the policy in force changes.
     pub fn set_recycle(&self, policy: Recycle) -> Result<(), AllocError> {
-        self.lock()?.recycle = policy;
-        Ok(())
+        self.update_policy(|c| c.recycle = policy)
     }
 
     /// Counters of growable buffers and sleep/wake.
     pub fn serving_stats(&self) -> ServingStats {
-        self.lock().map(|s| s.serving).unwrap_or_default()
+        self.with(|l, _| {
+            let (g, t) = (l.growables.counts, l.tags.counts);
+            Ok(ServingStats {
+                spare_pages_reclaimed: l.core.spare_pages_reclaimed,
+                sleeps: t.sleeps,
+                wakes: t.wakes,
+                bytes_offloaded: t.bytes_offloaded,
+                bytes_restored: t.bytes_restored,
+                sleep_syncs: t.sleep_syncs,
+                tier_offloads: t.tier_offloads,
+                tier_rescues: t.tier_rescues,
+                ..g
+            })
+        })
+        .unwrap_or_default()
     }
 
     /// Map ahead of every live growable buffer now, on this thread, as the
@@ -278,15 +299,15 @@ impl QuiltAllocator {
     /// deterministic form of the background worker, for tests. Returns the
     /// pages mapped.
     pub fn map_ahead_now(&self) -> Result<u64, AllocError> {
-        let ctx = self.ctx();
-        let mut st = self.lock()?;
-        let mut ids: Vec<u64> = st.growables.keys().copied().collect();
-        ids.sort_unstable();
-        let mut n = 0;
-        for id in ids {
-            n += st.map_ahead_for(&ctx, GrowableId(id))?;
-        }
-        Ok(n)
+        self.with(|l, ctx| {
+            let mut ids: Vec<u64> = l.growables.live.keys().copied().collect();
+            ids.sort_unstable();
+            let mut n = 0;
+            for id in ids {
+                n += l.growables.map_ahead(&mut l.core, ctx, GrowableId(id))?;
+            }
+            Ok(n)
+        })
     }
 
     /// Stop the map-ahead worker if it runs (it starts again on the next

@@ -1,7 +1,7 @@
 //! Tags, and putting a tag's memory to sleep and waking it.
 //!
 //! A tag's members are the blocks allocated with it (in arenas of their own,
-//! `Kind::Tagged`, so that no page is shared with another tag or with
+//! `Kind::Isolated`, so that no page is shared with another tag or with
 //! untagged blocks) and the growable buffers created with it. `sleep` makes
 //! the work queued on the members' memory complete (a synchronisation of
 //! each stream that used it: what a sleep costs), copies their contents to
@@ -16,15 +16,17 @@
 //! half-way leaves it asleep too, and a later wake maps only what is still
 //! unmapped. While asleep a tag refuses new members and every operation on
 //! its members (free, resize, record-stream, release) with
-//! [`AllocError::TagState`].
+//! [`AllocError::TagState`]: its arenas are frozen in the core.
 
 use rustc_hash::FxHashMap as HashMap;
 
 use quilt_vmm::DevicePtr;
 
+use super::growable::Growables;
 use super::reclaim::PagesFor;
-use super::state::{pool_err, Ctx, Kind, State};
+use super::stitch::{pool_err, Core, Ctx, Kind};
 use crate::error::AllocError;
+use crate::stats::ServingStats;
 
 /// What a sleep does with the contents of the tag's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +131,8 @@ pub(crate) struct Tags {
     offloadable: Vec<bool>,
     /// How many tags are asleep.
     sleeping: usize,
+    /// Counters (the sleep and offload fields of [`ServingStats`]).
+    pub(crate) counts: ServingStats,
 }
 
 impl Tags {
@@ -222,85 +226,67 @@ impl Tags {
     }
 }
 
-impl State {
-    /// An error when arena `ai` belongs to a sleeping tag (nothing to look
-    /// up while no tag sleeps: the free path pays nothing for tags).
-    pub(crate) fn check_arena_awake(&self, ai: usize) -> Result<(), AllocError> {
-        if !self.tags.any_asleep() {
-            return Ok(());
-        }
-        match self.arena_meta.get(ai) {
-            Some(&(_, Kind::Tagged(t))) => self.tags.check_awake(t),
-            _ => Ok(()),
-        }
-    }
+/// The arenas of tag `t`: its isolated arenas and its growable buffers'.
+pub(crate) fn tag_arenas(core: &Core, growables: &Growables, t: u32) -> Vec<usize> {
+    let mut out: Vec<usize> = core.group_arenas(t).collect();
+    out.extend(growables.tag_arenas(t));
+    out.sort_unstable();
+    out
+}
 
-    /// The arenas of tag `t`: its tagged arenas and its growable buffers'.
-    pub(crate) fn tag_arenas(&self, t: u32) -> Vec<usize> {
-        let mut out: Vec<usize> = (0..self.arenas.len())
-            .filter(|&ai| self.arena_meta[ai].1 == Kind::Tagged(t))
-            .collect();
-        out.extend(
-            self.growables
-                .values()
-                .filter(|g| g.tag == Some(t))
-                .map(|g| g.arena),
-        );
-        out.sort_unstable();
-        out
-    }
+/// The members of tag `t` as (device address, bytes, streams mask): its
+/// blocks (their rounded size) and its growable buffers (their length).
+pub(crate) fn tag_members(
+    core: &Core,
+    growables: &Growables,
+    t: u32,
+) -> Vec<(DevicePtr, u64, u64)> {
+    let mut out: Vec<(DevicePtr, u64, u64)> = core
+        .blocks
+        .iter()
+        .filter(|(_, b)| core.arena_meta[b.arena].1 == Kind::Isolated(t))
+        .map(|(&p, b)| (p, b.size, b.streams))
+        .collect();
+    out.extend(growables.tag_members(core, t));
+    out.sort_unstable();
+    out
+}
 
-    /// The members of tag `t` as (device address, bytes, streams mask):
-    /// its blocks (their rounded size) and its growable buffers (their length).
-    pub(crate) fn tag_members(&self, t: u32) -> Vec<(DevicePtr, u64, u64)> {
-        let mut out: Vec<(DevicePtr, u64, u64)> = self
-            .blocks
-            .iter()
-            .filter(|(_, b)| self.arena_meta[b.arena].1 == Kind::Tagged(t))
-            .map(|(&p, b)| (p, b.size, b.streams))
-            .collect();
-        out.extend(
-            self.growables
-                .values()
-                .filter(|g| g.tag == Some(t) && g.len > 0)
-                .map(|g| (self.arenas[g.arena].base, g.len, g.streams)),
-        );
-        out.sort_unstable();
-        out
-    }
-
+impl Tags {
     /// Put tag `name` to sleep (see the module documentation).
     pub(crate) fn sleep(
         &mut self,
+        core: &mut Core,
+        growables: &Growables,
         ctx: &Ctx<'_>,
         name: &str,
         mode: SleepMode,
         pages: SleepPages,
     ) -> Result<(), AllocError> {
-        let t = self.tags.find(name)?;
-        if self.tags.is_asleep(t) {
+        let t = self.find(name)?;
+        if self.is_asleep(t) {
             return Err(AllocError::TagState {
                 tag: name.to_string(),
                 reason: "the tag is already asleep",
             });
         }
-        self.tick += 1;
-        let tick = self.tick;
-        let arenas = self.tag_arenas(t);
-        let members = self.tag_members(t);
+        core.tick += 1;
+        let tick = core.tick;
+        let arenas = tag_arenas(core, growables, t);
+        let members = tag_members(core, growables, t);
         // 1. The work queued on the memory completes: every stream that used
         // a member or freed on one of the arenas' pages.
         let mut mask = members.iter().fold(0u64, |m, &(_, _, s)| m | s);
         for &ai in &arenas {
-            for slot in &self.arenas[ai].pages {
+            for slot in &core.arenas[ai].pages {
                 if slot.phys.is_some() || slot.retired {
                     mask |= slot.freed_by;
                 }
             }
         }
-        for s in self.streams.in_mask(mask) {
-            if self.streams.complete(ctx.vmm, s, tick, tick)? {
-                self.serving.sleep_syncs += 1;
+        for s in core.streams.in_mask(mask) {
+            if core.streams.complete(ctx.vmm, s, tick, tick)? {
+                self.counts.sleep_syncs += 1;
             }
         }
         // 2. The contents, copied out before anything is unmapped.
@@ -311,30 +297,33 @@ impl State {
             }
         }
         let offloaded: u64 = saved.iter().map(|s| s.len).sum();
-        self.serving.bytes_offloaded += offloaded;
-        self.serving.sleeps += 1;
-        if let Some(slot) = self.tags.asleep.get_mut(t as usize) {
+        self.counts.bytes_offloaded += offloaded;
+        self.counts.sleeps += 1;
+        if let Some(slot) = self.asleep.get_mut(t as usize) {
             *slot = Some(Sleeping { mode, saved });
-            self.tags.sleeping += 1;
+            self.sleeping += 1;
+        }
+        for &ai in &arenas {
+            core.freeze(ai, name);
         }
         // 3. Every page of the tag's arenas unmapped, its pool page returned
         // (a failure leaves the rest mapped; a wake maps what is missing).
         let mut give = Vec::new();
         let mut result = Ok(());
         'arenas: for &ai in &arenas {
-            for p in 0..self.arenas[ai].pages.len() as u64 {
-                let slot = self.arenas[ai].slot(p);
+            for p in 0..core.arenas[ai].pages.len() as u64 {
+                let slot = core.arenas[ai].slot(p);
                 if slot.phys.is_none() && !slot.retired {
                     continue;
                 }
-                if let Err(e) = ctx.vmm.unmap(self.arenas[ai].page_addr(p), ctx.page) {
+                if let Err(e) = ctx.vmm.unmap(core.arenas[ai].page_addr(p), ctx.page) {
                     result = Err(e.into());
                     break 'arenas;
                 }
                 if slot.retired {
-                    self.arenas[ai].clear_retired(p);
+                    core.arenas[ai].clear_retired(p);
                 } else {
-                    give.extend(self.arenas[ai].set_unmapped(p));
+                    give.extend(core.arenas[ai].set_unmapped(p));
                 }
             }
         }
@@ -346,26 +335,32 @@ impl State {
             let keep = ctx.pool.total_pages().saturating_sub(n) * ctx.page;
             given = ctx.pool.trim(keep).map(|_| ()).map_err(pool_err);
         }
-        self.sync_stats(ctx);
+        core.sync_stats(ctx);
         result.and(given)
     }
 
     /// Wake tag `name` (see the module documentation).
-    pub(crate) fn wake(&mut self, ctx: &Ctx<'_>, name: &str) -> Result<(), AllocError> {
-        let t = self.tags.find(name)?;
-        if !self.tags.is_asleep(t) {
+    pub(crate) fn wake(
+        &mut self,
+        core: &mut Core,
+        growables: &Growables,
+        ctx: &Ctx<'_>,
+        name: &str,
+    ) -> Result<(), AllocError> {
+        let t = self.find(name)?;
+        if !self.is_asleep(t) {
             return Err(AllocError::TagState {
                 tag: name.to_string(),
                 reason: "the tag is awake",
             });
         }
-        self.tick += 1;
-        let tick = self.tick;
-        let arenas = self.tag_arenas(t);
+        core.tick += 1;
+        let tick = core.tick;
+        let arenas = tag_arenas(core, growables, t);
         let need: Vec<(usize, Vec<u64>)> = arenas
             .iter()
             .map(|&ai| {
-                let a = &self.arenas[ai];
+                let a = &core.arenas[ai];
                 let pages = (0..a.pages.len() as u64)
                     .filter(|&p| {
                         let s = a.slot(p);
@@ -379,10 +374,10 @@ impl State {
         if total > 0 {
             let bytes = total * ctx.page;
             if total > ctx.pool.limit_pages() {
-                return Err(self.oom(ctx, bytes, total, 0));
+                return Err(core.oom(ctx, bytes, total, 0));
             }
-            let obtained = self.obtain_free_pages(ctx, bytes, total, PagesFor::Mapping);
-            self.sync_stats(ctx);
+            let obtained = core.obtain_free_pages(ctx, bytes, total, PagesFor::Mapping);
+            core.sync_stats(ctx);
             obtained?;
         }
         for (ai, at) in need {
@@ -394,9 +389,9 @@ impl State {
             // completes before the copy writes them.
             let mut done = Ok(());
             for pg in &pages {
-                if let Some(&(mask, k)) = self.page_hazards.get(&pg.id) {
-                    for s in self.streams.in_mask(mask) {
-                        if let Err(e) = self.streams.complete(ctx.vmm, s, k, tick) {
+                if let Some(&(mask, k)) = core.page_hazards.get(&pg.id) {
+                    for s in core.streams.in_mask(mask) {
+                        if let Err(e) = core.streams.complete(ctx.vmm, s, k, tick) {
                             done = Err(AllocError::from(e));
                         }
                     }
@@ -407,25 +402,28 @@ impl State {
                 return Err(e);
             }
             for pg in &pages {
-                self.page_hazards.remove(&pg.id);
+                core.page_hazards.remove(&pg.id);
             }
-            let mapped = self.map_pages(ctx, ai, &at, &pages);
-            self.sync_stats(ctx);
+            let mapped = core.map_pages(ctx, ai, &at, &pages);
+            core.sync_stats(ctx);
             mapped?;
         }
         // The contents, back at the same addresses.
-        if let Some(Some(s)) = self.tags.asleep.get(t as usize) {
+        if let Some(Some(s)) = self.asleep.get(t as usize) {
             for c in &s.saved {
                 copy_back(ctx, c)?;
             }
         }
-        let sleeping = self.tags.asleep.get_mut(t as usize).and_then(Option::take);
-        if let Some(s) = sleeping {
-            self.tags.sleeping -= 1;
-            self.serving.bytes_restored += s.saved.iter().map(|c| c.len).sum::<u64>();
+        let sleeping = self.asleep.get_mut(t as usize).and_then(Option::take);
+        for &ai in &arenas {
+            core.thaw(ai);
         }
-        self.serving.wakes += 1;
-        self.sync_arena_stats(ctx);
+        if let Some(s) = sleeping {
+            self.sleeping -= 1;
+            self.counts.bytes_restored += s.saved.iter().map(|c| c.len).sum::<u64>();
+        }
+        self.counts.wakes += 1;
+        core.sync_arena_stats(ctx);
         Ok(())
     }
 }

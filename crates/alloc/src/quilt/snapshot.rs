@@ -1,12 +1,12 @@
 //! The memory snapshot: one segment per arena, its blocks and cached gaps.
 
-use super::state::{Kind, State};
+use super::stitch::{Core, Kind};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 
 /// Segments (arenas) with their blocks in address order. Gaps beyond an
 /// arena's last mapping are left out; a gap with a mapped page is `Inactive`,
 /// one without is `Unmapped`.
-pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
+pub(crate) fn snapshot(st: &Core, name: &str, page: u64) -> MemorySnapshot {
     let mut segments = Vec::new();
     for (ai, a) in st.arenas.iter().enumerate() {
         if a.size == 0 {
@@ -52,8 +52,8 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
             mapped_size: a.mapped_pages * page,
             stream: stream.unwrap_or_default(),
             kind: match (stream, kind) {
-                (_, Kind::Growable) => "growable",
-                (_, Kind::Tagged(_)) => "tagged",
+                (_, Kind::Own) => "growable",
+                (_, Kind::Isolated(_)) => "tagged",
                 (None, _) => "shared",
                 (_, Kind::Small) => "small",
                 (_, Kind::Large) => "large",
@@ -74,7 +74,7 @@ pub(crate) fn snapshot(st: &State, name: &str, page: u64) -> MemorySnapshot {
 /// (`Inactive`). Unmapped virtual space is left out, so the segments' sizes
 /// add up to the mapped pages; pool pages held but mapped nowhere are not a
 /// segment (the pool's free pages).
-pub(crate) fn mapped_segments(st: &State, name: &str, page: u64) -> MemorySnapshot {
+pub(crate) fn mapped_segments(st: &Core, name: &str, page: u64) -> MemorySnapshot {
     let mut segments = Vec::new();
     for (ai, a) in st.arenas.iter().enumerate() {
         let (stream, _) = st.arena_meta[ai];

@@ -1,6 +1,9 @@
-//! The allocator's state and its operations (allocate, free, record-stream,
-//! empty-cache, out of memory); the algorithms they use live beside it:
-//! `placement`, `backing` and `reclaim`.
+//! The stitching core: arenas, blocks, the cached-page queue, retired pages,
+//! page hazards and frozen arenas, and the operations on them (allocate,
+//! free, record-stream, forget-stream, empty-cache, out of memory, pages
+//! for a feature's own arena). It knows no feature: growable buffers, tags
+//! and exports own their state and call down into it. The algorithms live
+//! beside it: `placement`, `backing` and `reclaim`.
 //!
 //! Everything here runs under the allocator's one lock.
 
@@ -13,10 +16,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
-use super::growable::{GrowRec, MapAhead, Recycle, ServingStats};
-use super::offload::OffloadTier;
 use super::reclaim::Reclaim;
-use super::sleep::Tags;
 use super::streams::Streams;
 use super::tiling::{Hazard, PieceId};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
@@ -30,11 +30,13 @@ pub(crate) enum Kind {
     Small,
     /// Larger requests.
     Large,
-    /// The arena of one growable buffer (its own reservation), or of a
-    /// released one whose retired pages still wait for their work.
-    Growable,
-    /// Allocations carrying a tag (by index), never sharing pages with others.
-    Tagged(u32),
+    /// An arena of its own reservation, holding at most one block at
+    /// offset 0 whose length a feature changes (a growable buffer's); its
+    /// cached pages are spare pages, the first class reclaimed.
+    Own,
+    /// Blocks of one isolation group (a tag, by index), never sharing pages
+    /// with blocks outside it.
+    Isolated(u32),
 }
 
 /// What the algorithms need besides the state: the driver, the pool, the policy.
@@ -61,7 +63,7 @@ pub(crate) struct BlockRec {
     /// Freed while one of its streams was capturing a CUDA graph: the
     /// graph may use it, so it is not reused (it stays occupied and counted
     /// as allocated) until no stream of it captures; then the free is
-    /// carried out ([`State::end_deferred_frees`]). PyTorch's
+    /// carried out ([`Core::end_deferred_frees`]). PyTorch's
     /// `needs_events_deferred_until_no_capture`.
     pub(crate) freed_in_capture: bool,
 }
@@ -71,7 +73,7 @@ const FREED_MEMORY: usize = 1 << 16;
 
 /// The allocator's state.
 #[derive(Debug, Default)]
-pub(crate) struct State {
+pub(crate) struct Core {
     pub(crate) arenas: Vec<Arena>,
     /// The stream of each arena (`None`: shared by every stream) and its class.
     pub(crate) arena_meta: Vec<(Option<StreamId>, Kind)>,
@@ -100,29 +102,20 @@ pub(crate) struct State {
     /// One tick per allocator operation.
     pub(crate) tick: u64,
     pub(crate) stats: AllocatorStats,
-    /// Live growable buffers by id.
-    pub(crate) growables: HashMap<u64, GrowRec>,
-    /// The id of the next growable buffer.
-    pub(crate) next_growable: u64,
-    /// Arenas of released growable buffers that still hold mappings (retired
-    /// pages whose work may still run): their reservation is freed once the
-    /// last is unmapped.
+    /// Arenas of their own (a growable buffer's) released while they still
+    /// hold mappings (retired pages whose work may still run): their
+    /// reservation is freed once the last is unmapped.
     pub(crate) zombies: Vec<usize>,
-    /// Dead arenas (size 0, reservation freed), reused by the next growable buffer.
+    /// Dead arenas (size 0, reservation freed), reused by the next arena of
+    /// its own.
     pub(crate) free_arena_slots: Vec<usize>,
-    /// Tags by name, with their state.
-    pub(crate) tags: Tags,
-    /// Map-ahead policy of growable buffers.
-    pub(crate) map_ahead: MapAhead,
-    /// Growable-buffer and sleep/wake counters.
-    pub(crate) serving: ServingStats,
-    /// What happens when a request would run out of memory.
-    pub(crate) offload_tier: OffloadTier,
-    /// Arenas of released growable buffers kept whole (pages mapped) for
-    /// the next buffer of the same maximum.
-    pub(crate) recycled: Vec<usize>,
-    /// How many of them are kept.
-    pub(crate) recycle: Recycle,
+    /// Frozen arenas (their memory is away: a sleeping tag's), with the
+    /// name of what froze them: their blocks may not be freed, recorded or
+    /// resized until they thaw.
+    pub(crate) frozen: HashMap<usize, String>,
+    /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
+    /// reclaimed for other use: the first class of cached pages reclaimed.
+    pub(crate) spare_pages_reclaimed: u64,
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
@@ -139,7 +132,7 @@ fn set_stat(stat: &mut Stat, value: u64) {
     }
 }
 
-impl State {
+impl Core {
     /// Cached pages in every arena (mapped, touched by no block): all of them
     /// can be reclaimed, each being one handle mapped alone.
     pub(crate) fn cached_pages(&self) -> u64 {
@@ -205,6 +198,91 @@ impl State {
         self.arena_meta.push((owner, kind));
         self.arena_index.insert((owner, kind), i);
         Ok(i)
+    }
+
+    /// An error when arena `ai` is frozen (nothing to look up while none
+    /// is: the free path pays nothing for it).
+    pub(crate) fn check_not_frozen(&self, ai: usize) -> Result<(), AllocError> {
+        match self.frozen.get(&ai) {
+            None => Ok(()),
+            Some(tag) => Err(AllocError::TagState {
+                tag: tag.clone(),
+                reason: "the tag is asleep: wake it first",
+            }),
+        }
+    }
+
+    /// Freeze arena `ai` (its memory goes away), naming what froze it.
+    pub(crate) fn freeze(&mut self, ai: usize, by: &str) {
+        self.frozen.insert(ai, by.to_string());
+    }
+
+    /// Thaw arena `ai`.
+    pub(crate) fn thaw(&mut self, ai: usize) {
+        self.frozen.remove(&ai);
+    }
+
+    /// The arenas of isolation group `group` (one per stream with per-stream
+    /// arenas).
+    pub(crate) fn group_arenas(&self, group: u32) -> impl Iterator<Item = usize> + '_ {
+        (0..self.arenas.len()).filter(move |&ai| self.arena_meta[ai].1 == Kind::Isolated(group))
+    }
+
+    /// A new arena of its own reservation of `size` bytes (whole pages), in
+    /// a dead arena's slot if there is one.
+    pub(crate) fn own_arena(&mut self, ctx: &Ctx<'_>, size: u64) -> Result<usize, AllocError> {
+        let base = ctx.vmm.reserve(size, 0)?;
+        let arena = Arena::new(base, size, ctx.page);
+        Ok(match self.free_arena_slots.pop() {
+            Some(ai) => {
+                self.arenas[ai] = arena;
+                self.arena_meta[ai] = (None, Kind::Own);
+                ai
+            }
+            None => {
+                self.arenas.push(arena);
+                self.arena_meta.push((None, Kind::Own));
+                self.arenas.len() - 1
+            }
+        })
+    }
+
+    /// Release arena `ai` of its own: its cached pages go back to the pool
+    /// (unmapped when their work is known complete, retired otherwise); its
+    /// reservation is freed once nothing is mapped in it (a zombie until
+    /// then).
+    pub(crate) fn release_own_arena(&mut self, ctx: &Ctx<'_>, ai: usize) -> Result<(), AllocError> {
+        let mapped: Vec<(usize, u64)> = (0..self.arenas[ai].pages.len() as u64)
+            .filter(|&p| self.arenas[ai].slot(p).is_cached())
+            .map(|p| (ai, p))
+            .collect();
+        self.zombies.push(ai);
+        let moved = self.move_cached(ctx, &mapped, false, false);
+        self.free_empty_zombies(ctx);
+        moved.map(|_| ())
+    }
+
+    /// Free the reservation of every zombie arena that no longer holds a
+    /// mapping; its slot is reused by the next arena of its own.
+    pub(crate) fn free_empty_zombies(&mut self, ctx: &Ctx<'_>) {
+        let mut i = 0;
+        while i < self.zombies.len() {
+            let ai = self.zombies[i];
+            let a = &self.arenas[ai];
+            if a.mapped_pages > 0 || a.retired_pages > 0 {
+                i += 1;
+                continue;
+            }
+            if let Err(e) = ctx.vmm.address_free(a.base, a.size) {
+                tracing::warn!(error = %e, "freeing a released arena's range failed");
+                i += 1;
+                continue;
+            }
+            let base = a.base;
+            self.arenas[ai] = Arena::new(base, 0, ctx.page);
+            self.zombies.swap_remove(i);
+            self.free_arena_slots.push(ai);
+        }
     }
 
     /// Refresh the statistics derived from the pool, the arenas and the
@@ -273,18 +351,16 @@ impl State {
         self.allocate_in(ctx, size, stream, None)
     }
 
-    /// Allocate `size` bytes on `stream`; with a tag (awake), in the tag's
-    /// own arena, so that its pages are never shared with other blocks.
+    /// Allocate `size` bytes on `stream`; with an isolation group, in the
+    /// group's own arena, so that its pages are never shared with other
+    /// blocks (a frozen group arena refuses).
     pub(crate) fn allocate_in(
         &mut self,
         ctx: &Ctx<'_>,
         size: u64,
         stream: StreamId,
-        tag: Option<u32>,
+        group: Option<u32>,
     ) -> Result<Allocation, AllocError> {
-        if let Some(t) = tag {
-            self.tags.check_awake(t)?;
-        }
         check_size(size)?;
         self.end_deferred_frees(ctx);
         let rounded = round_up(size, MIN_BLOCK_SIZE).ok_or(AllocError::InvalidSize {
@@ -293,8 +369,8 @@ impl State {
         })?;
         self.tick += 1;
         let si = self.stream_index(stream);
-        let kind = if let Some(t) = tag {
-            Kind::Tagged(t)
+        let kind = if let Some(g) = group {
+            Kind::Isolated(g)
         } else if ctx.cfg.layout.small.is_small(size) {
             Kind::Small
         } else {
@@ -305,6 +381,7 @@ impl State {
             return Err(self.oom(ctx, size, whole_pages, 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
+        self.check_not_frozen(ai)?;
         let Some(placed) = self.place(ctx, ai, kind, size, rounded, si) else {
             return Err(self.oom(ctx, size, whole_pages, 0));
         };
@@ -365,9 +442,9 @@ impl State {
     /// deferred ([`BlockRec::freed_in_capture`]), and carried out by the
     /// first operation that finds no stream of it capturing.
     pub(crate) fn free(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
-        if self.tags.any_asleep() {
+        if !self.frozen.is_empty() {
             if let Some(b) = self.blocks.get(&ptr) {
-                self.check_arena_awake(b.arena)?;
+                self.check_not_frozen(b.arena)?;
             }
         }
         self.end_deferred_frees(ctx);
@@ -407,8 +484,8 @@ impl State {
             let Some((mask, arena)) = self.blocks.get(&ptr).map(|b| (b.streams, b.arena)) else {
                 continue;
             };
-            // A block of a sleeping tag waits for its wake as well.
-            if self.check_arena_awake(arena).is_err()
+            // A block of a frozen arena waits for its thaw as well.
+            if self.check_not_frozen(arena).is_err()
                 || self.streams.any_capturing(ctx.vmm, mask, tick)
             {
                 self.deferred_frees.push(ptr);
@@ -443,12 +520,6 @@ impl State {
         self.end_deferred_frees(ctx);
         self.tick += 1;
         if let Some(i) = self.streams.find(stream) {
-            if self.growables.values().any(|g| g.stream == i) {
-                return Err(AllocError::StreamBusy {
-                    stream: stream.0,
-                    reason: "a live growable buffer grows on it: release the buffer first",
-                });
-            }
             if self.streams.capturing(ctx.vmm, i, self.tick) {
                 return Err(AllocError::StreamBusy {
                     stream: stream.0,
@@ -517,7 +588,7 @@ impl State {
         let Some(b) = self.blocks.get(&ptr).filter(|b| !b.freed_in_capture) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
-        self.check_arena_awake(b.arena)?;
+        self.check_not_frozen(b.arena)?;
         let si = self.stream_index(stream);
         if let Some(b) = self.blocks.get_mut(&ptr) {
             b.streams |= Streams::bit(si);
