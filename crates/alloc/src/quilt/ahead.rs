@@ -9,9 +9,16 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{unbounded, Sender};
 
-use super::allocator::Shared;
 use super::config::{AheadMode, MapAhead};
 use super::growable::GrowableId;
+
+/// What the worker maps ahead for: the allocator's shared part, held by the
+/// worker only as a `Weak`.
+pub(crate) trait MapsAhead: Send + Sync + 'static {
+    /// Map ahead of buffer `id` now (a failure is only logged: mapping
+    /// ahead is an optimisation).
+    fn map_ahead(&self, id: GrowableId);
+}
 
 /// The worker, if started.
 #[derive(Debug, Default)]
@@ -28,7 +35,12 @@ struct Running {
 impl Worker {
     /// Buffer `id` was created or grew: map ahead of it as `policy` says
     /// (inline, in the background, or not at all).
-    pub(crate) fn after_growth(&self, core: &Arc<Shared>, id: GrowableId, policy: MapAhead) {
+    pub(crate) fn after_growth<T: MapsAhead>(
+        &self,
+        core: &Arc<T>,
+        id: GrowableId,
+        policy: MapAhead,
+    ) {
         if policy.pages == 0 {
             return;
         }
@@ -45,13 +57,13 @@ impl Worker {
 
     /// Send `id` to the worker, starting it if need be; false when no
     /// worker can run.
-    fn send(&self, core: &Arc<Shared>, id: GrowableId) -> bool {
+    fn send<T: MapsAhead>(&self, core: &Arc<T>, id: GrowableId) -> bool {
         let Ok(mut running) = self.running.lock() else {
             return false;
         };
         if running.is_none() {
             let (tx, rx) = unbounded::<GrowableId>();
-            let weak: Weak<Shared> = Arc::downgrade(core);
+            let weak: Weak<T> = Arc::downgrade(core);
             let spawned = std::thread::Builder::new()
                 .name("quilt-map-ahead".into())
                 .spawn(move || {

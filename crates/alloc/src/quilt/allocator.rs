@@ -92,10 +92,10 @@ impl Shared {
         let ctx = self.ctx(&policy);
         op(locked, &ctx)
     }
+}
 
-    /// Map ahead of buffer `id` now (a failure is only logged: mapping ahead
-    /// is an optimisation).
-    pub(crate) fn map_ahead(&self, id: super::growable::GrowableId) {
+impl ahead::MapsAhead for Shared {
+    fn map_ahead(&self, id: super::growable::GrowableId) {
         let result = self.with(|l, ctx| l.growables.map_ahead(&mut l.core, ctx, id));
         if let Err(e) = result {
             tracing::debug!(error = %e, id = id.0, "mapping ahead failed");

@@ -6,8 +6,7 @@ use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
-use super::reclaim::PagesFor;
-use super::stitch::{pool_err, Core, Ctx, Kind};
+use super::stitch::{pool_err, Core, Ctx, Kind, PagesFor};
 use crate::error::AllocError;
 
 impl Core {

@@ -23,8 +23,7 @@ use rustc_hash::FxHashMap as HashMap;
 use quilt_vmm::DevicePtr;
 
 use super::growable::Growables;
-use super::reclaim::PagesFor;
-use super::stitch::{pool_err, Core, Ctx, Kind};
+use super::stitch::{pool_err, Core, Ctx, Kind, PagesFor};
 use crate::error::AllocError;
 use crate::stats::ServingStats;
 
