@@ -86,7 +86,6 @@ use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 
 use crate::call_log::{lock, CallLog};
-use cu::CuResult;
 use crate::driver::Vmm;
 use crate::error::{Result, Unavailability, VmmError};
 use crate::events::EventBook;
@@ -98,6 +97,7 @@ use crate::share::{
 use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
+use cu::CuResult;
 
 /// Most driver events kept for reuse after [`Vmm::event_destroy`]; beyond it
 /// `cuEventDestroy` runs.
@@ -1271,21 +1271,18 @@ impl Vmm for CudaVmm {
         self.ledger_call(call, 0, |ledger| {
             ledger.export(handle, kind, |entry| {
                 let _context = self.bind(call)?;
-                // SAFETY (both): `entry.payload` is live and was created
-                // requesting `kind` (ledger).
-                check(
-                    call,
-                    match kind {
-                        HandleKind::PosixFd => unsafe {
-                            cu::mem_export_to_shareable_handle_fd(entry.payload)
-                        }
+                let raw = entry.payload;
+                let shared = match kind {
+                    // SAFETY: `raw` is live and was created requesting
+                    // POSIX file descriptors (the ledger's export check).
+                    HandleKind::PosixFd => unsafe { cu::mem_export_to_shareable_handle_fd(raw) }
                         .map(ShareableHandle::PosixFd),
-                        HandleKind::Fabric => unsafe {
-                            cu::mem_export_to_shareable_handle_fabric(entry.payload)
-                        }
+                    // SAFETY: `raw` is live and was created requesting
+                    // fabric handles (the ledger's export check).
+                    HandleKind::Fabric => unsafe { cu::mem_export_to_shareable_handle_fabric(raw) }
                         .map(ShareableHandle::Fabric),
-                    },
-                )
+                };
+                check(call, shared)
             })
         })
     }

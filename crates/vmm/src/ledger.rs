@@ -666,7 +666,9 @@ impl<P> Ledger<P> {
         self.walk(call, ptr, end, |_, _, _| Ok(()))
     }
 
-    /// Marks `[ptr, ptr + size)` accessible (checked by [`Ledger::check_set_access`]).
+    /// Marks `[ptr, ptr + size)` accessible (checked by [`Ledger::check_set_access`]);
+    /// the backends mark through [`Ledger::set_access`].
+    #[cfg(test)]
     pub fn mark_accessible(&mut self, ptr: DevicePtr, size: u64) {
         let own = self.caps.ordinal;
         self.mark_accessible_for(ptr, size, &[own]);

@@ -116,7 +116,10 @@ pub(crate) fn device_get_name(device: Device) -> CuResult<String> {
 pub(crate) fn device_total_mem(device: Device) -> CuResult<usize> {
     let mut bytes: usize = 0;
     // SAFETY: a valid out-pointer; the driver checks the device.
-    ok(unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) }, bytes)
+    ok(
+        unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) },
+        bytes,
+    )
 }
 
 /// `cuDriverGetVersion`.
@@ -224,7 +227,10 @@ pub(crate) fn mem_create(size: usize, prop: &sys::CUmemAllocationProp) -> CuResu
     let mut handle: Handle = 0;
     // SAFETY: a valid out-pointer and a fully initialised `prop` that lives
     // across the call; flags must be 0.
-    ok(unsafe { sys::cuMemCreate(&mut handle, size, prop, 0) }, handle)
+    ok(
+        unsafe { sys::cuMemCreate(&mut handle, size, prop, 0) },
+        handle,
+    )
 }
 
 /// `cuMemRelease`.

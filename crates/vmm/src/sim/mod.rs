@@ -507,7 +507,8 @@ impl Vmm for SimVmm {
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         self.call(CallKind::Unmap, size, |s| {
-            s.ledger.unmap(ptr, size, |mappings| (mappings.len(), Ok(())))
+            s.ledger
+                .unmap(ptr, size, |mappings| (mappings.len(), Ok(())))
         })
     }
 
