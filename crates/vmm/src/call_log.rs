@@ -4,9 +4,12 @@
 //! times a closure and records it), which bumps the per-kind
 //! counters of [`DriverStats`], adds the measured wall time, and emits one
 //! `tracing` event (trace level on success, debug level on failure) with the
-//! kind, size, result and duration.
+//! kind, size, result and duration. [`CallLog::locked`] is the one shape of
+//! a backend's call: lock its state, run the ledger's check, call and commit
+//! on it (see the ledger module), log.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use crate::error::Result;
@@ -92,6 +95,27 @@ impl CallLog {
         self.record(kind, size, started, result)
     }
 
+    /// Runs `op` on `state`, under its lock, as one call of `kind` on
+    /// `size` bytes, timed and recorded.
+    pub fn locked<S, T>(
+        &self,
+        kind: CallKind,
+        size: u64,
+        state: &Mutex<S>,
+        op: impl FnOnce(&mut S) -> Result<T>,
+    ) -> Result<T> {
+        self.time(kind, size, || op(&mut lock(state)))
+    }
+
+    /// [`CallLog::time`] for a call whose size only `op` learns: it answers
+    /// the size (recorded as 0 when it fails).
+    pub fn time_sized(&self, kind: CallKind, op: impl FnOnce() -> Result<u64>) -> Result<()> {
+        let started = Instant::now();
+        let result = op();
+        let size = result.as_ref().map_or(0, |s| *s);
+        self.record(kind, size, started, result.map(drop))
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> DriverStats {
         let mut out = DriverStats::default();
@@ -104,4 +128,10 @@ impl CallLog {
         out.copied_bytes = self.copied_bytes.load(Ordering::Relaxed);
         out
     }
+}
+
+/// Locks `m`; a poisoned lock is taken as it is (no backend code panics
+/// under a lock, and every call checks before it changes anything).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -71,20 +71,23 @@
 //!   streams, mappings, handles, reservations) is given back to the driver,
 //!   and the leak is logged.
 
+mod cu;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::c_int;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::os::fd::AsFd;
+use std::sync::Mutex;
 use std::thread::ThreadId;
 use std::time::Instant;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 
-use crate::call_log::CallLog;
+use crate::call_log::{lock, CallLog};
 use crate::driver::Vmm;
-use crate::error::{Result, VmmError};
+use crate::error::{Result, Unavailability, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::Ledger;
@@ -94,7 +97,7 @@ use crate::share::{
 use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use cu::CuResult;
 
 /// Most driver events kept for reuse after [`Vmm::event_destroy`]; beyond it
 /// `cuEventDestroy` runs.
@@ -151,24 +154,6 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoH_v2",
 ];
 
-/// The symbols of [`DRIVER_SYMBOLS`] the loaded `libcuda` does not export.
-/// Only call once `is_culib_present()` is true.
-fn missing_driver_symbols() -> Vec<&'static str> {
-    // SAFETY: the library is present (the caller checked), so `culib`
-    // loads it and does not panic; loading a library runs its initialisers,
-    // which `is_culib_present` did already.
-    let lib = unsafe { sys::culib() };
-    DRIVER_SYMBOLS
-        .iter()
-        .copied()
-        .filter(|name| {
-            // SAFETY: only looks the symbol up; it is never called or
-            // dereferenced through this pointer type.
-            unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err()
-        })
-        .collect()
-}
-
 /// `CU_STREAM_LEGACY`: the legacy default stream, as a handle.
 pub const CU_STREAM_LEGACY: u64 = 0x1;
 /// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
@@ -181,8 +166,18 @@ fn per_thread_id(n: u64) -> u64 {
     CU_STREAM_PER_THREAD + 8 * n
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+/// Traces a driver call this backend does not count in [`DriverStats`]
+/// (stream creation and destruction), as [`CallLog`] traces counted ones;
+/// passes the result through.
+fn trace_uncounted<T>(call: &'static str, started: Instant, result: Result<T>) -> Result<T> {
+    tracing::trace!(
+        backend = "cuda",
+        call,
+        ok = result.is_ok(),
+        ns = started.elapsed().as_nanos() as u64,
+        "driver call"
+    );
+    result
 }
 
 /// The driver's name and description of a `CUresult`.
@@ -210,30 +205,30 @@ fn driver_error(call: CallKind, r: sys::CUresult) -> VmmError {
     }
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else [`VmmError::Driver`] naming `call`.
-fn check(call: CallKind, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(driver_error(call, r))
-    }
+/// The call's value, or [`VmmError::Driver`] naming `call`.
+fn check<T>(call: CallKind, r: CuResult<T>) -> Result<T> {
+    r.map_err(|r| driver_error(call, r))
 }
 
 /// [`VmmError::Unavailable`] saying which setup step failed with `r`.
-fn setup_error(step: &str, r: sys::CUresult) -> VmmError {
+fn setup_error(step: &'static str, r: sys::CUresult) -> VmmError {
     let (name, text) = describe(r);
-    VmmError::Unavailable {
-        reason: format!("{step} failed: {name} ({}): {text}", r as u32),
-    }
+    unavailable(Unavailability::Setup {
+        step,
+        code: r as u32,
+        name,
+        text,
+    })
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else [`VmmError::Unavailable`] saying which step failed.
-fn check_setup(step: &str, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(setup_error(step, r))
-    }
+/// [`VmmError::Unavailable`] for `reason`.
+fn unavailable(reason: Unavailability) -> VmmError {
+    VmmError::Unavailable { reason }
+}
+
+/// The call's value, or [`VmmError::Unavailable`] saying which step failed.
+fn check_setup<T>(step: &'static str, r: CuResult<T>) -> Result<T> {
+    r.map_err(|r| setup_error(step, r))
 }
 
 fn to_usize(call: CallKind, argument: &'static str, value: u64) -> Result<usize> {
@@ -273,29 +268,16 @@ struct CurrentContext {
 impl CurrentContext {
     /// Makes `context` current on this thread unless it is already; on
     /// failure, the driver's `CUresult`.
-    fn enter(context: sys::CUcontext) -> std::result::Result<CurrentContext, sys::CUresult> {
-        let mut current: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `current` is a valid, writable `CUcontext`; the call only
-        // reads this thread's context stack.
-        let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(r);
-        }
-        if current == context {
-            return Ok(CurrentContext {
-                pushed: false,
-                _thread_bound: PhantomData,
-            });
-        }
-        // SAFETY: `context` is a retained, live primary context (the caller
-        // owns the retain for longer than this guard lives). Pushing keeps
-        // the thread's previous context under it, restored by the pop in `drop`.
-        let r = unsafe { sys::cuCtxPushCurrent_v2(context) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(r);
+    fn enter(context: sys::CUcontext) -> CuResult<CurrentContext> {
+        let pushed = cu::ctx_get_current()? != context;
+        if pushed {
+            // SAFETY: `context` is a retained, live primary context (the caller
+            // owns the retain for longer than this guard lives). Pushing keeps
+            // the thread's previous context under it, restored by the pop in `drop`.
+            unsafe { cu::ctx_push_current(context) }?;
         }
         Ok(CurrentContext {
-            pushed: true,
+            pushed,
             _thread_bound: PhantomData,
         })
     }
@@ -306,13 +288,10 @@ impl Drop for CurrentContext {
         if !self.pushed {
             return;
         }
-        let mut popped: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: this guard pushed the context on this thread (it is not
         // `Send`) and every guard is dropped in reverse order of creation,
-        // so the top of the stack is the context it pushed; `popped` is a
-        // valid out-pointer.
-        let r = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        // so the top of the stack is the context it pushed.
+        if let Err(r) = unsafe { cu::ctx_pop_current() } {
             tracing::warn!(
                 code = r as u32,
                 "cuCtxPopCurrent failed: the thread's previous context was not restored"
@@ -325,8 +304,7 @@ impl Drop for PrimaryContext {
     fn drop(&mut self) {
         // SAFETY: `device` is the device this context was retained on, once;
         // this is the matching release.
-        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        if let Err(r) = unsafe { cu::device_primary_ctx_release(self.device) } {
             tracing::warn!(code = r as u32, "cuDevicePrimaryCtxRelease failed");
         }
     }
@@ -454,23 +432,6 @@ fn allocation_prop(ordinal: c_int) -> sys::CUmemAllocationProp {
 const MINIMUM: sys::CUmemAllocationGranularity_flags =
     sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
 
-/// `cuMemGetAllocationGranularity` of `prop` with `flag`. The caller has
-/// made a context current.
-fn allocation_granularity(
-    prop: &sys::CUmemAllocationProp,
-    flag: sys::CUmemAllocationGranularity_flags,
-) -> std::result::Result<usize, sys::CUresult> {
-    let mut granularity: usize = 0;
-    // SAFETY: a valid out-pointer and a fully initialised `prop` that lives
-    // across the call.
-    let r = unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, prop, flag) };
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(granularity)
-    } else {
-        Err(r)
-    }
-}
-
 /// Allocation properties for `props` on device `ordinal`:
 /// `requestedHandleTypes` as CUDA's bit set, `gpuDirectRDMACapable` as asked.
 fn allocation_prop_with(ordinal: c_int, props: CreateProps) -> sys::CUmemAllocationProp {
@@ -492,23 +453,10 @@ fn handle_types_bits(types: HandleTypes) -> sys::CUmemAllocationHandleType {
     sys::CUmemAllocationHandleType(bits)
 }
 
-/// `CUmemAllocationHandleType` of one handle type.
-fn handle_kind_type(kind: HandleKind) -> sys::CUmemAllocationHandleType {
-    match kind {
-        HandleKind::PosixFd => {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        }
-        HandleKind::Fabric => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
-    }
-}
-
 /// A boolean device attribute; false where the query fails (an older driver
 /// that does not know the attribute).
 fn device_flag(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> bool {
-    let mut value: c_int = 0;
-    // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
-    let r = unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, device) };
-    r == sys::CUresult::CUDA_SUCCESS && value != 0
+    cu::device_get_attribute(attribute, device).is_ok_and(|v| v != 0)
 }
 
 impl CudaVmm {
@@ -519,83 +467,44 @@ impl CudaVmm {
     /// is out of range; the device lacks virtual memory management; the
     /// primary context or the granularity could not be had.
     pub fn new(ordinal: usize) -> Result<CudaVmm> {
-        // SAFETY: `is_culib_present` only tries to load the library by its
-        // candidate names; it calls no CUDA function and never panics.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(VmmError::Unavailable {
-                reason: "libcuda could not be loaded: no CUDA driver on this machine".to_owned(),
-            });
+        if !cu::library_present() {
+            return Err(unavailable(Unavailability::NoDriver));
         }
-        let missing = missing_driver_symbols();
+        let missing = cu::missing_symbols(DRIVER_SYMBOLS);
         if !missing.is_empty() {
-            return Err(VmmError::Unavailable {
-                reason: format!(
-                    "libcuda lacks {} symbol(s) this backend calls: {}",
-                    missing.len(),
-                    missing.join(", ")
-                ),
-            });
+            return Err(unavailable(Unavailability::MissingSymbols { missing }));
         }
-        // SAFETY: libcuda is present and exports every symbol we call
-        // (checked above), so the symbol loads; `cuInit` takes no pointers.
-        check_setup("cuInit", unsafe { sys::cuInit(0) })?;
-        let mut count: c_int = 0;
-        // SAFETY: `count` is a valid, writable `c_int`.
-        check_setup("cuDeviceGetCount", unsafe {
-            sys::cuDeviceGetCount(&mut count)
-        })?;
+        // From here on libcuda is present and exports every symbol we call.
+        check_setup("cuInit", cu::init())?;
+        let count = check_setup("cuDeviceGetCount", cu::device_get_count())?;
         let ordinal_c = c_int::try_from(ordinal)
             .ok()
             .filter(|o| *o < count)
-            .ok_or_else(|| VmmError::Unavailable {
-                reason: format!("device ordinal {ordinal} out of range: {count} CUDA device(s)"),
+            .ok_or_else(|| {
+                unavailable(Unavailability::NoSuchDevice {
+                    ordinal,
+                    count: count.unsigned_abs(),
+                })
             })?;
-        let mut device: sys::CUdevice = 0;
-        // SAFETY: `device` is a valid, writable `CUdevice`; the ordinal is in range.
-        check_setup("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut device, ordinal_c)
-        })?;
-        let mut vmm_supported: c_int = 0;
-        // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
-        check_setup("cuDeviceGetAttribute", unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut vmm_supported,
+        let device = check_setup("cuDeviceGet", cu::device_get(ordinal_c))?;
+        let vmm_supported = check_setup(
+            "cuDeviceGetAttribute",
+            cu::device_get_attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
                 device,
-            )
-        })?;
+            ),
+        )?;
         if vmm_supported == 0 {
-            return Err(VmmError::Unavailable {
-                reason: format!("device {ordinal} does not support virtual memory management"),
-            });
+            return Err(unavailable(Unavailability::NoVmm { ordinal }));
         }
-        let mut name_buf = [0 as c_char; 256];
-        // SAFETY: the buffer is 256 writable bytes and we pass its length; the
-        // driver writes at most that many.
-        let name = match unsafe {
-            sys::cuDeviceGetName(name_buf.as_mut_ptr(), name_buf.len() as c_int, device)
-        } {
-            sys::CUresult::CUDA_SUCCESS => {
-                let bytes: Vec<u8> = name_buf.iter().map(|c| *c as u8).collect();
-                CStr::from_bytes_until_nul(&bytes)
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
-            }
-            _ => String::from("unknown CUDA device"),
-        };
-        let mut total_memory: usize = 0;
-        // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
-        check_setup("cuDeviceTotalMem", unsafe {
-            sys::cuDeviceTotalMem_v2(&mut total_memory, device)
-        })?;
-        let mut driver_version: c_int = 0;
-        // SAFETY: valid out-pointer.
-        let _ = unsafe { sys::cuDriverGetVersion(&mut driver_version) };
-        let mut raw_context: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and a device returned by `cuDeviceGet`.
-        check_setup("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut raw_context, device)
-        })?;
+        let name =
+            cu::device_get_name(device).unwrap_or_else(|_| String::from("unknown CUDA device"));
+        let total_memory = check_setup("cuDeviceTotalMem", cu::device_total_mem(device))?;
+        let driver_version = cu::driver_get_version().unwrap_or(0);
+        let raw_context = check_setup(
+            "cuDevicePrimaryCtxRetain",
+            cu::device_primary_ctx_retain(device),
+        )?;
         // From here on, dropping `context` releases the primary context.
         let context = PrimaryContext {
             device,
@@ -606,15 +515,17 @@ impl CudaVmm {
         let _current = CurrentContext::enter(context.as_raw())
             .map_err(|r| setup_error("cuCtxPushCurrent", r))?;
         let prop = allocation_prop(ordinal_c);
-        let granularity = allocation_granularity(&prop, MINIMUM)
-            .map_err(|r| setup_error("cuMemGetAllocationGranularity", r))?;
+        let granularity = check_setup(
+            "cuMemGetAllocationGranularity",
+            cu::mem_get_allocation_granularity(&prop, MINIMUM),
+        )?;
         if !granularity.is_power_of_two() {
-            return Err(VmmError::Unavailable {
-                reason: format!("granularity {granularity} is not a power of two"),
-            });
+            return Err(unavailable(Unavailability::Granularity {
+                granularity: granularity as u64,
+            }));
         }
         let granularity = granularity as u64;
-        let recommended = match allocation_granularity(
+        let recommended = match cu::mem_get_allocation_granularity(
             &prop,
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
         ) {
@@ -684,8 +595,7 @@ impl CudaVmm {
         let call = CallKind::Create;
         let prop = allocation_prop_with(self.ordinal_c(), props);
         let _context = self.bind(call)?;
-        let granularity =
-            allocation_granularity(&prop, MINIMUM).map_err(|r| driver_error(call, r))?;
+        let granularity = check(call, cu::mem_get_allocation_granularity(&prop, MINIMUM))?;
         if !granularity.is_power_of_two() {
             return Err(VmmError::InvalidArgument {
                 call,
@@ -710,18 +620,13 @@ impl CudaVmm {
         raw: sys::CUmemGenericAllocationHandle,
         size: usize,
     ) -> Result<()> {
-        let mut va: sys::CUdeviceptr = 0;
-        // SAFETY: valid out-pointer; no fixed address, flags 0.
-        check(call, unsafe {
-            sys::cuMemAddressReserve(&mut va, size, 0, 0, 0)
-        })?;
+        let va = check(call, cu::mem_address_reserve(size, 0))?;
         // SAFETY: `va..va + size` is a fresh reservation of ours; `raw` is
-        // a live imported handle; offset and flags 0.
-        let mapped = unsafe { sys::cuMemMap(va, size, 0, raw, 0) };
-        if mapped == sys::CUresult::CUDA_SUCCESS {
+        // a live imported handle; offset 0.
+        let mapped = unsafe { cu::mem_map(va, size, 0, raw) };
+        if mapped.is_ok() {
             // SAFETY: exactly the mapping just made; nothing used it.
-            let r = unsafe { sys::cuMemUnmap(va, size) };
-            if r != sys::CUresult::CUDA_SUCCESS {
+            if let Err(r) = unsafe { cu::mem_unmap(va, size) } {
                 tracing::warn!(
                     code = r as u32,
                     "cuMemUnmap of an import's size check failed"
@@ -729,23 +634,18 @@ impl CudaVmm {
             }
         }
         // SAFETY: our reservation, without mappings now.
-        let r = unsafe { sys::cuMemAddressFree(va, size) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        if let Err(r) = unsafe { cu::mem_address_free(va, size) } {
             tracing::warn!(
                 code = r as u32,
                 "cuMemAddressFree of an import's size check failed"
             );
         }
-        if mapped == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(VmmError::InvalidArgument {
-                call,
-                argument: "size",
-                value: size as u64,
-                rule: "exceeds the imported memory: cuMemMap refused to map it whole",
-            })
-        }
+        mapped.map_err(|_| VmmError::InvalidArgument {
+            call,
+            argument: "size",
+            value: size as u64,
+            rule: "exceeds the imported memory: cuMemMap refused to map it whole",
+        })
     }
 
     /// The driver's CUDA version (`cuDriverGetVersion`), e.g. 12080 for 12.8.
@@ -778,11 +678,21 @@ impl CudaVmm {
         CurrentContext::enter(self.context.as_raw()).map_err(|r| driver_error(call, r))
     }
 
+    /// Runs `op` on the ledger, under its lock, as one timed and counted
+    /// call (`op`: the ledger's check, the driver call, the commit).
+    fn ledger_call<T>(
+        &self,
+        kind: CallKind,
+        size: u64,
+        op: impl FnOnce(&mut Ledger<sys::CUmemGenericAllocationHandle>) -> Result<T>,
+    ) -> Result<T> {
+        self.log.locked(kind, size, &self.ledger, op)
+    }
+
     /// `cuMemGetInfo` without counting it (for out-of-memory figures).
     fn raw_mem_info(&self, call: CallKind) -> Result<MemInfo> {
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: two valid out-pointers; the context is current (callers bind).
-        check(call, unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        // The context is current (callers bind).
+        let (free, total) = check(call, cu::mem_get_info())?;
         Ok(MemInfo {
             total: total as u64,
             free: free as u64,
@@ -796,27 +706,16 @@ impl CudaVmm {
         let started = Instant::now();
         let mut book = lock(&self.sync);
         let _context = self.bind(CallKind::StreamSynchronize)?;
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is current.
-        let r = unsafe {
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
-            )
-        };
-        let result = check(CallKind::StreamSynchronize, r).map(|()| {
+        let result = check(
+            CallKind::StreamSynchronize,
+            cu::stream_create_non_blocking(),
+        )
+        .map(|stream| {
             let id = stream as usize as u64;
             book.streams.insert(id);
             StreamId(id)
         });
-        tracing::trace!(
-            backend = "cuda",
-            call = "cuStreamCreate",
-            ok = result.is_ok(),
-            ns = started.elapsed().as_nanos() as u64,
-            "driver call"
-        );
-        result
+        trace_uncounted("cuStreamCreate", started, result)
     }
 
     /// Accept a `CUstream` this backend did not create in every stream call
@@ -882,8 +781,7 @@ impl CudaVmm {
 
     /// `cuCtxSynchronize` in the current context (the caller binds it).
     fn synchronize_context(call: CallKind) -> Result<()> {
-        // SAFETY: takes no arguments; the caller made the context current.
-        check(call, unsafe { sys::cuCtxSynchronize() })
+        check(call, cu::ctx_synchronize())
     }
 
     /// The quiet stream (made on first need, under the book's lock): a
@@ -893,14 +791,7 @@ impl CudaVmm {
         if let Some(raw) = book.quiet {
             return Ok(raw as usize as sys::CUstream);
         }
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is current (caller).
-        check(call, unsafe {
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
-            )
-        })?;
+        let stream = check(call, cu::stream_create_non_blocking())?;
         book.quiet = Some(stream as usize as u64);
         Ok(stream)
     }
@@ -953,19 +844,12 @@ impl CudaVmm {
         // SAFETY: the stream was made by `cuStreamCreate` on this context and
         // not destroyed yet (it is in the book, which we hold locked).
         let result = check(call, unsafe {
-            sys::cuStreamDestroy_v2(stream.0 as usize as sys::CUstream)
+            cu::stream_destroy(stream.0 as usize as sys::CUstream)
         });
         if result.is_ok() {
             book.streams.remove(&stream.0);
         }
-        tracing::trace!(
-            backend = "cuda",
-            call = "cuStreamDestroy",
-            ok = result.is_ok(),
-            ns = started.elapsed().as_nanos() as u64,
-            "driver call"
-        );
-        result
+        trace_uncounted("cuStreamDestroy", started, result)
     }
 
     /// Runs the copy `op` once the ledger has confirmed that every byte of
@@ -977,7 +861,7 @@ impl CudaVmm {
         &self,
         ptr: DevicePtr,
         len: usize,
-        op: impl FnOnce() -> sys::CUresult,
+        op: impl FnOnce() -> CuResult<()>,
     ) -> Result<()> {
         {
             let mut ledger = lock(&self.ledger);
@@ -1006,18 +890,14 @@ impl CudaVmm {
     /// `cuStreamSynchronize` of the legacy default stream it was issued on.
     pub fn copy_to_device(&self, ptr: DevicePtr, data: &[u8]) -> Result<()> {
         self.copy_checked(ptr, data.len(), || {
-            // SAFETY: `data` is valid for `data.len()` reads; `copy_checked`
-            // confirmed the device range is mapped and accessible, and pins
-            // it in the ledger so that no unmap can take it meanwhile.
-            let r =
-                unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast::<c_void>(), data.len()) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return r;
-            }
+            // SAFETY: `copy_checked` confirmed the device range is mapped
+            // and accessible, and pins it in the ledger so that no unmap can
+            // take it meanwhile.
+            unsafe { cu::memcpy_htod(ptr, data) }?;
             // SAFETY: the null stream is the legacy default stream of the
             // current context (made current by `copy_checked`), always valid;
             // waiting on it finishes the copy just queued there.
-            unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
+            unsafe { cu::stream_synchronize(std::ptr::null_mut()) }
         })
     }
 
@@ -1026,10 +906,9 @@ impl CudaVmm {
     pub fn copy_from_device(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<()> {
         let len = out.len();
         self.copy_checked(ptr, len, || {
-            // SAFETY: `out` is valid for `len` writes; the device range is
-            // mapped, accessible and pinned (`copy_checked`), and the copy
-            // is synchronous.
-            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), ptr, len) }
+            // SAFETY: the device range is mapped, accessible and pinned
+            // (`copy_checked`), and the copy is synchronous.
+            unsafe { cu::memcpy_dtoh(out, ptr) }
         })
     }
 }
@@ -1045,166 +924,92 @@ impl Vmm for CudaVmm {
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
         let call = CallKind::Reserve;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            let alignment = ledger.check_reserve(size, alignment)?;
-            let size_u = to_usize(call, "size", size)?;
-            let alignment_u = to_usize(call, "alignment", alignment)?;
-            let _context = self.bind(call)?;
-            let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: valid out-pointer; no fixed address is asked for (0), so
-            // the driver picks a fresh range; flags must be 0.
-            let r = unsafe { sys::cuMemAddressReserve(&mut ptr, size_u, alignment_u, 0, 0) };
-            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                // No free range of virtual addresses: not device memory.
-                return Err(VmmError::AddressSpaceExhausted {
-                    call,
-                    requested: size,
-                    available: 0,
-                });
-            }
-            check(call, r)?;
-            ledger.add_reservation(ptr, size);
-            Ok(ptr)
+        self.ledger_call(call, size, |ledger| {
+            ledger.reserve(size, alignment, |alignment| {
+                let size_u = to_usize(call, "size", size)?;
+                let alignment_u = to_usize(call, "alignment", alignment)?;
+                let _context = self.bind(call)?;
+                cu::mem_address_reserve(size_u, alignment_u).map_err(|r| match r {
+                    // No free range of virtual addresses: not device memory.
+                    sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => VmmError::AddressSpaceExhausted {
+                        call,
+                        requested: size,
+                        available: 0,
+                    },
+                    r => driver_error(call, r),
+                })
+            })
         })
     }
 
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let call = CallKind::AddressFree;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            ledger.check_address_free(ptr, size)?;
-            let _context = self.bind(call)?;
-            // SAFETY: the ledger confirmed this is exactly a live reservation
-            // of ours with no mapping left.
-            check(call, unsafe { sys::cuMemAddressFree(ptr, size as usize) })?;
-            ledger.remove_reservation(ptr);
-            Ok(())
+        self.ledger_call(call, size, |ledger| {
+            ledger.address_free(ptr, size, || {
+                let _context = self.bind(call)?;
+                // SAFETY: the ledger confirmed this is exactly a live reservation
+                // of ours with no mapping left.
+                check(call, unsafe { cu::mem_address_free(ptr, size as usize) })
+            })
         })
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle> {
-        let call = CallKind::Create;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            ledger.check_create(size)?;
-            let size_u = to_usize(call, "size", size)?;
-            let _context = self.bind(call)?;
-            if size > self.total_memory {
-                // Larger than the device: out of memory whatever is free, and
-                // not worth a driver call (whose error for it is not documented).
-                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
-                return Err(VmmError::OutOfMemory {
-                    call,
-                    requested: size,
-                    available,
-                });
-            }
-            let prop = allocation_prop(self.ordinal_c());
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out-pointer and a fully initialised `prop` that
-            // lives across the call; flags must be 0.
-            let r = unsafe { sys::cuMemCreate(&mut handle, size_u, &prop, 0) };
-            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
-                return Err(VmmError::OutOfMemory {
-                    call,
-                    requested: size,
-                    available,
-                });
-            }
-            check(call, r)?;
-            Ok(ledger.add_handle(size, handle))
-        })
+        self.create_with(size, CreateProps::default())
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        let started = Instant::now();
         let call = CallKind::Release;
-        let result = (|| {
-            let mut ledger = lock(&self.ledger);
-            let entry = ledger.live_handle(call, handle)?;
-            let (raw, size) = (entry.payload, entry.size);
-            let _context = self.bind(call)?;
-            // SAFETY: `raw` came from `cuMemCreate` and was not released yet
-            // (the ledger marks it released right after). The driver keeps the
-            // memory alive while mappings of it remain.
-            check(call, unsafe { sys::cuMemRelease(raw) })?;
-            let _ = ledger.release(handle);
-            Ok(size)
-        })();
-        let size = result.as_ref().map_or(0, |s| *s);
-        self.log.record(call, size, started, result.map(|_| ()))
+        self.log.time_sized(call, || {
+            lock(&self.ledger).release_with(handle, |raw| {
+                let _context = self.bind(call)?;
+                // SAFETY: `raw` came from `cuMemCreate` and was not released yet
+                // (the ledger marks it released right after). The driver keeps the
+                // memory alive while mappings of it remain.
+                check(call, unsafe { cu::mem_release(*raw) })
+            })
+        })
     }
 
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
         let call = CallKind::Map;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            let raw = ledger.check_map(ptr, size, handle, offset)?.payload;
-            let _context = self.bind(call)?;
-            // SAFETY: the ledger confirmed the range lies in one live
-            // reservation with no mapping, aligned, and `offset + size` inside
-            // the live handle `raw`; flags must be 0.
-            check(call, unsafe {
-                sys::cuMemMap(ptr, size as usize, offset as usize, raw, 0)
-            })?;
-            ledger.add_mapping(ptr, size, handle, offset);
-            Ok(())
+        self.ledger_call(call, size, |ledger| {
+            ledger.map(ptr, size, handle, offset, |raw| {
+                let _context = self.bind(call)?;
+                // SAFETY: the ledger confirmed the range lies in one live
+                // reservation with no mapping, aligned, and `offset + size` inside
+                // the live handle `raw`.
+                check(call, unsafe {
+                    cu::mem_map(ptr, size as usize, offset as usize, *raw)
+                })
+            })
         })
     }
 
+    /// One `cuMemUnmap` per mapping the range covers; mappings unmapped
+    /// before a failure are gone either way.
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let call = CallKind::Unmap;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            let starts = ledger.check_unmap(ptr, size)?;
-            let _context = self.bind(call)?;
-            let mut done = Vec::with_capacity(starts.len());
-            let mut outcome = Ok(());
-            for start in &starts {
-                let end = starts
-                    .iter()
-                    .find(|s| *s > start)
-                    .copied()
-                    .unwrap_or(ptr + size);
-                // SAFETY: `start..end` is exactly one whole live mapping
-                // (ledger); the driver unmaps it and drops its access.
-                outcome = check(call, unsafe {
-                    sys::cuMemUnmap(*start, (end - start) as usize)
-                });
-                if outcome.is_err() {
-                    break;
+        self.ledger_call(call, size, |ledger| {
+            ledger.unmap(ptr, size, |mappings| {
+                let _context = match self.bind(call) {
+                    Ok(context) => context,
+                    Err(e) => return (0, Err(e)),
+                };
+                for (done, &(start, len)) in mappings.iter().enumerate() {
+                    // SAFETY: `start..start + len` is exactly one whole live
+                    // mapping (ledger); the driver unmaps it and drops its access.
+                    if let Err(r) = unsafe { cu::mem_unmap(start, len as usize) } {
+                        return (done, Err(driver_error(call, r)));
+                    }
                 }
-                done.push(*start);
-            }
-            // Mappings unmapped before a failure are gone either way.
-            let _ = ledger.remove_mappings(&done);
-            outcome
+                (mappings.len(), Ok(()))
+            })
         })
     }
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let call = CallKind::SetAccess;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            ledger.check_set_access(ptr, size)?;
-            let _context = self.bind(call)?;
-            let desc = sys::CUmemAccessDesc {
-                location: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: self.ordinal_c(),
-                },
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the range is wholly mapped (ledger); `desc` is one fully
-            // initialised descriptor living across the call, and count is 1.
-            check(call, unsafe {
-                sys::cuMemSetAccess(ptr, size as usize, &desc, 1)
-            })?;
-            ledger.mark_accessible(ptr, size);
-            Ok(())
-        })
+        self.set_access_for(ptr, size, &[self.ordinal_c().unsigned_abs()])
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
@@ -1224,17 +1029,7 @@ impl Vmm for CudaVmm {
             // A pooled event if there is one, else a new one.
             let event = match book.pooled.pop() {
                 Some(raw) => raw as sys::CUevent,
-                None => {
-                    let mut event: sys::CUevent = std::ptr::null_mut();
-                    // SAFETY: valid out-pointer; the context is current.
-                    check(call, unsafe {
-                        sys::cuEventCreate(
-                            &mut event,
-                            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint,
-                        )
-                    })?;
-                    event
-                }
+                None => check(call, cu::event_create_disable_timing())?,
             };
             // SAFETY: `event` is a live event of this context, owned by no
             // id (fresh, or taken from the pool under the book's lock);
@@ -1243,7 +1038,7 @@ impl Vmm for CudaVmm {
             // (checked in the book we hold). Recording a pooled event again
             // overwrites its state; waits made on its earlier record keep
             // waiting for that one.
-            let recorded = check(call, unsafe { sys::cuEventRecord(event, raw_stream) });
+            let recorded = check(call, unsafe { cu::event_record(event, raw_stream) });
             if let Err(e) = recorded {
                 // Still a valid event: back to the pool (destroyed at drop).
                 book.pooled.push(event as usize);
@@ -1270,7 +1065,7 @@ impl Vmm for CudaVmm {
             // its state; waits made on its earlier record keep waiting for
             // that one. A failed record leaves the event live and named by
             // `event`.
-            check(call, unsafe { sys::cuEventRecord(raw_event, raw_stream) })
+            check(call, unsafe { cu::event_record(raw_event, raw_stream) })
         })
     }
 
@@ -1282,11 +1077,7 @@ impl Vmm for CudaVmm {
             let _context = self.bind(call)?;
             // SAFETY: `raw` is a live event (in the book, which we hold locked
             // so no destroy can race).
-            match unsafe { sys::cuEventQuery(raw) } {
-                sys::CUresult::CUDA_SUCCESS => Ok(true),
-                sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-                r => check(call, r).map(|()| false),
-            }
+            check(call, unsafe { cu::event_query(raw) })
         })
     }
 
@@ -1305,7 +1096,7 @@ impl Vmm for CudaVmm {
             // SAFETY: `raw` is a live event of ours (in the book, which we
             // hold locked), destroyed once: it leaves the book only if the
             // destroy succeeds, and is otherwise still live and named by `event`.
-            check(call, unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) })?;
+            check(call, unsafe { cu::event_destroy(raw as sys::CUevent) })?;
             book.events.remove(call, event).map(drop)
         })
     }
@@ -1330,7 +1121,7 @@ impl Vmm for CudaVmm {
             // SAFETY: both are live objects of this context (checked in the
             // book, held locked); flags must be 0.
             check(call, unsafe {
-                sys::cuStreamWaitEvent(raw_stream, raw_event, 0)
+                cu::stream_wait_event(raw_stream, raw_event)
             })
         })
     }
@@ -1346,7 +1137,7 @@ impl Vmm for CudaVmm {
                 // lock is not held while waiting, so a concurrent
                 // destroy_stream of the same stream is the caller's race, as
                 // with the driver.
-                StreamTarget::Raw(raw) => check(call, unsafe { sys::cuStreamSynchronize(raw) }),
+                StreamTarget::Raw(raw) => check(call, unsafe { cu::stream_synchronize(raw) }),
                 // Another thread's per-thread stream: all of the device's work.
                 StreamTarget::OtherThread => Self::synchronize_context(call),
             }
@@ -1375,15 +1166,12 @@ impl Vmm for CudaVmm {
             StreamTarget::OtherThread => CU_STREAM_LEGACY as usize as sys::CUstream,
         };
         let _context = self.bind(call)?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: a stream of this context (checked in the book) or the
-        // legacy stream's handle; `status` is a valid out-pointer.
-        match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
-            sys::CUresult::CUDA_SUCCESS => {
-                Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-            }
-            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-            r => Err(driver_error(call, r)),
+        // legacy stream's handle.
+        match unsafe { cu::stream_is_capturing(raw) } {
+            Ok(status) => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
+            Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) => Ok(true),
+            Err(r) => Err(driver_error(call, r)),
         }
     }
 
@@ -1441,6 +1229,8 @@ impl Vmm for CudaVmm {
         lock(&self.ledger).caps()
     }
 
+    /// The size is first checked against the granularity of `props`
+    /// ([`CudaVmm::granularity_for`], queried without the ledger's lock).
     fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
         let call = CallKind::Create;
         self.log.time(call, size, || {
@@ -1454,82 +1244,46 @@ impl Vmm for CudaVmm {
                     rule: "is not a multiple of the granularity cuMemGetAllocationGranularity reports for these properties (CudaVmm::granularity_for)",
                 });
             }
-            let mut ledger = lock(&self.ledger);
-            ledger.check_create_with(size, props)?;
-            let size_u = to_usize(call, "size", size)?;
-            let _context = self.bind(call)?;
-            if size > self.total_memory {
-                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
-                return Err(VmmError::OutOfMemory {
+            lock(&self.ledger).create(size, props, |_| {
+                let size_u = to_usize(call, "size", size)?;
+                let _context = self.bind(call)?;
+                let out_of_memory = || VmmError::OutOfMemory {
                     call,
                     requested: size,
-                    available,
-                });
-            }
-            let prop = allocation_prop_with(self.ordinal_c(), props);
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out-pointer and a fully initialised `prop` that
-            // lives across the call; flags must be 0.
-            let r = unsafe { sys::cuMemCreate(&mut handle, size_u, &prop, 0) };
-            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                let available = self.raw_mem_info(call).map_or(0, |m| m.free);
-                return Err(VmmError::OutOfMemory {
-                    call,
-                    requested: size,
-                    available,
-                });
-            }
-            check(call, r)?;
-            let id = ledger.add_handle(size, handle);
-            ledger.set_handle_types(id, props.handle_types);
-            Ok(id)
+                    available: self.raw_mem_info(call).map_or(0, |m| m.free),
+                };
+                if size > self.total_memory {
+                    // Larger than the device: out of memory whatever is free, and
+                    // not worth a driver call (whose error for it is not documented).
+                    return Err(out_of_memory());
+                }
+                let prop = allocation_prop_with(self.ordinal_c(), props);
+                match cu::mem_create(size_u, &prop) {
+                    Err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => Err(out_of_memory()),
+                    r => check(call, r),
+                }
+            })
         })
     }
 
     fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
         let call = CallKind::ExportHandle;
-        self.log.time(call, 0, || {
-            let ledger = lock(&self.ledger);
-            let raw = ledger.check_export(handle, kind)?.payload;
-            let _context = self.bind(call)?;
-            match kind {
-                HandleKind::PosixFd => {
-                    let mut fd: c_int = -1;
-                    // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes one
-                    // `int` through the pointer, which is valid and writable;
-                    // `raw` is live and was created requesting this type (ledger).
-                    check(call, unsafe {
-                        sys::cuMemExportToShareableHandle(
-                            (&mut fd as *mut c_int).cast::<c_void>(),
-                            raw,
-                            handle_kind_type(kind),
-                            0,
-                        )
-                    })?;
-                    if fd < 0 {
-                        return Err(driver_error(call, sys::CUresult::CUDA_ERROR_INVALID_VALUE));
-                    }
-                    // SAFETY: the driver returned a new descriptor that nothing
-                    // else owns; the `OwnedFd` closes it once.
-                    Ok(ShareableHandle::PosixFd(unsafe {
-                        OwnedFd::from_raw_fd(fd)
-                    }))
-                }
-                HandleKind::Fabric => {
-                    let mut fabric = sys::CUmemFabricHandle_st { data: [0; 64] };
-                    // SAFETY: for FABRIC the driver writes one `CUmemFabricHandle`
-                    // (64 bytes) through the pointer, which is valid and writable.
-                    check(call, unsafe {
-                        sys::cuMemExportToShareableHandle(
-                            (&mut fabric as *mut sys::CUmemFabricHandle_st).cast::<c_void>(),
-                            raw,
-                            handle_kind_type(kind),
-                            0,
-                        )
-                    })?;
-                    Ok(ShareableHandle::Fabric(fabric.data))
-                }
-            }
+        self.ledger_call(call, 0, |ledger| {
+            ledger.export(handle, kind, |entry| {
+                let _context = self.bind(call)?;
+                let raw = entry.payload;
+                let shared = match kind {
+                    // SAFETY: `raw` is live and was created requesting
+                    // POSIX file descriptors (the ledger's export check).
+                    HandleKind::PosixFd => unsafe { cu::mem_export_to_shareable_handle_fd(raw) }
+                        .map(ShareableHandle::PosixFd),
+                    // SAFETY: `raw` is live and was created requesting
+                    // fabric handles (the ledger's export check).
+                    HandleKind::Fabric => unsafe { cu::mem_export_to_shareable_handle_fabric(raw) }
+                        .map(ShareableHandle::Fabric),
+                };
+                check(call, shared)
+            })
         })
     }
 
@@ -1579,67 +1333,51 @@ impl Vmm for CudaVmm {
                 }
             }
             let _context = self.bind(call)?;
-            let mut raw: sys::CUmemGenericAllocationHandle = 0;
-            let mut fabric_bytes = match shared {
-                ShareableHandle::Fabric(bytes) => sys::CUmemFabricHandle_st { data: *bytes },
-                _ => sys::CUmemFabricHandle_st { data: [0; 64] },
-            };
-            let os_handle: *mut c_void = match shared {
-                // A POSIX descriptor is passed by value, as the pointer's integer.
-                ShareableHandle::PosixFd(fd) => fd.as_raw_fd() as isize as *mut c_void,
-                _ => (&mut fabric_bytes as *mut sys::CUmemFabricHandle_st).cast::<c_void>(),
-            };
-            // SAFETY: valid out-pointer; `os_handle` is a live descriptor we
-            // borrow for the call (the driver does not take ownership), or a
-            // pointer to 64 readable bytes of a fabric handle living across it.
-            check(call, unsafe {
-                sys::cuMemImportFromShareableHandle(&mut raw, os_handle, handle_kind_type(kind))
-            })?;
+            let raw = check(
+                call,
+                match shared {
+                    ShareableHandle::PosixFd(fd) => {
+                        cu::mem_import_from_shareable_handle_fd(fd.as_fd())
+                    }
+                    ShareableHandle::Fabric(bytes) => {
+                        cu::mem_import_from_shareable_handle_fabric(bytes)
+                    }
+                    ShareableHandle::Sim(_) => Err(sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+                },
+            )?;
             if map_check {
                 if let Err(e) = self.map_check_import(call, raw, size_u) {
                     // SAFETY: the handle just imported, released once here;
                     // nothing else knows it.
-                    let _ = unsafe { sys::cuMemRelease(raw) };
+                    let _ = unsafe { cu::mem_release(raw) };
                     return Err(e);
                 }
             }
-            let mut ledger = lock(&self.ledger);
-            let id = ledger.add_handle(size, raw);
-            ledger.set_handle_types(
-                id,
-                HandleTypes {
-                    posix_fd: kind == HandleKind::PosixFd,
-                    fabric: kind == HandleKind::Fabric,
-                },
-            );
-            Ok(id)
+            Ok(lock(&self.ledger).add_imported(size, kind, raw))
         })
     }
 
     fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
         let call = CallKind::SetAccess;
-        self.log.time(call, size, || {
-            let mut ledger = lock(&self.ledger);
-            ledger.check_set_access_for(ptr, size, devices)?;
-            let _context = self.bind(call)?;
-            let descs: Vec<sys::CUmemAccessDesc> = devices
-                .iter()
-                .map(|d| sys::CUmemAccessDesc {
-                    location: sys::CUmemLocation {
-                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                        id: c_int::try_from(*d).unwrap_or(c_int::MAX),
-                    },
-                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        self.ledger_call(call, size, |ledger| {
+            ledger.set_access(ptr, size, devices, || {
+                let _context = self.bind(call)?;
+                let descs: Vec<sys::CUmemAccessDesc> = devices
+                    .iter()
+                    .map(|d| sys::CUmemAccessDesc {
+                        location: sys::CUmemLocation {
+                            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                            id: c_int::try_from(*d).unwrap_or(c_int::MAX),
+                        },
+                        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    })
+                    .collect();
+                // SAFETY: the range is wholly mapped (ledger); each descriptor
+                // names a device of this process (ledger).
+                check(call, unsafe {
+                    cu::mem_set_access(ptr, size as usize, &descs)
                 })
-                .collect();
-            // SAFETY: the range is wholly mapped (ledger); `descs` holds
-            // `descs.len()` fully initialised descriptors, each naming a device
-            // of this process (ledger), and lives across the call.
-            check(call, unsafe {
-                sys::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len())
-            })?;
-            ledger.mark_accessible_for(ptr, size, devices);
-            Ok(())
+            })
         })
     }
 }
@@ -1658,9 +1396,7 @@ impl Drop for CudaVmm {
             return;
         };
         // No queued work may still read or write memory that is unmapped below.
-        // SAFETY: the context is current; the call takes no arguments.
-        let synced = unsafe { sys::cuCtxSynchronize() };
-        if synced != sys::CUresult::CUDA_SUCCESS {
+        if let Err(synced) = cu::ctx_synchronize() {
             let (name, _) = describe(synced);
             tracing::warn!(code = synced as u32, %name, "cuCtxSynchronize failed at drop; unmapping anyway");
         }
@@ -1668,28 +1404,28 @@ impl Drop for CudaVmm {
         for raw in book.events.drain().into_iter().chain(book.pooled) {
             // SAFETY: each event is live and owned here once: the live ones
             // from the book and the pooled ones are disjoint (the book's invariant).
-            let _ = unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) };
+            let _ = unsafe { cu::event_destroy(raw as sys::CUevent) };
         }
         for raw in book.streams.into_iter().chain(book.quiet) {
             // SAFETY: each stream is live and destroyed once, here (the
             // quiet stream is never in `streams`).
-            let _ = unsafe { sys::cuStreamDestroy_v2(raw as usize as sys::CUstream) };
+            let _ = unsafe { cu::stream_destroy(raw as usize as sys::CUstream) };
         }
         let drained = lock(&self.ledger).drain();
         for (ptr, size) in drained.mappings {
             // SAFETY: a whole live mapping of ours; the context was
             // synchronised above, so no queued work still uses it.
-            let _ = unsafe { sys::cuMemUnmap(ptr, size as usize) };
+            let _ = unsafe { cu::mem_unmap(ptr, size as usize) };
         }
         for (released, raw) in drained.handles {
             if !released {
                 // SAFETY: a live handle of ours, released once, here.
-                let _ = unsafe { sys::cuMemRelease(raw) };
+                let _ = unsafe { cu::mem_release(raw) };
             }
         }
         for (ptr, size) in drained.reservations {
             // SAFETY: a whole reservation of ours, now without mappings.
-            let _ = unsafe { sys::cuMemAddressFree(ptr, size as usize) };
+            let _ = unsafe { cu::mem_address_free(ptr, size as usize) };
         }
         // `_context` pops here (restoring the thread's own context), then
         // `self.context` drops and releases the primary context.
@@ -1708,10 +1444,9 @@ mod tests {
 
     #[test]
     fn new_without_a_driver_is_unavailable_not_a_panic() {
-        // SAFETY: only tries to load the library.
-        let present = unsafe { sys::is_culib_present() };
+        let present = cu::library_present();
         match CudaVmm::new(0) {
-            Err(VmmError::Unavailable { reason }) => assert!(!reason.is_empty()),
+            Err(VmmError::Unavailable { reason }) => assert!(!reason.to_string().is_empty()),
             Ok(vmm) => {
                 assert!(present);
                 assert!(vmm.granularity().is_power_of_two());
@@ -1727,7 +1462,11 @@ mod tests {
     fn every_driver_call_of_this_backend_is_in_the_symbol_list() {
         // Every `sys::cu…(` call in this file and in the cudarc interop, by
         // the name cudarc loads (its function's name).
-        let sources = [include_str!("cuda.rs"), include_str!("cudarc_interop.rs")];
+        let sources = [
+            include_str!("cuda.rs"),
+            include_str!("cuda/cu.rs"),
+            include_str!("cudarc_interop.rs"),
+        ];
         let mut called = BTreeSet::new();
         for source in sources {
             for (i, _) in source.match_indices("sys::cu") {

@@ -77,8 +77,8 @@ pub enum VmmError {
     /// No driver, no device, or the device lacks virtual memory management.
     #[error("backend unavailable: {reason}")]
     Unavailable {
-        /// Why, in words.
-        reason: String,
+        /// Why.
+        reason: Unavailability,
     },
     /// The backend does not implement the call (a default body of the
     /// [`crate::Vmm`] trait), or the device lacks what the call needs.
@@ -135,6 +135,65 @@ impl VmmError {
     pub fn is_address_space_exhausted(&self) -> bool {
         matches!(self, VmmError::AddressSpaceExhausted { .. })
     }
+}
+
+/// Why a backend cannot be had ([`VmmError::Unavailable`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unavailability {
+    /// No `libcuda` could be loaded.
+    #[error("libcuda could not be loaded: no CUDA driver on this machine")]
+    NoDriver,
+    /// The loaded `libcuda` lacks symbols the CUDA backend calls.
+    #[error("libcuda lacks {} symbol(s) this backend calls: {}", .missing.len(), .missing.join(", "))]
+    MissingSymbols {
+        /// The symbols missing, in the order the backend lists them.
+        missing: Vec<&'static str>,
+    },
+    /// A setup call of the driver failed.
+    #[error("{step} failed: {name} ({code}): {text}")]
+    Setup {
+        /// The driver call, e.g. `cuInit`.
+        step: &'static str,
+        /// The numeric `CUresult`.
+        code: u32,
+        /// Its name, e.g. `CUDA_ERROR_NO_DEVICE`.
+        name: String,
+        /// The driver's description of it.
+        text: String,
+    },
+    /// No device of that ordinal.
+    #[error("device ordinal {ordinal} out of range: {count} CUDA device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: u32,
+    },
+    /// The device lacks virtual memory management.
+    #[error("device {ordinal} does not support virtual memory management")]
+    NoVmm {
+        /// The device's ordinal.
+        ordinal: usize,
+    },
+    /// The driver reported a granularity that is not a power of two.
+    #[error("granularity {granularity} is not a power of two")]
+    Granularity {
+        /// The granularity reported, in bytes.
+        granularity: u64,
+    },
+    /// The host backend runs on 64-bit Linux only.
+    #[error("the host backend needs 64-bit Linux (memfd and mmap)")]
+    Platform,
+    /// The host backend's address arena could not be reserved.
+    #[error("cannot reserve a {size}-byte address arena: {text} ({name})")]
+    Arena {
+        /// The smallest size tried, in bytes.
+        size: u64,
+        /// The system error's label (e.g. `errno 12`).
+        name: String,
+        /// The system's description of it.
+        text: String,
+    },
 }
 
 /// Result alias of the driver layer.

@@ -46,15 +46,14 @@
 mod os;
 
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::sync::Mutex;
 
-use crate::call_log::CallLog;
+use crate::call_log::{lock, CallLog};
 use crate::driver::Vmm;
-use crate::error::{Result, VmmError};
+use crate::error::{Result, Unavailability, VmmError};
 use crate::events::EventBook;
 use crate::leak::LeakReport;
-use crate::ledger::Ledger;
+use crate::ledger::{invalid, Ledger};
 use crate::types::{
     CallKind, DevicePtr, DriverStats, EventId, MapRule, MemInfo, PhysHandle, StreamId,
 };
@@ -147,10 +146,6 @@ fn os_failure(call: CallKind, size: u64, e: OsError) -> VmmError {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl HostVmm {
     /// A host backend with `config`, under CUDA's documented map rule
     /// ([`MapRule::WholeHandle`]).
@@ -185,7 +180,7 @@ impl HostVmm {
     pub fn with_map_rule(config: HostConfig, map_rule: MapRule) -> Result<HostVmm> {
         if !os::SUPPORTED {
             return Err(VmmError::Unavailable {
-                reason: "the host backend needs 64-bit Linux (memfd and mmap)".to_owned(),
+                reason: Unavailability::Platform,
             });
         }
         let page = os::page_size();
@@ -209,10 +204,11 @@ impl HostVmm {
                 Ok(base) => break base,
                 Err(e) if arena_size / 2 < ARENA_FLOOR.max(config.granularity) => {
                     return Err(VmmError::Unavailable {
-                        reason: format!(
-                            "cannot reserve a {arena_size}-byte address arena: {} ({})",
-                            e.text, e.name
-                        ),
+                        reason: Unavailability::Arena {
+                            size: arena_size,
+                            name: e.name,
+                            text: e.text,
+                        },
                     });
                 }
                 Err(_) => arena_size = (arena_size / 2).next_multiple_of(config.granularity),
@@ -310,7 +306,7 @@ impl HostVmm {
         size: u64,
         op: impl FnOnce(&mut HostState) -> Result<T>,
     ) -> Result<T> {
-        self.log.time(kind, size, || op(&mut lock(&self.state)))
+        self.log.locked(kind, size, &self.state, op)
     }
 
     /// Runs `op` on the event book, under its lock, as one timed and counted call.
@@ -319,7 +315,7 @@ impl HostVmm {
         kind: CallKind,
         op: impl FnOnce(&mut EventBook<()>) -> Result<T>,
     ) -> Result<T> {
-        self.log.time(kind, 0, || op(&mut lock(&self.events)))
+        self.log.locked(kind, 0, &self.events, op)
     }
 }
 
@@ -333,115 +329,91 @@ impl Vmm for HostVmm {
     }
 
     fn reserve(&self, size: u64, alignment: u64) -> Result<DevicePtr> {
-        self.call(CallKind::Reserve, size, |state| {
-            let alignment = state.ledger.check_reserve(size, alignment)?;
-            let arena_end = self.arena_base + self.arena_size;
-            let out_of_space = VmmError::AddressSpaceExhausted {
-                call: CallKind::Reserve,
-                requested: size,
-                available: arena_end.saturating_sub(state.next_va),
-            };
-            let Some(ptr) = state.next_va.checked_next_multiple_of(alignment) else {
-                return Err(out_of_space);
-            };
-            let end = match ptr.checked_add(size) {
-                Some(end) if end <= arena_end => end,
-                _ => return Err(out_of_space),
-            };
-            // SAFETY: `ptr..end` lies inside our arena above the bump pointer,
-            // where nothing was ever mapped and nothing refers.
-            unsafe { os::reset_to_reserved(ptr, size) }
-                .map_err(|e| os_failure(CallKind::Reserve, size, e))?;
-            // One granule of gap (it may fall past the arena's end: it is never
-            // handed out either way).
-            state.next_va = end.saturating_add(self.config.granularity);
-            state.ledger.add_reservation(ptr, size);
-            Ok(ptr)
+        let call = CallKind::Reserve;
+        self.call(call, size, |HostState { ledger, next_va }| {
+            ledger.reserve(size, alignment, |alignment| {
+                let arena_end = self.arena_base + self.arena_size;
+                let out_of_space = VmmError::AddressSpaceExhausted {
+                    call,
+                    requested: size,
+                    available: arena_end.saturating_sub(*next_va),
+                };
+                let Some(ptr) = next_va.checked_next_multiple_of(alignment) else {
+                    return Err(out_of_space);
+                };
+                let end = match ptr.checked_add(size) {
+                    Some(end) if end <= arena_end => end,
+                    _ => return Err(out_of_space),
+                };
+                // SAFETY: `ptr..end` lies inside our arena above the bump pointer,
+                // where nothing was ever mapped and nothing refers.
+                unsafe { os::reset_to_reserved(ptr, size) }
+                    .map_err(|e| os_failure(call, size, e))?;
+                // One granule of gap (it may fall past the arena's end: it is never
+                // handed out either way).
+                *next_va = end.saturating_add(self.config.granularity);
+                Ok(ptr)
+            })
         })
     }
 
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::AddressFree, size, |state| {
-            state.ledger.check_address_free(ptr, size)?;
-            // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly one of our
-            // reservations (inside the arena) with no mapping left; data copies
-            // hold the lock we hold, so no reference points into it. The range
-            // goes back to plain arena space and is never handed out again.
-            unsafe { os::reset_to_reserved(ptr, size) }
-                .map_err(|e| os_failure(CallKind::AddressFree, size, e))?;
-            state.ledger.remove_reservation(ptr);
-            Ok(())
+        let call = CallKind::AddressFree;
+        self.call(call, size, |state| {
+            state.ledger.address_free(ptr, size, || {
+                // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly one of our
+                // reservations (inside the arena) with no mapping left; data copies
+                // hold the lock we hold, so no reference points into it. The range
+                // goes back to plain arena space and is never handed out again.
+                unsafe { os::reset_to_reserved(ptr, size) }.map_err(|e| os_failure(call, size, e))
+            })
         })
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle> {
-        self.call(CallKind::Create, size, |state| {
-            let ledger = &mut state.ledger;
-            ledger.check_create(size)?;
-            let memory = os::create_memory(size).map_err(|e| {
-                let mut err = os_failure(CallKind::Create, size, e);
-                if let VmmError::OutOfMemory { available, .. } = &mut err {
-                    *available = ledger.mem_info().free;
-                }
-                err
-            })?;
-            Ok(ledger.add_handle(size, memory))
-        })
+        self.create_with(size, CreateProps::default())
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        let started = Instant::now();
-        let result = (|| {
-            let ledger = &mut lock(&self.state).ledger;
-            let size = ledger.live_handle(CallKind::Release, handle)?.size;
+        self.log.time_sized(CallKind::Release, || {
             // Dropping the memfd (if no mapping names it any more) closes it.
-            let _freed = ledger.release(handle);
-            Ok(size)
-        })();
-        let size = result.as_ref().map_or(0, |s| *s);
-        self.log
-            .record(CallKind::Release, size, started, result.map(|_| ()))
+            lock(&self.state).ledger.release_with(handle, |_| Ok(()))
+        })
     }
 
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
-        self.call(CallKind::Map, size, |state| {
-            let ledger = &mut state.ledger;
-            let entry = ledger.check_map(ptr, size, handle, offset)?;
-            // SAFETY: the ledger confirmed `ptr..ptr+size` lies inside one of our
-            // reservations with no mapping in it, that both are multiples of
-            // the granularity (itself a page multiple), and that
-            // `offset + size` is inside the memfd.
-            unsafe { os::map_fixed(ptr, size, &entry.payload, offset) }
-                .map_err(|e| os_failure(CallKind::Map, size, e))?;
-            ledger.add_mapping(ptr, size, handle, offset);
-            Ok(())
+        let call = CallKind::Map;
+        self.call(call, size, |state| {
+            state.ledger.map(ptr, size, handle, offset, |memory| {
+                // SAFETY: the ledger confirmed `ptr..ptr+size` lies inside one of our
+                // reservations with no mapping in it, that both are multiples of
+                // the granularity (itself a page multiple), and that
+                // `offset + size` is inside the memfd.
+                unsafe { os::map_fixed(ptr, size, memory, offset) }
+                    .map_err(|e| os_failure(call, size, e))
+            })
         })
     }
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::Unmap, size, |state| {
-            let starts = state.ledger.check_unmap(ptr, size)?;
-            // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly a run of
-            // our mappings, all inside our reservations; no reference points
-            // into it while we hold the lock.
-            unsafe { os::reset_to_reserved(ptr, size) }
-                .map_err(|e| os_failure(CallKind::Unmap, size, e))?;
-            // Memfds of released handles unmapped for the last time close here.
-            drop(state.ledger.remove_mappings(&starts));
-            Ok(())
+        let call = CallKind::Unmap;
+        self.call(call, size, |state| {
+            // Memfds of released handles unmapped for the last time close
+            // as the ledger forgets the mappings.
+            state.ledger.unmap(ptr, size, |mappings| {
+                // SAFETY: the ledger confirmed `ptr..ptr+size` is exactly a run of
+                // our mappings, all inside our reservations; no reference points
+                // into it while we hold the lock.
+                match unsafe { os::reset_to_reserved(ptr, size) } {
+                    Ok(()) => (mappings.len(), Ok(())),
+                    Err(e) => (0, Err(os_failure(call, size, e))),
+                }
+            })
         })
     }
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::SetAccess, size, |state| {
-            state.ledger.check_set_access(ptr, size)?;
-            // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
-            // our memfd mappings.
-            unsafe { os::protect_read_write(ptr, size) }
-                .map_err(|e| os_failure(CallKind::SetAccess, size, e))?;
-            state.ledger.mark_accessible(ptr, size);
-            Ok(())
-        })
+        self.set_access_for(ptr, size, &[self.caps().ordinal])
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
@@ -512,15 +484,20 @@ impl Vmm for HostVmm {
         lock(&self.state).ledger.caps()
     }
 
+    /// A memfd of `size` bytes; out of memory (`ENOMEM`) reports what the
+    /// capacity leaves.
     fn create_with(&self, size: u64, props: CreateProps) -> Result<PhysHandle> {
-        self.call(CallKind::Create, size, |state| {
-            let ledger = &mut state.ledger;
-            ledger.check_create_with(size, props)?;
-            let memory =
-                os::create_memory(size).map_err(|e| os_failure(CallKind::Create, size, e))?;
-            let handle = ledger.add_handle(size, memory);
-            ledger.set_handle_types(handle, props.handle_types);
-            Ok(handle)
+        let call = CallKind::Create;
+        self.call(call, size, |state| {
+            state.ledger.create(size, props, |ledger| {
+                os::create_memory(size).map_err(|e| {
+                    let mut err = os_failure(call, size, e);
+                    if let VmmError::OutOfMemory { available, .. } = &mut err {
+                        *available = ledger.mem_info().free;
+                    }
+                    err
+                })
+            })
         })
     }
 
@@ -529,9 +506,10 @@ impl Vmm for HostVmm {
     fn export_handle(&self, handle: PhysHandle, kind: HandleKind) -> Result<ShareableHandle> {
         let call = CallKind::ExportHandle;
         self.call(call, 0, |state| {
-            let entry = state.ledger.check_export(handle, kind)?;
-            let fd = os::share_memory(&entry.payload).map_err(|e| os_failure(call, 0, e))?;
-            Ok(ShareableHandle::PosixFd(fd))
+            state.ledger.export(handle, kind, |entry| {
+                let fd = os::share_memory(&entry.payload).map_err(|e| os_failure(call, 0, e))?;
+                Ok(ShareableHandle::PosixFd(fd))
+            })
         })
     }
 
@@ -539,52 +517,46 @@ impl Vmm for HostVmm {
     /// another size, is `InvalidArgument`); keeps a duplicate of it.
     fn import_handle(&self, shared: &ShareableHandle, size: u64) -> Result<PhysHandle> {
         let call = CallKind::ImportHandle;
-        self.call(call, size, |state| {
-            let ShareableHandle::PosixFd(fd) = shared else {
-                return Err(crate::ledger::invalid(
+        let ShareableHandle::PosixFd(fd) = shared else {
+            return self.call(call, size, |_| {
+                Err(invalid(
                     call,
                     "shHandleType",
                     0,
                     "the host backend imports POSIX file descriptors only",
-                ));
-            };
-            state.ledger.check_import(size, HandleKind::PosixFd)?;
-            let raw = u64::try_from(fd.as_raw_fd()).unwrap_or(u64::MAX);
-            match os::memory_size(fd.as_fd()) {
-                None => {
-                    return Err(crate::ledger::invalid(
+                ))
+            });
+        };
+        self.call(call, size, |state| {
+            state.ledger.import(size, HandleKind::PosixFd, || {
+                let raw = u64::try_from(fd.as_raw_fd()).unwrap_or(u64::MAX);
+                match os::memory_size(fd.as_fd()) {
+                    None => Err(invalid(
                         call,
                         "osHandle",
                         raw,
                         "is not a memory file descriptor (memfd) exported by a host backend",
-                    ))
-                }
-                Some(actual) if actual != size => {
-                    return Err(crate::ledger::invalid(
+                    )),
+                    Some(actual) if actual != size => Err(invalid(
                         call,
                         "size",
                         size,
                         "differs from the size of the memory the descriptor holds",
-                    ))
+                    )),
+                    Some(_) => os::share_memory(fd).map_err(|e| os_failure(call, size, e)),
                 }
-                Some(_) => {}
-            }
-            let memory = os::share_memory(fd).map_err(|e| os_failure(call, size, e))?;
-            let handle = state.ledger.add_handle(size, memory);
-            state.ledger.set_handle_types(handle, HandleTypes::POSIX_FD);
-            Ok(handle)
+            })
         })
     }
 
     fn set_access_for(&self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) -> Result<()> {
-        self.call(CallKind::SetAccess, size, |state| {
-            state.ledger.check_set_access_for(ptr, size, devices)?;
-            // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
-            // our memfd mappings (and the one device, 0, is named).
-            unsafe { os::protect_read_write(ptr, size) }
-                .map_err(|e| os_failure(CallKind::SetAccess, size, e))?;
-            state.ledger.mark_accessible_for(ptr, size, devices);
-            Ok(())
+        let call = CallKind::SetAccess;
+        self.call(call, size, |state| {
+            state.ledger.set_access(ptr, size, devices, || {
+                // SAFETY: the ledger confirmed `ptr..ptr+size` is wholly covered by
+                // our memfd mappings (and the one device, 0, is named).
+                unsafe { os::protect_read_write(ptr, size) }.map_err(|e| os_failure(call, size, e))
+            })
         })
     }
 }

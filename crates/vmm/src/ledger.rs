@@ -2,10 +2,12 @@
 //! host and simulated): every rule of the [`crate::Vmm`] trait, checked *before*
 //! any system or driver call.
 //!
-//! A backend calls `check_*` first, makes the system or driver call only when
-//! it returns `Ok` (the simulated backend makes none), then commits the change
-//! with the matching `add_*` / `remove_*` / `mark_*` method. A failed check
-//! changes nothing. Because bad input is stopped here, no address outside a
+//! Every `Vmm` call of every backend goes through one method per call here
+//! ([`Ledger::reserve`], [`Ledger::map`], ...) that runs the sequence once:
+//! the `check_*` rule first, the backend's system or driver call (a closure;
+//! the simulated backend passes a no-op) only when it returns `Ok`, then the
+//! commit (the matching `add_*` / `remove_*` / `mark_*` method). A failed
+//! check changes nothing. Because bad input is stopped here, no address outside a
 //! live reservation ever reaches `mmap`, `mprotect` or the driver: this is what
 //! makes the host backend's `unsafe` sound.
 //!
@@ -664,19 +666,12 @@ impl<P> Ledger<P> {
         self.walk(call, ptr, end, |_, _, _| Ok(()))
     }
 
-    /// Marks `[ptr, ptr + size)` accessible (checked by [`Ledger::check_set_access`]).
+    /// Marks `[ptr, ptr + size)` accessible (checked by [`Ledger::check_set_access`]);
+    /// the backends mark through [`Ledger::set_access`].
+    #[cfg(test)]
     pub fn mark_accessible(&mut self, ptr: DevicePtr, size: u64) {
-        let end = ptr.saturating_add(size);
-        let granularity = self.granularity;
-        // Backwards from the last mapping starting before `end`, down to the
-        // one containing `ptr`: one tree search for the whole walk.
-        for (&start, m) in self.mappings.range_mut(..end).rev() {
-            if start.saturating_add(m.size) <= ptr {
-                break;
-            }
-            let (first, last) = Self::granules(granularity, start, m.size, ptr, end);
-            m.access.mark(first, last, (m.size / granularity) as usize);
-        }
+        let own = self.caps.ordinal;
+        self.mark_accessible_for(ptr, size, &[own]);
     }
 
     /// Checks that every byte of `[ptr, ptr + len)` is mapped (else `NotMapped`
@@ -820,26 +815,30 @@ impl<P> Ledger<P> {
     /// (checked by [`Ledger::check_set_access_for`]).
     pub fn mark_accessible_for(&mut self, ptr: DevicePtr, size: u64, devices: &[DeviceOrdinal]) {
         let own = self.caps.ordinal;
-        if devices.contains(&own) {
-            self.mark_accessible(ptr, size);
-        }
         let end = ptr.saturating_add(size);
         let granularity = self.granularity;
+        // Backwards from the last mapping starting before `end`, down to the
+        // one containing `ptr`: one tree search for the whole walk.
         for (&start, m) in self.mappings.range_mut(..end).rev() {
             if start.saturating_add(m.size) <= ptr {
                 break;
             }
             let (first, last) = Self::granules(granularity, start, m.size, ptr, end);
             let granules = (m.size / granularity) as usize;
-            for d in devices.iter().filter(|d| **d != own) {
-                let at = match m.peers.iter().position(|(p, _)| p == d) {
-                    Some(at) => at,
-                    None => {
-                        m.peers.push((*d, Access::None));
-                        m.peers.len() - 1
-                    }
+            for d in devices {
+                let access = if *d == own {
+                    &mut m.access
+                } else {
+                    let at = match m.peers.iter().position(|(p, _)| p == d) {
+                        Some(at) => at,
+                        None => {
+                            m.peers.push((*d, Access::None));
+                            m.peers.len() - 1
+                        }
+                    };
+                    &mut m.peers[at].1
                 };
-                m.peers[at].1.mark(first, last, granules);
+                access.mark(first, last, granules);
             }
         }
     }
@@ -863,6 +862,162 @@ impl<P> Ledger<P> {
         peers.sort_unstable();
         out.extend(peers);
         Some(out)
+    }
+
+    // ---- one driver call: check, call, commit ----
+    //
+    // Each method below is the whole sequence of one `Vmm` call for every
+    // backend: the ledger's check, then the backend's own system or driver
+    // call (`call`, which the simulated backend passes as a no-op), then the
+    // ledger's commit. A failed check or call commits nothing (an unmap
+    // commits the mappings its call did unmap before failing). Locking and
+    // logging are the backend's: it runs these under its lock, inside its log.
+
+    /// `cuMemAddressReserve`: [`Ledger::check_reserve`], then `call` with the
+    /// effective alignment (it picks and reserves the range), then the record.
+    pub fn reserve(
+        &mut self,
+        size: u64,
+        alignment: u64,
+        call: impl FnOnce(u64) -> Result<DevicePtr>,
+    ) -> Result<DevicePtr> {
+        let alignment = self.check_reserve(size, alignment)?;
+        let ptr = call(alignment)?;
+        self.add_reservation(ptr, size);
+        Ok(ptr)
+    }
+
+    /// `cuMemAddressFree`: [`Ledger::check_address_free`], `call`, then forget it.
+    pub fn address_free(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        call: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.check_address_free(ptr, size)?;
+        call()?;
+        self.remove_reservation(ptr);
+        Ok(())
+    }
+
+    /// `cuMemCreate` (plain when `props` is the default):
+    /// [`Ledger::check_create_with`], then `call` (seeing the ledger, for
+    /// figures of an error) makes the backend's object, then the record.
+    pub fn create(
+        &mut self,
+        size: u64,
+        props: CreateProps,
+        call: impl FnOnce(&Self) -> Result<P>,
+    ) -> Result<PhysHandle> {
+        self.check_create_with(size, props)?;
+        let payload = call(self)?;
+        let handle = self.add_handle(size, payload);
+        self.set_handle_types(handle, props.handle_types);
+        Ok(handle)
+    }
+
+    /// `cuMemRelease`: a live handle, `call` on its payload, then marked
+    /// released (its payload dropped here once no mapping names it).
+    /// Returns the handle's size.
+    pub fn release_with(
+        &mut self,
+        handle: PhysHandle,
+        call: impl FnOnce(&P) -> Result<()>,
+    ) -> Result<u64> {
+        let entry = self.live_handle(CallKind::Release, handle)?;
+        let size = entry.size;
+        call(&entry.payload)?;
+        drop(self.release(handle));
+        Ok(size)
+    }
+
+    /// `cuMemMap`: [`Ledger::check_map`], `call` on the handle's payload,
+    /// then the record.
+    pub fn map(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+        call: impl FnOnce(&P) -> Result<()>,
+    ) -> Result<()> {
+        let entry = self.check_map(ptr, size, handle, offset)?;
+        call(&entry.payload)?;
+        self.add_mapping(ptr, size, handle, offset);
+        Ok(())
+    }
+
+    /// `cuMemUnmap`: [`Ledger::check_unmap`], then `call` with the mappings
+    /// the range covers, as (start, size) in address order; it answers how
+    /// many of them, from the first, it unmapped, and how it ended. Those
+    /// are forgotten either way (payloads of released handles unmapped for
+    /// the last time are dropped here).
+    pub fn unmap(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        call: impl FnOnce(&[(DevicePtr, u64)]) -> (usize, Result<()>),
+    ) -> Result<()> {
+        let starts = self.check_unmap(ptr, size)?;
+        let spans: Vec<(DevicePtr, u64)> = starts
+            .iter()
+            .map(|s| (*s, self.mappings.get(s).map_or(0, |m| m.size)))
+            .collect();
+        let (done, outcome) = call(&spans);
+        drop(self.remove_mappings(&starts[..done.min(starts.len())]));
+        outcome
+    }
+
+    /// `cuMemSetAccess` for `devices` (this device alone: the plain
+    /// `set_access`): [`Ledger::check_set_access_for`], `call`, then the marks.
+    pub fn set_access(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        devices: &[DeviceOrdinal],
+        call: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.check_set_access_for(ptr, size, devices)?;
+        call()?;
+        self.mark_accessible_for(ptr, size, devices);
+        Ok(())
+    }
+
+    /// `cuMemExportToShareableHandle`: [`Ledger::check_export`], then `call`
+    /// on the handle's entry (nothing to commit).
+    pub fn export<T>(
+        &self,
+        handle: PhysHandle,
+        kind: HandleKind,
+        call: impl FnOnce(&HandleEntry<P>) -> Result<T>,
+    ) -> Result<T> {
+        call(self.check_export(handle, kind)?)
+    }
+
+    /// `cuMemImportFromShareableHandle`: [`Ledger::check_import`], `call`
+    /// makes the backend's object, then [`Ledger::add_imported`].
+    pub fn import(
+        &mut self,
+        size: u64,
+        kind: HandleKind,
+        call: impl FnOnce() -> Result<P>,
+    ) -> Result<PhysHandle> {
+        self.check_import(size, kind)?;
+        let payload = call()?;
+        Ok(self.add_imported(size, kind, payload))
+    }
+
+    /// Records a handle imported as `kind` (checked by [`Ledger::check_import`]).
+    pub fn add_imported(&mut self, size: u64, kind: HandleKind, payload: P) -> PhysHandle {
+        let handle = self.add_handle(size, payload);
+        self.set_handle_types(
+            handle,
+            HandleTypes {
+                posix_fd: kind == HandleKind::PosixFd,
+                fabric: kind == HandleKind::Fabric,
+            },
+        );
+        handle
     }
 
     // ---- reports, checks and teardown ----

@@ -52,7 +52,7 @@ pub mod sim;
 pub mod types;
 
 pub use driver::Vmm;
-pub use error::{Result, VmmError};
+pub use error::{Result, Unavailability, VmmError};
 pub use leak::LeakReport;
 pub use share::{
     CreateProps, DeviceCaps, DeviceOrdinal, DeviceSet, HandleKind, HandleTypes, ShareableHandle,

@@ -1514,7 +1514,7 @@ fn sim_nth_fault_fails_exactly_that_call_and_changes_nothing() {
 fn sim_always_fault_fails_every_call_until_cleared() {
     let v = sim(GIB);
     let custom = VmmError::Unavailable {
-        reason: "device lost".into(),
+        reason: quilt_vmm::Unavailability::NoVmm { ordinal: 0 },
     };
     v.inject(Fault::always(CallKind::SetAccess).with_error(custom.clone()));
     v.inject(Fault::always(CallKind::Reserve));

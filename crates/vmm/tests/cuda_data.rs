@@ -46,7 +46,7 @@ fn construction_without_a_driver_or_device_is_a_typed_error() {
     if !libcuda_present() {
         match result {
             Err(VmmError::Unavailable { reason }) => {
-                assert!(reason.contains("libcuda"), "{reason}")
+                assert!(reason.to_string().contains("libcuda"), "{reason}")
             }
             other => panic!("expected Unavailable without libcuda, got {other:?}"),
         }

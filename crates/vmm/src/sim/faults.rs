@@ -174,7 +174,7 @@ mod tests {
     fn two_nth_faults_due_on_the_same_call_both_disarm_and_the_first_wins() {
         let mut set = FaultSet::default();
         let custom = VmmError::Unavailable {
-            reason: "first".into(),
+            reason: crate::Unavailability::NoVmm { ordinal: 1 },
         };
         set.arm(Fault::nth(CallKind::Map, 2).with_error(custom.clone()));
         set.arm(Fault::nth_overall(2));

@@ -437,6 +437,12 @@ fn account(
     }
 }
 
+/// The simulated device's system call: none (the ledger's check and
+/// commit are the whole call).
+fn nothing() -> Result<()> {
+    Ok(())
+}
+
 impl fmt::Debug for SimVmm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = self.lock();
@@ -478,27 +484,36 @@ impl Vmm for SimVmm {
     }
 
     fn address_free(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::AddressFree, size, |s| s.address_free(ptr, size))
+        self.call(CallKind::AddressFree, size, |s| {
+            s.ledger.address_free(ptr, size, nothing)
+        })
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle> {
-        self.call(CallKind::Create, size, |s| s.create(size))
+        self.create_with(size, CreateProps::default())
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        self.call(CallKind::Release, 0, |s| s.release(handle))
+        self.call(CallKind::Release, 0, |s| {
+            s.ledger.release_with(handle, |_| Ok(())).map(drop)
+        })
     }
 
     fn map(&self, ptr: DevicePtr, size: u64, handle: PhysHandle, offset: u64) -> Result<()> {
-        self.call(CallKind::Map, size, |s| s.map(ptr, size, handle, offset))
+        self.call(CallKind::Map, size, |s| {
+            s.ledger.map(ptr, size, handle, offset, |_| Ok(()))
+        })
     }
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::Unmap, size, |s| s.unmap(ptr, size))
+        self.call(CallKind::Unmap, size, |s| {
+            s.ledger
+                .unmap(ptr, size, |mappings| (mappings.len(), Ok(())))
+        })
     }
 
     fn set_access(&self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.call(CallKind::SetAccess, size, |s| s.set_access(ptr, size))
+        self.set_access_for(ptr, size, &[self.config.ordinal])
     }
 
     /// The simulated device holds no bytes: the range is checked (mapped,
@@ -602,7 +617,7 @@ impl Vmm for SimVmm {
             .set_access_ns_for(n)
             .saturating_sub(self.config.cost.set_access_ns);
         self.call_costing(CallKind::SetAccess, size, extra, |s| {
-            s.set_access_for(ptr, size, devices)
+            s.ledger.set_access(ptr, size, devices, nothing)
         })
     }
 }

@@ -18,7 +18,7 @@ use crate::events::EventBook;
 use crate::leak::LeakReport;
 use crate::ledger::{invalid, Ledger};
 use crate::share::{
-    CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, HandleTypes, ShareableHandle, SimShared,
+    CreateProps, DeviceCaps, DeviceOrdinal, HandleKind, ShareableHandle, SimShared,
 };
 use crate::sim::LAG_NEVER;
 use crate::types::{CallKind, DevicePtr, EventId, MapRule, MemInfo, PhysHandle, StreamId};
@@ -115,7 +115,7 @@ fn capture_isolation(call: CallKind) -> VmmError {
 pub(crate) struct State {
     /// Each handle's payload is the id of the memory behind it (the same
     /// for an exported handle and every import of it).
-    ledger: Ledger<u64>,
+    pub(super) ledger: Ledger<u64>,
     granularity: u64,
     va_limit: u64,
     next_va: u64,
@@ -201,40 +201,29 @@ impl State {
     /// Addresses come from a bump pointer, never reused, with one granule of
     /// unreserved gap after each reservation so no two are ever adjacent.
     pub(crate) fn reserve(&mut self, size: u64, alignment: u64) -> Result<DevicePtr> {
-        let alignment = self.ledger.check_reserve(size, alignment)?;
-        let oom = || VmmError::AddressSpaceExhausted {
-            call: CallKind::Reserve,
-            requested: size,
-            available: self.va_limit.saturating_sub(self.ledger.reserved_bytes()),
-        };
-        if size > self.va_limit.saturating_sub(self.ledger.reserved_bytes()) {
-            return Err(oom());
-        }
-        let Some(ptr) = self.next_va.checked_next_multiple_of(alignment) else {
-            return Err(oom());
-        };
-        let Some(next) = ptr
-            .checked_add(size)
-            .and_then(|end| end.checked_add(self.granularity))
-        else {
-            return Err(oom());
-        };
-        self.next_va = next;
-        self.ledger.add_reservation(ptr, size);
-        Ok(ptr)
-    }
-
-    /// `cuMemAddressFree`.
-    pub(crate) fn address_free(&mut self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.ledger.check_address_free(ptr, size)?;
-        self.ledger.remove_reservation(ptr);
-        Ok(())
-    }
-
-    /// `cuMemCreate`.
-    pub(crate) fn create(&mut self, size: u64) -> Result<PhysHandle> {
-        self.ledger.check_create(size)?;
-        Ok(self.ledger.add_handle(size, next_memory_id()))
+        let (va_limit, granularity, next_va) = (self.va_limit, self.granularity, &mut self.next_va);
+        let available = va_limit.saturating_sub(self.ledger.reserved_bytes());
+        self.ledger.reserve(size, alignment, |alignment| {
+            let oom = || VmmError::AddressSpaceExhausted {
+                call: CallKind::Reserve,
+                requested: size,
+                available,
+            };
+            if size > available {
+                return Err(oom());
+            }
+            let Some(ptr) = next_va.checked_next_multiple_of(alignment) else {
+                return Err(oom());
+            };
+            let Some(next) = ptr
+                .checked_add(size)
+                .and_then(|end| end.checked_add(granularity))
+            else {
+                return Err(oom());
+            };
+            *next_va = next;
+            Ok(ptr)
+        })
     }
 
     /// What the device supports for sharing.
@@ -247,12 +236,9 @@ impl State {
         self.ledger.set_caps(caps);
     }
 
-    /// `cuMemCreate` with handle types and flags.
+    /// `cuMemCreate` (plain with the default properties): new memory.
     pub(crate) fn create_with(&mut self, size: u64, props: CreateProps) -> Result<PhysHandle> {
-        self.ledger.check_create_with(size, props)?;
-        let handle = self.ledger.add_handle(size, next_memory_id());
-        self.ledger.set_handle_types(handle, props.handle_types);
-        Ok(handle)
+        self.ledger.create(size, props, |_| Ok(next_memory_id()))
     }
 
     /// `cuMemExportToShareableHandle`: the memory's id, size and kind.
@@ -261,12 +247,13 @@ impl State {
         handle: PhysHandle,
         kind: HandleKind,
     ) -> Result<ShareableHandle> {
-        let entry = self.ledger.check_export(handle, kind)?;
-        Ok(ShareableHandle::Sim(SimShared {
-            id: entry.payload,
-            size: entry.size,
-            kind,
-        }))
+        self.ledger.export(handle, kind, |entry| {
+            Ok(ShareableHandle::Sim(SimShared {
+                id: entry.payload,
+                size: entry.size,
+                kind,
+            }))
+        })
     }
 
     /// `cuMemImportFromShareableHandle`: a new handle to the same memory.
@@ -285,24 +272,17 @@ impl State {
                 "is not a handle exported by a simulated device",
             ));
         };
-        self.ledger.check_import(size, sim.kind)?;
-        if sim.size != size {
-            return Err(invalid(
-                call,
-                "size",
-                size,
-                "differs from the size of the exported memory",
-            ));
-        }
-        let handle = self.ledger.add_handle(size, sim.id);
-        self.ledger.set_handle_types(
-            handle,
-            HandleTypes {
-                posix_fd: sim.kind == HandleKind::PosixFd,
-                fabric: sim.kind == HandleKind::Fabric,
-            },
-        );
-        Ok(handle)
+        self.ledger.import(size, sim.kind, || {
+            if sim.size != size {
+                return Err(invalid(
+                    call,
+                    "size",
+                    size,
+                    "differs from the size of the exported memory",
+                ));
+            }
+            Ok(sim.id)
+        })
     }
 
     /// The id of the memory behind a live handle (an import shares its
@@ -314,55 +294,9 @@ impl State {
             .map(|e| e.payload)
     }
 
-    /// `cuMemSetAccess` for several devices.
-    pub(crate) fn set_access_for(
-        &mut self,
-        ptr: DevicePtr,
-        size: u64,
-        devices: &[DeviceOrdinal],
-    ) -> Result<()> {
-        self.ledger.check_set_access_for(ptr, size, devices)?;
-        self.ledger.mark_accessible_for(ptr, size, devices);
-        Ok(())
-    }
-
     /// Devices from which the whole mapping containing `addr` is accessible.
     pub(crate) fn devices_with_access(&self, addr: DevicePtr) -> Option<Vec<DeviceOrdinal>> {
         self.ledger.devices_with_access(addr)
-    }
-
-    /// `cuMemRelease`.
-    pub(crate) fn release(&mut self, handle: PhysHandle) -> Result<()> {
-        self.ledger.live_handle(CallKind::Release, handle)?;
-        self.ledger.release(handle);
-        Ok(())
-    }
-
-    /// `cuMemMap`.
-    pub(crate) fn map(
-        &mut self,
-        ptr: DevicePtr,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<()> {
-        self.ledger.check_map(ptr, size, handle, offset)?;
-        self.ledger.add_mapping(ptr, size, handle, offset);
-        Ok(())
-    }
-
-    /// `cuMemUnmap`.
-    pub(crate) fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<()> {
-        let starts = self.ledger.check_unmap(ptr, size)?;
-        self.ledger.remove_mappings(&starts);
-        Ok(())
-    }
-
-    /// `cuMemSetAccess`.
-    pub(crate) fn set_access(&mut self, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.ledger.check_set_access(ptr, size)?;
-        self.ledger.mark_accessible(ptr, size);
-        Ok(())
     }
 
     /// Whether the mapping containing `addr` has had its access set (any part
@@ -1095,14 +1029,16 @@ mod tests {
     fn failed_calls_change_nothing() {
         let mut st = State::new(G, 8 * G, 1 << 40, LAG_NEVER);
         let va = st.reserve(4 * G, 0).unwrap();
-        let h = st.create(G).unwrap();
-        st.map(va, G, h, 0).unwrap();
+        let plain = CreateProps::default();
+        let h = st.create_with(G, plain).unwrap();
+        let ok = || Ok(());
+        st.ledger.map(va, G, h, 0, |_| ok()).unwrap();
         let before = st.leak_report();
-        assert!(st.map(va, G, h, G).is_err());
-        assert!(st.unmap(va, 2 * G).is_err());
-        assert!(st.create(8 * G).is_err());
-        assert!(st.address_free(va, 4 * G).is_err());
-        assert!(st.set_access(va + G, G).is_err());
+        assert!(st.ledger.map(va, G, h, G, |_| ok()).is_err());
+        assert!(st.ledger.unmap(va, 2 * G, |m| (m.len(), ok())).is_err());
+        assert!(st.create_with(8 * G, plain).is_err());
+        assert!(st.ledger.address_free(va, 4 * G, ok).is_err());
+        assert!(st.ledger.set_access(va + G, G, &[0], ok).is_err());
         assert_eq!(st.leak_report(), before);
         st.check_invariants().unwrap();
         assert_eq!(st.translate(va + 5), Some((h, 5)));
