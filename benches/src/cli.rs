@@ -7,29 +7,22 @@
 //! every allocator ran out of memory on some workload); 2 when the command
 //! could not run (a bad argument, an unreadable or empty input).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use quilt_alloc::DeviceAllocator;
-
-use crate::allocators;
-use crate::bisect::min_capacity_bytes;
 use crate::live::trace_stats;
-use crate::replay::{
-    replay_fresh_then, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
+use crate::replay::{ReplayConfig, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS};
+use crate::report::rows::{
+    self, distinct, CostModelParameters, Measurement, Outcome, RunParameters,
 };
-use crate::report::{self, CostModelParameters, Failure, Measurement, Outcome, RunParameters};
+use crate::report::text::{self, Layout, RunContext};
+use crate::report::{charts, json};
 use crate::snapshot::load_snapshot;
-use crate::table::{self, Layout, RunContext};
 use crate::trace::{load_trace, Event, Trace, TraceError};
 use crate::units::{gib, parse_size, size_text, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
-use crate::{scale, sweep};
+use crate::{ab, allocators, scale, sweep};
 
 /// `quilt-bench`: replay allocation traces through GPU memory allocators on a
 /// simulated device and compare them.
@@ -344,9 +337,14 @@ fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
         out(&format!("{json}\n"));
         return Ok(None);
     }
+    write_json_file(path, json).map(Some)
+}
+
+/// Write `json` to the file `path`; the line saying where it went.
+fn write_json_file(path: &Path, json: &str) -> Result<String, CliError> {
     std::fs::write(path, format!("{json}\n"))
         .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-    Ok(Some(format!("JSON written to {}\n", path.display())))
+    Ok(format!("JSON written to {}\n", path.display()))
 }
 
 /// What failed in a finished run: pairs that failed, and workloads on which
@@ -360,13 +358,8 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
             outcomes.len()
         ));
     }
-    let mut workloads: Vec<&str> = Vec::new();
-    for m in outcomes.iter().filter_map(|o| o.as_ref().ok()) {
-        if !workloads.contains(&m.row.workload.as_str()) {
-            workloads.push(&m.row.workload);
-        }
-    }
-    for w in workloads {
+    let measured = outcomes.iter().filter_map(|o| o.as_ref().ok());
+    for w in distinct(measured.map(|m| m.row.workload.as_str())) {
         let rows: Vec<&Measurement> = outcomes
             .iter()
             .filter_map(|o| o.as_ref().ok())
@@ -422,16 +415,14 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                 }
             }
             let (points, failed) = scale::run_points(&specs, args.steps, args.seed, args.repeat);
-            out(&scale::table(&points));
+            out(&text::scale_table(&points));
             for f in &failed {
                 out(&format!("failed: {f}\n"));
             }
             if let Some(path) = &args.json {
-                let json = serde_json::to_string_pretty(&points)
-                    .map_err(|e| CliError::Output(e.to_string()))?;
-                std::fs::write(path, json + "\n")
-                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-                out(&format!("JSON written to {}\n", path.display()));
+                let json =
+                    json::scale_json(&points).map_err(|e| CliError::Output(e.to_string()))?;
+                out(&write_json_file(path, &json)?);
             }
             if failed.is_empty() {
                 Ok(())
@@ -447,15 +438,15 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             let to_stdout = json_to_stdout(&args.run);
             say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json = report::sweep_json(&parameters, &key, &values, &outcomes)
+                let json = json::sweep_json(&parameters, &key, &values, &outcomes)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 if let Some(line) = write_json(path, &json)? {
                     say(to_stdout, &line);
                 }
             }
             if let Some(dir) = &args.run.svg {
-                let file =
-                    sweep::write_chart(dir, &key, &values, &outcomes).map_err(CliError::Output)?;
+                let file = charts::write_sweep_chart(dir, &key, &values, &outcomes)
+                    .map_err(CliError::Output)?;
                 say(to_stdout, &format!("chart written: {file}\n"));
             }
             run_verdict(&outcomes, parameters.capacity_bytes)
@@ -465,7 +456,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             let to_stdout = json_to_stdout(&args.run);
             say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json = report::to_json(&parameters, &outcomes)
+                let json = json::to_json(&parameters, &outcomes)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 if let Some(line) = write_json(path, &json)? {
                     say(to_stdout, &line);
@@ -477,7 +468,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                     .filter_map(|o| o.as_ref().ok())
                     .cloned()
                     .collect();
-                let files = report::write_charts(dir, &measurements, args.run.iterations)
+                let files = charts::write_charts(dir, &measurements, args.run.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 let mut text = format!("charts written into {}:\n", dir.display());
                 for file in &files {
@@ -510,7 +501,7 @@ fn text_report(outcomes: &[Outcome], run: &RunArgs, parameters: &RunParameters) 
         sync_cost_us: run.sync_cost_us,
         bisection: parameters.bisection,
     };
-    table::report(outcomes, layout, &ctx)
+    text::report(outcomes, layout, &ctx)
 }
 
 /// Upper bounds (inclusive) of the size classes of `list --sizes`.
@@ -786,10 +777,9 @@ pub fn allocator_specs(args: &AbArgs) -> Result<Vec<String>, CliError> {
 }
 
 /// Run the A/B: every trace through every allocator, at the given capacity,
-/// plus the minimum-capacity bisection unless turned off. Pairs run on
-/// `--jobs` worker threads; the outcomes come back in (trace, allocator)
-/// order, a pair that failed as a [`Failure`] (the others go on), with the
-/// run's parameters.
+/// plus the minimum-capacity bisection unless turned off ([`ab::measure_all`]:
+/// pairs on `--jobs` worker threads, outcomes in (trace, allocator) order, a
+/// pair that failed as a [`rows::Failure`]), with the run's parameters.
 pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> {
     let capacity = parse_capacity(&args.run.capacity)?;
     if args.run.iterations == 0 {
@@ -806,67 +796,18 @@ pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> 
         gpu_lag_ops: args.run.gpu_lag_ops,
         sync_cost_ns,
     };
-    let jobs: Vec<(usize, &str)> = (0..traces.len())
-        .flat_map(|t| specs.iter().map(move |a| (t, a.as_str())))
-        .collect();
-    let workers = args
-        .run
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, jobs.len().max(1));
-
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some(jobs.len() as u64), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}") {
-        bar.set_style(style);
-    }
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Outcome>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
-    let stats: Vec<u64> = traces
-        .iter()
-        .map(|t| trace_stats(t).peak_live_bytes)
-        .collect();
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(t, allocator)) = jobs.get(i) else {
-                    break;
-                };
-                let trace = &traces[t];
-                bar.set_message(format!("{} / {allocator}", trace.name));
-                let outcome = measure(
-                    trace,
-                    allocator,
-                    capacity,
-                    stats[t],
-                    &config,
-                    args.run.no_bisect,
-                    args.export_snapshot.as_deref(),
-                );
-                bar.inc(1);
-                if let Ok(mut slots) = results.lock() {
-                    slots[i] = Some(outcome);
-                }
-            });
-        }
-    });
-    bar.finish_and_clear();
-    let slots = results
-        .into_inner()
-        .map_err(|_| CliError::Output("a worker thread panicked".into()))?;
-    let mut out = Vec::with_capacity(slots.len());
-    for slot in slots {
-        match slot {
-            Some(result) => out.push(result),
-            None => return Err(CliError::Output("a worker thread panicked".into())),
-        }
-    }
+    let out = ab::measure_all(&ab::Plan {
+        traces: &traces,
+        specs: &specs,
+        capacity,
+        config: &config,
+        no_bisect: args.run.no_bisect,
+        jobs: args.run.jobs,
+        export_snapshot: args.export_snapshot.as_deref(),
+    })
+    .map_err(CliError::Output)?;
     let parameters = RunParameters {
-        version: report::version(),
+        version: rows::version(),
         allocators: specs,
         workloads: traces.iter().map(|t| t.name.clone()).collect(),
         capacity_bytes: capacity,
@@ -876,81 +817,4 @@ pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> 
         cost_model: CostModelParameters::of(&config.sim_config(capacity)),
     };
     Ok((parameters, out))
-}
-
-/// Write `alloc`'s snapshot pickle into `dir` as `WORKLOAD__ALLOCATOR.pickle`
-/// (characters of a spec other than letters, digits, `-`, `_` and `.` become `_`).
-fn export_snapshot(
-    dir: &Path,
-    workload: &str,
-    allocator: &str,
-    alloc: &dyn DeviceAllocator,
-) -> Result<(), CliError> {
-    let safe = |s: &str| -> String {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect()
-    };
-    let bytes = quilt_torch::snapshot::pickle_of(alloc).map_err(CliError::Output)?;
-    std::fs::create_dir_all(dir)
-        .and_then(|()| {
-            std::fs::write(
-                dir.join(format!("{}__{}.pickle", safe(workload), safe(allocator))),
-                bytes,
-            )
-        })
-        .map_err(|e| CliError::Output(format!("writing a snapshot into {}: {e}", dir.display())))
-}
-
-/// One (trace, allocator) pair: the main replay and the bisection; a
-/// [`Failure`] when either could not run to a result.
-fn measure(
-    trace: &Trace,
-    allocator: &str,
-    capacity: u64,
-    peak_live: u64,
-    config: &ReplayConfig,
-    no_bisect: bool,
-    export: Option<&Path>,
-) -> Outcome {
-    let failure = |error: String| Failure {
-        workload: trace.name.clone(),
-        allocator: allocator.to_string(),
-        capacity_bytes: capacity,
-        completed: false,
-        error,
-    };
-    let at =
-        |capacity: u64, e: ReplayError| failure(format!("at a capacity of {capacity} bytes: {e}"));
-    let (result, exported) = replay_fresh_then(trace, allocator, capacity, config, |alloc| {
-        export.map(|dir| export_snapshot(dir, &trace.name, allocator, alloc))
-    })
-    .map_err(|e| match e {
-        // Building the allocator failed: no capacity to name.
-        ReplayError::Registry(r) => failure(r.to_string()),
-        e => at(capacity, e),
-    })?;
-    exported
-        .transpose()
-        .map_err(|e| failure(format!("exporting its snapshot: {e}")))?;
-    let min = if no_bisect {
-        None
-    } else {
-        min_capacity_bytes(trace, allocator, peak_live, config)
-            .map_err(|e| at(e.capacity, e.source))?
-    };
-    Ok(Measurement::new(
-        &trace.name,
-        allocator,
-        capacity,
-        config.iterations,
-        result,
-        min,
-    ))
 }

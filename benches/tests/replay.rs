@@ -13,7 +13,8 @@ use quilt_bench::live::trace_stats;
 use quilt_bench::replay::{
     replay, replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
 };
-use quilt_bench::report::{to_json, CostModelParameters, Measurement, RunParameters, StreamCalls};
+use quilt_bench::report::json::to_json;
+use quilt_bench::report::rows::{CostModelParameters, Measurement, RunParameters, StreamCalls};
 use quilt_bench::trace::{parse_trace, Trace};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, DevicePtr, EventId, StreamId, Vmm};
@@ -179,7 +180,7 @@ fn parameters(capacity: u64, iterations: u32) -> RunParameters {
         ..ReplayConfig::default()
     };
     RunParameters {
-        version: quilt_bench::report::version(),
+        version: quilt_bench::report::rows::version(),
         allocators: vec!["classic".into()],
         workloads: vec!["json".into()],
         capacity_bytes: capacity,
