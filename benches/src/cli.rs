@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 
-use crate::live::trace_stats;
 use crate::replay::{ReplayConfig, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS};
 use crate::report::rows::{
     self, distinct, CostModelParameters, Measurement, Outcome, RunParameters,
@@ -20,7 +19,7 @@ use crate::report::text::{self, Layout, RunContext};
 use crate::report::{charts, json};
 use crate::snapshot::load_snapshot;
 use crate::trace::{load_trace, Event, Trace, TraceError};
-use crate::units::{gib, parse_size, size_text, SizeError};
+use crate::units::{parse_size, size_text, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
 use crate::{ab, allocators, scale, sweep};
 
@@ -386,7 +385,7 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::List { seed, sizes } => {
-            out(&list(seed, sizes));
+            out(&text::list(seed, sizes));
             Ok(())
         }
         Command::Scale(args) => {
@@ -502,67 +501,6 @@ fn text_report(outcomes: &[Outcome], run: &RunArgs, parameters: &RunParameters) 
         bisection: parameters.bisection,
     };
     text::report(outcomes, layout, &ctx)
-}
-
-/// Upper bounds (inclusive) of the size classes of `list --sizes`.
-const SIZE_CLASSES: [(u64, &str); 5] = [
-    (1 << 20, "<=1MiB"),
-    (16 << 20, "<=16MiB"),
-    (128 << 20, "<=128MiB"),
-    (1 << 30, "<=1GiB"),
-    (u64::MAX, ">1GiB"),
-];
-
-/// A trace's size mix: per size class, the share of allocations and of bytes allocated.
-pub fn size_mix(trace: &Trace) -> String {
-    let mut counts = [0u64; SIZE_CLASSES.len()];
-    let mut bytes = [0u64; SIZE_CLASSES.len()];
-    for e in &trace.events {
-        if let crate::trace::Event::Alloc { size, .. } = *e {
-            let class = SIZE_CLASSES
-                .iter()
-                .position(|(bound, _)| size <= *bound)
-                .unwrap_or(SIZE_CLASSES.len() - 1);
-            counts[class] += 1;
-            bytes[class] = bytes[class].saturating_add(size);
-        }
-    }
-    let n: u64 = counts.iter().sum::<u64>().max(1);
-    let b: u64 = bytes.iter().sum::<u64>().max(1);
-    let cells: Vec<String> = SIZE_CLASSES
-        .iter()
-        .enumerate()
-        .map(|(i, (_, label))| {
-            format!(
-                "{label} {:.1}% of allocs, {:.1}% of bytes",
-                100.0 * counts[i] as f64 / n as f64,
-                100.0 * bytes[i] as f64 / b as f64
-            )
-        })
-        .collect();
-    format!("    size mix: {}\n", cells.join("; "))
-}
-
-/// The text of `quilt-bench list` (with `sizes`, each workload's size mix too).
-pub fn list(seed: u64, sizes: bool) -> String {
-    let mut out = String::new();
-    for w in WORKLOADS {
-        let trace = (w.generate)(seed);
-        let s = trace_stats(&trace);
-        out.push_str(&format!(
-            "{:<22} {:>6} events  peak live {:>6} GiB  max alloc {:>5} MiB  {} stream(s)  {}\n",
-            w.name,
-            s.events,
-            gib(s.peak_live_bytes),
-            s.max_alloc_bytes >> 20,
-            s.streams,
-            w.description
-        ));
-        if sizes {
-            out.push_str(&size_mix(&trace));
-        }
-    }
-    out
 }
 
 /// Load every trace the arguments name (all built-in workloads when none).

@@ -1,7 +1,7 @@
 //! The text outputs: the report of an A/B run (a line saying what ran, the
 //! table, a legend of its columns, the out-of-memory and failure notes, and a
-//! summary naming the best allocator per column) and the table of a scaling
-//! run ([`scale_table`]).
+//! summary naming the best allocator per column), the table of a scaling
+//! run ([`scale_table`]) and the list of the built-in workloads ([`list`]).
 //!
 //! The default layout ([`Layout::Narrow`]) shows the columns that carry the
 //! claims, one block per workload, within [`MAX_WIDTH`] characters;
@@ -11,10 +11,13 @@
 
 use quilt_alloc::OomVerdict;
 
+use crate::live::trace_stats;
 use crate::report::rows::{
     allocator_of, distinct, workload_of, Failure, Measurement, Outcome, ReportRow, ScalePoint,
 };
+use crate::trace::{Event, Trace};
 use crate::units::{gib, size_text as size};
+use crate::workloads::WORKLOADS;
 
 /// The widest line the narrow layout prints (allocator specs longer than
 /// [`NARROW_ALLOCATOR_WIDTH`] go on a line of their own).
@@ -699,6 +702,67 @@ pub fn scale_table(points: &[ScalePoint]) -> String {
             the timed steps;\nstream calls: stream and event calls per operation; total: \
             host + driver;\n/fewest: against the same allocator and live count at the \
             fewest streams.\n";
+    out
+}
+
+/// Upper bounds (inclusive) of the size classes of `list --sizes`.
+const SIZE_CLASSES: [(u64, &str); 5] = [
+    (1 << 20, "<=1MiB"),
+    (16 << 20, "<=16MiB"),
+    (128 << 20, "<=128MiB"),
+    (1 << 30, "<=1GiB"),
+    (u64::MAX, ">1GiB"),
+];
+
+/// A trace's size mix: per size class, the share of allocations and of bytes allocated.
+pub fn size_mix(trace: &Trace) -> String {
+    let mut counts = [0u64; SIZE_CLASSES.len()];
+    let mut bytes = [0u64; SIZE_CLASSES.len()];
+    for e in &trace.events {
+        if let Event::Alloc { size, .. } = *e {
+            let class = SIZE_CLASSES
+                .iter()
+                .position(|(bound, _)| size <= *bound)
+                .unwrap_or(SIZE_CLASSES.len() - 1);
+            counts[class] += 1;
+            bytes[class] = bytes[class].saturating_add(size);
+        }
+    }
+    let n: u64 = counts.iter().sum::<u64>().max(1);
+    let b: u64 = bytes.iter().sum::<u64>().max(1);
+    let cells: Vec<String> = SIZE_CLASSES
+        .iter()
+        .enumerate()
+        .map(|(i, (_, label))| {
+            format!(
+                "{label} {:.1}% of allocs, {:.1}% of bytes",
+                100.0 * counts[i] as f64 / n as f64,
+                100.0 * bytes[i] as f64 / b as f64
+            )
+        })
+        .collect();
+    format!("    size mix: {}\n", cells.join("; "))
+}
+
+/// The text of `quilt-bench list` (with `sizes`, each workload's size mix too).
+pub fn list(seed: u64, sizes: bool) -> String {
+    let mut out = String::new();
+    for w in WORKLOADS {
+        let trace = (w.generate)(seed);
+        let s = trace_stats(&trace);
+        out.push_str(&format!(
+            "{:<22} {:>6} events  peak live {:>6} GiB  max alloc {:>5} MiB  {} stream(s)  {}\n",
+            w.name,
+            s.events,
+            gib(s.peak_live_bytes),
+            s.max_alloc_bytes >> 20,
+            s.streams,
+            w.description
+        ));
+        if sizes {
+            out.push_str(&size_mix(&trace));
+        }
+    }
     out
 }
 
