@@ -207,9 +207,12 @@ build_into() {
         cp "$exe" "$dir/$t" || return 1
     done
     echo "gpu-check: building the examples map_probe, driver_latency, cudarc_kernel"
-    if ! cargo build --release -p quilt-vmm --example driver_latency --example map_probe \
-        >>"$LOG" 2>&1; then
-        echo "gpu-check: could not build the quilt-vmm examples (see $LOG)" >&2
+    if ! cargo build --release -p quilt-vmm --example map_probe >>"$LOG" 2>&1; then
+        echo "gpu-check: could not build the map_probe example (see $LOG)" >&2
+        return 1
+    fi
+    if ! cargo build --release -p quilt-bench --example driver_latency >>"$LOG" 2>&1; then
+        echo "gpu-check: could not build the driver_latency example (see $LOG)" >&2
         return 1
     fi
     if ! cargo build --release -p quilt-alloc --example cudarc_kernel >>"$LOG" 2>&1; then

@@ -7,29 +7,21 @@
 //! every allocator ran out of memory on some workload); 2 when the command
 //! could not run (a bad argument, an unreadable or empty input).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use quilt_alloc::DeviceAllocator;
-
-use crate::allocators;
-use crate::bisect::min_capacity_bytes;
-use crate::live::trace_stats;
-use crate::replay::{
-    replay_fresh_then, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
+use crate::replay::{ReplayConfig, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS};
+use crate::report::rows::{
+    self, distinct, CostModelParameters, Measurement, Outcome, RunParameters,
 };
-use crate::report::{self, CostModelParameters, Failure, Measurement, Outcome, RunParameters};
+use crate::report::text::{self, Layout, RunContext};
+use crate::report::{charts, json};
 use crate::snapshot::load_snapshot;
-use crate::table::{self, Layout, RunContext};
 use crate::trace::{load_trace, Event, Trace, TraceError};
-use crate::units::{gib, parse_size, size_text, SizeError};
+use crate::units::{parse_size, size_text, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};
-use crate::{scale, sweep};
+use crate::{ab, allocators, scale, sweep};
 
 /// `quilt-bench`: replay allocation traces through GPU memory allocators on a
 /// simulated device and compare them.
@@ -344,9 +336,14 @@ fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
         out(&format!("{json}\n"));
         return Ok(None);
     }
+    write_json_file(path, json).map(Some)
+}
+
+/// Write `json` to the file `path`; the line saying where it went.
+fn write_json_file(path: &Path, json: &str) -> Result<String, CliError> {
     std::fs::write(path, format!("{json}\n"))
         .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-    Ok(Some(format!("JSON written to {}\n", path.display())))
+    Ok(format!("JSON written to {}\n", path.display()))
 }
 
 /// What failed in a finished run: pairs that failed, and workloads on which
@@ -360,13 +357,8 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
             outcomes.len()
         ));
     }
-    let mut workloads: Vec<&str> = Vec::new();
-    for m in outcomes.iter().filter_map(|o| o.as_ref().ok()) {
-        if !workloads.contains(&m.row.workload.as_str()) {
-            workloads.push(&m.row.workload);
-        }
-    }
-    for w in workloads {
+    let measured = outcomes.iter().filter_map(|o| o.as_ref().ok());
+    for w in distinct(measured.map(|m| m.row.workload.as_str())) {
         let rows: Vec<&Measurement> = outcomes
             .iter()
             .filter_map(|o| o.as_ref().ok())
@@ -393,7 +385,7 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::List { seed, sizes } => {
-            out(&list(seed, sizes));
+            out(&text::list(seed, sizes));
             Ok(())
         }
         Command::Scale(args) => {
@@ -422,16 +414,14 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                 }
             }
             let (points, failed) = scale::run_points(&specs, args.steps, args.seed, args.repeat);
-            out(&scale::table(&points));
+            out(&text::scale_table(&points));
             for f in &failed {
                 out(&format!("failed: {f}\n"));
             }
             if let Some(path) = &args.json {
-                let json = serde_json::to_string_pretty(&points)
-                    .map_err(|e| CliError::Output(e.to_string()))?;
-                std::fs::write(path, json + "\n")
-                    .map_err(|e| CliError::Output(format!("{}: {e}", path.display())))?;
-                out(&format!("JSON written to {}\n", path.display()));
+                let json =
+                    json::scale_json(&points).map_err(|e| CliError::Output(e.to_string()))?;
+                out(&write_json_file(path, &json)?);
             }
             if failed.is_empty() {
                 Ok(())
@@ -447,15 +437,15 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             let to_stdout = json_to_stdout(&args.run);
             say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json = report::sweep_json(&parameters, &key, &values, &outcomes)
+                let json = json::sweep_json(&parameters, &key, &values, &outcomes)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 if let Some(line) = write_json(path, &json)? {
                     say(to_stdout, &line);
                 }
             }
             if let Some(dir) = &args.run.svg {
-                let file =
-                    sweep::write_chart(dir, &key, &values, &outcomes).map_err(CliError::Output)?;
+                let file = charts::write_sweep_chart(dir, &key, &values, &outcomes)
+                    .map_err(CliError::Output)?;
                 say(to_stdout, &format!("chart written: {file}\n"));
             }
             run_verdict(&outcomes, parameters.capacity_bytes)
@@ -465,7 +455,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             let to_stdout = json_to_stdout(&args.run);
             say(to_stdout, &text_report(&outcomes, &args.run, &parameters));
             if let Some(path) = &args.run.json {
-                let json = report::to_json(&parameters, &outcomes)
+                let json = json::to_json(&parameters, &outcomes)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 if let Some(line) = write_json(path, &json)? {
                     say(to_stdout, &line);
@@ -477,7 +467,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                     .filter_map(|o| o.as_ref().ok())
                     .cloned()
                     .collect();
-                let files = report::write_charts(dir, &measurements, args.run.iterations)
+                let files = charts::write_charts(dir, &measurements, args.run.iterations)
                     .map_err(|e| CliError::Output(e.to_string()))?;
                 let mut text = format!("charts written into {}:\n", dir.display());
                 for file in &files {
@@ -510,68 +500,7 @@ fn text_report(outcomes: &[Outcome], run: &RunArgs, parameters: &RunParameters) 
         sync_cost_us: run.sync_cost_us,
         bisection: parameters.bisection,
     };
-    table::report(outcomes, layout, &ctx)
-}
-
-/// Upper bounds (inclusive) of the size classes of `list --sizes`.
-const SIZE_CLASSES: [(u64, &str); 5] = [
-    (1 << 20, "<=1MiB"),
-    (16 << 20, "<=16MiB"),
-    (128 << 20, "<=128MiB"),
-    (1 << 30, "<=1GiB"),
-    (u64::MAX, ">1GiB"),
-];
-
-/// A trace's size mix: per size class, the share of allocations and of bytes allocated.
-pub fn size_mix(trace: &Trace) -> String {
-    let mut counts = [0u64; SIZE_CLASSES.len()];
-    let mut bytes = [0u64; SIZE_CLASSES.len()];
-    for e in &trace.events {
-        if let crate::trace::Event::Alloc { size, .. } = *e {
-            let class = SIZE_CLASSES
-                .iter()
-                .position(|(bound, _)| size <= *bound)
-                .unwrap_or(SIZE_CLASSES.len() - 1);
-            counts[class] += 1;
-            bytes[class] = bytes[class].saturating_add(size);
-        }
-    }
-    let n: u64 = counts.iter().sum::<u64>().max(1);
-    let b: u64 = bytes.iter().sum::<u64>().max(1);
-    let cells: Vec<String> = SIZE_CLASSES
-        .iter()
-        .enumerate()
-        .map(|(i, (_, label))| {
-            format!(
-                "{label} {:.1}% of allocs, {:.1}% of bytes",
-                100.0 * counts[i] as f64 / n as f64,
-                100.0 * bytes[i] as f64 / b as f64
-            )
-        })
-        .collect();
-    format!("    size mix: {}\n", cells.join("; "))
-}
-
-/// The text of `quilt-bench list` (with `sizes`, each workload's size mix too).
-pub fn list(seed: u64, sizes: bool) -> String {
-    let mut out = String::new();
-    for w in WORKLOADS {
-        let trace = (w.generate)(seed);
-        let s = trace_stats(&trace);
-        out.push_str(&format!(
-            "{:<22} {:>6} events  peak live {:>6} GiB  max alloc {:>5} MiB  {} stream(s)  {}\n",
-            w.name,
-            s.events,
-            gib(s.peak_live_bytes),
-            s.max_alloc_bytes >> 20,
-            s.streams,
-            w.description
-        ));
-        if sizes {
-            out.push_str(&size_mix(&trace));
-        }
-    }
-    out
+    text::report(outcomes, layout, &ctx)
 }
 
 /// Load every trace the arguments name (all built-in workloads when none).
@@ -786,10 +715,9 @@ pub fn allocator_specs(args: &AbArgs) -> Result<Vec<String>, CliError> {
 }
 
 /// Run the A/B: every trace through every allocator, at the given capacity,
-/// plus the minimum-capacity bisection unless turned off. Pairs run on
-/// `--jobs` worker threads; the outcomes come back in (trace, allocator)
-/// order, a pair that failed as a [`Failure`] (the others go on), with the
-/// run's parameters.
+/// plus the minimum-capacity bisection unless turned off ([`ab::measure_all`]:
+/// pairs on `--jobs` worker threads, outcomes in (trace, allocator) order, a
+/// pair that failed as a [`rows::Failure`]), with the run's parameters.
 pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> {
     let capacity = parse_capacity(&args.run.capacity)?;
     if args.run.iterations == 0 {
@@ -806,67 +734,18 @@ pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> 
         gpu_lag_ops: args.run.gpu_lag_ops,
         sync_cost_ns,
     };
-    let jobs: Vec<(usize, &str)> = (0..traces.len())
-        .flat_map(|t| specs.iter().map(move |a| (t, a.as_str())))
-        .collect();
-    let workers = args
-        .run
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, jobs.len().max(1));
-
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some(jobs.len() as u64), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}") {
-        bar.set_style(style);
-    }
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Outcome>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
-    let stats: Vec<u64> = traces
-        .iter()
-        .map(|t| trace_stats(t).peak_live_bytes)
-        .collect();
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(t, allocator)) = jobs.get(i) else {
-                    break;
-                };
-                let trace = &traces[t];
-                bar.set_message(format!("{} / {allocator}", trace.name));
-                let outcome = measure(
-                    trace,
-                    allocator,
-                    capacity,
-                    stats[t],
-                    &config,
-                    args.run.no_bisect,
-                    args.export_snapshot.as_deref(),
-                );
-                bar.inc(1);
-                if let Ok(mut slots) = results.lock() {
-                    slots[i] = Some(outcome);
-                }
-            });
-        }
-    });
-    bar.finish_and_clear();
-    let slots = results
-        .into_inner()
-        .map_err(|_| CliError::Output("a worker thread panicked".into()))?;
-    let mut out = Vec::with_capacity(slots.len());
-    for slot in slots {
-        match slot {
-            Some(result) => out.push(result),
-            None => return Err(CliError::Output("a worker thread panicked".into())),
-        }
-    }
+    let out = ab::measure_all(&ab::Plan {
+        traces: &traces,
+        specs: &specs,
+        capacity,
+        config: &config,
+        no_bisect: args.run.no_bisect,
+        jobs: args.run.jobs,
+        export_snapshot: args.export_snapshot.as_deref(),
+    })
+    .map_err(CliError::Output)?;
     let parameters = RunParameters {
-        version: report::version(),
+        version: rows::version(),
         allocators: specs,
         workloads: traces.iter().map(|t| t.name.clone()).collect(),
         capacity_bytes: capacity,
@@ -876,81 +755,4 @@ pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> 
         cost_model: CostModelParameters::of(&config.sim_config(capacity)),
     };
     Ok((parameters, out))
-}
-
-/// Write `alloc`'s snapshot pickle into `dir` as `WORKLOAD__ALLOCATOR.pickle`
-/// (characters of a spec other than letters, digits, `-`, `_` and `.` become `_`).
-fn export_snapshot(
-    dir: &Path,
-    workload: &str,
-    allocator: &str,
-    alloc: &dyn DeviceAllocator,
-) -> Result<(), CliError> {
-    let safe = |s: &str| -> String {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect()
-    };
-    let bytes = quilt_torch::snapshot::pickle_of(alloc).map_err(CliError::Output)?;
-    std::fs::create_dir_all(dir)
-        .and_then(|()| {
-            std::fs::write(
-                dir.join(format!("{}__{}.pickle", safe(workload), safe(allocator))),
-                bytes,
-            )
-        })
-        .map_err(|e| CliError::Output(format!("writing a snapshot into {}: {e}", dir.display())))
-}
-
-/// One (trace, allocator) pair: the main replay and the bisection; a
-/// [`Failure`] when either could not run to a result.
-fn measure(
-    trace: &Trace,
-    allocator: &str,
-    capacity: u64,
-    peak_live: u64,
-    config: &ReplayConfig,
-    no_bisect: bool,
-    export: Option<&Path>,
-) -> Outcome {
-    let failure = |error: String| Failure {
-        workload: trace.name.clone(),
-        allocator: allocator.to_string(),
-        capacity_bytes: capacity,
-        completed: false,
-        error,
-    };
-    let at =
-        |capacity: u64, e: ReplayError| failure(format!("at a capacity of {capacity} bytes: {e}"));
-    let (result, exported) = replay_fresh_then(trace, allocator, capacity, config, |alloc| {
-        export.map(|dir| export_snapshot(dir, &trace.name, allocator, alloc))
-    })
-    .map_err(|e| match e {
-        // Building the allocator failed: no capacity to name.
-        ReplayError::Registry(r) => failure(r.to_string()),
-        e => at(capacity, e),
-    })?;
-    exported
-        .transpose()
-        .map_err(|e| failure(format!("exporting its snapshot: {e}")))?;
-    let min = if no_bisect {
-        None
-    } else {
-        min_capacity_bytes(trace, allocator, peak_live, config)
-            .map_err(|e| at(e.capacity, e.source))?
-    };
-    Ok(Measurement::new(
-        &trace.name,
-        allocator,
-        capacity,
-        config.iterations,
-        result,
-        min,
-    ))
 }

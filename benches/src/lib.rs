@@ -6,14 +6,20 @@
 //!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
 //!   minimum capacity at which it completes; [`serving`]: the serving events
 //!   (growable buffers, sleep and wake) natively on Quilt, emulated elsewhere.
-//! - [`allocators`]: the registry of allocators by name; [`report`]: rows, JSON
-//!   and charts; [`table`]: the text table, its legend and summary; [`cli`]:
-//!   the `quilt-bench` command line; [`units`]: byte sizes.
+//! - [`ab`]: the A/B measuring (every pair, on worker threads); [`scale`]:
+//!   host cost per operation as live blocks and streams grow; [`sweep`]: one
+//!   knob's values as specs; [`latency`]: the driver-call latency
+//!   micro-benchmark (`--example driver_latency`).
+//! - [`allocators`]: the registry of allocators by name and what each can
+//!   do; [`report`]: the outputs, a module each (rows, text, JSON, charts);
+//!   [`cli`]: the `quilt-bench` command line; [`units`]: byte sizes.
 #![forbid(unsafe_code)]
 
+pub mod ab;
 pub mod allocators;
 pub mod bisect;
 pub mod cli;
+pub mod latency;
 pub mod live;
 pub mod replay;
 pub mod report;
@@ -22,7 +28,6 @@ pub mod serving;
 pub mod snapshot;
 pub mod spec;
 pub mod sweep;
-pub mod table;
 pub mod trace;
 pub mod units;
 pub mod workloads;

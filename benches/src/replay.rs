@@ -20,8 +20,9 @@
 //!   replay (`completed == false`). Any other allocator error, or a trace that
 //!   frees an id that is not live, is a [`ReplayError`].
 //! - The serving events (growable buffers, tagged allocations, sleep and
-//!   wake) run through [`crate::serving`]: natively on Quilt (the `quilt`
-//!   preset, built by [`replay_fresh`]), emulated on every other allocator
+//!   wake) run through [`crate::serving`]: natively on an allocator whose
+//!   registry entry says so ([`allocators::Entry::native_serving`]: Quilt's
+//!   `quilt` preset, built by [`replay_fresh`]), emulated on every other allocator
 //!   (and on any allocator given to [`replay`]). A growable buffer's length
 //!   counts as live bytes; a sleeping tag's allocations do not. A growth,
 //!   creation or wake that runs out of memory ends the replay as an
@@ -33,15 +34,14 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quilt_alloc::quilt::{AheadMode, MapAhead, QuiltAllocator, ServingStats};
+use quilt_alloc::quilt::{AheadMode, MapAhead, ServingStats};
 use quilt_alloc::{AllocError, DeviceAllocator, InvariantViolation, OomReport};
 use quilt_vmm::sim::{CostModel, SimConfig, SimVmm};
 use quilt_vmm::{DriverStats, StreamId, Vmm};
 
-use crate::allocators::{self, RegistryError};
+use crate::allocators::{self, Built, RegistryError};
 use crate::live::LiveTracker;
 use crate::serving::{GrowthCopies, LiveBlocks, Serving, ServingFailure, Target};
-use crate::spec::{self, Spec};
 use crate::trace::{Event, Trace};
 
 /// How to replay.
@@ -154,6 +154,10 @@ pub struct ReplayResult {
     pub serving_stats: Option<ServingStats>,
     /// Median host time of one allocate or free call, in nanoseconds (0 unless timed).
     pub cpu_ns_per_op: u64,
+    /// Allocator operations replayed (allocate, free and serving calls, those
+    /// that reset an iteration included): what the per-operation figures
+    /// divide by.
+    pub ops: u64,
     /// Live and reserved memory over the replay (empty unless recorded).
     pub series: Vec<SeriesPoint>,
 }
@@ -201,8 +205,10 @@ pub enum ReplayError {
 
 /// Build a fresh simulated device of `capacity` bytes
 /// ([`ReplayConfig::sim_config`]) and the allocator `name` on it, and replay
-/// `trace` (the serving events natively on the `quilt` preset, emulated on
-/// the others, `gmlake` included: GMLake has no growable buffers). Quilt's
+/// `trace` (the serving events natively where the registry says the
+/// allocator runs them, [`allocators::Entry::native_serving`]: the `quilt`
+/// preset; emulated on the others, `gmlake` included: GMLake has no
+/// growable buffers). Quilt's
 /// map-ahead runs [`AheadMode::Inline`] where its policy says
 /// [`AheadMode::Background`] (the same pages, mapped on the replaying
 /// thread): a worker thread would make the figures vary from run to run.
@@ -225,40 +231,32 @@ pub fn replay_fresh_then<T>(
 ) -> Result<(ReplayResult, T), ReplayError> {
     let sim = Arc::new(SimVmm::new(config.sim_config(capacity)).map_err(ReplayError::Device)?);
     let vmm: Arc<dyn Vmm> = sim.clone();
-    let native = match spec::parse(allocator) {
-        Ok(Spec::Quilt(c)) if c.name == "quilt" => {
-            Some(QuiltAllocator::new(vmm.clone(), c).map_err(|source| {
-                RegistryError::Construct {
-                    name: allocator.to_string(),
-                    source,
-                }
-            })?)
+    match allocators::build_for_serving(allocator, vmm)? {
+        Built::Native(quilt) => {
+            // The background worker would race the replay's simulated clock:
+            // the same pages are mapped ahead on the replaying thread instead.
+            let ahead = quilt.map_ahead();
+            if ahead.mode == AheadMode::Background {
+                quilt
+                    .set_map_ahead(MapAhead {
+                        mode: AheadMode::Inline,
+                        ..ahead
+                    })
+                    .map_err(|source| ReplayError::Allocator {
+                        allocator: allocator.to_string(),
+                        event: 0,
+                        source,
+                    })?;
+            }
+            let result = replay_on(trace, Target::Native(&quilt), &sim, config)?;
+            Ok((result, after(&quilt)))
         }
-        _ => None,
-    };
-    if let Some(quilt) = native {
-        // The background worker would race the replay's simulated clock:
-        // the same pages are mapped ahead on the replaying thread instead.
-        let ahead = quilt.map_ahead();
-        if ahead.mode == AheadMode::Background {
-            quilt
-                .set_map_ahead(MapAhead {
-                    mode: AheadMode::Inline,
-                    ..ahead
-                })
-                .map_err(|source| ReplayError::Allocator {
-                    allocator: allocator.to_string(),
-                    event: 0,
-                    source,
-                })?;
+        Built::Emulated(alloc) => {
+            let result = replay(trace, alloc.as_ref(), &sim, config)?;
+            let then = after(alloc.as_ref());
+            Ok((result, then))
         }
-        let result = replay_on(trace, Target::Native(&quilt), &sim, config)?;
-        return Ok((result, after(&quilt)));
     }
-    let alloc = allocators::build(allocator, vmm)?;
-    let result = replay(trace, alloc.as_ref(), &sim, config)?;
-    let then = after(alloc.as_ref());
-    Ok((result, then))
 }
 
 /// The live allocations of a replay, by trace id.
@@ -584,6 +582,7 @@ pub fn replay_on(
     config: &ReplayConfig,
 ) -> Result<ReplayResult, ReplayError> {
     let alloc = target.allocator();
+    let clock_at_start = sim.clock();
     let iterations = config.iterations.max(1);
     let pre_len = trace.preexisting.min(trace.events.len());
     let body_len = trace.events.len() - pre_len;
@@ -703,6 +702,7 @@ pub fn replay_on(
         growth_copies_after_first_iteration,
         serving_stats: run.serving.native_stats(),
         cpu_ns_per_op: median(&mut run.op_ns),
+        ops: sim.clock().saturating_sub(clock_at_start),
         series: run.series,
     })
 }

@@ -23,49 +23,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::{RngExt, SeedableRng};
-use rand_pcg::Pcg64Mcg;
-use serde::Serialize;
-
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::sim::{SimConfig, SimVmm};
-use quilt_vmm::{DriverStats, StreamId, Vmm};
+use quilt_vmm::{CallKind, DriverStats, StreamId, Vmm};
+use rand::{RngExt, SeedableRng};
+use rand_pcg::Pcg64Mcg;
 
 use crate::allocators;
 use crate::replay::ReplayConfig;
-use crate::report::StreamCalls;
-
-/// One point of a scaling run.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ScalePoint {
-    /// The allocator spec.
-    pub allocator: String,
-    /// Live blocks kept.
-    pub live: u64,
-    /// Streams they are spread over.
-    pub streams: u64,
-    /// The allocator's host nanoseconds per allocate or free (the simulated
-    /// driver's own time taken out): the median over the runs of the mean
-    /// over each run's timed steps.
-    pub ns_per_op: f64,
-    /// Each run's mean, in the order they ran.
-    pub runs_ns_per_op: Vec<f64>,
-    /// The simulated driver's own host nanoseconds per operation (median).
-    pub sim_ns_per_op: f64,
-    /// Wall nanoseconds per operation, the simulated driver's time included
-    /// (median).
-    pub wall_ns_per_op: f64,
-    /// Modelled driver nanoseconds per operation (the simulated device's
-    /// cost model over the calls the timed steps made).
-    pub driver_ns_per_op: f64,
-    /// VMM calls (reserve, create, map, set access, unmap, release, free)
-    /// per operation.
-    pub vmm_calls_per_op: f64,
-    /// Stream and event calls per operation.
-    pub stream_calls_per_op: f64,
-    /// The stream and event calls of the timed steps, by kind.
-    pub stream_calls: StreamCalls,
-}
+use crate::report::rows::{per_op, ScalePoint, StreamCalls};
 
 /// What one run of a point measured, per operation of its timed steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -131,7 +97,7 @@ pub fn run_points(
 
 /// The point of `spec` from its runs of `steps` steps each (at least one).
 fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
-    let ops = (2 * steps.max(1)) as f64;
+    let ops = 2 * steps.max(1);
     let runs_ns_per_op: Vec<f64> = runs.iter().map(|r| r.ns_per_op).collect();
     let median_of = |f: fn(&Run) -> f64| median(&runs.iter().map(f).collect::<Vec<f64>>());
     // Every run makes the same calls; the first one's stand for all.
@@ -143,11 +109,13 @@ fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
         streams: spec.streams,
         ns_per_op: median(&runs_ns_per_op),
         runs_ns_per_op,
+        event_records_per_op: per_op(driver.count(CallKind::EventRecord), ops),
+        event_queries_per_op: per_op(driver.count(CallKind::EventQuery), ops),
         sim_ns_per_op: median_of(|r| r.sim_ns_per_op),
         wall_ns_per_op: median_of(|r| r.wall_ns_per_op),
-        driver_ns_per_op: driver.modelled_ns as f64 / ops,
-        vmm_calls_per_op: driver.vmm_calls() as f64 / ops,
-        stream_calls_per_op: stream_calls.total() as f64 / ops,
+        driver_ns_per_op: per_op(driver.modelled_ns, ops),
+        vmm_calls_per_op: per_op(driver.vmm_calls(), ops),
+        stream_calls_per_op: per_op(stream_calls.total(), ops),
         stream_calls,
     }
 }
@@ -270,70 +238,6 @@ fn churn(
         blocks[i] = (a.ptr, s);
     }
     Ok(())
-}
-
-/// The table of a scaling run: one line per point, with the host time's
-/// median, fastest and slowest runs, and the median against the same
-/// allocator's at the same live count and the fewest streams measured; then
-/// what a GPU would charge besides: the modelled driver time and the stream
-/// and event calls per operation, and host plus driver time against the
-/// fewest-streams point's.
-pub fn table(points: &[ScalePoint]) -> String {
-    let width = points
-        .iter()
-        .map(|p| p.allocator.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max("allocator".len());
-    let mut out = format!(
-        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7}\n",
-        "", "", "", "host", "", "", "host", "sim", "driver", "stream", "total"
-    );
-    out += &format!(
-        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7}\n",
-        "allocator",
-        "live",
-        "streams",
-        "ns/op",
-        "fastest",
-        "slowest",
-        "/fewest",
-        "ns/op",
-        "ns/op",
-        "calls",
-        "/fewest"
-    );
-    for p in points {
-        let fewest = points
-            .iter()
-            .filter(|q| q.allocator == p.allocator && q.live == p.live)
-            .min_by_key(|q| q.streams)
-            .unwrap_or(p);
-        let runs = p.runs_ns_per_op.iter().copied();
-        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
-        let slowest = runs.fold(0.0, f64::max);
-        let total = |q: &ScalePoint| q.ns_per_op + q.driver_ns_per_op;
-        out += &format!(
-            "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>6.0} {:>8.0} {:>7.2} {:>6.2}x\n",
-            p.allocator,
-            p.live,
-            p.streams,
-            p.ns_per_op,
-            fastest,
-            slowest,
-            p.ns_per_op / fewest.ns_per_op,
-            p.sim_ns_per_op,
-            p.driver_ns_per_op,
-            p.stream_calls_per_op,
-            total(p) / total(fewest),
-        );
-    }
-    out += "host: the allocator's host time (median of the runs), the simulated driver's \
-            own time\n(sim) taken out; driver: what the cost model charges for the calls of \
-            the timed steps;\nstream calls: stream and event calls per operation; total: \
-            host + driver;\n/fewest: against the same allocator and live count at the \
-            fewest streams.\n";
-    out
 }
 
 #[cfg(test)]

@@ -13,7 +13,8 @@ use quilt_bench::live::trace_stats;
 use quilt_bench::replay::{
     replay, replay_fresh, ReplayConfig, ReplayError, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS,
 };
-use quilt_bench::report::{to_json, CostModelParameters, Measurement, RunParameters, StreamCalls};
+use quilt_bench::report::json::to_json;
+use quilt_bench::report::rows::{CostModelParameters, Measurement, RunParameters, StreamCalls};
 use quilt_bench::trace::{parse_trace, Trace};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, DevicePtr, EventId, StreamId, Vmm};
@@ -179,7 +180,7 @@ fn parameters(capacity: u64, iterations: u32) -> RunParameters {
         ..ReplayConfig::default()
     };
     RunParameters {
-        version: quilt_bench::report::version(),
+        version: quilt_bench::report::rows::version(),
         allocators: vec!["classic".into()],
         workloads: vec!["json".into()],
         capacity_bytes: capacity,
@@ -249,6 +250,8 @@ fn json_has_exactly_the_listed_fields() {
         "grows_already_mapped",
         "modelled_driver_us",
         "cpu_ns_per_op",
+        "event_records_per_op",
+        "event_queries_per_op",
     ];
     want.sort_unstable();
     assert_eq!(keys, want);
@@ -323,6 +326,11 @@ fn one_iteration_has_no_after_first_figures_and_an_oom_row_its_report() {
     // The 8 MiB block took a 20 MiB segment (PyTorch's size for 1 to 10 MiB):
     // 44 MiB stay free on the device.
     assert_eq!(report["device_free"], 44 * MIB);
+    // The report is the allocator's own `OomReport`, whole.
+    assert_eq!(report["allocator"], "classic");
+    assert_eq!(report["verdict"], "capacity");
+    let back: quilt_alloc::OomReport = serde_json::from_value(report.clone()).unwrap();
+    assert_eq!(back.requested, 62914560);
 }
 
 #[test]
@@ -528,7 +536,14 @@ fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
         charged.driver.modelled_ns - free.driver.modelled_ns,
         syncs * 250_000
     );
+    // 80 allocations and frees, twice: 160 operations, an event record and
+    // a query per free.
+    assert_eq!(charged.ops, 160);
     let m = Measurement::new("churn", "probe", 64 * MIB, 2, charged.clone(), None);
+    assert_eq!(
+        (m.row.event_records_per_op, m.row.event_queries_per_op),
+        (0.5, 0.5)
+    );
     assert_eq!(
         m.row.stream_calls,
         StreamCalls {

@@ -12,7 +12,7 @@ use quilt_alloc::DeviceAllocator;
 use quilt_bench::allocators::{self, ALLOCATOR_NAMES};
 use quilt_bench::live::trace_stats;
 use quilt_bench::replay::{replay, replay_fresh, replay_fresh_then, ReplayConfig, ReplayError};
-use quilt_bench::report::Measurement;
+use quilt_bench::report::rows::Measurement;
 use quilt_bench::trace::{parse_trace, to_text, Event, Trace, TraceError};
 use quilt_bench::workloads::find;
 use quilt_vmm::sim::{CostModel, SimVmm};

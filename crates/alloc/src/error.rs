@@ -132,6 +132,8 @@ impl AllocError {
 
 /// Why a request ran out of memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]
 pub enum OomVerdict {
     /// Free plus reclaimable memory is smaller than the request: a real shortage.
     Capacity,
@@ -141,6 +143,7 @@ pub enum OomVerdict {
 
 /// The figures behind an out-of-memory error.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 ///
 /// ```
 /// use std::sync::Arc;

@@ -29,8 +29,8 @@
 //! granule-aligned part of a handle. [`Vmm::map_rule`] says which rule a backend
 //! uses, so that a report can flag results that depend on the relaxed one; the
 //! CUDA backend always answers `WholeHandle`.
-//! [`latency`] times every driver call on any backend
-//! (`cargo run --release -p quilt-vmm --example driver_latency`).
+//! The driver-call latency micro-benchmark lives in quilt-bench
+//! (`cargo run --release -p quilt-bench --example driver_latency`).
 //!
 //! `unsafe` code lives in the CUDA and host backends alone.
 
@@ -44,7 +44,6 @@ pub mod error;
 mod events;
 pub mod fd_pass;
 pub mod host;
-pub mod latency;
 mod leak;
 mod ledger;
 pub mod share;

@@ -1561,7 +1561,15 @@ fn small_workload(v: &SimVmm) -> Result<(), VmmError> {
 }
 const SEQUENCE_CALLS: u64 = 7;
 /// The kinds of those calls, in order (a page's life).
-const SEQUENCE_KINDS: [CallKind; 7] = quilt_vmm::latency::PAGE_LIFECYCLE;
+const SEQUENCE_KINDS: [CallKind; 7] = [
+    CallKind::Reserve,
+    CallKind::Create,
+    CallKind::Map,
+    CallKind::SetAccess,
+    CallKind::Unmap,
+    CallKind::Release,
+    CallKind::AddressFree,
+];
 
 #[test]
 fn sim_nth_overall_fault_fails_the_kth_vmm_call_with_cudas_error() {

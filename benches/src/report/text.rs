@@ -1,6 +1,7 @@
-//! The text report of an A/B run: a line saying what ran, the table, a
-//! legend of its columns, the out-of-memory and failure notes, and a summary
-//! naming the best allocator per column.
+//! The text outputs: the report of an A/B run (a line saying what ran, the
+//! table, a legend of its columns, the out-of-memory and failure notes, and a
+//! summary naming the best allocator per column), the table of a scaling
+//! run ([`scale_table`]) and the list of the built-in workloads ([`list`]).
 //!
 //! The default layout ([`Layout::Narrow`]) shows the columns that carry the
 //! claims, one block per workload, within [`MAX_WIDTH`] characters;
@@ -8,8 +9,15 @@
 //! Column names are those of `docs/benchmarks.md`; the legend names the JSON
 //! field behind each.
 
-use crate::report::{Failure, Measurement, Outcome, ReportRow};
+use quilt_alloc::OomVerdict;
+
+use crate::live::trace_stats;
+use crate::report::rows::{
+    allocator_of, distinct, workload_of, Failure, Measurement, Outcome, ReportRow, ScalePoint,
+};
+use crate::trace::{Event, Trace};
 use crate::units::{gib, size_text as size};
+use crate::workloads::WORKLOADS;
 
 /// The widest line the narrow layout prints (allocator specs longer than
 /// [`NARROW_ALLOCATOR_WIDTH`] go on a line of their own).
@@ -47,6 +55,8 @@ pub struct RunContext {
 /// The figures a cell is made from.
 struct Cell<'a> {
     m: &'a Measurement,
+    /// The reference allocator's row on the same workload (the `/classic`
+    /// columns divide by it).
     classic: Option<&'a ReportRow>,
 }
 
@@ -65,6 +75,11 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
         _ => "-".to_string(),
     }
+}
+
+/// `figure` of the cell's row over the same of the reference row.
+fn over_reference(c: &Cell<'_>, figure: fn(&ReportRow) -> Option<f64>) -> String {
+    ratio(figure(&c.m.row), c.classic.and_then(figure))
 }
 
 fn min_cap_over_ideal(r: &ReportRow) -> Option<f64> {
@@ -115,12 +130,7 @@ const COLUMNS: &[Column] = &[
         name: "min cap/classic",
         legend: "min cap over classic's on the same workload (X/classic: the same ratio for X)",
         narrow: false,
-        cell: |c| {
-            ratio(
-                c.m.row.min_capacity_bytes.map(|b| b as f64),
-                c.classic.and_then(|k| k.min_capacity_bytes.map(|b| b as f64)),
-            )
-        },
+        cell: |c| over_reference(c, |r| r.min_capacity_bytes.map(|b| b as f64)),
     },
     Column {
         name: "eff.",
@@ -132,12 +142,7 @@ const COLUMNS: &[Column] = &[
         name: "reserved/classic",
         legend: "peak reserved over classic's",
         narrow: false,
-        cell: |c| {
-            ratio(
-                Some(c.m.row.peak_reserved_bytes as f64),
-                c.classic.map(|k| k.peak_reserved_bytes as f64),
-            )
-        },
+        cell: |c| over_reference(c, |r| Some(r.peak_reserved_bytes as f64)),
     },
     Column {
         name: "VMM calls",
@@ -149,12 +154,7 @@ const COLUMNS: &[Column] = &[
         name: "calls/classic",
         legend: "VMM calls over classic's",
         narrow: false,
-        cell: |c| {
-            ratio(
-                Some(c.m.row.vmm_calls.total() as f64),
-                c.classic.map(|k| k.vmm_calls.total() as f64),
-            )
-        },
+        cell: |c| over_reference(c, |r| Some(r.vmm_calls.total() as f64)),
     },
     Column {
         name: "calls after 1st",
@@ -219,12 +219,7 @@ const COLUMNS: &[Column] = &[
         name: "time/classic",
         legend: "driver ms over classic's",
         narrow: false,
-        cell: |c| {
-            ratio(
-                Some(c.m.row.modelled_driver_us),
-                c.classic.map(|k| k.modelled_driver_us),
-            )
-        },
+        cell: |c| over_reference(c, |r| Some(r.modelled_driver_us)),
     },
     Column {
         name: "flat-create ms",
@@ -237,6 +232,18 @@ const COLUMNS: &[Column] = &[
         legend: "median host ns per allocate or free (noisy: compare within one run only)",
         narrow: false,
         cell: |c| c.m.row.cpu_ns_per_op.to_string(),
+    },
+    Column {
+        name: "event records/op",
+        legend: "cuEventRecord calls per allocator operation (allocate, free, serving call)",
+        narrow: false,
+        cell: |c| format!("{:.3}", c.m.row.event_records_per_op),
+    },
+    Column {
+        name: "event queries/op",
+        legend: "cuEventQuery calls per allocator operation",
+        narrow: false,
+        cell: |c| format!("{:.3}", c.m.row.event_queries_per_op),
     },
 ];
 
@@ -268,34 +275,14 @@ pub fn run_line(ctx: &RunContext) -> String {
 
 /// The workloads of `outcomes`, in order of first appearance.
 fn workloads(outcomes: &[Outcome]) -> Vec<&str> {
-    let mut out: Vec<&str> = Vec::new();
-    for o in outcomes {
-        let w = workload_of(o);
-        if !out.contains(&w) {
-            out.push(w);
-        }
-    }
-    out
+    distinct(outcomes.iter().map(workload_of))
 }
 
-fn workload_of(o: &Outcome) -> &str {
-    match o {
-        Ok(m) => &m.row.workload,
-        Err(f) => &f.workload,
-    }
-}
-
-fn allocator_of(o: &Outcome) -> &str {
-    match o {
-        Ok(m) => &m.row.allocator,
-        Err(f) => &f.allocator,
-    }
-}
-
-/// `classic`'s row on `workload`, if measured.
+/// The reference allocator's row on `workload` (see
+/// [`Measurement::reference`]), if measured.
 fn classic_row<'a>(outcomes: &'a [Outcome], workload: &str) -> Option<&'a ReportRow> {
     outcomes.iter().find_map(|o| match o {
-        Ok(m) if m.row.workload == workload && m.row.allocator == "classic" => Some(&m.row),
+        Ok(m) if m.row.workload == workload && m.reference => Some(&m.row),
         _ => None,
     })
 }
@@ -454,8 +441,9 @@ pub fn notes(outcomes: &[Outcome]) -> String {
                 match (&oom.report, oom.verdict) {
                     (Some(r), Some(verdict)) => {
                         out.push_str(&format!(
-                            "{who}: out of memory after {} events; verdict: {verdict}\n",
-                            m.row.events
+                            "{who}: out of memory after {} events; verdict: {}\n",
+                            m.row.events,
+                            verdict_name(verdict)
                         ));
                         out.push_str(&format!(
                             "    asked {}, {} rounded, {} of new memory; device {}, {} free\n",
@@ -488,6 +476,14 @@ pub fn notes(outcomes: &[Outcome]) -> String {
         }
     }
     out
+}
+
+/// The verdict as the notes name it (as the JSON does).
+fn verdict_name(verdict: OomVerdict) -> &'static str {
+    match verdict {
+        OomVerdict::Capacity => "capacity",
+        OomVerdict::Fragmentation => "fragmentation",
+    }
 }
 
 /// Which way a column is better, and its figure (rounded as printed) in a
@@ -548,13 +544,7 @@ const CLAIMS: &[Claim] = &[
 /// compete, except for min cap), the winner first.
 pub fn summary(outcomes: &[Outcome]) -> String {
     let ws = workloads(outcomes);
-    let mut allocators: Vec<&str> = Vec::new();
-    for o in outcomes {
-        let a = allocator_of(o);
-        if !allocators.contains(&a) {
-            allocators.push(a);
-        }
-    }
+    let allocators = distinct(outcomes.iter().map(allocator_of));
     let mut out = format!(
         "best per column ({} allocator{} on {} workload{}; ties count for each):\n",
         allocators.len(),
@@ -645,11 +635,142 @@ pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String 
     out
 }
 
+/// The table of a scaling run: one line per point, with the host time's
+/// median, fastest and slowest runs, and the median against the same
+/// allocator's at the same live count and the fewest streams measured; the
+/// event records and queries per operation beside them; then
+/// what a GPU would charge besides: the modelled driver time and the stream
+/// and event calls per operation, and host plus driver time against the
+/// fewest-streams point's.
+pub fn scale_table(points: &[ScalePoint]) -> String {
+    let width = points
+        .iter()
+        .map(|p| p.allocator.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("allocator".len());
+    let mut out = format!(
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10} {:>10} {:>6} {:>8} {:>7} {:>7}\n",
+        "", "", "", "host", "", "", "host", "event", "event", "sim", "driver", "stream", "total"
+    );
+    out += &format!(
+        "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10} {:>10} {:>6} {:>8} {:>7} {:>7}\n",
+        "allocator",
+        "live",
+        "streams",
+        "ns/op",
+        "fastest",
+        "slowest",
+        "/fewest",
+        "records/op",
+        "queries/op",
+        "ns/op",
+        "ns/op",
+        "calls",
+        "/fewest"
+    );
+    for p in points {
+        let fewest = points
+            .iter()
+            .filter(|q| q.allocator == p.allocator && q.live == p.live)
+            .min_by_key(|q| q.streams)
+            .unwrap_or(p);
+        let runs = p.runs_ns_per_op.iter().copied();
+        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
+        let slowest = runs.fold(0.0, f64::max);
+        let total = |q: &ScalePoint| q.ns_per_op + q.driver_ns_per_op;
+        out += &format!(
+            "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>10.3} {:>10.3} {:>6.0} {:>8.0} {:>7.2} {:>6.2}x\n",
+            p.allocator,
+            p.live,
+            p.streams,
+            p.ns_per_op,
+            fastest,
+            slowest,
+            p.ns_per_op / fewest.ns_per_op,
+            p.event_records_per_op,
+            p.event_queries_per_op,
+            p.sim_ns_per_op,
+            p.driver_ns_per_op,
+            p.stream_calls_per_op,
+            total(p) / total(fewest),
+        );
+    }
+    out += "host: the allocator's host time (median of the runs), the simulated driver's \
+            own time\n(sim) taken out; event records/op, event queries/op: cuEventRecord and \
+            cuEventQuery calls\nper operation; driver: what the cost model charges for the calls of \
+            the timed steps;\nstream calls: stream and event calls per operation; total: \
+            host + driver;\n/fewest: against the same allocator and live count at the \
+            fewest streams.\n";
+    out
+}
+
+/// Upper bounds (inclusive) of the size classes of `list --sizes`.
+const SIZE_CLASSES: [(u64, &str); 5] = [
+    (1 << 20, "<=1MiB"),
+    (16 << 20, "<=16MiB"),
+    (128 << 20, "<=128MiB"),
+    (1 << 30, "<=1GiB"),
+    (u64::MAX, ">1GiB"),
+];
+
+/// A trace's size mix: per size class, the share of allocations and of bytes allocated.
+pub fn size_mix(trace: &Trace) -> String {
+    let mut counts = [0u64; SIZE_CLASSES.len()];
+    let mut bytes = [0u64; SIZE_CLASSES.len()];
+    for e in &trace.events {
+        if let Event::Alloc { size, .. } = *e {
+            let class = SIZE_CLASSES
+                .iter()
+                .position(|(bound, _)| size <= *bound)
+                .unwrap_or(SIZE_CLASSES.len() - 1);
+            counts[class] += 1;
+            bytes[class] = bytes[class].saturating_add(size);
+        }
+    }
+    let n: u64 = counts.iter().sum::<u64>().max(1);
+    let b: u64 = bytes.iter().sum::<u64>().max(1);
+    let cells: Vec<String> = SIZE_CLASSES
+        .iter()
+        .enumerate()
+        .map(|(i, (_, label))| {
+            format!(
+                "{label} {:.1}% of allocs, {:.1}% of bytes",
+                100.0 * counts[i] as f64 / n as f64,
+                100.0 * bytes[i] as f64 / b as f64
+            )
+        })
+        .collect();
+    format!("    size mix: {}\n", cells.join("; "))
+}
+
+/// The text of `quilt-bench list` (with `sizes`, each workload's size mix too).
+pub fn list(seed: u64, sizes: bool) -> String {
+    let mut out = String::new();
+    for w in WORKLOADS {
+        let trace = (w.generate)(seed);
+        let s = trace_stats(&trace);
+        out.push_str(&format!(
+            "{:<22} {:>6} events  peak live {:>6} GiB  max alloc {:>5} MiB  {} stream(s)  {}\n",
+            w.name,
+            s.events,
+            gib(s.peak_live_bytes),
+            s.max_alloc_bytes >> 20,
+            s.streams,
+            w.description
+        ));
+        if sizes {
+            out.push_str(&size_mix(&trace));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
-    use crate::report::{StreamCalls, VmmCalls};
+    use crate::report::rows::{StreamCalls, VmmCalls};
 
     fn row(workload: &str, allocator: &str, completed: bool, eff: f64, min: u64) -> Outcome {
         Ok(Measurement {
@@ -676,9 +797,13 @@ mod tests {
                 grows_already_mapped: None,
                 modelled_driver_us: 1000.0,
                 cpu_ns_per_op: 100,
+                event_records_per_op: 0.5,
+                event_queries_per_op: 0.25,
             },
             modelled_flat_create_us: 1000.0,
             series: Vec::new(),
+            reference: allocator == "classic",
+            subject: allocator == "quilt",
         })
     }
 

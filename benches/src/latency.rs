@@ -20,9 +20,7 @@
 use std::fmt::Write as _;
 use std::time::Instant;
 
-use crate::driver::Vmm;
-use crate::error::Result;
-use crate::types::{CallKind, DevicePtr, PhysHandle};
+use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Result, Vmm};
 
 /// The seven VMM calls of one page's life, in the order the page lifecycle
 /// makes them: reserve, create, map, set access, unmap, release, address-free.
@@ -352,7 +350,7 @@ fn measure_in(run: &mut Run<'_>, config: &LatencyConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::{Fault, SimVmm};
+    use quilt_vmm::sim::{Fault, SimVmm};
 
     fn small() -> LatencyConfig {
         LatencyConfig {

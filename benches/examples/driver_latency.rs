@@ -1,7 +1,7 @@
-//! Driver-call latency micro-benchmark (see `quilt_vmm::latency`).
+//! Driver-call latency micro-benchmark (see `quilt_bench::latency`).
 //!
 //! ```text
-//! cargo run --release -p quilt-vmm --example driver_latency -- [options]
+//! cargo run --release -p quilt-bench --example driver_latency -- [options]
 //!   --backend auto|cuda|host   auto (default): CUDA when it constructs, else host
 //!   --device N                 CUDA device ordinal (default 0)
 //!   --iters N                  pages in the page lifecycle (default 1000)
@@ -20,9 +20,9 @@
 
 use std::process::ExitCode;
 
+use quilt_bench::latency::{measure, LatencyConfig};
 use quilt_vmm::cuda::CudaVmm;
 use quilt_vmm::host::{HostConfig, HostVmm};
-use quilt_vmm::latency::{measure, LatencyConfig};
 use quilt_vmm::Vmm;
 
 const MIB: u64 = 1 << 20;
