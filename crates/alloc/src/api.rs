@@ -36,7 +36,7 @@ pub struct Allocation {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+/// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 /// use quilt_alloc::{AllocError, DeviceAllocator};
 /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
@@ -53,7 +53,7 @@ pub struct Allocation {
 ///     assert_eq!(alloc.stats().reserved_bytes.current, 0);
 ///     alloc.check_invariants()?;
 /// }
-/// # let _ = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+/// # let _ = CachingAllocator::new(vmm, CachingConfig::classic())?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub trait DeviceAllocator: Send + Sync {
@@ -121,12 +121,12 @@ pub trait DeviceAllocator: Send + Sync {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    /// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
     /// use quilt_alloc::{DeviceAllocator, OomVerdict};
     /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
     ///
     /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 << 20)?);
-    /// let alloc = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+    /// let alloc = CachingAllocator::new(vmm, CachingConfig::classic())?;
     /// assert!(alloc.last_oom().is_none());
     /// let err = alloc.allocate(100 << 20, StreamId::DEFAULT).unwrap_err();
     /// let last = alloc.last_oom().expect("kept");
