@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
-use crate::error::{AllocError, InvariantViolation, OomReport};
+use crate::error::{AllocError, OomReport};
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 
@@ -30,7 +32,8 @@ pub struct Allocation {
 /// - A block freed on its stream may be reused at once on that stream; on another
 ///   stream only after the events of every stream it was recorded on
 ///   (`record_stream`) have completed.
-/// - `check_invariants` is cheap enough to call after every operation in tests.
+/// - `check_invariants` (with the `invariants` feature) is cheap enough to
+///   call after every operation in tests.
 ///
 /// Every allocator of this crate behind one trait:
 ///
@@ -109,6 +112,8 @@ pub trait DeviceAllocator: Send + Sync {
     }
 
     /// Check every internal invariant; the first violation found is returned.
+    /// Only with the `invariants` feature (tests, fuzzing, debugging).
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation>;
 
     /// The driver backend underneath (for driver statistics and leak reports).

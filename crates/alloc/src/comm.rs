@@ -45,7 +45,9 @@ use quilt_vmm::{
 };
 
 use crate::api::{check_size, round_up, Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
+use crate::error::AllocError;
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
 use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 use crate::stats::AllocatorStats;
@@ -532,6 +534,7 @@ impl DeviceAllocator for CommAllocator {
         }
     }
 
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self
             .state

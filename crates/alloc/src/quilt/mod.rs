@@ -42,6 +42,7 @@ mod config;
 mod export;
 mod growable;
 mod growable_buffer;
+#[cfg(feature = "invariants")]
 mod invariants;
 mod offload;
 mod placement;
@@ -69,7 +70,9 @@ pub use quilt_pool::{GrowthPolicy, MemoryLimit, PageSize, PoolConfig};
 pub use sleep::{SleepMode, SleepPages};
 
 use crate::api::{Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
+use crate::error::AllocError;
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 use state::{pool_err, Ctx, State};
@@ -331,6 +334,7 @@ impl DeviceAllocator for QuiltAllocator {
         self.lock().ok().and_then(|st| st.last_oom.clone())
     }
 
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self.lock().map_err(|e| InvariantViolation(e.to_string()))?;
         invariants::check(&st, &self.core.pool, self.core.page)?;

@@ -49,6 +49,7 @@
 mod block;
 pub mod config;
 mod expandable_ops;
+#[cfg(feature = "invariants")]
 mod invariants;
 mod report;
 
@@ -58,7 +59,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use quilt_vmm::{DevicePtr, EventId, StreamId, Vmm, VmmError};
 
 use crate::api::{check_size, round_up, Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
+use crate::error::AllocError;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{AllocatorStats, Stat};
 
@@ -849,11 +850,12 @@ impl DeviceAllocator for CachingAllocator {
     }
 
     /// The invariant checker.
-    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+    #[cfg(feature = "invariants")]
+    fn check_invariants(&self) -> Result<(), crate::error::InvariantViolation> {
         let st = self
             .state
             .lock()
-            .map_err(|_| InvariantViolation("allocator state poisoned".into()))?;
+            .map_err(|_| crate::error::InvariantViolation("allocator state poisoned".into()))?;
         invariants::check(&self.cfg, &st)
     }
 
