@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
-use crate::error::{AllocError, OomReport};
 #[cfg(feature = "invariants")]
 use crate::error::InvariantViolation;
+use crate::error::{AllocError, OomReport};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 

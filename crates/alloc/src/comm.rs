@@ -33,7 +33,7 @@
 //! streams waits, pending, on one event per such stream before it is reused
 //! or given back (counted in the driver statistics).
 //!
-//! Export ([`CommAllocator::export`], see [`crate::share`]): while another
+//! Export ([`CommAllocator::export`], see [`crate::ipc`]): while another
 //! process holds an import, the buffer is not reused even once freed here;
 //! [`CommAllocator::end_export`] (the importer's release message) lets it go.
 
@@ -48,7 +48,7 @@ use crate::api::{check_size, round_up, Allocation, DeviceAllocator};
 use crate::error::AllocError;
 #[cfg(feature = "invariants")]
 use crate::error::InvariantViolation;
-use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece};
+use crate::ipc::{ExportedAllocation, SharedDescriptor, SharedPiece};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 use crate::stats::AllocatorStats;
 

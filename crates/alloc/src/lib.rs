@@ -13,10 +13,10 @@ pub mod error;
 // Without the `invariants` feature, the helpers that only Quilt's invariant
 // checker calls (in tiling, sleep, streams and export) are unused; they stay
 // compiled rather than each carrying its own `cfg`.
+pub mod ipc;
 #[cfg_attr(not(feature = "invariants"), allow(dead_code))]
 pub mod quilt;
 pub mod registry;
-pub mod share;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;

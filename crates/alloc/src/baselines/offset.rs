@@ -33,9 +33,9 @@ use offset_allocator::{Allocation as Slot, Allocator};
 use quilt_vmm::{DevicePtr, EventId, PhysHandle, StreamId, Vmm, VmmError};
 
 use crate::api::{check_size, round_up, Allocation, DeviceAllocator, MIN_BLOCK_SIZE};
-use crate::error::{AllocError, OomReport, OomVerdict};
 #[cfg(feature = "invariants")]
 use crate::error::InvariantViolation;
+use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 use crate::stats::AllocatorStats;
 #[cfg(feature = "invariants")]

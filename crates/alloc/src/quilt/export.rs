@@ -1,4 +1,4 @@
-//! Exporting a live Quilt block to another process ([`crate::share`]).
+//! Exporting a live Quilt block to another process ([`crate::ipc`]).
 //!
 //! A block is backed by pool pages, one physical handle each, mapped one per
 //! page wherever the pool had them (stitched): its export is one piece per
@@ -19,7 +19,7 @@ use quilt_vmm::{DevicePtr, HandleKind};
 use super::state::{Kind, State};
 use super::QuiltAllocator;
 use crate::error::{AllocError, InvariantViolation};
-use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece, MAX_PIECES};
+use crate::ipc::{ExportedAllocation, SharedDescriptor, SharedPiece, MAX_PIECES};
 
 /// One pinned block: how many exports are outstanding, and whether its
 /// owner freed it meanwhile (the free happens when the last export ends).
@@ -141,7 +141,7 @@ impl Exports {
 
 impl QuiltAllocator {
     /// Export the live block at `ptr` for another process
-    /// ([`crate::share`]): one shareable handle of `kind` per page under it
+    /// ([`crate::ipc`]): one shareable handle of `kind` per page under it
     /// (`cuMemExportToShareableHandle` each; the pool must create its pages
     /// with that handle type, [`quilt_pool::PoolConfig::create_props`]), and
     /// the descriptor: the pages as pieces, in address order, and where the
