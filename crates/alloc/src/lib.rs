@@ -10,6 +10,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda_buffer;
 pub mod error;
+pub mod export_pins;
 // Without the `invariants` feature, the helpers that only Quilt's invariant
 // checker calls (in tiling, sleep, streams and export) are unused; they stay
 // compiled rather than each carrying its own `cfg`.
