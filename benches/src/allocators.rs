@@ -6,9 +6,8 @@
 
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::ClassicAllocator;
-use quilt_alloc::baselines::expandable::ExpandableAllocator;
 use quilt_alloc::baselines::offset::OffsetAllocator;
+use quilt_alloc::baselines::CachingAllocator;
 use quilt_alloc::quilt::QuiltAllocator;
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::Vmm;
@@ -161,8 +160,7 @@ fn construct(
 ) -> Result<Box<dyn DeviceAllocator>, RegistryError> {
     let wrap = |source: AllocError| construct_error(spec, source);
     Ok(match parsed {
-        Spec::Classic(c) => Box::new(ClassicAllocator::new(vmm, c).map_err(wrap)?),
-        Spec::Expandable(c) => Box::new(ExpandableAllocator::new(vmm, c).map_err(wrap)?),
+        Spec::Caching(c) => Box::new(CachingAllocator::new(vmm, c).map_err(wrap)?),
         Spec::Quilt(c) => Box::new(QuiltAllocator::new(vmm, c).map_err(wrap)?),
         Spec::Offset(c) => Box::new(OffsetAllocator::new(vmm, c).map_err(wrap)?),
     })

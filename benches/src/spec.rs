@@ -15,9 +15,8 @@
 //! value, or a key that the chosen settings would ignore is a [`SpecError`]
 //! that says what is valid.
 
-use quilt_alloc::baselines::classic::ClassicConfig;
-use quilt_alloc::baselines::expandable::ExpandableConfig;
 use quilt_alloc::baselines::offset::OffsetConfig;
+use quilt_alloc::baselines::CachingConfig;
 use quilt_alloc::baselines::RoundupPower2Divisions;
 use quilt_alloc::quilt::conf::{self, ConfError};
 use quilt_alloc::quilt::QuiltConfig;
@@ -52,10 +51,9 @@ pub enum Spec {
     /// Quilt's policy (the `quilt` and `gmlake` presets, changed or not);
     /// its name ([`QuiltConfig::name`]) is the preset's.
     Quilt(QuiltConfig),
-    /// PyTorch's caching allocator without expandable segments.
-    Classic(ClassicConfig),
-    /// PyTorch's caching allocator with expandable segments.
-    Expandable(ExpandableConfig),
+    /// PyTorch's caching allocator (the `classic` and `expandable` presets,
+    /// changed or not); its name ([`CachingConfig::name`]) is the preset's.
+    Caching(CachingConfig),
     /// The `offset-allocator` crate over one arena.
     Offset(OffsetConfig),
 }
@@ -174,8 +172,12 @@ pub fn parse(text: &str) -> Result<Spec, SpecError> {
     match name {
         "quilt" => quilt(name, QuiltConfig::default(), &settings).map(Spec::Quilt),
         "gmlake" => quilt(name, QuiltConfig::gmlake(), &settings).map(Spec::Quilt),
-        "classic" => {
-            let mut c = ClassicConfig::default();
+        "classic" | "expandable" => {
+            let mut c = if name == "classic" {
+                CachingConfig::classic()
+            } else {
+                CachingConfig::expandable()
+            };
             caching(
                 name,
                 &settings,
@@ -183,18 +185,7 @@ pub fn parse(text: &str) -> Result<Spec, SpecError> {
                 &mut c.roundup_power2_divisions,
                 &mut c.garbage_collection_threshold,
             )?;
-            Ok(Spec::Classic(c))
-        }
-        "expandable" => {
-            let mut c = ExpandableConfig::default();
-            caching(
-                name,
-                &settings,
-                &mut c.max_split_size,
-                &mut c.roundup_power2_divisions,
-                &mut c.garbage_collection_threshold,
-            )?;
-            Ok(Spec::Expandable(c))
+            Ok(Spec::Caching(c))
         }
         "offset" => {
             let mut c = OffsetConfig::default();
@@ -295,7 +286,7 @@ mod tests {
         assert_eq!(parse("gmlake").unwrap(), Spec::Quilt(QuiltConfig::gmlake()));
         assert_eq!(
             parse("classic").unwrap(),
-            Spec::Classic(ClassicConfig::default())
+            Spec::Caching(CachingConfig::classic())
         );
         assert_eq!(
             parse("offset").unwrap(),
@@ -330,7 +321,7 @@ mod tests {
             GrowthPolicy::exact()
         );
         match parse("classic:max_split_size=256MiB,roundup_power2_divisions=4").unwrap() {
-            Spec::Classic(c) => {
+            Spec::Caching(c) => {
                 assert_eq!(c.max_split_size, Some(256 << 20));
                 assert_eq!(
                     c.roundup_power2_divisions,

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::cuda::CudaVmm;
@@ -546,7 +546,7 @@ fn quilt(vmm: Arc<dyn Vmm>) -> Box<dyn DeviceAllocator> {
 }
 
 fn classic(vmm: Arc<dyn Vmm>) -> Box<dyn DeviceAllocator> {
-    Box::new(ClassicAllocator::new(vmm, ClassicConfig::default()).unwrap())
+    Box::new(CachingAllocator::new(vmm, CachingConfig::classic()).unwrap())
 }
 
 /// The trace replayed: BERT-large inference, 3,386 events (1,893

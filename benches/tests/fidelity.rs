@@ -7,9 +7,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
-use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
 use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::DeviceAllocator;
 use quilt_bench::trace::{load_trace, Event};
 use quilt_vmm::sim::SimVmm;
@@ -68,14 +67,14 @@ fn replay(dir: &Path, name: &str, a: &dyn DeviceAllocator) -> u64 {
     a.stats().reserved_bytes.peak
 }
 
-fn classic() -> ClassicAllocator {
+fn classic() -> CachingAllocator {
     let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(CAPACITY).unwrap());
-    ClassicAllocator::new(vmm, ClassicConfig::default()).unwrap()
+    CachingAllocator::new(vmm, CachingConfig::classic()).unwrap()
 }
 
-fn expandable() -> ExpandableAllocator {
+fn expandable() -> CachingAllocator {
     let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(CAPACITY).unwrap());
-    ExpandableAllocator::new(vmm, ExpandableConfig::default()).unwrap()
+    CachingAllocator::new(vmm, CachingConfig::expandable()).unwrap()
 }
 
 fn offset() -> OffsetAllocator {
@@ -437,7 +436,7 @@ fn classic_makes_pytorchs_decisions_on_opt_zo() {
         planned: std::sync::Mutex::new(planned),
         ranges: std::sync::Mutex::new(std::collections::BTreeMap::new()),
     };
-    let a = ClassicAllocator::new(Arc::new(vmm), ClassicConfig::default()).unwrap();
+    let a = CachingAllocator::new(Arc::new(vmm), CachingConfig::classic()).unwrap();
     let mut live = HashMap::new();
     let mut ptrs = Vec::new();
     for event in &trace.events {

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::DeviceAllocator;
 use quilt_bench::allocators::{self, ALLOCATOR_NAMES};
 use quilt_bench::live::trace_stats;
@@ -263,7 +263,7 @@ fn growable_replay_of_a_given_allocator_emulates_and_iterates() {
     );
     let sim = SimVmm::new(ReplayConfig::default().sim_config(GIB)).unwrap();
     let sim = Arc::new(sim);
-    let alloc = ClassicAllocator::new(sim.clone(), ClassicConfig::default()).unwrap();
+    let alloc = CachingAllocator::new(sim.clone(), CachingConfig::classic()).unwrap();
     let r = replay(&t, &alloc, &sim, &checked(3)).unwrap();
     assert!(r.completed);
     assert_eq!(

@@ -18,7 +18,7 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, Allocation, DeviceAllocator};
 use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
@@ -59,7 +59,7 @@ pub fn run(alloc: &dyn DeviceAllocator) -> Result<Result<Allocation, AllocError>
 /// Classic's and Quilt's outcomes, each on its own 1 GiB simulated device.
 pub fn outcomes() -> Result<[Result<Allocation, AllocError>; 2], Box<dyn Error>> {
     let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(CAPACITY)?);
-    let classic = run(&ClassicAllocator::new(vmm, ClassicConfig::default())?)?;
+    let classic = run(&CachingAllocator::new(vmm, CachingConfig::classic())?)?;
     let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(CAPACITY)?);
     let quilt = run(&QuiltAllocator::new(vmm, QuiltConfig::default())?)?;
     Ok([classic, quilt])

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
 
-use crate::error::{AllocError, InvariantViolation, OomReport};
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
+use crate::error::{AllocError, OomReport};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 
@@ -30,13 +32,14 @@ pub struct Allocation {
 /// - A block freed on its stream may be reused at once on that stream; on another
 ///   stream only after the events of every stream it was recorded on
 ///   (`record_stream`) have completed.
-/// - `check_invariants` is cheap enough to call after every operation in tests.
+/// - `check_invariants` (with the `invariants` feature) is cheap enough to
+///   call after every operation in tests.
 ///
 /// Every allocator of this crate behind one trait:
 ///
 /// ```
 /// use std::sync::Arc;
-/// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+/// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 /// use quilt_alloc::{AllocError, DeviceAllocator};
 /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
@@ -53,7 +56,7 @@ pub struct Allocation {
 ///     assert_eq!(alloc.stats().reserved_bytes.current, 0);
 ///     alloc.check_invariants()?;
 /// }
-/// # let _ = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+/// # let _ = CachingAllocator::new(vmm, CachingConfig::classic())?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub trait DeviceAllocator: Send + Sync {
@@ -109,6 +112,8 @@ pub trait DeviceAllocator: Send + Sync {
     }
 
     /// Check every internal invariant; the first violation found is returned.
+    /// Only with the `invariants` feature (tests, fuzzing, debugging).
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation>;
 
     /// The driver backend underneath (for driver statistics and leak reports).
@@ -121,12 +126,12 @@ pub trait DeviceAllocator: Send + Sync {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    /// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
     /// use quilt_alloc::{DeviceAllocator, OomVerdict};
     /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
     ///
     /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 << 20)?);
-    /// let alloc = ClassicAllocator::new(vmm, ClassicConfig::default())?;
+    /// let alloc = CachingAllocator::new(vmm, CachingConfig::classic())?;
     /// assert!(alloc.last_oom().is_none());
     /// let err = alloc.allocate(100 << 20, StreamId::DEFAULT).unwrap_err();
     /// let last = alloc.last_oom().expect("kept");

@@ -33,9 +33,10 @@
 //! streams waits, pending, on one event per such stream before it is reused
 //! or given back (counted in the driver statistics).
 //!
-//! Export ([`CommAllocator::export`], see [`crate::share`]): while another
-//! process holds an import, the buffer is not reused even once freed here;
-//! [`CommAllocator::end_export`] (the importer's release message) lets it go.
+//! Export ([`CommAllocator::export`], see [`crate::ipc`]): while another
+//! process holds an import, the buffer is pinned ([`ExportPins`]): freed here,
+//! it stays pending, not reused, until [`CommAllocator::end_export`] (the
+//! importer's release message) ends its last export.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -45,8 +46,11 @@ use quilt_vmm::{
 };
 
 use crate::api::{check_size, round_up, Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
-use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece};
+use crate::error::AllocError;
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
+use crate::export_pins::{ExportPins, OnEnd};
+use crate::ipc::{ExportedAllocation, SharedDescriptor, SharedPiece};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 use crate::stats::AllocatorStats;
 
@@ -91,8 +95,8 @@ struct State {
     pending: BTreeMap<DevicePtr, Pending>,
     /// Cached buffers by (stream, size).
     cached: BTreeMap<(StreamId, u64), Vec<Buffer>>,
-    /// Imports held by other processes, by buffer address.
-    exports: BTreeMap<DevicePtr, u32>,
+    /// Exports other processes hold, by buffer address.
+    exports: ExportPins,
     stats: AllocatorStats,
 }
 
@@ -241,7 +245,7 @@ impl CommAllocator {
             .pending
             .keys()
             .copied()
-            .filter(|p| !st.exports.contains_key(p))
+            .filter(|p| !st.exports.is_pinned(*p))
             .collect();
         for ptr in ready {
             let Some(p) = st.pending.get(&ptr) else {
@@ -309,7 +313,7 @@ impl CommAllocator {
             .ok_or(AllocError::UnknownPointer { ptr })?
             .clone();
         let handle = self.vmm.export_handle(b.handle, kind)?;
-        *st.exports.entry(ptr).or_default() += 1;
+        st.exports.pin(ptr);
         Ok(ExportedAllocation {
             descriptor: SharedDescriptor {
                 id: ptr,
@@ -330,25 +334,19 @@ impl CommAllocator {
     /// Errors: [`AllocError::Sharing`] when no export of `ptr` is outstanding.
     pub fn end_export(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let mut st = self.lock()?;
-        match st.exports.get_mut(&ptr) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                st.exports.remove(&ptr);
-            }
-            None => {
-                return Err(AllocError::Sharing {
-                    reason: format!("no export of {ptr:#x} is outstanding"),
-                })
+        match st.exports.end(ptr)? {
+            OnEnd::Pinned | OnEnd::Unpinned => Ok(()),
+            // Freed here meanwhile: pending, reusable once unpinned.
+            OnEnd::FreeNow => {
+                st.exports.unpin_freed(ptr);
+                self.settle(&mut st, false)
             }
         }
-        self.settle(&mut st, false)
     }
 
     /// Exports outstanding (imports other processes still hold), in total.
     pub fn exports_outstanding(&self) -> u64 {
-        self.lock()
-            .map(|st| st.exports.values().map(|n| u64::from(*n)).sum())
-            .unwrap_or(0)
+        self.lock().map(|st| st.exports.outstanding()).unwrap_or(0)
     }
 
     /// Freed buffers held back for importers or for other streams' events.
@@ -434,6 +432,12 @@ impl DeviceAllocator for CommAllocator {
                 },
             );
         };
+        // A pinned buffer's free is deferred: it stays pending until the end
+        // of its last export (`settle` skips it).
+        if let Err(e) = st.exports.on_free(ptr) {
+            st.live.insert(ptr, b);
+            return Err(e);
+        }
         st.stats.allocated_bytes.decrease(b.size);
         st.stats.active_bytes.decrease(b.size);
         st.stats.requested_bytes.decrease(b.requested);
@@ -532,6 +536,7 @@ impl DeviceAllocator for CommAllocator {
         }
     }
 
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self
             .state
@@ -566,10 +571,16 @@ impl DeviceAllocator for CommAllocator {
                 ));
             }
         }
-        for ptr in st.exports.keys() {
-            if !st.live.contains_key(ptr) && !st.pending.contains_key(ptr) {
+        for (ptr, exports, freed) in st.exports.iter() {
+            let held = if freed {
+                st.pending.contains_key(&ptr)
+            } else {
+                st.live.contains_key(&ptr)
+            };
+            if exports == 0 || !held {
                 return fail(format!(
-                    "export of {ptr:#x} outstanding but its buffer is cached or gone"
+                    "export of {ptr:#x} outstanding (freed: {freed}) but its buffer is not {}",
+                    if freed { "pending" } else { "live" }
                 ));
             }
         }

@@ -108,7 +108,7 @@ pub enum AllocError {
         /// What was refused, in words.
         reason: &'static str,
     },
-    /// Sharing an allocation with another process ([`crate::share`]) was
+    /// Sharing an allocation with another process ([`crate::ipc`]) was
     /// refused: a malformed or unexpected message, a descriptor whose pieces
     /// do not tile it, handles that do not match its pieces, an allocation
     /// that cannot be exported, no export to end, or the socket failing.

@@ -10,9 +10,10 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda_buffer;
 pub mod error;
+pub mod export_pins;
+pub mod ipc;
 pub mod quilt;
 pub mod registry;
-pub mod share;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;

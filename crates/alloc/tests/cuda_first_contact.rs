@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::cuda::CudaVmm;
@@ -170,7 +170,7 @@ fn caching_release_waits_for_queued_work() {
     let cuda = Arc::new(CudaVmm::new(0).unwrap());
     let stream = cuda.create_stream().unwrap();
     let vmm: Arc<dyn Vmm> = cuda.clone();
-    let alloc = ClassicAllocator::new(vmm, ClassicConfig::default()).unwrap();
+    let alloc = CachingAllocator::new(vmm, CachingConfig::classic()).unwrap();
     let a = alloc.allocate(8 * MIB, stream).unwrap();
     fill_async(a.ptr, 3, 8 * MIB, stream.0);
     alloc.free(a.ptr).unwrap();

@@ -12,9 +12,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
-use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
 use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::sim::{SimConfig, SimVmm};
@@ -208,7 +207,7 @@ fn quilt_drop_synchronises_every_stream_before_it_unmaps() {
 fn the_caching_baseline_synchronises_the_device_before_it_frees_a_segment() {
     let sim = sim(1 << 30);
     let rec = Recorder::new(sim.clone());
-    let alloc = ClassicAllocator::new(rec.clone(), ClassicConfig::default()).unwrap();
+    let alloc = CachingAllocator::new(rec.clone(), CachingConfig::classic()).unwrap();
     // One stream: no event is pending, yet a kernel may still use the block.
     let a = alloc.allocate(20 * MIB, S1).unwrap();
     alloc.free(a.ptr).unwrap();
@@ -301,9 +300,9 @@ fn the_caching_baselines_forget_a_stream_too() {
         let sim = sim(1 << 30);
         let rec = Recorder::new(sim.clone());
         let alloc: Box<dyn DeviceAllocator> = if expandable {
-            Box::new(ExpandableAllocator::new(rec.clone(), ExpandableConfig::default()).unwrap())
+            Box::new(CachingAllocator::new(rec.clone(), CachingConfig::expandable()).unwrap())
         } else {
-            Box::new(ClassicAllocator::new(rec.clone(), ClassicConfig::default()).unwrap())
+            Box::new(CachingAllocator::new(rec.clone(), CachingConfig::classic()).unwrap())
         };
         // A block of S1 used on S2 (its free waits for an event of S2), a
         // live one used on S2, and S1's own blocks cached in its segments.

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use quilt_alloc::comm::{CommAllocator, CommConfig};
+use quilt_alloc::ipc::{recv_release, send_export, Released};
 use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
-use quilt_alloc::share::{recv_release, send_export, Released};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::fd_pass::{recv_message, send_message};
 use quilt_vmm::host::{HostConfig, HostVmm};
@@ -175,7 +175,7 @@ fn ipc_an_importer_that_vanishes_ends_its_export() {
 
 #[test]
 fn ipc_a_stitched_range_travels_as_one_handle_per_piece() {
-    use quilt_alloc::share::{
+    use quilt_alloc::ipc::{
         recv_export, ExportedAllocation, ImportedAllocation, SharedDescriptor, SharedPiece,
     };
     let exporter = host();
@@ -451,11 +451,11 @@ fn ipc_quilt_exports_are_refused_with_typed_errors_and_change_nothing() {
     let e2 = quilt.export(a.ptr, HandleKind::PosixFd).unwrap();
     let (tx, rx) = UnixStream::pair().unwrap();
     send_export(&tx, &e1).unwrap();
-    let received = quilt_alloc::share::recv_export(&rx).unwrap();
+    let received = quilt_alloc::ipc::recv_export(&rx).unwrap();
     assert_eq!(received.descriptor, e1.descriptor);
     let importer = host_vmm(64 * MIB);
     let imported =
-        quilt_alloc::share::ImportedAllocation::import(importer.clone(), &received, &[]).unwrap();
+        quilt_alloc::ipc::ImportedAllocation::import(importer.clone(), &received, &[]).unwrap();
     host.write_bytes(a.ptr + 3 * MIB - 8, b"lastbyte").unwrap();
     let mut out = [0u8; 8];
     importer

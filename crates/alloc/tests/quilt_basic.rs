@@ -1555,7 +1555,7 @@ fn a_failed_record_of_a_spare_event_falls_back_to_a_new_one() {
 /// the caching baseline, and the peaks climb again from there.
 #[test]
 fn resetting_the_peaks_starts_them_from_now() {
-    use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
+    use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
     let allocators: Vec<Box<dyn DeviceAllocator>> = vec![
         Box::new(
             QuiltAllocator::new(
@@ -1565,9 +1565,9 @@ fn resetting_the_peaks_starts_them_from_now() {
             .unwrap(),
         ),
         Box::new(
-            ClassicAllocator::new(
+            CachingAllocator::new(
                 Arc::new(SimVmm::with_capacity(1 << 30).unwrap()),
-                ClassicConfig::default(),
+                CachingConfig::classic(),
             )
             .unwrap(),
         ),

@@ -7,9 +7,8 @@
 
 use std::sync::Arc;
 
-use quilt_alloc::baselines::classic::{ClassicAllocator, ClassicConfig};
-use quilt_alloc::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
 use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
+use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::summary::{format_bytes, MemorySummary};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
@@ -31,10 +30,10 @@ fn allocators() -> Vec<(Arc<SimVmm>, Box<dyn DeviceAllocator>)> {
     let g = QuiltAllocator::new(s.clone(), QuiltConfig::gmlake()).unwrap();
     all.push((s, Box::new(g)));
     let s = sim();
-    let c = ClassicAllocator::new(s.clone(), ClassicConfig::default()).unwrap();
+    let c = CachingAllocator::new(s.clone(), CachingConfig::classic()).unwrap();
     all.push((s, Box::new(c)));
     let s = sim();
-    let e = ExpandableAllocator::new(s.clone(), ExpandableConfig::default()).unwrap();
+    let e = CachingAllocator::new(s.clone(), CachingConfig::expandable()).unwrap();
     all.push((s, Box::new(e)));
     let s = sim();
     let o = OffsetAllocator::new(s.clone(), OffsetConfig::default()).unwrap();

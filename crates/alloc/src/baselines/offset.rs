@@ -33,9 +33,13 @@ use offset_allocator::{Allocation as Slot, Allocator};
 use quilt_vmm::{DevicePtr, EventId, PhysHandle, StreamId, Vmm, VmmError};
 
 use crate::api::{check_size, round_up, Allocation, DeviceAllocator, MIN_BLOCK_SIZE};
-use crate::error::{AllocError, InvariantViolation, OomReport, OomVerdict};
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
+use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
-use crate::stats::{AllocatorStats, Stat};
+use crate::stats::AllocatorStats;
+#[cfg(feature = "invariants")]
+use crate::stats::Stat;
 
 /// Bytes per offset-allocator unit.
 pub const UNIT: u64 = 256;
@@ -55,7 +59,6 @@ pub struct OffsetConfig {
 /// One block handed out (or freed and waiting on events).
 struct Live {
     slot: Slot<u32>,
-    offset: u64,
     size: u64,
     requested: u64,
     stream: StreamId,
@@ -305,7 +308,6 @@ impl DeviceAllocator for OffsetAllocator {
             ptr,
             Live {
                 slot,
-                offset,
                 size: rounded,
                 requested: size,
                 stream,
@@ -435,6 +437,7 @@ impl DeviceAllocator for OffsetAllocator {
         self.lock().ok().and_then(|st| st.last_oom.clone())
     }
 
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let st = self
             .state
@@ -448,6 +451,7 @@ impl DeviceAllocator for OffsetAllocator {
     }
 }
 
+#[cfg(feature = "invariants")]
 fn check_stat(name: &str, stat: &Stat, actual: u64) -> Result<(), InvariantViolation> {
     if stat.current != actual
         || stat.allocated.checked_sub(stat.freed) != Some(stat.current)
@@ -460,17 +464,18 @@ fn check_stat(name: &str, stat: &Stat, actual: u64) -> Result<(), InvariantViola
     Ok(())
 }
 
+#[cfg(feature = "invariants")]
 fn check(st: &State, base: DevicePtr, arena_bytes: u64) -> Result<(), InvariantViolation> {
     let fail = |m: String| Err(InvariantViolation(format!("offset: {m}")));
     let mut spans: Vec<(u64, u64)> = Vec::new();
     for (&ptr, b) in st.live.iter().chain(st.pending.iter()) {
-        if ptr != base + b.offset || b.offset % UNIT != 0 || b.size % MIN_BLOCK_SIZE != 0 {
-            return fail(format!("block {ptr:#x} has a bad offset or size"));
+        let offset = u64::from(b.slot.offset) * UNIT;
+        if ptr != base + offset || b.size % MIN_BLOCK_SIZE != 0 {
+            return fail(format!(
+                "block {ptr:#x} disagrees with its arena slot, or has a bad size"
+            ));
         }
-        if u64::from(b.slot.offset) * UNIT != b.offset {
-            return fail(format!("block {ptr:#x} disagrees with its arena slot"));
-        }
-        spans.push((b.offset, b.offset + b.size));
+        spans.push((offset, offset + b.size));
     }
     spans.sort_unstable();
     for w in spans.windows(2) {

@@ -8,9 +8,8 @@ use proptest::prelude::*;
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{StreamId, Vmm};
 
-use super::classic::{ClassicAllocator, ClassicConfig};
-use super::expandable::{ExpandableAllocator, ExpandableConfig};
 use super::offset::{OffsetAllocator, OffsetConfig};
+use super::{CachingAllocator, CachingConfig};
 use crate::api::DeviceAllocator;
 use crate::error::AllocError;
 
@@ -44,25 +43,25 @@ fn run(kind: usize, config: u8, ops: &[Op]) {
     let gc = (config & 4 == 4).then_some(0.5);
     let a: Box<dyn DeviceAllocator> = match kind {
         0 => Box::new(
-            ClassicAllocator::new(
+            CachingAllocator::new(
                 vmm,
-                ClassicConfig {
+                CachingConfig {
                     max_split_size: max_split,
                     memory_fraction: fraction,
                     garbage_collection_threshold: gc,
-                    ..ClassicConfig::default()
+                    ..CachingConfig::classic()
                 },
             )
             .unwrap(),
         ),
         1 => Box::new(
-            ExpandableAllocator::new(
+            CachingAllocator::new(
                 vmm,
-                ExpandableConfig {
+                CachingConfig {
                     max_split_size: max_split,
                     memory_fraction: fraction,
                     garbage_collection_threshold: gc,
-                    ..ExpandableConfig::default()
+                    ..CachingConfig::expandable()
                 },
             )
             .unwrap(),

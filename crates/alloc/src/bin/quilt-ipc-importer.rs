@@ -11,7 +11,7 @@
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use quilt_alloc::share::{recv_export, send_release, ImportedAllocation};
+use quilt_alloc::ipc::{recv_export, send_release, ImportedAllocation};
 use quilt_vmm::fd_pass::{recv_message, send_message};
 use quilt_vmm::host::{HostConfig, HostVmm};
 

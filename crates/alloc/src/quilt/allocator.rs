@@ -10,14 +10,17 @@ use super::ahead;
 use super::config::QuiltConfig;
 use super::export::Exports;
 use super::growable::Growables;
+#[cfg(feature = "invariants")]
 use super::invariants;
 use super::offload::{with_offload_tier, Tier};
 use super::sleep::Tags;
 use super::snapshot;
 use super::stitch::{pool_err, Core, Ctx};
 use crate::api::{Allocation, DeviceAllocator};
-use crate::error::{AllocError, InvariantViolation};
-use crate::share::ExportedAllocation;
+use crate::error::AllocError;
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
+use crate::ipc::ExportedAllocation;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 
@@ -320,7 +323,7 @@ impl QuiltAllocator {
     }
 
     /// Export the live block at `ptr` for another process
-    /// ([`crate::share`]): one shareable handle of `kind` per page under it
+    /// ([`crate::ipc`]): one shareable handle of `kind` per page under it
     /// (`cuMemExportToShareableHandle` each; the pool must create its pages
     /// with that handle type, [`quilt_pool::PoolConfig::create_props`]), and
     /// the descriptor: the pages as pieces, in address order, and where the
@@ -331,7 +334,7 @@ impl QuiltAllocator {
     /// Errors, nothing changed: [`AllocError::UnknownPointer`] (not a live
     /// block, or one freed and waiting for its importers),
     /// [`AllocError::Sharing`] (a block of a tag, or more pages than one
-    /// message carries, [`crate::share::MAX_PIECES`]), [`AllocError::Driver`] (a handle the
+    /// message carries, [`crate::ipc::MAX_PIECES`]), [`AllocError::Driver`] (a handle the
     /// driver cannot export as `kind`).
     pub fn export(
         &self,
@@ -439,6 +442,7 @@ impl DeviceAllocator for QuiltAllocator {
             .and_then(|l| l.core.last_oom.clone())
     }
 
+    #[cfg(feature = "invariants")]
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let l = self
             .shared

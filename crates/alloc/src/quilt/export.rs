@@ -1,4 +1,4 @@
-//! Exporting a live Quilt block to another process ([`crate::share`]).
+//! Exporting a live Quilt block to another process ([`crate::ipc`]).
 //!
 //! A block is backed by pool pages, one physical handle each, mapped one per
 //! page wherever the pool had them (stitched): its export is one piece per
@@ -12,26 +12,19 @@
 //!
 //! The pins live under the allocator's one lock, beside the core.
 
-use std::collections::BTreeMap;
-
 use quilt_vmm::{DevicePtr, HandleKind};
 
 use super::stitch::{Core, Ctx, Kind};
-use crate::error::{AllocError, InvariantViolation};
-use crate::share::{ExportedAllocation, SharedDescriptor, SharedPiece, MAX_PIECES};
+use crate::error::AllocError;
+#[cfg(feature = "invariants")]
+use crate::error::InvariantViolation;
+use crate::export_pins::{ExportPins, OnEnd, OnFree};
+use crate::ipc::{ExportedAllocation, SharedDescriptor, SharedPiece, MAX_PIECES};
 
-/// One pinned block: how many exports are outstanding, and whether its
-/// owner freed it meanwhile (the free happens when the last export ends).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Pin {
-    exports: u32,
-    freed: bool,
-}
-
-/// The pinned blocks, by address.
+/// The pinned blocks ([`ExportPins`], the type `comm` uses too).
 #[derive(Debug, Default)]
 pub(crate) struct Exports {
-    pins: BTreeMap<DevicePtr, Pin>,
+    pins: ExportPins,
 }
 
 impl Exports {
@@ -41,27 +34,17 @@ impl Exports {
         if self.pins.is_empty() {
             return Ok(false);
         }
-        match self.pins.get_mut(&ptr) {
-            None => Ok(false),
-            Some(pin) if pin.freed => Err(AllocError::DoubleFree { ptr }),
-            Some(pin) => {
-                pin.freed = true;
-                Ok(true)
-            }
-        }
+        Ok(self.pins.on_free(ptr)? == OnFree::Deferred)
     }
 
     /// An error when `ptr` is pinned and its owner freed it already.
     pub(crate) fn check_not_freed(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        match self.pins.get(&ptr) {
-            Some(pin) if pin.freed => Err(AllocError::UnknownPointer { ptr }),
-            _ => Ok(()),
-        }
+        self.pins.check_usable(ptr)
     }
 
     /// Exports outstanding, over all blocks.
     pub(crate) fn outstanding(&self) -> u64 {
-        self.pins.values().map(|p| u64::from(p.exports)).sum()
+        self.pins.outstanding()
     }
 
     /// Export the live block at `ptr` (`tag_name` names a tag for the
@@ -120,7 +103,7 @@ impl Exports {
             len: b.size,
         };
         descriptor.validate()?;
-        self.pins.entry(ptr).or_default().exports += 1;
+        self.pins.pin(ptr);
         Ok(ExportedAllocation {
             descriptor,
             handles,
@@ -135,25 +118,17 @@ impl Exports {
         ctx: &Ctx<'_>,
         ptr: DevicePtr,
     ) -> Result<(), AllocError> {
-        let Some(pin) = self.pins.get_mut(&ptr) else {
-            return Err(AllocError::Sharing {
-                reason: format!("no export of {ptr:#x} is outstanding"),
-            });
-        };
-        if pin.exports > 1 {
-            pin.exports -= 1;
-            return Ok(());
-        }
-        if pin.freed {
+        if self.pins.end(ptr)? == OnEnd::FreeNow {
             core.free(ctx, ptr)?;
+            self.pins.unpin_freed(ptr);
         }
-        self.pins.remove(&ptr);
         Ok(())
     }
 
     /// Every pinned block is live, untagged, and exported at least once.
+    #[cfg(feature = "invariants")]
     pub(crate) fn check(&self, core: &Core) -> Result<(), InvariantViolation> {
-        for (&ptr, pin) in &self.pins {
+        for (ptr, exports, _) in self.pins.iter() {
             let Some(b) = core.blocks.get(&ptr) else {
                 return Err(InvariantViolation(format!(
                     "exported block {ptr:#x} is not live"
@@ -167,7 +142,7 @@ impl Exports {
                     "exported block {ptr:#x} is in a tag's arena"
                 )));
             }
-            if pin.exports == 0 {
+            if exports == 0 {
                 return Err(InvariantViolation(format!(
                     "block {ptr:#x} pinned without an export"
                 )));

@@ -23,6 +23,7 @@ mod config;
 mod export;
 mod growable;
 mod growable_buffer;
+#[cfg(feature = "invariants")]
 mod invariants;
 mod offload;
 mod own;

@@ -116,6 +116,8 @@ fn copy_back(ctx: &Ctx<'_>, saved: &Saved) -> Result<(), AllocError> {
 /// A sleeping tag.
 #[derive(Debug)]
 struct Sleeping {
+    /// Read by the invariant checks (offload mode keeps host copies).
+    #[cfg_attr(not(feature = "invariants"), allow(dead_code))]
     mode: SleepMode,
     saved: Vec<Saved>,
 }
@@ -187,6 +189,7 @@ impl Tags {
     }
 
     /// True when some tag is asleep.
+    #[cfg(feature = "invariants")]
     pub(crate) fn any_asleep(&self) -> bool {
         self.sleeping > 0
     }
@@ -219,6 +222,7 @@ impl Tags {
 
     /// For a sleeping tag `i` in offload mode, its host copies as (device
     /// address, length); `None` when awake or discarded.
+    #[cfg(feature = "invariants")]
     pub(crate) fn saved_ranges(&self, i: u32) -> Option<Vec<(DevicePtr, u64)>> {
         let s = self.asleep.get(i as usize)?.as_ref()?;
         (s.mode == SleepMode::Offload).then(|| s.saved.iter().map(|c| (c.ptr, c.len)).collect())

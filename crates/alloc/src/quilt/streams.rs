@@ -303,6 +303,7 @@ impl Streams {
     }
 
     /// The bits of the first `n` streams (see [`Streams::bit`]).
+    #[cfg(feature = "invariants")]
     pub(crate) fn mask_of(n: u32) -> u64 {
         match n {
             0 => 0,

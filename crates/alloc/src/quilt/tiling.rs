@@ -224,6 +224,7 @@ impl Tiling {
     }
 
     /// Blocks.
+    #[cfg(feature = "invariants")]
     pub(crate) fn block_count(&self) -> usize {
         self.blocks
     }
@@ -271,6 +272,7 @@ impl Tiling {
     }
 
     /// Every hazard, in address order.
+    #[cfg(feature = "invariants")]
     pub(crate) fn all_hazards(&self) -> impl Iterator<Item = &Hazard> + '_ {
         let mut id = self.head;
         std::iter::from_fn(move || {
@@ -472,6 +474,7 @@ impl Tiling {
 
     /// Check the invariants (see the module documentation) for an arena of
     /// `size` bytes.
+    #[cfg(feature = "invariants")]
     pub(crate) fn check(&self, size: u64) -> Result<(), String> {
         let (mut pos, mut prev, mut id) = (0u64, NIL, self.head);
         let (mut gaps, mut blocks, mut live, mut last_free) = (0usize, 0usize, 0usize, false);

@@ -68,6 +68,7 @@ impl<T> Slab<T> {
     }
 
     /// Number of items stored.
+    #[cfg(feature = "invariants")]
     pub fn len(&self) -> usize {
         self.len
     }

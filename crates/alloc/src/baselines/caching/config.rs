@@ -98,6 +98,93 @@ fn invalid(size: u64, reason: &'static str) -> AllocError {
     AllocError::InvalidSize { size, reason }
 }
 
+/// Settings of a [`super::CachingAllocator`] (a subset of
+/// `PYTORCH_CUDA_ALLOC_CONF`). Two presets: [`CachingConfig::classic`]
+/// (PyTorch's default configuration, also `Default`) and
+/// [`CachingConfig::expandable`] (the same with `expandable_segments:True`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CachingConfig {
+    /// `expandable_segments:True`: the `expandable` allocator; off, `classic`.
+    pub expandable_segments: bool,
+    /// `max_split_size_mb` in bytes (at least 20 MiB); `None` = unlimited.
+    /// Blocks this big are never split and never handed to smaller requests.
+    pub max_split_size: Option<u64>,
+    /// `roundup_power2_divisions` (off by default).
+    pub roundup_power2_divisions: RoundupPower2Divisions,
+    /// `garbage_collection_threshold` in (0, 1); active only with a memory
+    /// fraction (and, as in PyTorch, it never frees expandable memory).
+    pub garbage_collection_threshold: Option<f64>,
+    /// `set_per_process_memory_fraction` in (0, 1], applied to the device total.
+    pub memory_fraction: Option<f64>,
+    /// Virtual bytes reserved per expandable segment; `None` = 9/8 of the
+    /// device total (PyTorch's rule). Rounded up to whole pages. Only with
+    /// `expandable_segments`.
+    pub va_reserve_bytes: Option<u64>,
+}
+
+impl CachingConfig {
+    /// `classic`: PyTorch's default configuration (split blocks in
+    /// `cudaMalloc` segments).
+    pub fn classic() -> CachingConfig {
+        CachingConfig::default()
+    }
+
+    /// `expandable`: PyTorch's default configuration with
+    /// `expandable_segments:True`.
+    pub fn expandable() -> CachingConfig {
+        CachingConfig {
+            expandable_segments: true,
+            ..CachingConfig::default()
+        }
+    }
+
+    /// The name the allocator reports: `classic` or `expandable`.
+    pub fn name(&self) -> &'static str {
+        if self.expandable_segments {
+            "expandable"
+        } else {
+            "classic"
+        }
+    }
+
+    /// Validate and resolve against the device (`mem_info` total).
+    pub(crate) fn settings(&self, vmm: &dyn quilt_vmm::Vmm) -> Result<CachingSettings, AllocError> {
+        let (max_split_size, gc_threshold, fraction) = validate_common(
+            self.max_split_size,
+            &self.roundup_power2_divisions,
+            self.garbage_collection_threshold,
+            self.memory_fraction,
+        )?;
+        let va_reserve = match self.va_reserve_bytes {
+            Some(0) => {
+                return Err(invalid(0, "the expandable reservation must be non-zero"));
+            }
+            Some(va) if !self.expandable_segments => {
+                return Err(invalid(
+                    va,
+                    "va_reserve_bytes applies to expandable segments only",
+                ));
+            }
+            other => other,
+        };
+        let total = vmm.mem_info()?.total;
+        let gran = vmm.granularity().max(1);
+        let page = |p: u64| p.div_ceil(gran) * gran;
+        Ok(CachingSettings {
+            max_split_size,
+            max_non_split_rounding_size: LARGE_BUFFER,
+            divisions: self.roundup_power2_divisions,
+            gc_threshold,
+            allowed_memory_maximum: fraction.map(|f| (f * total as f64) as u64),
+            expandable: self.expandable_segments,
+            large_page: page(LARGE_BUFFER),
+            small_page: page(SMALL_BUFFER),
+            expandable_va_bytes: va_reserve.unwrap_or(total + total / 8),
+            device_total: total,
+        })
+    }
+}
+
 /// The settings shared by the classic and expandable baselines (a subset of
 /// `PYTORCH_CUDA_ALLOC_CONF`), already validated.
 #[derive(Clone, Debug, PartialEq)]
@@ -126,7 +213,7 @@ pub(crate) struct CachingSettings {
 }
 
 /// Validate the user-facing knobs and turn them into [`CachingSettings`] fields.
-pub(crate) fn validate_common(
+fn validate_common(
     max_split_size: Option<u64>,
     divisions: &RoundupPower2Divisions,
     gc_threshold: Option<f64>,

@@ -6,11 +6,11 @@ use quilt_vmm::{DevicePtr, PhysHandle};
 
 use super::block::{size_key, Block, BlockId, Segment, SegmentKind};
 use super::{
-    give_back, insert_into_blocks, try_merge_blocks, CachingEngine, Orphan, Params, State,
+    give_back, insert_into_blocks, try_merge_blocks, CachingAllocator, Orphan, Params, State,
 };
 use crate::error::AllocError;
 
-impl CachingEngine {
+impl CachingAllocator {
     /// Page size of a pool's expandable segments.
     fn page_of(&self, pool: super::PoolKind) -> u64 {
         match pool {

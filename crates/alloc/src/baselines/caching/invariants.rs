@@ -1,4 +1,4 @@
-//! The caching engine's invariant checker: recompute everything from the block
+//! The caching allocator's invariant checker: recompute everything from the block
 //! structures and compare.
 
 use std::collections::HashMap;

@@ -1,22 +1,55 @@
-//! The engine behind the `classic` and `expandable` baselines: PyTorch's CUDA
-//! caching allocator (`c10/cuda/CUDACachingAllocator.cpp`), rule for rule, as
-//! `../shared/reference/pytorch-caching-allocator.md` describes it. PyTorch itself
-//! is one allocator with an `expandable_segments` switch; so is this engine.
+//! `classic` and `expandable`: PyTorch's CUDA caching allocator
+//! (`c10/cuda/CUDACachingAllocator.cpp`), rule for rule, as
+//! `../shared/reference/pytorch-caching-allocator.md` describes it. PyTorch
+//! itself is one allocator with an `expandable_segments` switch; so is
+//! [`CachingAllocator`], with two presets: [`CachingConfig::classic`] (§1–§5,
+//! §7) and [`CachingConfig::expandable`] (§6). The name it reports is the
+//! preset's.
 //!
-//! Driver model: a `cudaMalloc` of a segment is `reserve + create + map +
-//! set_access` of the segment size (rounded up to the driver's granularity), a
-//! `cudaFree` is `unmap + release + address_free`. Expandable segments reserve
-//! one large range per (stream, pool) and map one handle per page.
+//! `classic`: requests are rounded to 512 bytes (or by
+//! `roundup_power2_divisions`), served best-fit from per-stream free sets
+//! ordered by `(stream, size, address)`, split and merged inside segments of
+//! 2 MiB (small pool, ≤ 1 MiB), 20 MiB (large requests below 10 MiB) or the
+//! request rounded up to 2 MiB. When no cached block fits and the driver is
+//! full, the allocator frees cached segments (oversize ones first when
+//! `max_split_size` is set, then every whole free segment) and retries before
+//! reporting out-of-memory. A segment is a `cudaMalloc`, modelled on the
+//! [`Vmm`] as `reserve + create + map + set_access` of the segment size
+//! (rounded up to the driver's granularity); freeing it is `unmap + release +
+//! address_free`.
 //!
-//! Invariants (checked by [`CachingEngine::check_invariants`]): the blocks of a
-//! segment tile it exactly and are linked in address order; no two neighbouring
-//! free blocks with the same mapped state are left unmerged; a block is in its
-//! pool's free set exactly when it is free and mapped, in the unmapped set
-//! exactly when it is unmapped; every statistic equals what it counts.
+//! `expandable` (`expandable_segments:True`): each (stream, pool) gets one
+//! virtual range of 9/8 of the device total (rounded up to whole pages), grown
+//! by mapping pages of 2 MiB (small pool) or 20 MiB (large pool), one physical
+//! handle per page, at the lowest gap that fits; one `set_access` covers each
+//! mapped run. Free blocks merge across page boundaries; pages are unmapped
+//! only by `empty_cache` or before an out-of-memory (release cached pages,
+//! retry). Any block splits when at least 512 bytes remain. As in PyTorch, the
+//! `segment` statistic counts `cudaMalloc` segments only and stays 0 there,
+//! and `inactive_split` excludes expandable blocks.
+//!
+//! One deliberate deviation: when `max_split_size` is set, the oversize release
+//! step (`release_available_cached_blocks`) frees only free blocks that are whole
+//! segments; PyTorch would `cudaFree` the block it finds even if it were part of
+//! a split segment (which its own rules make impossible in practice, since only
+//! blocks below `max_split_size` are split).
+//!
+//! Fidelity (`benches/tests/fidelity.rs`): replayed on the simulated driver, the
+//! peak reserved bytes equal PyTorch's on four real traces; on the one trace with
+//! its raw snapshot, every `cudaMalloc` has PyTorch's size in PyTorch's order and,
+//! given PyTorch's segment addresses, every allocation lands at PyTorch's address.
+//!
+//! Invariants (checked by `check_invariants`, with the `invariants` feature):
+//! the blocks of a segment tile it exactly and are linked in address order; no
+//! two neighbouring free blocks with the same mapped state are left unmerged; a
+//! block is in its pool's free set exactly when it is free and mapped, in the
+//! unmapped set exactly when it is unmapped; every statistic equals what it
+//! counts.
 
 mod block;
 pub mod config;
 mod expandable_ops;
+#[cfg(feature = "invariants")]
 mod invariants;
 mod report;
 
@@ -25,73 +58,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use quilt_vmm::{DevicePtr, EventId, StreamId, Vmm, VmmError};
 
-use crate::api::{check_size, round_up, Allocation};
-use crate::error::{AllocError, InvariantViolation};
+use crate::api::{check_size, round_up, Allocation, DeviceAllocator};
+use crate::error::AllocError;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{AllocatorStats, Stat};
 
 use block::{size_key, Block, BlockId, BlockPool, Segment, SegmentKind, Slab};
+pub use config::CachingConfig;
 use config::{allocation_size, round_size, CachingSettings, PoolKind};
 
-/// Implements [`crate::DeviceAllocator`] for a baseline that is a thin wrapper
-/// around a [`CachingEngine`] in its field `engine` (classic and expandable are
-/// one engine with a switch, as in PyTorch).
-macro_rules! delegate_to_engine {
-    ($wrapper:ty) => {
-        impl $crate::api::DeviceAllocator for $wrapper {
-            fn name(&self) -> &str {
-                self.engine.name()
-            }
-            fn allocate(
-                &self,
-                size: u64,
-                stream: quilt_vmm::StreamId,
-            ) -> Result<$crate::api::Allocation, $crate::error::AllocError> {
-                self.engine.allocate(size, stream)
-            }
-            fn free(&self, ptr: quilt_vmm::DevicePtr) -> Result<(), $crate::error::AllocError> {
-                self.engine.free(ptr)
-            }
-            fn record_stream(
-                &self,
-                ptr: quilt_vmm::DevicePtr,
-                stream: quilt_vmm::StreamId,
-            ) -> Result<(), $crate::error::AllocError> {
-                self.engine.record_stream(ptr, stream)
-            }
-            fn empty_cache(&self) -> Result<(), $crate::error::AllocError> {
-                self.engine.empty_cache()
-            }
-            fn forget_stream(
-                &self,
-                stream: quilt_vmm::StreamId,
-            ) -> Result<(), $crate::error::AllocError> {
-                self.engine.forget_stream(stream)
-            }
-            fn stats(&self) -> $crate::stats::AllocatorStats {
-                self.engine.stats()
-            }
-            fn reset_peak_stats(&self) -> Result<(), $crate::error::AllocError> {
-                self.engine.reset_peak_stats()
-            }
-            fn snapshot(&self) -> $crate::snapshot::MemorySnapshot {
-                self.engine.snapshot()
-            }
-            fn check_invariants(&self) -> Result<(), $crate::error::InvariantViolation> {
-                self.engine.check_invariants()
-            }
-            fn vmm(&self) -> &std::sync::Arc<dyn quilt_vmm::Vmm> {
-                self.engine.vmm()
-            }
-            fn last_oom(&self) -> Option<$crate::error::OomReport> {
-                self.engine.last_oom()
-            }
-        }
-    };
-}
-pub(crate) use delegate_to_engine;
-
-/// Mutable state of the engine, behind one lock (PyTorch's per-device mutex).
+/// Mutable state of the allocator, behind one lock (PyTorch's per-device mutex).
 #[derive(Debug, Default)]
 pub(crate) struct State {
     /// Every block.
@@ -117,7 +93,7 @@ pub(crate) struct State {
     orphans: Vec<Orphan>,
     /// The report of the last request that ran out of memory.
     last_oom: Option<crate::error::OomReport>,
-    /// Streams forgotten ([`CachingEngine::forget_stream`]) and not named
+    /// Streams forgotten ([`CachingAllocator::forget_stream`]) and not named
     /// again since: never handed to the driver (an expandable segment of
     /// one is unmapped without synchronising it: its work was made
     /// complete when it was forgotten).
@@ -152,9 +128,10 @@ pub(crate) fn give_back(
     r
 }
 
-/// PyTorch's caching allocator over a [`Vmm`].
+/// PyTorch's caching allocator over a [`Vmm`]: `classic` or, with
+/// expandable segments, `expandable` ([`CachingConfig`]).
 #[derive(Debug)]
-pub(crate) struct CachingEngine {
+pub struct CachingAllocator {
     name: &'static str,
     vmm: Arc<dyn Vmm>,
     cfg: CachingSettings,
@@ -171,25 +148,40 @@ struct Params {
     stream: StreamId,
 }
 
-impl CachingEngine {
-    /// An engine named `name` with validated settings.
-    pub fn new(name: &'static str, vmm: Arc<dyn Vmm>, cfg: CachingSettings) -> Self {
-        CachingEngine {
-            name,
+impl CachingAllocator {
+    /// PyTorch's caching allocator on `vmm`, as `config` sets it up
+    /// ([`CachingConfig::classic`] or [`CachingConfig::expandable`], changed
+    /// or not). Fails with [`AllocError::InvalidSize`] for a setting out of
+    /// range, or [`AllocError::Driver`] if `mem_info` fails.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let config = CachingConfig { max_split_size: Some(256 << 20), ..CachingConfig::classic() };
+    /// let classic = CachingAllocator::new(vmm.clone(), config)?;
+    /// assert_eq!(classic.name(), "classic");
+    /// let a = classic.allocate(5 << 20, StreamId::DEFAULT)?;
+    /// assert_eq!(classic.stats().reserved_bytes.current, 20 << 20, "a 20 MiB segment, as PyTorch");
+    /// classic.free(a.ptr)?;
+    ///
+    /// let expandable = CachingAllocator::new(vmm, CachingConfig::expandable())?;
+    /// assert_eq!(expandable.name(), "expandable");
+    /// let b = expandable.allocate(30 << 20, StreamId::DEFAULT)?;
+    /// expandable.free(b.ptr)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn new(vmm: Arc<dyn Vmm>, config: CachingConfig) -> Result<Self, AllocError> {
+        let cfg = config.settings(&*vmm)?;
+        Ok(CachingAllocator {
+            name: config.name(),
             vmm,
             cfg,
             state: Mutex::new(State::default()),
-        }
-    }
-
-    /// The driver backend.
-    pub fn vmm(&self) -> &Arc<dyn Vmm> {
-        &self.vmm
-    }
-
-    /// The allocator's name.
-    pub fn name(&self) -> &'static str {
-        self.name
+        })
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>, AllocError> {
@@ -201,49 +193,6 @@ impl CachingEngine {
     }
 
     // ---------------------------------------------------------------- malloc
-
-    /// `malloc` (reference §3.1).
-    pub fn allocate(&self, orig: u64, stream: StreamId) -> Result<Allocation, AllocError> {
-        check_size(orig)?;
-        let mut guard = self.lock()?;
-        let st = &mut *guard;
-        if !st.forgotten.is_empty() {
-            st.forgotten.remove(&stream); // named again: a new stream
-        }
-        self.process_events(st)?;
-        let size = round_size(orig, &self.cfg.divisions);
-        let p = Params {
-            orig,
-            size,
-            alloc_size: allocation_size(size),
-            pool: PoolKind::of(size),
-            stream,
-        };
-        let mut found = self.get_free_block(st, &p);
-        if found.is_none() {
-            if self.gc_enabled() {
-                self.garbage_collect_cached_blocks(st)?;
-            }
-            found = self.alloc_block(st, &p, false)?;
-            if found.is_none() && self.release_available_cached_blocks(st, &p)? {
-                found = self.alloc_block(st, &p, false)?;
-            }
-            if found.is_none() {
-                self.release_cached_blocks(st)?;
-                found = self.alloc_block(st, &p, true)?;
-            }
-        }
-        let Some(bid) = found else {
-            return Err(self.out_of_memory(st, &p));
-        };
-        let split = self.should_split(&st.blocks[bid], p.size);
-        let bid = self.alloc_found_block(st, bid, &p, split);
-        let b = &st.blocks[bid];
-        Ok(Allocation {
-            ptr: b.ptr,
-            size: b.size,
-        })
-    }
 
     /// `get_free_block` (§3.2): best fit on `(stream, size, ptr)` plus the
     /// expandable tail walk and the oversize rules.
@@ -456,44 +405,6 @@ impl CachingEngine {
 
     // ------------------------------------------------------------ free path
 
-    /// `free` (§4): the caller gives `ptr` back.
-    pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        let mut guard = self.lock()?;
-        let st = &mut *guard;
-        let bid = live_block(st, ptr)?;
-        let uses = std::mem::take(&mut st.blocks[bid].stream_uses);
-        let mut recorded = Vec::with_capacity(uses.len());
-        for &s in &uses {
-            match self.vmm.event_record(s) {
-                Ok(e) => recorded.push((s, e)),
-                Err(e) => {
-                    for (_, ev) in recorded {
-                        let _ = self.vmm.event_destroy(ev);
-                    }
-                    st.blocks[bid].stream_uses = uses;
-                    return Err(AllocError::Driver(e));
-                }
-            }
-        }
-        let b = &mut st.blocks[bid];
-        b.allocated = false;
-        let size = b.size;
-        st.stats.allocation.decrease(1);
-        st.stats.allocated_bytes.decrease(size);
-        if size >= self.cfg.max_split_size {
-            st.oversize_allocations.decrease(1);
-        }
-        if recorded.is_empty() {
-            self.free_block(st, bid);
-        } else {
-            st.blocks[bid].event_count = recorded.len() as u32;
-            for (s, e) in recorded {
-                st.events.entry(s).or_default().push_back((e, bid));
-            }
-        }
-        Ok(())
-    }
-
     /// `free_block` (§4): the block becomes reusable; merge with free
     /// neighbours and return it to its pool.
     fn free_block(&self, st: &mut State, bid: BlockId) {
@@ -579,72 +490,7 @@ impl CachingEngine {
         Ok(())
     }
 
-    /// `recordStream`: note a use of the live block at `ptr` on `stream`.
-    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        let mut guard = self.lock()?;
-        let st = &mut *guard;
-        let bid = live_block(st, ptr).map_err(|_| AllocError::UnknownPointer { ptr })?;
-        if !st.forgotten.is_empty() {
-            st.forgotten.remove(&stream); // named again: a new stream
-        }
-        let b = &mut st.blocks[bid];
-        if b.stream != stream && !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
-        }
-        Ok(())
-    }
-
-    /// Forget `stream` (its owner is destroying it): synchronise it once,
-    /// complete its deferred frees, drop it from the recorded uses of live
-    /// blocks (their uses on it are complete), and have the backend forget
-    /// it; from then on no call names it (its blocks cached in the pools
-    /// stay, free, for a later stream of the same id; its expandable
-    /// segments are unmapped without synchronising it). The default stream
-    /// cannot be forgotten ([`AllocError::StreamBusy`]).
-    pub fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
-        if stream == StreamId::DEFAULT {
-            return Err(AllocError::StreamBusy {
-                stream: stream.0,
-                reason: "the default stream cannot be forgotten",
-            });
-        }
-        let mut guard = self.lock()?;
-        let st = &mut *guard;
-        if st.forgotten.contains(&stream) {
-            return Ok(());
-        }
-        self.vmm.stream_synchronize(stream)?;
-        let mut first_err = None;
-        for (ev, bid) in st.events.remove(&stream).unwrap_or_default() {
-            self.complete_event(st, bid);
-            if let Err(e) = self.vmm.event_destroy(ev) {
-                first_err.get_or_insert(e);
-            }
-        }
-        let users: Vec<BlockId> = st
-            .blocks
-            .iter()
-            .filter(|(_, b)| b.stream_uses.contains(&stream))
-            .map(|(id, _)| id)
-            .collect();
-        for bid in users {
-            st.blocks[bid].stream_uses.retain(|s| *s != stream);
-        }
-        st.forgotten.insert(stream);
-        self.vmm.forget_stream(stream)?;
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
-    }
-
     // -------------------------------------------------------- releasing
-
-    /// `empty_cache`: `release_cached_blocks`.
-    pub fn empty_cache(&self) -> Result<(), AllocError> {
-        let mut guard = self.lock()?;
-        self.release_cached_blocks(&mut guard)
-    }
 
     /// `release_cached_blocks` (§5).
     fn release_cached_blocks(&self, st: &mut State) -> Result<(), AllocError> {
@@ -803,39 +649,6 @@ impl CachingEngine {
 
     // ------------------------------------------------------------ reports
 
-    /// Sets every peak to its current value.
-    pub fn reset_peak_stats(&self) -> Result<(), AllocError> {
-        self.lock()?.stats.reset_peaks();
-        Ok(())
-    }
-
-    /// Statistics, with the driver's counters.
-    pub fn stats(&self) -> AllocatorStats {
-        let mut s = match self.state.lock() {
-            Ok(st) => st.stats.clone(),
-            Err(poisoned) => poisoned.into_inner().stats.clone(),
-        };
-        s.driver = self.vmm.driver_stats();
-        s
-    }
-
-    /// Segments and blocks.
-    pub fn snapshot(&self) -> MemorySnapshot {
-        match self.state.lock() {
-            Ok(st) => report::snapshot(self.name, &st),
-            Err(poisoned) => report::snapshot(self.name, &poisoned.into_inner()),
-        }
-    }
-
-    /// The invariant checker.
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        let st = self
-            .state
-            .lock()
-            .map_err(|_| InvariantViolation("allocator state poisoned".into()))?;
-        invariants::check(&self.cfg, &st)
-    }
-
     /// The out-of-memory error for a request nothing could serve (§3.8).
     fn out_of_memory(&self, st: &mut State, p: &Params) -> AllocError {
         st.stats.num_ooms += 1;
@@ -853,9 +666,201 @@ impl CachingEngine {
         st.last_oom = err.oom_report().cloned();
         err
     }
+}
+
+impl DeviceAllocator for CachingAllocator {
+    /// The driver backend.
+    fn vmm(&self) -> &Arc<dyn Vmm> {
+        &self.vmm
+    }
+
+    /// `classic` or `expandable`.
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    /// `malloc` (reference §3.1).
+    fn allocate(&self, orig: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        check_size(orig)?;
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        if !st.forgotten.is_empty() {
+            st.forgotten.remove(&stream); // named again: a new stream
+        }
+        self.process_events(st)?;
+        let size = round_size(orig, &self.cfg.divisions);
+        let p = Params {
+            orig,
+            size,
+            alloc_size: allocation_size(size),
+            pool: PoolKind::of(size),
+            stream,
+        };
+        let mut found = self.get_free_block(st, &p);
+        if found.is_none() {
+            if self.gc_enabled() {
+                self.garbage_collect_cached_blocks(st)?;
+            }
+            found = self.alloc_block(st, &p, false)?;
+            if found.is_none() && self.release_available_cached_blocks(st, &p)? {
+                found = self.alloc_block(st, &p, false)?;
+            }
+            if found.is_none() {
+                self.release_cached_blocks(st)?;
+                found = self.alloc_block(st, &p, true)?;
+            }
+        }
+        let Some(bid) = found else {
+            return Err(self.out_of_memory(st, &p));
+        };
+        let split = self.should_split(&st.blocks[bid], p.size);
+        let bid = self.alloc_found_block(st, bid, &p, split);
+        let b = &st.blocks[bid];
+        Ok(Allocation {
+            ptr: b.ptr,
+            size: b.size,
+        })
+    }
+
+    /// `free` (§4): the caller gives `ptr` back.
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        let bid = live_block(st, ptr)?;
+        let uses = std::mem::take(&mut st.blocks[bid].stream_uses);
+        let mut recorded = Vec::with_capacity(uses.len());
+        for &s in &uses {
+            match self.vmm.event_record(s) {
+                Ok(e) => recorded.push((s, e)),
+                Err(e) => {
+                    for (_, ev) in recorded {
+                        let _ = self.vmm.event_destroy(ev);
+                    }
+                    st.blocks[bid].stream_uses = uses;
+                    return Err(AllocError::Driver(e));
+                }
+            }
+        }
+        let b = &mut st.blocks[bid];
+        b.allocated = false;
+        let size = b.size;
+        st.stats.allocation.decrease(1);
+        st.stats.allocated_bytes.decrease(size);
+        if size >= self.cfg.max_split_size {
+            st.oversize_allocations.decrease(1);
+        }
+        if recorded.is_empty() {
+            self.free_block(st, bid);
+        } else {
+            st.blocks[bid].event_count = recorded.len() as u32;
+            for (s, e) in recorded {
+                st.events.entry(s).or_default().push_back((e, bid));
+            }
+        }
+        Ok(())
+    }
+
+    /// `recordStream`: note a use of the live block at `ptr` on `stream`.
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        let bid = live_block(st, ptr).map_err(|_| AllocError::UnknownPointer { ptr })?;
+        if !st.forgotten.is_empty() {
+            st.forgotten.remove(&stream); // named again: a new stream
+        }
+        let b = &mut st.blocks[bid];
+        if b.stream != stream && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Forget `stream` (its owner is destroying it): synchronise it once,
+    /// complete its deferred frees, drop it from the recorded uses of live
+    /// blocks (their uses on it are complete), and have the backend forget
+    /// it; from then on no call names it (its blocks cached in the pools
+    /// stay, free, for a later stream of the same id; its expandable
+    /// segments are unmapped without synchronising it). The default stream
+    /// cannot be forgotten ([`AllocError::StreamBusy`]).
+    fn forget_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        if stream == StreamId::DEFAULT {
+            return Err(AllocError::StreamBusy {
+                stream: stream.0,
+                reason: "the default stream cannot be forgotten",
+            });
+        }
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        if st.forgotten.contains(&stream) {
+            return Ok(());
+        }
+        self.vmm.stream_synchronize(stream)?;
+        let mut first_err = None;
+        for (ev, bid) in st.events.remove(&stream).unwrap_or_default() {
+            self.complete_event(st, bid);
+            if let Err(e) = self.vmm.event_destroy(ev) {
+                first_err.get_or_insert(e);
+            }
+        }
+        let users: Vec<BlockId> = st
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.stream_uses.contains(&stream))
+            .map(|(id, _)| id)
+            .collect();
+        for bid in users {
+            st.blocks[bid].stream_uses.retain(|s| *s != stream);
+        }
+        st.forgotten.insert(stream);
+        self.vmm.forget_stream(stream)?;
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// `empty_cache`: `release_cached_blocks`.
+    fn empty_cache(&self) -> Result<(), AllocError> {
+        let mut guard = self.lock()?;
+        self.release_cached_blocks(&mut guard)
+    }
+
+    /// Sets every peak to its current value.
+    fn reset_peak_stats(&self) -> Result<(), AllocError> {
+        self.lock()?.stats.reset_peaks();
+        Ok(())
+    }
+
+    /// Statistics, with the driver's counters.
+    fn stats(&self) -> AllocatorStats {
+        let mut s = match self.state.lock() {
+            Ok(st) => st.stats.clone(),
+            Err(poisoned) => poisoned.into_inner().stats.clone(),
+        };
+        s.driver = self.vmm.driver_stats();
+        s
+    }
+
+    /// Segments and blocks.
+    fn snapshot(&self) -> MemorySnapshot {
+        match self.state.lock() {
+            Ok(st) => report::snapshot(self.name, &st),
+            Err(poisoned) => report::snapshot(self.name, &poisoned.into_inner()),
+        }
+    }
+
+    /// The invariant checker.
+    #[cfg(feature = "invariants")]
+    fn check_invariants(&self) -> Result<(), crate::error::InvariantViolation> {
+        let st = self
+            .state
+            .lock()
+            .map_err(|_| crate::error::InvariantViolation("allocator state poisoned".into()))?;
+        invariants::check(&self.cfg, &st)
+    }
 
     /// The report of the last request that ran out of memory.
-    pub fn last_oom(&self) -> Option<crate::error::OomReport> {
+    fn last_oom(&self) -> Option<crate::error::OomReport> {
         match self.state.lock() {
             Ok(st) => st.last_oom.clone(),
             Err(poisoned) => poisoned.into_inner().last_oom.clone(),
@@ -863,7 +868,7 @@ impl CachingEngine {
     }
 }
 
-impl Drop for CachingEngine {
+impl Drop for CachingAllocator {
     /// Give every driver resource back (live blocks included: the allocator is
     /// going away), so the backend's leak report stays empty.
     fn drop(&mut self) {

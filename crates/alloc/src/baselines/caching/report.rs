@@ -1,4 +1,4 @@
-//! Snapshots and out-of-memory reports of the caching engine.
+//! Snapshots and out-of-memory reports of the caching allocator.
 
 use quilt_vmm::{StreamId, Vmm};
 

@@ -7,8 +7,7 @@ use quilt_vmm::sim::{Fault, SimVmm};
 use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm};
 
 use crate::api::{Allocation, DeviceAllocator};
-use crate::baselines::classic::{ClassicAllocator, ClassicConfig};
-use crate::baselines::expandable::{ExpandableAllocator, ExpandableConfig};
+use crate::baselines::{CachingAllocator, CachingConfig};
 use crate::error::{AllocError, OomVerdict};
 
 const MIB: u64 = 1 << 20;
@@ -19,15 +18,15 @@ fn sim(capacity: u64) -> Arc<SimVmm> {
     Arc::new(SimVmm::with_capacity(capacity).unwrap())
 }
 
-fn classic_on(vmm: &Arc<SimVmm>, config: ClassicConfig) -> ClassicAllocator {
-    let a = ClassicAllocator::new(vmm.clone() as Arc<dyn Vmm>, config).unwrap();
+fn classic_on(vmm: &Arc<SimVmm>, config: CachingConfig) -> CachingAllocator {
+    let a = CachingAllocator::new(vmm.clone() as Arc<dyn Vmm>, config).unwrap();
     a.check_invariants().unwrap();
     a
 }
 
-fn expandable_on(vmm: &Arc<SimVmm>) -> ExpandableAllocator {
+fn expandable_on(vmm: &Arc<SimVmm>) -> CachingAllocator {
     let a =
-        ExpandableAllocator::new(vmm.clone() as Arc<dyn Vmm>, ExpandableConfig::default()).unwrap();
+        CachingAllocator::new(vmm.clone() as Arc<dyn Vmm>, CachingConfig::expandable()).unwrap();
     a.check_invariants().unwrap();
     a
 }
@@ -50,7 +49,7 @@ fn reserved(a: &dyn DeviceAllocator) -> u64 {
 #[test]
 fn eleven_mib_gets_an_unsplit_twelve_mib_block() {
     let vmm = sim(1 << 30);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let x = alloc(&a, 11 * MIB, S0);
     assert_eq!(x.size, 12 * MIB);
     assert_eq!(reserved(&a), 12 * MIB);
@@ -65,7 +64,7 @@ fn eleven_mib_gets_an_unsplit_twelve_mib_block() {
 #[test]
 fn segment_sizes_follow_the_table() {
     let vmm = sim(1 << 30);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let small = alloc(&a, 1, S0);
     assert_eq!((small.size, reserved(&a)), (512, 2 * MIB));
     let small2 = alloc(&a, 1_000_000, S0);
@@ -103,7 +102,7 @@ fn segment_sizes_follow_the_table() {
 #[test]
 fn free_neighbours_merge() {
     let vmm = sim(1 << 30);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let x = alloc(&a, 5 * MIB, S0);
     let y = alloc(&a, 5 * MIB, S0);
     let z = alloc(&a, 5 * MIB, S0);
@@ -130,9 +129,9 @@ fn free_neighbours_merge() {
 #[test]
 fn oversize_blocks_are_not_split_or_given_to_small_requests() {
     let vmm = sim(1 << 30);
-    let config = ClassicConfig {
+    let config = CachingConfig {
         max_split_size: Some(32 * MIB),
-        ..ClassicConfig::default()
+        ..CachingConfig::classic()
     };
     let a = classic_on(&vmm, config);
     let big = alloc(&a, 40 * MIB, S0);
@@ -158,9 +157,9 @@ fn oversize_blocks_are_not_split_or_given_to_small_requests() {
 #[test]
 fn max_split_release_frees_oversize_segments_before_everything() {
     let vmm = sim(100 * MIB);
-    let config = ClassicConfig {
+    let config = CachingConfig {
         max_split_size: Some(20 * MIB),
-        ..ClassicConfig::default()
+        ..CachingConfig::classic()
     };
     let a = classic_on(&vmm, config);
     let small = alloc(&a, 5 * MIB, S0); // 20 MiB segment, oversize, split
@@ -178,7 +177,7 @@ fn max_split_release_frees_oversize_segments_before_everything() {
 #[test]
 fn release_and_retry_before_out_of_memory() {
     let vmm = sim(64 * MIB);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let x = alloc(&a, 40 * MIB, S0);
     free(&a, x.ptr);
     // Stream 1 cannot see stream 0's cache: the device is full until it is released.
@@ -194,7 +193,7 @@ fn release_and_retry_before_out_of_memory() {
 #[test]
 fn oom_verdicts() {
     let vmm = sim(40 * MIB);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let err = a.allocate(100 * MIB, S0).unwrap_err();
     a.check_invariants().unwrap();
     let r = err.oom_report().unwrap();
@@ -225,9 +224,9 @@ fn oom_verdicts() {
 #[test]
 fn memory_fraction_caps_reservations() {
     let vmm = sim(100 * MIB);
-    let config = ClassicConfig {
+    let config = CachingConfig {
         memory_fraction: Some(0.5),
-        ..ClassicConfig::default()
+        ..CachingConfig::classic()
     };
     let a = classic_on(&vmm, config);
     let err = a.allocate(60 * MIB, S0).unwrap_err();
@@ -240,10 +239,10 @@ fn memory_fraction_caps_reservations() {
 #[test]
 fn garbage_collection_frees_the_oldest_cached_segments() {
     let vmm = sim(100 * MIB);
-    let config = ClassicConfig {
+    let config = CachingConfig {
         memory_fraction: Some(0.5),
         garbage_collection_threshold: Some(0.5),
-        ..ClassicConfig::default()
+        ..CachingConfig::classic()
     };
     let a = classic_on(&vmm, config);
     let x = alloc(&a, 22 * MIB, S0);
@@ -264,7 +263,7 @@ fn garbage_collection_frees_the_oldest_cached_segments() {
 #[test]
 fn record_stream_delays_reuse_until_the_event_completes() {
     let vmm = sim(1 << 30);
-    let a = classic_on(&vmm, ClassicConfig::default());
+    let a = classic_on(&vmm, CachingConfig::classic());
     let x = alloc(&a, 5 * MIB, S0);
     a.record_stream(x.ptr, S1).unwrap();
     a.record_stream(x.ptr, S0).unwrap(); // own stream: ignored
@@ -327,24 +326,47 @@ fn bad_input_is_rejected(a: &dyn DeviceAllocator) {
 #[test]
 fn bad_input_gives_typed_errors() {
     let vmm = sim(1 << 30);
-    bad_input_is_rejected(&classic_on(&vmm, ClassicConfig::default()));
+    bad_input_is_rejected(&classic_on(&vmm, CachingConfig::classic()));
     bad_input_is_rejected(&expandable_on(&vmm));
-    assert!(ClassicAllocator::new(
+    assert!(CachingAllocator::new(
         vmm.clone(),
-        ClassicConfig {
+        CachingConfig {
             max_split_size: Some(MIB),
-            ..ClassicConfig::default()
+            ..CachingConfig::classic()
         }
     )
     .is_err());
-    assert!(ClassicAllocator::new(
+    assert!(CachingAllocator::new(
         vmm.clone(),
-        ClassicConfig {
+        CachingConfig {
             garbage_collection_threshold: Some(1.5),
-            ..ClassicConfig::default()
+            ..CachingConfig::classic()
         }
     )
     .is_err());
+    for va_reserve_bytes in [Some(0), Some(1 << 30)] {
+        let classic = CachingConfig {
+            va_reserve_bytes,
+            ..CachingConfig::classic()
+        };
+        assert!(matches!(
+            CachingAllocator::new(vmm.clone(), classic),
+            Err(AllocError::InvalidSize { .. })
+        ));
+    }
+    let no_reservation = CachingConfig {
+        va_reserve_bytes: Some(0),
+        ..CachingConfig::expandable()
+    };
+    assert!(CachingAllocator::new(vmm.clone(), no_reservation).is_err());
+}
+
+#[test]
+fn the_presets_name_the_allocator() {
+    let vmm = sim(1 << 30);
+    assert_eq!(CachingConfig::default(), CachingConfig::classic());
+    assert_eq!(classic_on(&vmm, CachingConfig::classic()).name(), "classic");
+    assert_eq!(expandable_on(&vmm).name(), "expandable");
 }
 
 #[test]
@@ -465,7 +487,7 @@ fn driver_faults_leave_the_allocator_consistent() {
             let a: Box<dyn DeviceAllocator> = if expandable {
                 Box::new(expandable_on(&vmm))
             } else {
-                Box::new(classic_on(&vmm, ClassicConfig::default()))
+                Box::new(classic_on(&vmm, CachingConfig::classic()))
             };
             vmm.inject(Fault::nth_overall(k));
             workload_with_fault(&*a);

@@ -1,4 +1,4 @@
-//! Allocations shared across processes: what the exporter sends, how the
+//! Allocations shared across processes (IPC): what the exporter sends, how the
 //! importer maps it, and how the importer says it is done.
 //!
 //! An exported allocation is a [`SharedDescriptor`] (an id, the size of the
