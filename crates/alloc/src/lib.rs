@@ -12,6 +12,7 @@ pub mod cuda_buffer;
 pub mod error;
 pub mod quilt;
 pub mod registry;
+pub mod settings;
 pub mod share;
 pub mod snapshot;
 pub mod stats;

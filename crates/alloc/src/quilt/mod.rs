@@ -37,7 +37,6 @@
 mod ahead;
 mod arena;
 mod backing;
-pub mod conf;
 mod config;
 mod export;
 mod growable;
