@@ -558,7 +558,7 @@ impl Syntax {
 /// The (key, value) pairs of `text` in `syntax`, trimmed; empty parts are
 /// skipped in `QUILT_ALLOC_CONF`'s syntax (`" "` is no setting) and refused
 /// in a spec's.
-pub fn split(text: &str, syntax: Syntax) -> Result<Vec<(&str, &str)>, SettingsError> {
+pub fn split(text: &str, syntax: Syntax) -> Result<Pairs<'_>, SettingsError> {
     let mut out = Vec::new();
     for part in text.split(',') {
         let trimmed = part.trim();
@@ -581,9 +581,12 @@ pub fn split(text: &str, syntax: Syntax) -> Result<Vec<(&str, &str)>, SettingsEr
     Ok(out)
 }
 
+/// (key, value) pairs, as [`split`] gives them.
+pub type Pairs<'a> = Vec<(&'a str, &'a str)>;
+
 /// A bench spec split into its allocator name and its settings
 /// (`NAME[:KEY=VALUE,...]`).
-pub fn split_spec(text: &str) -> Result<(&str, Vec<(&str, &str)>), SettingsError> {
+pub fn split_spec(text: &str) -> Result<(&str, Pairs<'_>), SettingsError> {
     match text.split_once(':') {
         Some((name, rest)) => Ok((name.trim(), split(rest, Syntax::Spec)?)),
         None => Ok((text.trim(), Vec::new())),
