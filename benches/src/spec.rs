@@ -11,39 +11,42 @@
 //! classic:max_split_size=256MiB,roundup_power2_divisions=4
 //! ```
 //!
+//! The keys, their values and their errors are those of `QUILT_ALLOC_CONF`:
+//! one parser, [`quilt_alloc::settings`], whose table says which allocator
+//! takes which key (`quilt` and `gmlake`: [`FrontEnd::Quilt`], the keys of
+//! `QUILT_ALLOC_CONF` in a Rust program, `memory_limit` and
+//! `memory_fraction` included; `classic` and `expandable`:
+//! [`FrontEnd::Caching`]; `offset`: [`FrontEnd::Offset`]); only the
+//! separators differ (`=` here, `:` there). The PyTorch library's own keys
+//! (`backend`, `capacity`) are refused, naming where they apply.
+//!
 //! Sizes take the usual units (`parse_size`). An unknown name or key, a bad
 //! value, or a key that the chosen settings would ignore is a [`SpecError`]
 //! that says what is valid.
 
 use quilt_alloc::baselines::offset::OffsetConfig;
 use quilt_alloc::baselines::CachingConfig;
-use quilt_alloc::baselines::RoundupPower2Divisions;
-use quilt_alloc::quilt::conf::{self, ConfError};
 use quilt_alloc::quilt::QuiltConfig;
-
-use crate::units::parse_size;
+use quilt_alloc::settings::{self, FrontEnd};
 
 /// The allocators a spec may name, in report order.
-pub const NAMES: [&str; 5] = ["quilt", "classic", "expandable", "gmlake", "offset"];
+pub const NAMES: [&str; 5] = settings::SPEC_NAMES;
 
 /// The keys of Quilt's placement and reclaim policy (the `quilt` and
 /// `gmlake` presets).
-pub const QUILT_KEYS: [&str; 11] = conf::KEYS;
+pub const QUILT_KEYS: [&str; 11] = settings::KEYS;
 
 /// The keys of Quilt's serving policies (map-ahead, recycling of growable
 /// buffers, the offload tier), accepted beside [`QUILT_KEYS`]: the
 /// `llm-serving-growable` workloads run them (`docs/serving.md`).
-pub const QUILT_SERVING_KEYS: [&str; 5] = conf::SERVING_KEYS;
+pub const QUILT_SERVING_KEYS: [&str; 5] = settings::SERVING_KEYS;
 
-/// The keys of PyTorch's caching allocator (`classic`, `expandable`).
-pub const CACHING_KEYS: [&str; 3] = [
-    "max_split_size",
-    "roundup_power2_divisions",
-    "garbage_collection_threshold",
-];
+/// The keys of PyTorch's caching allocator (`classic`, `expandable`), the
+/// memory fraction aside.
+pub const CACHING_KEYS: [&str; 3] = settings::CACHING_KEYS;
 
 /// The keys of the `offset` baseline.
-pub const OFFSET_KEYS: [&str; 1] = ["max_allocs"];
+pub const OFFSET_KEYS: [&str; 1] = settings::OFFSET_KEYS;
 
 /// An allocator and its settings, as a spec named them.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,220 +61,46 @@ pub enum Spec {
     Offset(OffsetConfig),
 }
 
-/// A spec that cannot be built.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SpecError {
-    /// No allocator has this name.
-    #[error("unknown allocator `{name}` (known: {})", NAMES.join(", "))]
-    UnknownName {
-        /// The name given.
-        name: String,
-    },
-    /// The allocator has no such setting.
-    #[error("`{name}` has no setting `{key}` (valid keys: {})", valid.join(", "))]
-    UnknownKey {
-        /// The allocator.
-        name: String,
-        /// The key given.
-        key: String,
-        /// Its valid keys.
-        valid: Vec<&'static str>,
-    },
-    /// A value that does not parse or is out of range.
-    #[error("`{key}={value}`: {reason}")]
-    BadValue {
-        /// The key.
-        key: String,
-        /// The value given.
-        value: String,
-        /// What a valid value is.
-        reason: String,
-    },
-    /// Not `KEY=VALUE`, or a key given twice.
-    #[error("`{part}`: {reason}")]
-    Malformed {
-        /// The part of the spec.
-        part: String,
-        /// What is wrong with it.
-        reason: &'static str,
-    },
-    /// Settings that contradict each other, or one the others make dead.
-    #[error("{0}")]
-    Conflict(String),
-}
+/// A spec that cannot be built: the settings' one error
+/// ([`settings::SettingsError`]; an unknown allocator is
+/// [`settings::SettingsError::UnknownAllocator`]).
+pub type SpecError = settings::SettingsError;
 
-/// One `KEY=VALUE` of a spec.
-struct Setting<'a> {
-    key: &'a str,
-    value: &'a str,
-}
-
-impl Setting<'_> {
-    fn bad(&self, reason: impl Into<String>) -> SpecError {
-        SpecError::BadValue {
-            key: self.key.to_string(),
-            value: self.value.to_string(),
-            reason: reason.into(),
-        }
-    }
-
-    fn size(&self) -> Result<u64, SpecError> {
-        parse_size(self.value).map_err(|e| self.bad(e.to_string()))
-    }
-
-    fn count(&self) -> Result<u64, SpecError> {
-        self.value
-            .parse::<u64>()
-            .map_err(|_| self.bad("expected a whole number"))
-    }
-}
-
-/// Split `text` into its name and settings.
-fn split(text: &str) -> Result<(&str, Vec<Setting<'_>>), SpecError> {
-    let (name, rest) = match text.split_once(':') {
-        Some((n, r)) => (n.trim(), Some(r)),
-        None => (text.trim(), None),
-    };
-    let mut settings: Vec<Setting<'_>> = Vec::new();
-    for part in rest.into_iter().flat_map(|r| r.split(',')) {
-        let Some((key, value)) = part.split_once('=') else {
-            return Err(SpecError::Malformed {
-                part: part.to_string(),
-                reason: "expected KEY=VALUE",
-            });
-        };
-        let (key, value) = (key.trim(), value.trim());
-        if key.is_empty() || value.is_empty() {
-            return Err(SpecError::Malformed {
-                part: part.to_string(),
-                reason: "expected KEY=VALUE",
-            });
-        }
-        if settings.iter().any(|s| s.key == key) {
-            return Err(SpecError::Malformed {
-                part: part.to_string(),
-                reason: "key given twice",
-            });
-        }
-        settings.push(Setting { key, value });
-    }
-    Ok((name, settings))
-}
-
-fn unknown(name: &str, key: &str, valid: &[&'static str]) -> SpecError {
-    SpecError::UnknownKey {
-        name: name.to_string(),
-        key: key.to_string(),
-        valid: valid.to_vec(),
+/// The front end of the allocator `name`, if it is one.
+pub fn front_end(name: &str) -> Option<FrontEnd> {
+    match name {
+        "quilt" | "gmlake" => Some(FrontEnd::Quilt),
+        "classic" | "expandable" => Some(FrontEnd::Caching),
+        "offset" => Some(FrontEnd::Offset),
+        _ => None,
     }
 }
 
 /// Parse a spec.
 pub fn parse(text: &str) -> Result<Spec, SpecError> {
-    let (name, settings) = split(text)?;
+    let (name, pairs) = settings::split_spec(text)?;
     match name {
-        "quilt" => quilt(name, QuiltConfig::default(), &settings).map(Spec::Quilt),
-        "gmlake" => quilt(name, QuiltConfig::gmlake(), &settings).map(Spec::Quilt),
-        "classic" | "expandable" => {
-            let mut c = if name == "classic" {
-                CachingConfig::classic()
-            } else {
-                CachingConfig::expandable()
-            };
-            caching(
-                name,
-                &settings,
-                &mut c.max_split_size,
-                &mut c.roundup_power2_divisions,
-                &mut c.garbage_collection_threshold,
-            )?;
-            Ok(Spec::Caching(c))
+        "quilt" => settings::apply(QuiltConfig::default(), &pairs).map(Spec::Quilt),
+        "gmlake" => settings::apply(QuiltConfig::gmlake(), &pairs).map(Spec::Quilt),
+        "classic" => settings::apply_caching(CachingConfig::classic(), &pairs).map(Spec::Caching),
+        "expandable" => {
+            settings::apply_caching(CachingConfig::expandable(), &pairs).map(Spec::Caching)
         }
-        "offset" => {
-            let mut c = OffsetConfig::default();
-            for s in &settings {
-                match s.key {
-                    "max_allocs" => {
-                        let n = s.count()?;
-                        let n = u32::try_from(n)
-                            .ok()
-                            .filter(|&n| n > 0)
-                            .ok_or_else(|| s.bad("expected 1 to 4294967295"))?;
-                        c.max_allocs = Some(n);
-                    }
-                    k => return Err(unknown(name, k, &OFFSET_KEYS)),
-                }
-            }
-            Ok(Spec::Offset(c))
-        }
-        _ => Err(SpecError::UnknownName {
+        "offset" => settings::apply_offset(OffsetConfig::default(), &pairs).map(Spec::Offset),
+        _ => Err(SpecError::UnknownAllocator {
             name: name.to_string(),
+            known: &NAMES,
         }),
     }
-}
-
-/// The settings of PyTorch's caching allocator.
-fn caching(
-    name: &str,
-    settings: &[Setting<'_>],
-    max_split_size: &mut Option<u64>,
-    divisions: &mut RoundupPower2Divisions,
-    gc_threshold: &mut Option<f64>,
-) -> Result<(), SpecError> {
-    for s in settings {
-        match s.key {
-            "max_split_size" => *max_split_size = Some(s.size()?),
-            "roundup_power2_divisions" => {
-                let n = s.count()?;
-                if n != 0 && !n.is_power_of_two() {
-                    return Err(s.bad("expected 0 or a power of two"));
-                }
-                *divisions = RoundupPower2Divisions::uniform(n);
-            }
-            "garbage_collection_threshold" => {
-                let t: f64 = s
-                    .value
-                    .parse()
-                    .map_err(|_| s.bad("expected a number in (0, 1)"))?;
-                if !(t > 0.0 && t < 1.0) {
-                    return Err(s.bad("expected a number in (0, 1)"));
-                }
-                *gc_threshold = Some(t);
-            }
-            k => return Err(unknown(name, k, &CACHING_KEYS)),
-        }
-    }
-    Ok(())
-}
-
-/// Quilt's policy from `base` with `settings` applied (the vocabulary of
-/// [`quilt_alloc::quilt::conf`]).
-fn quilt(
-    name: &str,
-    base: QuiltConfig,
-    settings: &[Setting<'_>],
-) -> Result<QuiltConfig, SpecError> {
-    let pairs: Vec<(&str, &str)> = settings.iter().map(|s| (s.key, s.value)).collect();
-    conf::apply(base, &pairs).map_err(|e| match e {
-        ConfError::UnknownKey { key, valid } => SpecError::UnknownKey {
-            name: name.to_string(),
-            key,
-            valid,
-        },
-        ConfError::BadValue { key, value, reason } => SpecError::BadValue { key, value, reason },
-        ConfError::Repeated(key) => SpecError::Malformed {
-            part: key,
-            reason: "key given twice",
-        },
-        ConfError::Conflict(m) => SpecError::Conflict(m),
-    })
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
+    use quilt_alloc::baselines::RoundupPower2Divisions;
     use quilt_alloc::quilt::{GrowthPolicy, PageSize, Placement, ReclaimPolicy};
+    use quilt_alloc::settings::VOCABULARY;
 
     fn quilt_of(text: &str) -> QuiltConfig {
         match parse(text).unwrap() {
@@ -365,7 +194,7 @@ mod tests {
         ));
         assert!(matches!(
             parse("quilt:candidates=2,candidates=3"),
-            Err(SpecError::Malformed { .. })
+            Err(SpecError::Repeated { key: "candidates" })
         ));
         assert!(matches!(
             parse("quilt:candidates=0"),
@@ -373,6 +202,10 @@ mod tests {
         ));
         assert!(matches!(
             parse("offset:reclaim=always"),
+            Err(SpecError::NotHere { .. })
+        ));
+        assert!(matches!(
+            parse("offset:colour=blue"),
             Err(SpecError::UnknownKey { .. })
         ));
     }
@@ -386,7 +219,61 @@ mod tests {
             "gmlake:candidates=4",
             "gmlake:frag_limit=0,reuse_limit=4",
         ] {
-            assert!(matches!(parse(text), Err(SpecError::Conflict(_))), "{text}");
+            assert!(
+                matches!(parse(text), Err(SpecError::IgnoredKey { .. })),
+                "{text}"
+            );
+        }
+    }
+
+    /// Every key of the one vocabulary, in every spec: taken where the
+    /// allocator's front end takes it, else refused with the error
+    /// `QUILT_ALLOC_CONF` gives for it (`settings::parse` and a spec agree).
+    #[test]
+    fn specs_take_and_refuse_the_vocabulary_as_quilt_alloc_conf_does() {
+        for name in NAMES {
+            let front = front_end(name).unwrap();
+            for k in &VOCABULARY {
+                let got = parse(&format!("{name}:{}={}", k.name, k.example));
+                if name == "quilt" {
+                    let conf = settings::parse(
+                        QuiltConfig::default(),
+                        &format!("{}:{}", k.name, k.example),
+                    );
+                    assert_eq!(
+                        got.clone().map(|_| ()),
+                        conf.map(|_| ()),
+                        "{name}: {}",
+                        k.name
+                    );
+                }
+                if front.takes(k.name) {
+                    // Taken; at most dead without its companion setting.
+                    assert!(
+                        matches!(got, Ok(_) | Err(SpecError::IgnoredKey { .. })),
+                        "{name}: {}: {got:?}",
+                        k.name
+                    );
+                } else {
+                    let e = got.unwrap_err();
+                    assert!(
+                        matches!(e, SpecError::NotHere { here, .. } if here == front),
+                        "{name}: {}: {e}",
+                        k.name
+                    );
+                }
+            }
+        }
+        let e = parse("quilt:backend=host").unwrap_err().to_string();
+        assert!(e.contains("PyTorch library"), "{e}");
+        let c = quilt_of("quilt:memory_limit=2GiB");
+        assert_eq!(
+            c.pool.limit,
+            quilt_alloc::quilt::MemoryLimit::Bytes(2 << 30)
+        );
+        match parse("classic:memory_fraction=0.5").unwrap() {
+            Spec::Caching(c) => assert_eq!(c.memory_fraction, Some(0.5)),
+            other => panic!("{other:?}"),
         }
     }
 }

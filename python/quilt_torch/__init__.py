@@ -33,7 +33,10 @@ snapshot). This package wraps both sides:
 
 Quilt is configured by the environment variable ``QUILT_ALLOC_CONF``, read
 once, when the library is first used: comma-separated ``key:value`` pairs such
-as ``backend:host,capacity:256MiB``. Set it before the first allocation.
+as ``backend:host,capacity:256MiB`` or ``memory_limit:8GiB`` (the keys of
+``quilt_alloc::settings``: ``backend``, ``capacity``, ``memory_fraction`` or
+``memory_limit``, and Quilt's policy keys). Set it before the first
+allocation.
 
 Only the standard library is imported at module level; torch is imported
 inside the functions that need it, so the package imports (and the ctypes

@@ -14,6 +14,7 @@ pub mod export_pins;
 pub mod ipc;
 pub mod quilt;
 pub mod registry;
+pub mod settings;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;

@@ -1,4 +1,4 @@
-//! `peer_access` in `QUILT_ALLOC_CONF`'s grammar (`quilt::conf`): the text
+//! `peer_access` in `QUILT_ALLOC_CONF`'s grammar (`quilt_alloc::settings`): the text
 //! reaches `QuiltConfig::peer_access`, an allocator built from it makes
 //! every mapping accessible from those peers (simulated devices), and bad
 //! values are refused with what a valid one is.
@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
-use quilt_alloc::quilt::conf::{self, ConfError};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+use quilt_alloc::settings::{self, SettingsError};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::sim::{SimConfig, SimVmm};
 use quilt_vmm::{DeviceSet, StreamId};
@@ -17,14 +17,15 @@ const MIB: u64 = 1 << 20;
 
 #[test]
 fn peer_access_from_conf_text_reaches_every_mapping() {
-    let c = conf::parse(QuiltConfig::default(), "peer_access:1+3, reclaim:always").unwrap();
+    let c = settings::parse(QuiltConfig::default(), "peer_access:1+3, reclaim:always").unwrap();
     assert_eq!(c.peer_access, DeviceSet::of(&[1, 3]).unwrap());
-    let none = conf::parse(QuiltConfig::default(), "peer_access:none").unwrap();
+    let none = settings::parse(QuiltConfig::default(), "peer_access:none").unwrap();
     assert_eq!(none.peer_access, DeviceSet::EMPTY);
-    let applied = conf::apply(QuiltConfig::default(), &[("peer_access", "2")]).unwrap();
+    let applied = settings::apply(QuiltConfig::default(), &[("peer_access", "2")]).unwrap();
     assert_eq!(applied.peer_access, DeviceSet::of(&[2]).unwrap());
-    assert!(conf::is_key("peer_access"));
-    assert!(conf::all_keys().contains(&"peer_access"));
+    assert!(settings::FrontEnd::Quilt.takes("peer_access"));
+    assert!(settings::FrontEnd::Library.takes("peer_access"));
+    assert_eq!(settings::DEVICE_KEYS, ["peer_access"]);
 
     // Device 0 of four: every page it maps is accessible from 0, 1 and 3.
     let sim = Arc::new(
@@ -75,17 +76,17 @@ fn peer_access_bad_values_say_what_is_valid() {
         ("64", "up to 63"),
         ("all", "or none"),
     ] {
-        let e = conf::apply(QuiltConfig::default(), &[("peer_access", value)]).unwrap_err();
-        assert!(matches!(e, ConfError::BadValue { .. }), "{value}: {e}");
+        let e = settings::apply(QuiltConfig::default(), &[("peer_access", value)]).unwrap_err();
+        assert!(matches!(e, SettingsError::BadValue { .. }), "{value}: {e}");
         assert!(e.to_string().contains(expect), "{value}: {e}");
     }
     // In the text grammar a comma ends the value: `1,2` is a value and a bad pair.
-    assert!(conf::parse(QuiltConfig::default(), "peer_access:1,2").is_err());
+    assert!(settings::parse(QuiltConfig::default(), "peer_access:1,2").is_err());
     assert!(matches!(
-        conf::apply(
+        settings::apply(
             QuiltConfig::default(),
             &[("peer_access", "1"), ("peer_access", "2")]
         ),
-        Err(ConfError::Repeated(_))
+        Err(SettingsError::Repeated { .. })
     ));
 }

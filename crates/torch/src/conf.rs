@@ -1,144 +1,45 @@
 //! `QUILT_ALLOC_CONF`: comma-separated `key:value` pairs, in the style of
-//! `PYTORCH_CUDA_ALLOC_CONF`, read once at the library's first use.
+//! `PYTORCH_CUDA_ALLOC_CONF`, read once at the library's first use, by the
+//! one settings parser, [`quilt_alloc::settings::library`] (its table lists
+//! every key; its front end [`FrontEnd::Library`]).
 //!
 //! | key | value | default |
 //! |---|---|---|
 //! | `backend` | `cuda`, `host` (real host memory, for tests and trying it without a GPU), `sim` (bookkeeping only: never dereference its pointers) | `cuda` |
 //! | `capacity` | bytes of the `host` or `sim` device, with units (`2GiB`) | host 1 GiB, sim 80 GiB |
 //! | `memory_fraction` | the share of each device Quilt may hold, in (0, 1] | 1 |
+//! | `memory_limit` | the bytes of each device Quilt may hold (`2GiB`); not with `memory_fraction` | the device |
 //!
-//! and every key of Quilt's policy ([`quilt_alloc::quilt::conf`]: `page_size`,
-//! `reclaim`, `cached_permille`, ...). An unknown key or a bad value is an
-//! error naming the valid keys; the library then refuses to allocate.
+//! and every key of Quilt's policy (`page_size`, `reclaim`,
+//! `cached_permille`, ...: [`quilt_alloc::settings::QUILT_FRONT_KEYS`]). An
+//! unknown key or a bad value is an error naming the valid keys; the library
+//! then refuses to allocate. `quilt_set_memory_fraction` replaces the limit
+//! of `memory_fraction` or `memory_limit`.
 
-use quilt_alloc::quilt::{conf, QuiltConfig};
-use quilt_alloc::units::parse_size;
+use quilt_alloc::settings;
+pub use quilt_alloc::settings::{Backend, FrontEnd, LibrarySettings as LibraryConf};
 
-/// The library's own keys (Quilt's policy keys come after them).
-pub const LIBRARY_KEYS: [&str; 3] = ["backend", "capacity", "memory_fraction"];
+/// The library's valid keys: its own (`backend`, `capacity`), Quilt's, and
+/// the memory limit's.
+pub const VALID_KEYS: &[&str] = &settings::LIBRARY_FRONT_KEYS;
 
-/// Where the memory comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// The GPU, through CUDA's driver.
-    Cuda,
-    /// Host memory behind the same virtual-memory calls (memfd + mmap).
-    Host,
-    /// The simulated device: addresses and bookkeeping, no memory.
-    Sim,
-}
-
-impl Backend {
-    /// The name used in `QUILT_ALLOC_CONF` and in the stats.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Cuda => "cuda",
-            Backend::Host => "host",
-            Backend::Sim => "sim",
-        }
-    }
-}
-
-/// The parsed configuration.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LibraryConf {
-    /// The backend of every device.
-    pub backend: Backend,
-    /// Capacity of a `host` or `sim` device, in bytes.
-    pub capacity: u64,
-    /// The share of each device the allocator may hold.
-    pub memory_fraction: Option<f64>,
-    /// Quilt's policy.
-    pub quilt: QuiltConfig,
-}
-
-fn all_keys() -> String {
-    LIBRARY_KEYS
-        .iter()
-        .chain(conf::KEYS.iter())
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// A memory fraction in (0, 1], or why not.
+/// A memory fraction in (0, 1] (`quilt_set_memory_fraction`), or why not.
 pub fn check_fraction(f: f64) -> Result<f64, String> {
-    if f > 0.0 && f <= 1.0 {
-        Ok(f)
-    } else {
-        Err(format!("memory fraction {f} is not in (0, 1]"))
-    }
+    settings::check_fraction(f).map_err(|e| e.to_string())
 }
 
-/// Parse `QUILT_ALLOC_CONF`'s text (empty: every default).
+/// Parse `QUILT_ALLOC_CONF`'s text (empty: every default). The error starts
+/// with `QUILT_ALLOC_CONF="..."` (the Python package tells configuration
+/// errors by it).
 pub fn parse(text: &str) -> Result<LibraryConf, String> {
-    let fail = |m: String| Err(format!("QUILT_ALLOC_CONF=\"{text}\": {m}"));
-    let mut backend = Backend::Cuda;
-    let mut capacity: Option<u64> = None;
-    let mut memory_fraction = None;
-    let mut policy: Vec<(&str, &str)> = Vec::new();
-    let mut seen: Vec<&str> = Vec::new();
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let Some((key, value)) = part.split_once(':') else {
-            return fail(format!(
-                "`{part}` is not key:value (valid keys: {})",
-                all_keys()
-            ));
-        };
-        let (key, value) = (key.trim(), value.trim());
-        if seen.contains(&key) {
-            return fail(format!("`{key}` is given twice"));
-        }
-        seen.push(key);
-        match key {
-            "backend" => {
-                backend = match value {
-                    "cuda" => Backend::Cuda,
-                    "host" => Backend::Host,
-                    "sim" => Backend::Sim,
-                    _ => return fail(format!("backend `{value}`: expected cuda, host or sim")),
-                }
-            }
-            "capacity" => match parse_size(value) {
-                Ok(0) => return fail("capacity must be more than 0 bytes".into()),
-                Ok(b) => capacity = Some(b),
-                Err(e) => return fail(e.to_string()),
-            },
-            "memory_fraction" => match value.parse::<f64>().map_err(|e| e.to_string()) {
-                Ok(f) => match check_fraction(f) {
-                    Ok(f) => memory_fraction = Some(f),
-                    Err(e) => return fail(e),
-                },
-                Err(e) => return fail(format!("memory_fraction `{value}`: {e}")),
-            },
-            k if conf::is_key(k) => policy.push((k, value)),
-            k => return fail(format!("unknown key `{k}` (valid keys: {})", all_keys())),
-        }
-    }
-    let quilt = match conf::apply(QuiltConfig::default(), &policy) {
-        Ok(q) => q,
-        Err(e) => return fail(e.to_string()),
-    };
-    if capacity.is_some() && backend == Backend::Cuda {
-        return fail("capacity applies only to the host and sim backends".into());
-    }
-    let capacity = capacity.unwrap_or(match backend {
-        Backend::Sim => 80 << 30,
-        _ => 1 << 30,
-    });
-    Ok(LibraryConf {
-        backend,
-        capacity,
-        memory_fraction,
-        quilt,
-    })
+    settings::library(text).map_err(|e| format!("QUILT_ALLOC_CONF=\"{text}\": {e}"))
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
     use super::*;
-    use quilt_alloc::quilt::ReclaimPolicy;
+    use quilt_alloc::quilt::{MemoryLimit, QuiltConfig, ReclaimPolicy};
 
     #[test]
     fn the_defaults_and_every_key() {
@@ -147,24 +48,26 @@ mod tests {
         assert_eq!(c.quilt, QuiltConfig::default());
         let c = parse(" backend:host , capacity:2GiB,memory_fraction:0.5,reclaim:always").unwrap();
         assert_eq!(
-            (c.backend, c.capacity, c.memory_fraction),
-            (Backend::Host, 2 << 30, Some(0.5))
+            (c.backend, c.capacity, c.quilt.pool.limit),
+            (Backend::Host, 2 << 30, MemoryLimit::Fraction(0.5))
         );
         assert_eq!(c.quilt.reclaim, ReclaimPolicy::Always);
         assert_eq!(parse("backend:sim").unwrap().capacity, 80 << 30);
+        let c = parse("backend:host,capacity:8GiB,memory_limit:2GiB").unwrap();
+        assert_eq!(c.quilt.pool.limit, MemoryLimit::Bytes(2 << 30));
     }
 
     #[test]
     fn bad_configurations_name_the_valid_keys() {
         for (text, expect) in [
-            (
-                "colour:blue",
-                "backend, capacity, memory_fraction, page_size",
-            ),
+            ("colour:blue", "backend, capacity"),
+            ("colour:blue", "memory_fraction, memory_limit"),
+            ("colour:blue", "page_size"),
             ("backend:tpu", "cuda, host or sim"),
             ("backend:host,capacity:lots", "bad size"),
-            ("backend:host,capacity:0", "more than 0"),
-            ("memory_fraction:1.5", "not in (0, 1]"),
+            ("backend:host,capacity:0", "above 0"),
+            ("memory_fraction:1.5", "(0, 1]"),
+            ("memory_fraction:0.5,memory_limit:1GiB", "give one"),
             ("reclaim:sometimes", "when_full"),
             ("backend:host,backend:sim", "twice"),
             ("capacity:1GiB", "host and sim"),
@@ -172,6 +75,62 @@ mod tests {
         ] {
             let e = parse(text).unwrap_err();
             assert!(e.contains(expect), "{text}: {e}");
+            assert!(e.starts_with("QUILT_ALLOC_CONF=\""), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_library_takes_every_key_of_quilt_s_configuration() {
+        for key in settings::QUILT_FRONT_KEYS {
+            assert!(VALID_KEYS.contains(&key), "{key}");
+        }
+        for key in ["backend", "capacity", "memory_limit", "memory_fraction"] {
+            assert!(FrontEnd::Library.takes(key), "{key}");
+        }
+    }
+
+    /// The library and a Rust program's `QUILT_ALLOC_CONF`
+    /// (`settings::parse`) read every key of Quilt's configuration alike,
+    /// and refuse every other key of the vocabulary but the library's own
+    /// with the same error.
+    #[test]
+    fn the_library_and_from_env_agree_on_every_key() {
+        for k in &settings::VOCABULARY {
+            let text = format!("{}:{}", k.name, k.example);
+            let lib = settings::library(&text);
+            let rust = settings::parse(QuiltConfig::default(), &text);
+            match (
+                FrontEnd::Quilt.takes(k.name),
+                FrontEnd::Library.takes(k.name),
+            ) {
+                (true, true) => assert_eq!(
+                    lib.map(|l| l.quilt).map_err(|e| e.to_string()),
+                    rust.map_err(|e| e.to_string()),
+                    "{}",
+                    k.name
+                ),
+                (false, true) => {
+                    // The library's own keys (`capacity` needs a host or sim backend).
+                    assert!(matches!(rust, Err(settings::SettingsError::NotHere { .. })));
+                    let with_host = match k.name {
+                        "backend" => text.clone(),
+                        _ => format!("backend:host,{text}"),
+                    };
+                    assert!(parse(&with_host).is_ok(), "{with_host}");
+                }
+                (_, false) => {
+                    let (lib, rust) = (lib.unwrap_err(), rust.unwrap_err());
+                    assert!(
+                        matches!(lib, settings::SettingsError::NotHere { .. }),
+                        "{lib}"
+                    );
+                    assert!(
+                        matches!(rust, settings::SettingsError::NotHere { .. }),
+                        "{rust}"
+                    );
+                    assert!(parse(&text).unwrap_err().contains(&lib.to_string()));
+                }
+            }
         }
     }
 }

@@ -172,12 +172,11 @@ impl Library {
                     None,
                 ),
             };
-        let fraction = lock(&self.fractions)
-            .get(&index)
-            .copied()
-            .or(conf.memory_fraction);
+        // `QUILT_ALLOC_CONF`'s `memory_fraction` or `memory_limit` is in
+        // `conf.quilt`; a fraction set for this device before it existed
+        // replaces it (as `set_memory_fraction` does afterwards).
         let mut config = conf.quilt;
-        if let Some(f) = fraction {
+        if let Some(&f) = lock(&self.fractions).get(&index) {
             config = config.with_limit(MemoryLimit::Fraction(f));
         }
         let alloc = QuiltAllocator::new(vmm, config)

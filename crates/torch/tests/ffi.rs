@@ -105,7 +105,7 @@ fn every_exported_function() {
     assert_eq!(stats()["capacity_bytes"], 64 * MIB as u64);
     assert!(quilt_malloc(100 * MIB, 0, std::ptr::null_mut()).is_null());
     quilt_set_memory_fraction(2.0, 0);
-    assert!(last_error().contains("not in (0, 1]"));
+    assert!(last_error().contains("memory_fraction") && last_error().contains("(0, 1]"));
     quilt_empty_cache();
     assert_eq!(stats()["reserved_bytes"]["current"], 0);
     assert_eq!(quilt_record_history(0, 0), 0);

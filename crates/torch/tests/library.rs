@@ -183,6 +183,30 @@ fn a_memory_fraction_raised_at_run_time_is_honoured() {
 }
 
 #[test]
+fn a_memory_limit_in_quilt_alloc_conf_is_honoured() {
+    // `memory_limit` is a key of the library as of Quilt's configuration:
+    // 2 GiB of an 8 GiB host device.
+    let lib = Library::new("backend:host,capacity:8GiB,memory_limit:2GiB");
+    assert_eq!(stats(&lib)["capacity_bytes"].as_u64().unwrap(), 2 << 30);
+    let held = lib.malloc(1 << 30, 0, 0).unwrap();
+    let refused = lib.malloc(3 << 29, 0, 0).unwrap_err();
+    assert!(refused.contains("out of memory"), "{refused}");
+    lib.free(held, 1 << 30, 0, 0).unwrap();
+    assert!(lib.malloc(3 << 30, 0, 0).is_err(), "over the limit");
+    // quilt_set_memory_fraction replaces it.
+    lib.set_memory_fraction(1.0, 0).unwrap();
+    let big = lib.malloc(3 << 30, 0, 0).unwrap();
+    lib.free(big, 3 << 30, 0, 0).unwrap();
+    // Both in the text: refused, and the library allocates nothing.
+    let both = Library::new("backend:host,memory_limit:64MiB,memory_fraction:0.5");
+    let e = both.malloc(MIB, 0, 0).unwrap_err();
+    assert!(
+        e.contains("QUILT_ALLOC_CONF=") && e.contains("give one"),
+        "{e}"
+    );
+}
+
+#[test]
 fn snapshots_add_up_and_read_back_through_quilt_s_importer() {
     let lib = Library::new("backend:sim,capacity:1GiB");
     lib.record_history(true, 10_000);

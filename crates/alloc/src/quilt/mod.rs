@@ -18,7 +18,6 @@ mod ahead;
 mod allocator;
 mod arena;
 mod backing;
-pub mod conf;
 mod config;
 mod export;
 mod growable;
