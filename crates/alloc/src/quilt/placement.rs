@@ -1,6 +1,12 @@
-//! Placement: where a block goes in an arena (best-fitting gaps scored by
-//! mapped pages, waits and retired pages still in use), and ordering its
-//! stream after the other streams' work on its range.
+//! Placement: where a block goes in an arena, behind one small trait
+//! ([`Placer`]) with two implementations, [`BestFit`] (Quilt's: best-fitting
+//! gaps scored by mapped pages and waits) and [`Gmlake`] (GMLake's limits);
+//! and ordering a block's stream after the other streams' work on its range.
+//!
+//! Scoring is pure: the progress of the streams whose work a candidate's
+//! range may still carry is polled once, before the candidates are scored
+//! (at most one query per stream per operation); the scores then read what
+//! is known and make no driver call.
 
 use super::arena::PageSlot;
 use super::config::Placement;
@@ -59,35 +65,208 @@ impl Placed {
     }
 }
 
+/// A block to place: `rounded` bytes (asked for as `size`) on stream index `t`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Request {
+    size: u64,
+    rounded: u64,
+    t: u32,
+}
+
+/// A placement policy: where a block goes in an arena.
+pub(super) trait Placer {
+    /// Where `req` goes in arena `ai` of `core`; `None` when no gap fits.
+    fn place(&self, core: &mut Core, ctx: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed>;
+}
+
+/// Quilt's placement: among up to `candidates` best-fitting gaps, the first
+/// whose pages are all mapped and need no wait for another stream, then one
+/// whose pages are all mapped (a wait costs less than new pages), then the
+/// one needing the fewest new pages; the block goes at the gap's start
+/// (past retired pages still in use).
+pub(super) struct BestFit {
+    pub(super) candidates: usize,
+}
+
+impl Placer for BestFit {
+    fn place(&self, core: &mut Core, ctx: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed> {
+        let Request { rounded, t, .. } = req;
+        let n = self.candidates;
+        let mut first_score = None;
+        if n > 1 && core.arenas[ai].retired_pages == 0 {
+            // The best fit is most often perfect: look at it before
+            // collecting the others (the same choice as `best_candidate`,
+            // which returns the first perfect candidate, and looks at none
+            // when there is only one).
+            let (first, more) = {
+                let mut two = core.arenas[ai].fitting_gaps(rounded, 2);
+                (two.next()?, two.next().is_some())
+            };
+            if more {
+                core.poll_hazard_streams(ctx, ai, &[first], rounded, t);
+                let score = core.score(ai, rounded, t, first);
+                if score == PlaceScore::PERFECT {
+                    return Some(Placed {
+                        off: first.0,
+                        gap: first.1,
+                        wait_free: true,
+                    });
+                }
+                first_score = Some(score);
+            }
+        }
+        let mut candidates = std::mem::take(&mut core.scratch);
+        candidates.clear();
+        candidates.extend(core.arenas[ai].fitting_gaps(rounded, n));
+        if core.arenas[ai].retired_pages > 0 {
+            let moved: Vec<(u64, PieceId)> = candidates
+                .iter()
+                .filter_map(|&(_, g)| {
+                    core.past_retired_in_use(ctx, ai, g, rounded)
+                        .map(|off| (off, g))
+                })
+                .collect();
+            // If every fitting gap is blocked, a retired page will be
+            // synchronised for (rare; only after reclaim moved pages).
+            if !moved.is_empty() {
+                candidates = moved;
+            }
+        }
+        if candidates.len() > 1 {
+            core.poll_hazard_streams(ctx, ai, &candidates, rounded, t);
+        }
+        let chosen = core.best_candidate(ai, rounded, t, &candidates, first_score);
+        core.scratch = candidates;
+        chosen
+    }
+}
+
+/// GMLake's placement (its `fragLimit` and `reuseLimit`): a large request
+/// below `frag_limit` is served from a cached range whose pages are all
+/// mapped, else from fresh, page-aligned virtual space past the arena's
+/// mapped tail (new pages, no stitching); one at or above it reuses a
+/// cached range of at most `reuse_limit` times its size, else is stitched
+/// into the best-fitting gap.
+pub(super) struct Gmlake {
+    frag_limit: u64,
+    reuse_limit: u64,
+}
+
+impl Placer for Gmlake {
+    fn place(&self, core: &mut Core, _: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed> {
+        let Request { size, rounded, .. } = req;
+        let a = &core.arenas[ai];
+        let limit = if size >= self.frag_limit && self.reuse_limit > 0 {
+            rounded.saturating_mul(self.reuse_limit)
+        } else {
+            u64::MAX
+        };
+        if let Some(found) = a.best_fit_mapped(rounded, limit, 64) {
+            return Some(Placed::unchecked(found));
+        }
+        if size >= self.frag_limit {
+            return a.fitting_gaps(rounded, 1).next().map(Placed::unchecked);
+        }
+        a.fresh_tail(rounded).map(Placed::unchecked)
+    }
+}
+
 impl Core {
-    /// True when a block on stream `t` over `off .. off + len` of gap `gap`
-    /// in arena `ai` would have to wait for another stream's work.
-    pub(super) fn needs_wait(
+    /// The best of `candidates` (starts of a block of `rounded` bytes on
+    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`], from
+    /// what is known of the streams (no driver call); `first_score`, when
+    /// given, is the first candidate's, scored already this operation.
+    fn best_candidate(
+        &self,
+        ai: usize,
+        rounded: u64,
+        t: u32,
+        candidates: &[(u64, PieceId)],
+        first_score: Option<PlaceScore>,
+    ) -> Option<Placed> {
+        if candidates.len() <= 1 {
+            return candidates.first().copied().map(Placed::unchecked);
+        }
+        let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
+        for (i, &(start, gap)) in candidates.iter().enumerate() {
+            let score = match first_score {
+                Some(known) if i == 0 => known,
+                _ => self.score(ai, rounded, t, (start, gap)),
+            };
+            if score == PlaceScore::PERFECT {
+                return Some(Placed {
+                    off: start,
+                    gap,
+                    wait_free: true,
+                });
+            }
+            if best.is_none_or(|(b, _)| score < b) {
+                best = Some((score, (start, gap)));
+            }
+        }
+        best.map(|(score, (off, gap))| Placed {
+            off,
+            gap,
+            wait_free: !score.waits,
+        })
+    }
+
+    /// The score of a block of `rounded` bytes on stream `t` at `start` of
+    /// gap `gap` in arena `ai` (pure: no driver call).
+    fn score(&self, ai: usize, rounded: u64, t: u32, (start, gap): (u64, PieceId)) -> PlaceScore {
+        let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
+        let wait = self.needs_wait(ai, (start, gap), rounded, t);
+        PlaceScore {
+            needs_pages: unmapped > 0,
+            waits_though_mapped: unmapped == 0 && wait,
+            new_pages: unmapped,
+            waits: wait,
+        }
+    }
+
+    /// Learn how far the streams got whose work a block on stream `t` over
+    /// each of `candidates` (`len` bytes in arena `ai`) may still have to
+    /// wait for: one query per such stream at most this operation, none
+    /// for a stream already waited for or known done.
+    fn poll_hazard_streams(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
-        (off, gap): (u64, PieceId),
+        candidates: &[(u64, PieceId)],
         len: u64,
         t: u32,
-    ) -> bool {
+    ) {
+        if self.streams.len() < 2 {
+            return;
+        }
+        let tick = self.tick;
+        let streams = &mut self.streams;
+        for &(off, gap) in candidates {
+            for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
+                for s in streams.in_mask(h.streams).filter(|&s| s != t) {
+                    if streams.waited(t, s) < h.tick && !streams.is_done(s, h.tick) {
+                        streams.poll(ctx.vmm, s, tick, Poll::Now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// True when a block on stream `t` over `off .. off + len` of gap `gap`
+    /// in arena `ai` would have to wait for another stream's work, as far
+    /// as is known (no driver call).
+    fn needs_wait(&self, ai: usize, (off, gap): (u64, PieceId), len: u64, t: u32) -> bool {
         // A single stream orders its own reuse.
         if self.streams.len() < 2 {
             return false;
         }
-        let tick = self.tick;
-        let streams = &mut self.streams;
-        for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
-            for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
-                    continue;
-                }
-                streams.poll(ctx.vmm, s, tick, Poll::Now);
-                if !streams.is_done(s, h.tick) {
-                    return true;
-                }
-            }
-        }
-        false
+        let streams = &self.streams;
+        self.arenas[ai].tiling.hazards_over(gap, off, len).any(|h| {
+            streams
+                .in_mask(h.streams)
+                .filter(|&s| s != t)
+                .any(|s| streams.waited(t, s) < h.tick && !streams.is_done(s, h.tick))
+        })
     }
 
     /// Order stream `t` after every other stream's work that may still use
@@ -113,19 +292,10 @@ impl Core {
         Ok(())
     }
 
-    /// Where a block of `rounded` bytes (asked for as `size`) on stream `t`
-    /// goes in arena `ai`.
-    ///
-    /// Quilt's default (stitch threshold 0): among the best-fitting gaps, the
-    /// first whose pages are all mapped and need no wait for another stream,
-    /// then one whose pages are all mapped (a wait costs less than new pages),
-    /// then the one needing the fewest new pages; the block goes at the gap's
-    /// start. With a stitch threshold (GMLake), a large request below it is
-    /// served from a cached range whose pages are all mapped, else from
-    /// fresh, page-aligned virtual space past the arena's mapped tail (new
-    /// pages, no stitching); a request at or above it reuses a cached range of
-    /// at most `reuse_limit` times its size, else is stitched like any Quilt
-    /// block.
+    /// Where a block of `rounded` bytes (asked for as `size`) of class
+    /// `kind` on stream `t` goes in arena `ai`: GMLake's limits govern the
+    /// large blocks of a [`Placement::GmlakeLimits`] policy, best fit every
+    /// other.
     pub(super) fn place(
         &mut self,
         ctx: &Ctx<'_>,
@@ -135,130 +305,23 @@ impl Core {
         rounded: u64,
         t: u32,
     ) -> Option<Placed> {
-        if let (
-            Placement::GmlakeLimits {
-                frag_limit: threshold,
+        let req = Request { size, rounded, t };
+        match (ctx.cfg.placement, kind) {
+            (
+                Placement::GmlakeLimits {
+                    frag_limit,
+                    reuse_limit,
+                },
+                Kind::Large,
+            ) => Gmlake {
+                frag_limit,
                 reuse_limit,
-            },
-            Kind::Large,
-        ) = (ctx.cfg.placement, kind)
-        {
-            let a = &self.arenas[ai];
-            let limit = if size >= threshold && reuse_limit > 0 {
-                rounded.saturating_mul(reuse_limit)
-            } else {
-                u64::MAX
-            };
-            if let Some(found) = a.best_fit_mapped(rounded, limit, 64) {
-                return Some(Placed::unchecked(found));
             }
-            if size >= threshold {
-                return a.fitting_gaps(rounded, 1).next().map(Placed::unchecked);
+            .place(self, ctx, ai, req),
+            (policy, _) => BestFit {
+                candidates: policy.candidates().max(1),
             }
-            return a.fresh_tail(rounded).map(Placed::unchecked);
-        }
-        let n = ctx.cfg.placement.candidates().max(1);
-        let mut first_score = None;
-        if n > 1 && self.arenas[ai].retired_pages == 0 {
-            // The best fit is most often perfect: look at it before
-            // collecting the others (the same choice as `best_candidate`,
-            // which returns the first perfect candidate, and looks at none
-            // when there is only one).
-            let (first, more) = {
-                let mut two = self.arenas[ai].fitting_gaps(rounded, 2);
-                (two.next()?, two.next().is_some())
-            };
-            if more {
-                let score = self.score(ctx, ai, rounded, t, first);
-                if score == PlaceScore::PERFECT {
-                    return Some(Placed {
-                        off: first.0,
-                        gap: first.1,
-                        wait_free: true,
-                    });
-                }
-                first_score = Some(score);
-            }
-        }
-        let mut candidates = std::mem::take(&mut self.scratch);
-        candidates.clear();
-        candidates.extend(self.arenas[ai].fitting_gaps(rounded, n));
-        if self.arenas[ai].retired_pages > 0 {
-            let moved: Vec<(u64, PieceId)> = candidates
-                .iter()
-                .filter_map(|&(_, g)| {
-                    self.past_retired_in_use(ctx, ai, g, rounded)
-                        .map(|off| (off, g))
-                })
-                .collect();
-            // If every fitting gap is blocked, a retired page will be
-            // synchronised for (rare; only after reclaim moved pages).
-            if !moved.is_empty() {
-                candidates = moved;
-            }
-        }
-        let chosen = self.best_candidate(ctx, ai, rounded, t, &candidates, first_score);
-        self.scratch = candidates;
-        chosen
-    }
-
-    /// The best of `candidates` (starts of a block of `rounded` bytes on
-    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`];
-    /// `first_score`, when given, is the first candidate's, scored already
-    /// this operation.
-    fn best_candidate(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        rounded: u64,
-        t: u32,
-        candidates: &[(u64, PieceId)],
-        first_score: Option<PlaceScore>,
-    ) -> Option<Placed> {
-        if candidates.len() <= 1 {
-            return candidates.first().copied().map(Placed::unchecked);
-        }
-        let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
-        for (i, &(start, gap)) in candidates.iter().enumerate() {
-            let score = match first_score {
-                Some(known) if i == 0 => known,
-                _ => self.score(ctx, ai, rounded, t, (start, gap)),
-            };
-            if score == PlaceScore::PERFECT {
-                return Some(Placed {
-                    off: start,
-                    gap,
-                    wait_free: true,
-                });
-            }
-            if best.is_none_or(|(b, _)| score < b) {
-                best = Some((score, (start, gap)));
-            }
-        }
-        best.map(|(score, (off, gap))| Placed {
-            off,
-            gap,
-            wait_free: !score.waits,
-        })
-    }
-
-    /// The score of a block of `rounded` bytes on stream `t` at `start` of
-    /// gap `gap` in arena `ai`.
-    fn score(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        rounded: u64,
-        t: u32,
-        (start, gap): (u64, PieceId),
-    ) -> PlaceScore {
-        let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
-        let wait = self.needs_wait(ctx, ai, (start, gap), rounded, t);
-        PlaceScore {
-            needs_pages: unmapped > 0,
-            waits_though_mapped: unmapped == 0 && wait,
-            new_pages: unmapped,
-            waits: wait,
+            .place(self, ctx, ai, req),
         }
     }
 
