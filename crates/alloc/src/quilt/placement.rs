@@ -225,9 +225,13 @@ impl Core {
     }
 
     /// Learn how far the streams got whose work a block on stream `t` over
-    /// each of `candidates` (`len` bytes in arena `ai`) may still have to
-    /// wait for: one query per such stream at most this operation, none
-    /// for a stream already waited for or known done.
+    /// `candidates` (`len` bytes each, in arena `ai`) may still have to wait
+    /// for, in the order scoring looks at them: per candidate, its hazards'
+    /// streams until one is found still running (the candidate waits, more
+    /// answers would not change its score), and no candidate past the first
+    /// that is mapped and wait-free (scoring takes it). At most one query per
+    /// stream this operation; none for a stream already waited for or known
+    /// done.
     fn poll_hazard_streams(
         &mut self,
         ctx: &Ctx<'_>,
@@ -240,14 +244,23 @@ impl Core {
             return;
         }
         let tick = self.tick;
-        let streams = &mut self.streams;
         for &(off, gap) in candidates {
-            for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
+            let streams = &mut self.streams;
+            let mut waits = false;
+            'hazards: for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
                 for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                    if streams.waited(t, s) < h.tick && !streams.is_done(s, h.tick) {
-                        streams.poll(ctx.vmm, s, tick, Poll::Now);
+                    if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
+                        continue;
+                    }
+                    streams.poll(ctx.vmm, s, tick, Poll::Now);
+                    if !streams.is_done(s, h.tick) {
+                        waits = true;
+                        break 'hazards;
                     }
                 }
+            }
+            if !waits && self.arenas[ai].unmapped_pages(off, len) == 0 {
+                return;
             }
         }
     }
