@@ -165,6 +165,9 @@ pub fn trace_stats(trace: &Trace) -> TraceStats {
                     tracker.add(size);
                 }
             }
+            Event::RecordStream { stream, .. } => {
+                streams.insert(stream);
+            }
         }
     }
     TraceStats {

@@ -2,7 +2,9 @@
 //!
 //! Rules:
 //! - `alloc` calls `allocate(size, StreamId(stream))`; `free` calls `free(ptr)` on
-//!   the pointer the allocation got.
+//!   the pointer the allocation got; a stream use (`u`) calls
+//!   `record_stream(ptr, StreamId(stream))` (neither timed nor a device-clock
+//!   operation).
 //! - The simulated GPU runs behind the host: after every allocate or free call
 //!   (the trace's events, and the frees and allocations that reset an
 //!   iteration) the replay moves the device's operation clock forward by one
@@ -373,7 +375,10 @@ impl Run<'_> {
             Event::ReleaseGrowable { id } => self.serving.release(id, tracker),
             Event::Sleep { tag } => self.serving.sleep(tag, &mut self.live.by_id, tracker),
             Event::Wake { tag } => self.serving.wake(tag, &mut self.live.by_id, tracker),
-            Event::Alloc { .. } | Event::Free { .. } | Event::AllocTagged { .. } => Ok(()),
+            Event::Alloc { .. }
+            | Event::Free { .. }
+            | Event::AllocTagged { .. }
+            | Event::RecordStream { .. } => Ok(()),
         };
         if let Some(start) = start {
             self.op_ns.push(elapsed_ns(start));
@@ -408,6 +413,21 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// `record_stream` of the live allocation `id` on `stream`: neither timed
+    /// nor an operation of the device clock (it queues no work).
+    fn record_stream(&mut self, index: usize, id: u64, stream: u64) -> Result<(), ReplayError> {
+        let Some(&(ptr, _)) = self.live.by_id.get(&id) else {
+            return Err(self.bad(index, format!("stream use of id {id}, which is not live")));
+        };
+        self.alloc
+            .record_stream(ptr, StreamId(stream))
+            .map_err(|source| ReplayError::Allocator {
+                allocator: self.alloc.name().to_string(),
+                event: index,
+                source,
+            })
+    }
+
     fn apply(&mut self, index: usize) -> Result<Step, ReplayError> {
         let Some(&event) = self.trace.events.get(index) else {
             return Ok(Step::Done);
@@ -422,6 +442,10 @@ impl Run<'_> {
             } => self.allocate(index, id, size, stream, Some(tag))?,
             Event::Free { id } => {
                 self.free(index, id)?;
+                Step::Done
+            }
+            Event::RecordStream { id, stream } => {
+                self.record_stream(index, id, stream)?;
                 Step::Done
             }
             serving => self.serve(index, serving)?,

@@ -11,6 +11,7 @@
 //! t <id> <size_bytes> <stream> <tag>   allocation carrying tag (a number); freed with `f`
 //! z <tag>                              sleep: the tag's allocations leave the device
 //! w <tag>                              wake: they come back (at the same addresses on Quilt)
+//! u <id> <stream>                      allocation id is also used on stream (record_stream)
 //! ```
 //!
 //! Allocations and growable buffers share one space of ids.
@@ -89,13 +90,25 @@ pub enum Event {
         /// A sleeping tag.
         tag: u64,
     },
+    /// The live allocation `id` is also used on `stream` (`u`): PyTorch's
+    /// `record_stream`, so that its memory is not reused before the work
+    /// queued on `stream` before its free has completed.
+    RecordStream {
+        /// Identifier of a live allocation.
+        id: u64,
+        /// Stream number.
+        stream: u64,
+    },
 }
 
 impl Event {
     /// True for the events of the serving API (growable buffers, tags, sleep
     /// and wake), which only Quilt executes natively.
     pub fn is_serving(&self) -> bool {
-        !matches!(self, Event::Alloc { .. } | Event::Free { .. })
+        !matches!(
+            self,
+            Event::Alloc { .. } | Event::Free { .. } | Event::RecordStream { .. }
+        )
     }
 }
 
@@ -303,6 +316,19 @@ impl Known {
                     Event::Wake { tag }
                 }
             }
+            "u" => {
+                arity(3, "a stream use")?;
+                let id = number(1, "id")?;
+                let stream = number(2, "stream")?;
+                match self.live.get(&id) {
+                    None => return Err(format!("stream use of id {id}, which is not live")),
+                    Some(Some(tag)) if self.asleep.get(tag) == Some(&true) => {
+                        return Err(format!("stream use of id {id}, whose tag {tag} sleeps"));
+                    }
+                    Some(_) => {}
+                }
+                Event::RecordStream { id, stream }
+            }
             other => return Err(format!("unknown event kind `{other}`")),
         })
     }
@@ -311,7 +337,8 @@ impl Known {
 /// Parse the text format. Blank lines are skipped; every other malformed line,
 /// a reused id, a free of an id that is not live, a zero size or maximum, a
 /// resize of an id that is not a live growable buffer or past its bounds, an
-/// allocation carrying or a free of a member of a sleeping tag, a sleep of a
+/// allocation carrying or a free of a member of a sleeping tag, a stream use
+/// of an id that is not a live allocation or whose tag sleeps, a sleep of a
 /// sleeping or unknown tag and a wake of an awake one are errors naming the line.
 pub fn parse_trace(text: &str) -> Result<Vec<Event>, TraceError> {
     let mut events = Vec::new();
@@ -351,6 +378,7 @@ pub fn to_text(events: &[Event]) -> String {
             } => format!("t {id} {size} {stream} {tag}"),
             Event::Sleep { tag } => format!("z {tag}"),
             Event::Wake { tag } => format!("w {tag}"),
+            Event::RecordStream { id, stream } => format!("u {id} {stream}"),
         };
         out.push_str(&line);
         out.push('\n');

@@ -15,6 +15,7 @@ use crate::trace::{Event, Trace};
 
 pub mod mixed_vision_language;
 pub mod model_switch;
+pub mod offload_pipeline;
 pub mod serving;
 pub mod serving_growable;
 pub mod train_varlen;
@@ -31,7 +32,7 @@ pub struct Workload {
 }
 
 /// Every built-in workload, in report order.
-pub const WORKLOADS: [Workload; 6] = [
+pub const WORKLOADS: [Workload; 9] = [
     Workload {
         name: "train-varlen",
         description: "transformer training steps whose sequence length changes from step to step",
@@ -61,6 +62,21 @@ pub const WORKLOADS: [Workload; 6] = [
         name: "llm-serving-growable-switch",
         description: "three models switched by sleep and wake, serving with growable KV caches between switches",
         generate: serving_growable::generate_switch,
+    },
+    Workload {
+        name: "offload-pipeline-4",
+        description: "13B inference, 24 layers streamed in on 3 copy streams (prefetch depth 4), used and freed on the compute stream",
+        generate: offload_pipeline::generate_4,
+    },
+    Workload {
+        name: "offload-pipeline-10",
+        description: "offload-pipeline-4 with 9 copy streams (10 streams)",
+        generate: offload_pipeline::generate_10,
+    },
+    Workload {
+        name: "offload-pipeline-32",
+        description: "offload-pipeline-4 with 31 copy streams (32 streams)",
+        generate: offload_pipeline::generate_32,
     },
 ];
 
@@ -149,6 +165,14 @@ impl TraceBuilder {
     pub(crate) fn free_all(&mut self, ids: &[u64]) {
         for &id in ids {
             self.free(id);
+        }
+    }
+
+    /// Emit a use of the live allocation `id` on `stream` (`record_stream`;
+    /// a stale id emits nothing).
+    pub(crate) fn record_stream(&mut self, id: u64, stream: u64) {
+        if self.live.contains_key(&id) {
+            self.events.push(Event::RecordStream { id, stream });
         }
     }
 
