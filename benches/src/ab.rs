@@ -153,7 +153,7 @@ fn measure(
         None
     } else {
         min_capacity_bytes(trace, allocator, peak_live, config)
-            .map_err(|e| at(e.capacity, e.source))?
+            .map_err(|e| at(e.capacity, *e.source))?
     };
     Ok(Measurement::new(
         &trace.name,

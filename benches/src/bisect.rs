@@ -11,7 +11,7 @@ pub struct ProbeError {
     pub capacity: u64,
     /// What failed.
     #[source]
-    pub source: ReplayError,
+    pub source: Box<ReplayError>,
 }
 use crate::trace::Trace;
 
@@ -43,7 +43,10 @@ pub fn min_capacity_bytes(
         let capacity = pages * PAGE;
         replay_fresh(trace, allocator, capacity, &probe_config)
             .map(|r| r.completed)
-            .map_err(|source| ProbeError { capacity, source })
+            .map_err(|source| ProbeError {
+                capacity,
+                source: Box::new(source),
+            })
     };
     // Invariant: `lo` pages fail (below the live peak nothing can complete),
     // `hi` pages complete.

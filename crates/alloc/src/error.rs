@@ -71,7 +71,7 @@ pub enum AllocError {
     /// The page pool refused: a limit below what it holds, a page it did not
     /// hand out (a bug), ... The operation changed nothing.
     #[error("page pool: {0}")]
-    Pool(quilt_pool::PoolError),
+    Pool(Box<quilt_pool::PoolError>),
     /// A bug: a layer below refused what the allocator's own books allowed.
     /// The operation changed nothing; the allocator stays usable.
     #[error("internal error (a bug in the allocator): {0}")]

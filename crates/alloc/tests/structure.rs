@@ -3,6 +3,7 @@
 //! stitching core, the pure pieces — so no file imports one above it, no
 //! import circle joins two files or more, no file reaches up into `mod.rs`,
 //! and nothing public hands out the page pool around the allocator's lock.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -31,10 +32,13 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// The imports of each file: the sibling files it names.
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
 /// Each file's imports of its siblings (`super::x` and `crate::quilt::x`
 /// outside comments), and every path that names something of `mod.rs`
 /// itself (`super::Name`).
-fn imports() -> (BTreeMap<String, BTreeSet<String>>, Vec<(String, String)>) {
+fn imports() -> (Graph, Vec<(String, String)>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/quilt");
     let files: BTreeSet<String> = std::fs::read_dir(&dir)
         .unwrap()

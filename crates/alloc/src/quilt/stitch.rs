@@ -708,6 +708,6 @@ pub(crate) fn pool_err(e: PoolError) -> AllocError {
         e @ PoolError::InvalidPageSize { .. } => AllocError::InvalidConfig {
             reason: e.to_string(),
         },
-        other => AllocError::Pool(other),
+        other => AllocError::Pool(Box::new(other)),
     }
 }
