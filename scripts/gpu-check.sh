@@ -66,8 +66,9 @@
 #   8. cuda_share (crates/vmm/tests/cuda_share.rs): the sharing
 #      flags the device reports (POSIX fd, FABRIC, GPUDirect RDMA with VMM,
 #      recommended granularity: one "cuda_share: caps {...}" line), peer
-#      access for every device in one cuMemSetAccess (skipped with a message
-#      on a machine with one device), and export / import of a handle between
+#      access for every device in one cuMemSetAccess (left out, with the
+#      reason, where nvidia-smi lists fewer than two devices: the test fails
+#      on one device rather than pass unrun), and export / import of a handle between
 #      two processes on device 0 (the test re-runs itself as the child; the
 #      fd crosses a Unix socket), bytes both ways;
 #   9. sleep_wake (crates/alloc/tests/sleep_wake.rs), its CUDA test: a tagged
@@ -82,7 +83,7 @@
 # (name, status, exit_status, seconds, log file, reason) and the probe's JSON.
 # Step status: passed, failed, timed_out, unavailable (the probe found no CUDA
 # driver or device), skipped (with the reason), or passed_with_skips (the
-# test binary passed, but some of its checks skipped themselves, e.g. peer
+# test binary passed, but some of its tests were left out, e.g. peer
 # access on a machine with one device: the reason lists each). Exit status: 0 when every step
 # passed or was skipped for a reason other than CUDA; 1 when a step failed or
 # timed out, or the binaries are missing, do not match their MANIFEST or need
@@ -345,25 +346,19 @@ run_step() {
     STEP_SECS=$((SECONDS - started))
 }
 
-# The status of a finished step from its exit status ($1) and, for test
-# binaries, whether its log says CUDA was skipped ($2: a grep pattern).
+# The status of a finished step from its exit status ($1).
 status_of() {
-    local rc=$1 skipped_pattern=${2:-}
+    local rc=$1
     case $rc in
-        0)
-            if [ -n "$skipped_pattern" ] && grep -q "$skipped_pattern" "$OUT_DIR/$NAME.log"; then
-                echo passed_with_skips
-            else
-                echo passed
-            fi
-            ;;
+        0) echo passed ;;
         124 | 137) echo timed_out ;;
         *) echo failed ;;
     esac
 }
 
 # Runs the test binary or example $2 as step $1 with timeout $3 and arguments
-# $4..; $SKIP_PATTERN marks a pass without CUDA.
+# $4..; $LEFT_OUT, when set, names the tests the arguments leave out and
+# why (a pass is then passed_with_skips, with that reason).
 test_step() {
     NAME=$1
     local bin=$2 limit=$3
@@ -379,10 +374,9 @@ test_step() {
     fi
     local reason=""
     local status
-    status=$(status_of "$STEP_RC" "${SKIP_PATTERN:-}")
-    if [ "$status" = passed_with_skips ]; then
-        # Every check that skipped itself, and why.
-        reason=$(grep -o "$SKIP_PATTERN.*" "$OUT_DIR/$NAME.log" | paste -s -d ';' -)
+    status=$(status_of "$STEP_RC")
+    if [ "$status" = passed ] && [ -n "${LEFT_OUT:-}" ]; then
+        status=passed_with_skips reason=$LEFT_OUT
     fi
     # A test binary whose filter or ignore attributes left nothing to run
     # passes without checking anything.
@@ -434,6 +428,20 @@ check_binaries() {
         echo "gpu-check: warning: binaries $reason"
     fi
     record binaries passed 0 0 "" "$reason"
+}
+
+# The number of CUDA devices visible to the tests (nvidia-smi's list, cut
+# to CUDA_VISIBLE_DEVICES where set), or nothing where nvidia-smi is absent.
+gpu_count() {
+    command -v nvidia-smi >/dev/null 2>&1 || return 0
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+    if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+        local visible
+        visible=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+        [ "$visible" -lt "$n" ] && n=$visible
+    fi
+    echo "$n"
 }
 
 # The remaining steps when the run stops early: each skipped with reason $1.
@@ -499,14 +507,14 @@ run_checks() {
     fi
 
     # 2. The latency benchmark.
-    SKIP_PATTERN="" test_step driver_latency "$bin/driver_latency" "$LATENCY_TIMEOUT_S" \
+    test_step driver_latency "$bin/driver_latency" "$LATENCY_TIMEOUT_S" \
         "${BENCH_ARGS[@]}" --out "$OUT_DIR/driver_latency.md"
 
     # 3, 4. The tests that need a GPU (ignored by `cargo test`).
-    SKIP_PATTERN="" test_step conformance "$bin/conformance" "$STEP_TIMEOUT_S" \
+    test_step conformance "$bin/conformance" "$STEP_TIMEOUT_S" \
         cuda_backend_passes_the_shared_checks cuda_agrees_with_the_simulated_one --exact \
         --include-ignored --test-threads 2 --nocapture
-    SKIP_PATTERN="" test_step cuda_data "$bin/cuda_data" \
+    test_step cuda_data "$bin/cuda_data" \
         "$DATA_TIMEOUT_S" --include-ignored --test-threads 1 --nocapture
 
     # 5. PyTorch with Quilt (exit 77: no python3, torch or CUDA device).
@@ -524,18 +532,23 @@ run_checks() {
     fi
 
     # 6. A cudarc kernel on Quilt buffers.
-    SKIP_PATTERN="" test_step cudarc_kernel "$bin/cudarc_kernel" "$KERNEL_TIMEOUT_S"
+    test_step cudarc_kernel "$bin/cudarc_kernel" "$KERNEL_TIMEOUT_S"
 
     # 7. CudaBuffer's tests (ignored by `cargo test`).
-    SKIP_PATTERN="" test_step cuda_buffer "$bin/cuda_buffer" "$KERNEL_TIMEOUT_S" \
+    test_step cuda_buffer "$bin/cuda_buffer" "$KERNEL_TIMEOUT_S" \
         --include-ignored --test-threads 1 --nocapture
 
     # 8. Sharing: device flags, peer access (two or more devices), two-process IPC.
-    SKIP_PATTERN="cuda_share: SKIPPED" test_step cuda_share "$bin/cuda_share" \
-        "$SHARE_TIMEOUT_S" --include-ignored --test-threads 1 --nocapture
+    local share_args=(--include-ignored --test-threads 1 --nocapture) devices left_out=""
+    devices=$(gpu_count)
+    if [ -n "$devices" ] && [ "$devices" -lt 2 ]; then
+        share_args+=(--skip cuda_share_peer_access_for_every_device)
+        left_out="cuda_share_peer_access_for_every_device left out: it needs two or more devices, this machine has $devices"
+    fi
+    LEFT_OUT=$left_out test_step cuda_share "$bin/cuda_share" "$SHARE_TIMEOUT_S" "${share_args[@]}"
 
     # 9. Sleep and wake on the GPU (ignored by `cargo test`).
-    SKIP_PATTERN="" test_step sleep_wake "$bin/sleep_wake" "$SLEEP_TIMEOUT_S" \
+    test_step sleep_wake "$bin/sleep_wake" "$SLEEP_TIMEOUT_S" \
         sleep_wake_on_cuda_keeps_every_byte --exact --include-ignored --test-threads 1 --nocapture
 }
 

@@ -8,9 +8,12 @@
 //! odd numbers, every truncation and many byte flips, deep nesting.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use common::{dict, s};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict, MAX_ALLOCATION};
 use quilt_bench::allocators::{self, RegistryError, ALLOCATOR_NAMES};
 use quilt_bench::replay::{replay_fresh, ReplayConfig, ReplayError};
@@ -19,7 +22,7 @@ use quilt_bench::trace::{load_trace, parse_trace, Trace, TraceError};
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{DevicePtr, StreamId, Vmm};
-use serde_pickle::{HashableValue, SerOptions, Value};
+use serde_pickle::{SerOptions, Value};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -452,19 +455,6 @@ fn absurd_sizes_in_a_trace_stop_the_replay_with_the_event() {
 }
 
 // ------------------------------------------------------- malformed snapshots
-
-fn s(text: &str) -> HashableValue {
-    HashableValue::String(text.into())
-}
-
-fn dict(items: Vec<(&str, Value)>) -> Value {
-    Value::Dict(
-        items
-            .into_iter()
-            .map(|(k, v)| (s(k), v))
-            .collect::<BTreeMap<_, _>>(),
-    )
-}
 
 fn entry(action: &str, addr: i64, size: i64) -> Value {
     dict(vec![

@@ -25,46 +25,36 @@
 //! quilt-bench has no direct dependency on cudarc.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::traces_dir;
 use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::cuda::CudaVmm;
 use quilt_vmm::{StreamId, Vmm};
 
-/// The driver functions the tests call directly, from the loaded library.
+/// The driver functions the tests call directly, from the loaded library
+/// (`quilt_cuda_double::harness::driver`).
 mod cu {
-    use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+    use std::ffi::{c_uint, c_void};
     use std::sync::OnceLock;
 
-    /// `CUresult`.
-    pub type CuResult = c_int;
+    pub use quilt_cuda_double::harness::driver::{bind_primary, check, release_primary};
+    use quilt_cuda_double::harness::driver::{function, CuResult};
+
     /// `CUstream`.
     pub type CuStream = *mut c_void;
-    /// `CUDA_SUCCESS`.
-    pub const SUCCESS: CuResult = 0;
-
-    extern "C" {
-        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
-        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-        fn dlerror() -> *const c_char;
-    }
-
-    const RTLD_NOW: c_int = 2;
 
     type MemsetD32Async = unsafe extern "C" fn(u64, c_uint, usize, CuStream) -> CuResult;
     type MemcpyDtoHAsync = unsafe extern "C" fn(*mut c_void, u64, usize, CuStream) -> CuResult;
     type MemcpyDtoDAsync = unsafe extern "C" fn(u64, u64, usize, CuStream) -> CuResult;
     type StreamSynchronize = unsafe extern "C" fn(CuStream) -> CuResult;
     type CtxSynchronize = unsafe extern "C" fn() -> CuResult;
-    type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
-    type PrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult;
-    type PrimaryCtxRelease = unsafe extern "C" fn(c_int) -> CuResult;
-    type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> CuResult;
-    type GetErrorName = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
 
     /// The functions, each as cuda.h declares it.
     pub struct Driver {
@@ -73,110 +63,22 @@ mod cu {
         memcpy_dtod_async: MemcpyDtoDAsync,
         stream_synchronize: StreamSynchronize,
         ctx_synchronize: CtxSynchronize,
-        device_get: DeviceGet,
-        primary_ctx_retain: PrimaryCtxRetain,
-        primary_ctx_release: PrimaryCtxRelease,
-        ctx_set_current: CtxSetCurrent,
-        get_error_name: GetErrorName,
     }
 
-    /// Looks up `name` in `lib`.
-    fn symbol(lib: *mut c_void, name: &CStr) -> *mut c_void {
-        // SAFETY: `lib` is a handle from `dlopen`; `name` is NUL-terminated.
-        let p = unsafe { dlsym(lib, name.as_ptr()) };
-        assert!(!p.is_null(), "libcuda.so.1 has no {name:?}");
-        p
-    }
-
-    macro_rules! load {
-        ($lib:expr, $name:literal, $ty:ty) => {{
-            let p = symbol($lib, $name);
-            // SAFETY: `p` is the driver's function of that name, and `$ty`
-            // its signature as cuda.h declares it.
-            unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
-        }};
-    }
-
-    /// The driver of this process (loaded once; the first call loads it).
+    /// The driver of this process (looked up once; the first call loads it).
     pub fn driver() -> &'static Driver {
         static DRIVER: OnceLock<Driver> = OnceLock::new();
-        DRIVER.get_or_init(|| {
-            // SAFETY: a NUL-terminated name; loading the driver library runs
-            // no code of ours (over the double: the same file cudarc loaded,
-            // so the same handle and the same state).
-            let lib = unsafe { dlopen(c"libcuda.so.1".as_ptr(), RTLD_NOW) };
-            if lib.is_null() {
-                // SAFETY: dlerror returns a NUL-terminated message after a
-                // failed dlopen.
-                let why = unsafe { CStr::from_ptr(dlerror()) };
-                panic!("dlopen libcuda.so.1: {why:?}");
-            }
+        // SAFETY (each): the type is the function's signature as cuda.h
+        // declares it.
+        DRIVER.get_or_init(|| unsafe {
             Driver {
-                memset_d32_async: load!(lib, c"cuMemsetD32Async", MemsetD32Async),
-                memcpy_dtoh_async: load!(lib, c"cuMemcpyDtoHAsync_v2", MemcpyDtoHAsync),
-                memcpy_dtod_async: load!(lib, c"cuMemcpyDtoDAsync_v2", MemcpyDtoDAsync),
-                stream_synchronize: load!(lib, c"cuStreamSynchronize", StreamSynchronize),
-                ctx_synchronize: load!(lib, c"cuCtxSynchronize", CtxSynchronize),
-                device_get: load!(lib, c"cuDeviceGet", DeviceGet),
-                primary_ctx_retain: load!(lib, c"cuDevicePrimaryCtxRetain", PrimaryCtxRetain),
-                primary_ctx_release: load!(lib, c"cuDevicePrimaryCtxRelease_v2", PrimaryCtxRelease),
-                ctx_set_current: load!(lib, c"cuCtxSetCurrent", CtxSetCurrent),
-                get_error_name: load!(lib, c"cuGetErrorName", GetErrorName),
+                memset_d32_async: function(c"cuMemsetD32Async"),
+                memcpy_dtoh_async: function(c"cuMemcpyDtoHAsync_v2"),
+                memcpy_dtod_async: function(c"cuMemcpyDtoDAsync_v2"),
+                stream_synchronize: function(c"cuStreamSynchronize"),
+                ctx_synchronize: function(c"cuCtxSynchronize"),
             }
         })
-    }
-
-    /// `Ok` for `CUDA_SUCCESS`, else `what` failed with the error's name.
-    pub fn check(what: &str, r: CuResult) -> Result<(), String> {
-        if r == SUCCESS {
-            return Ok(());
-        }
-        let mut name: *const c_char = std::ptr::null();
-        // SAFETY: a valid out-pointer; the driver points it at a static
-        // NUL-terminated string when it knows the code.
-        let known = unsafe { (driver().get_error_name)(r, &mut name) } == SUCCESS;
-        let name = if known && !name.is_null() {
-            // SAFETY: as above: a static NUL-terminated string.
-            unsafe { CStr::from_ptr(name) }
-                .to_string_lossy()
-                .into_owned()
-        } else {
-            format!("CUresult {r}")
-        };
-        Err(format!("{what} failed: {name} ({r})"))
-    }
-
-    /// Makes device 0's primary context current on this thread (retained
-    /// until [`release_primary`]), for the raw calls above.
-    pub fn bind_primary() {
-        let d = driver();
-        let mut dev: c_int = 0;
-        // SAFETY: a valid out-pointer.
-        check("cuDeviceGet", unsafe { (d.device_get)(&mut dev, 0) }).unwrap();
-        let mut ctx: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer and a device from cuDeviceGet.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            (d.primary_ctx_retain)(&mut ctx, dev)
-        })
-        .unwrap();
-        // SAFETY: a context the driver just gave (retained).
-        check("cuCtxSetCurrent", unsafe { (d.ctx_set_current)(ctx) }).unwrap();
-    }
-
-    /// Releases the primary context [`bind_primary`] retained and leaves
-    /// none current.
-    pub fn release_primary() {
-        let d = driver();
-        // SAFETY: no context current: a null context is valid here.
-        check("cuCtxSetCurrent", unsafe {
-            (d.ctx_set_current)(std::ptr::null_mut())
-        })
-        .unwrap();
-        // SAFETY: device 0, retained by `bind_primary`.
-        check("cuDevicePrimaryCtxRelease", unsafe {
-            (d.primary_ctx_release)(0)
-        })
-        .unwrap();
     }
 
     /// `cuCtxSynchronize` of the current context: its sticky error, if any.
@@ -392,13 +294,6 @@ fn finish(alloc: Box<dyn DeviceAllocator>, cuda: Arc<CudaVmm>, streams: Vec<Stre
 }
 
 // --- 1. A real trace ---------------------------------------------------------
-
-fn traces_dir() -> std::path::PathBuf {
-    std::path::PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/converted"
-    ))
-}
 
 /// How the trace is replayed.
 #[derive(Clone, Debug)]

@@ -24,10 +24,12 @@
 //! or paged allocation fails; a pool growth fails) leave nothing behind.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::traces_dir;
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_bench::allocators::{self, RegistryError, ALLOCATOR_NAMES};
 use quilt_bench::trace::{load_trace, Event};
@@ -37,13 +39,6 @@ use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm, VmmError};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-fn traces_dir() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/converted"
-    ))
-}
 
 /// A workload of the sweep: events and a device size comfortably above what
 /// every allocator needs for it.

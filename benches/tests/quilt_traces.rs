@@ -9,9 +9,12 @@
 //! --allocator quilt:KEY=VALUE`, `docs/benchmarks.md`.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::traces_dir;
 use quilt_bench::allocators;
 use quilt_bench::cli::preexisting_from_stats;
 use quilt_bench::replay::{replay, replay_fresh, ReplayConfig};
@@ -20,13 +23,6 @@ use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, Vmm};
 
 const GIB: u64 = 1 << 30;
-
-fn traces_dir() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/converted"
-    ))
-}
 
 /// Every trace, with its pre-existing prefix from `stats.json`.
 fn traces() -> Vec<Trace> {

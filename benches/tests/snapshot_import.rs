@@ -2,12 +2,14 @@
 //! malformed pickles.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::path::PathBuf;
 
+use common::{dict, s};
 use quilt_bench::snapshot::{import_snapshot, load_snapshot};
 use quilt_bench::trace::{load_trace, Event, TraceError};
-use serde_pickle::{HashableValue, SerOptions, Value};
+use serde_pickle::{SerOptions, Value};
 
 fn traces_dir() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces"))
@@ -32,19 +34,6 @@ fn real_snapshot_matches_converted_trace() {
     }
     // stats.json says this trace has no pre-existing allocations.
     assert_eq!(imported.preexisting, 0);
-}
-
-fn s(text: &str) -> HashableValue {
-    HashableValue::String(text.into())
-}
-
-fn dict(items: Vec<(&str, Value)>) -> Value {
-    Value::Dict(
-        items
-            .into_iter()
-            .map(|(k, v)| (s(k), v))
-            .collect::<BTreeMap<_, _>>(),
-    )
 }
 
 fn entry(action: &str, addr: i64, size: i64, stream: i64) -> Value {

@@ -13,6 +13,7 @@ use cudarc::driver::sys;
 use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
 use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
 use quilt_alloc::DeviceAllocator;
+use quilt_cuda_double::harness::driver::bind_primary;
 use quilt_vmm::cuda::CudaVmm;
 use quilt_vmm::{StreamId, Vmm};
 
@@ -28,18 +29,6 @@ fn over_the_double() -> bool {
 
 fn ok(r: sys::CUresult, what: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
-/// Makes device 0's primary context current on the calling thread (as
-/// cudarc and PyTorch do before queuing work).
-fn bind_primary() {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver (the double) is loaded; valid out-pointer.
-    unsafe {
-        ok(sys::cuInit(0), "cuInit");
-        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), "retain");
-        ok(sys::cuCtxSetCurrent(ctx), "set current");
-    }
 }
 
 fn raw(stream: u64) -> sys::CUstream {

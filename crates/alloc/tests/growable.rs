@@ -6,6 +6,8 @@
 //! invariants checked after every operation.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 #[allow(dead_code)] // its `main` is the example's, run by a test here
 #[path = "../examples/serving.rs"]
 mod serving_example;
@@ -13,41 +15,21 @@ mod serving_example;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use common::{quilt_exact as quilt, read, KIB, MIB};
 use proptest::prelude::*;
 use quilt_alloc::quilt::{
-    AheadMode, GrowableBuffer, GrowableId, MapAhead, MemoryLimit, QuiltAllocator, QuiltConfig,
-    Recycle,
+    AheadMode, GrowableBuffer, GrowableId, MapAhead, QuiltAllocator, Recycle,
 };
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
-use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::host::HostVmm;
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, StreamId, Vmm};
 
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
 const PAGE: u64 = 64 * KIB;
 
-fn host(capacity: u64) -> Option<Arc<HostVmm>> {
-    match HostVmm::new(HostConfig {
-        granularity: PAGE,
-        capacity,
-    }) {
-        Ok(h) => Some(Arc::new(h)),
-        Err(e) => {
-            eprintln!("SKIPPED: host backend unavailable: {e}");
-            None
-        }
-    }
-}
-
-/// Quilt with `limit` bytes, one page per handle, no growth margin, nothing
-/// mapped ahead (each test sets its own policy).
-fn quilt(vmm: Arc<dyn Vmm>, limit: u64) -> Arc<QuiltAllocator> {
-    let mut config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(limit));
-    config.pool.growth = quilt_alloc::quilt::GrowthPolicy::exact();
-    let a = Arc::new(QuiltAllocator::new(vmm, config).unwrap());
-    a.set_map_ahead(MapAhead::OFF).unwrap();
-    a
+/// The host backend, `capacity` bytes in 64 KiB pages.
+fn host(capacity: u64) -> Arc<HostVmm> {
+    common::host(PAGE, capacity)
 }
 
 /// Drop the allocator (its last handle) and check that it left nothing
@@ -63,15 +45,9 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn read(h: &HostVmm, ptr: u64, len: u64) -> Vec<u8> {
-    let mut out = vec![0u8; len as usize];
-    h.read_bytes(ptr, &mut out).unwrap();
-    out
-}
-
 #[test]
 fn growable_host_bytes_stay_put_and_pages_flow_both_ways() {
-    let Some(h) = host(4 * MIB) else { return };
+    let h = host(4 * MIB);
     let a = quilt(h.clone(), 4 * MIB);
     let buf = GrowableBuffer::new(a.clone(), 3 * MIB, StreamId::DEFAULT).unwrap();
     let ptr = buf.ptr();
@@ -141,7 +117,7 @@ fn growable_host_bytes_stay_put_and_pages_flow_both_ways() {
 
 #[test]
 fn growable_oom_leaves_the_buffer_as_it_was() {
-    let Some(h) = host(2 * MIB) else { return };
+    let h = host(2 * MIB);
     let a = quilt(h.clone(), 2 * MIB);
     let buf = GrowableBuffer::new(a.clone(), 8 * MIB, StreamId(3)).unwrap();
     buf.grow_to(MIB).unwrap();
@@ -571,9 +547,7 @@ fn growable_map_ahead_background_worker_maps_and_stops_with_the_allocator() {
 
 #[test]
 fn growable_serving_example_runs() {
-    if host(MIB).is_none() {
-        return;
-    }
+    host(MIB); // fails here, with the reason, where the host backend is missing
     serving_example::main().unwrap();
 }
 
@@ -602,7 +576,7 @@ fn growable_released_buffers_do_not_pile_up_while_the_pool_has_room() {
 
 #[test]
 fn growable_threads_grow_and_shrink_their_buffers_beside_the_map_ahead_worker() {
-    let Some(h) = host(32 * MIB) else { return };
+    let h = host(32 * MIB);
     let a = quilt(h.clone(), 32 * MIB);
     a.set_map_ahead(ahead_policy(2, 900, AheadMode::Background))
         .unwrap();

@@ -7,21 +7,23 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::MIB;
 use quilt_alloc::comm::{CommAllocator, CommConfig};
 use quilt_alloc::ipc::{recv_release, send_export, Released};
 use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::fd_pass::{recv_message, send_message};
-use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::host::HostVmm;
 use quilt_vmm::{CallKind, CreateProps, HandleKind, HandleTypes, StreamId, Vmm};
 
-const MIB: u64 = 1 << 20;
 const PROBE_LEN: usize = 16;
 
 /// The importer's probe offsets (as in `src/bin/quilt-ipc-importer.rs`).
@@ -75,13 +77,7 @@ fn start_importer(tag: &str, mode: Option<&str>) -> (Child, UnixStream, PathBuf)
 }
 
 fn host_vmm(capacity: u64) -> Arc<HostVmm> {
-    Arc::new(
-        HostVmm::new(HostConfig {
-            granularity: 2 * MIB,
-            capacity,
-        })
-        .unwrap(),
-    )
+    common::host(2 * MIB, capacity)
 }
 
 fn host() -> Arc<HostVmm> {

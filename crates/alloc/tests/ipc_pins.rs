@@ -7,16 +7,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::sync::Arc;
 
 use proptest::prelude::*;
 
+use common::MIB;
 use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
-use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::host::HostVmm;
 use quilt_vmm::{CreateProps, HandleKind, HandleTypes, StreamId};
-
-const MIB: u64 = 1 << 20;
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -52,13 +53,7 @@ struct Block {
 }
 
 fn setup() -> (Arc<HostVmm>, QuiltAllocator) {
-    let host = Arc::new(
-        HostVmm::new(HostConfig {
-            granularity: 2 * MIB,
-            capacity: 32 * MIB,
-        })
-        .unwrap(),
-    );
+    let host = common::host(2 * MIB, 32 * MIB);
     let mut config = QuiltConfig::default();
     config.pool.create_props = CreateProps {
         handle_types: HandleTypes::POSIX_FD,

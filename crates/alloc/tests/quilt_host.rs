@@ -5,18 +5,18 @@
 //! one by one and mapped again elsewhere, for another stream or arena).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use common::{KIB, MIB};
 use quilt_alloc::quilt::{
     ArenaLayout, ArenaSharing, PageSize, QuiltAllocator, QuiltConfig, ReclaimPolicy, SmallBlocks,
 };
 use quilt_alloc::DeviceAllocator;
-use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::host::HostVmm;
 use quilt_vmm::{StreamId, Vmm};
-
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
 
 fn check_all(host: &HostVmm, live: &BTreeMap<u64, (u64, u8)>) {
     for (&p, &(len, byte)) in live {
@@ -30,16 +30,7 @@ fn check_all(host: &HostVmm, live: &BTreeMap<u64, (u64, u8)>) {
 fn stress(config: QuiltConfig, seed: u64) {
     let granularity = 64 * KIB;
     let capacity = 16 * MIB;
-    let host = match HostVmm::new(HostConfig {
-        granularity,
-        capacity,
-    }) {
-        Ok(h) => Arc::new(h),
-        Err(e) => {
-            eprintln!("skipping: host backend unavailable: {e}");
-            return;
-        }
-    };
+    let host = common::host(granularity, capacity);
     let v: Arc<dyn Vmm> = host.clone();
     let a = QuiltAllocator::new(v, config).unwrap();
     let mut live: BTreeMap<u64, (u64, u8)> = BTreeMap::new();

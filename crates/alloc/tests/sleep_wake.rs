@@ -7,41 +7,24 @@
 //! and grow/shrink sequences checks the invariants after every operation.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use common::{quilt_exact as quilt, read, KIB, MIB};
 use proptest::prelude::*;
-use quilt_alloc::quilt::{
-    GrowableBuffer, GrowthPolicy, MapAhead, MemoryLimit, QuiltAllocator, QuiltConfig, SleepMode,
-};
+use quilt_alloc::quilt::{GrowableBuffer, MapAhead, SleepMode};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
-use quilt_vmm::host::{HostConfig, HostVmm};
+use quilt_vmm::host::HostVmm;
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, StreamId, Vmm};
 
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
 const PAGE: u64 = 64 * KIB;
 
-fn host(capacity: u64) -> Option<Arc<HostVmm>> {
-    match HostVmm::new(HostConfig {
-        granularity: PAGE,
-        capacity,
-    }) {
-        Ok(h) => Some(Arc::new(h)),
-        Err(e) => {
-            eprintln!("SKIPPED: host backend unavailable: {e}");
-            None
-        }
-    }
-}
-
-fn quilt(vmm: Arc<dyn Vmm>, limit: u64) -> Arc<QuiltAllocator> {
-    let mut config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(limit));
-    config.pool.growth = GrowthPolicy::exact();
-    let a = Arc::new(QuiltAllocator::new(vmm, config).unwrap());
-    a.set_map_ahead(MapAhead::OFF).unwrap();
-    a
+/// The host backend, `capacity` bytes in 64 KiB pages.
+fn host(capacity: u64) -> Arc<HostVmm> {
+    common::host(PAGE, capacity)
 }
 
 fn pattern(seed: u8, len: u64) -> Vec<u8> {
@@ -50,19 +33,13 @@ fn pattern(seed: u8, len: u64) -> Vec<u8> {
         .collect()
 }
 
-fn read(h: &HostVmm, ptr: u64, len: u64) -> Vec<u8> {
-    let mut out = vec![0u8; len as usize];
-    h.read_bytes(ptr, &mut out).unwrap();
-    out
-}
-
 fn is_tag_state(r: Result<impl std::fmt::Debug, AllocError>) -> bool {
     matches!(r, Err(AllocError::TagState { .. }))
 }
 
 #[test]
 fn sleep_wake_offload_restores_every_byte_at_every_address() {
-    let Some(h) = host(4 * MIB) else { return };
+    let h = host(4 * MIB);
     let a = quilt(h.clone(), 4 * MIB);
     let s = StreamId::DEFAULT;
     let m1 = a.allocate_tagged(300 * KIB, s, "model").unwrap();
@@ -130,7 +107,7 @@ fn sleep_wake_offload_restores_every_byte_at_every_address() {
 
 #[test]
 fn sleep_wake_discard_maps_again_without_copies() {
-    let Some(h) = host(2 * MIB) else { return };
+    let h = host(2 * MIB);
     let a = quilt(h.clone(), 2 * MIB);
     let kv = a.allocate_tagged(MIB, StreamId(2), "kv").unwrap();
     h.fill(kv.ptr, kv.size, 7).unwrap();
@@ -154,7 +131,7 @@ fn sleep_wake_discard_maps_again_without_copies() {
 
 #[test]
 fn sleep_wake_out_of_memory_on_wake_leaves_the_tag_asleep_and_its_copy_intact() {
-    let Some(h) = host(2 * MIB) else { return };
+    let h = host(2 * MIB);
     let a = quilt(h.clone(), 2 * MIB);
     let w = a
         .allocate_tagged(MIB, StreamId::DEFAULT, "weights")
@@ -319,7 +296,7 @@ proptest! {
     /// members of a sleeping tag refused.
     #[test]
     fn sleep_wake_random_tags_keep_bytes_and_invariants(ops in proptest::collection::vec(op(), 1..60), tier in any::<bool>()) {
-        let Some(h) = host(8 * MIB) else { return Ok(()) };
+        let h = host(8 * MIB);
         let a = quilt(h.clone(), 6 * MIB);
         if tier {
             // Tag "a" may be sent to the host whenever a request runs out of memory.
@@ -584,7 +561,7 @@ fn sleep_wake_and_growable_survive_a_driver_fault_at_every_call() {
 #[test]
 fn sleep_wake_offload_tier_sends_offloadable_tags_to_the_host_on_out_of_memory() {
     use quilt_alloc::quilt::OffloadTier;
-    let Some(h) = host(4 * MIB) else { return };
+    let h = host(4 * MIB);
     let a = quilt(h.clone(), 4 * MIB);
     let s = StreamId::DEFAULT;
     let cold = a.allocate_tagged(2 * MIB, s, "cold").unwrap();
@@ -688,7 +665,7 @@ fn sleep_wake_on_the_simulator_costs_large_copies_without_host_memory() {
 #[test]
 fn sleep_wake_releasing_pages_to_the_device_and_creating_them_again() {
     use quilt_alloc::quilt::SleepPages;
-    let Some(h) = host(4 * MIB) else { return };
+    let h = host(4 * MIB);
     let a = quilt(h.clone(), 4 * MIB);
     let w = a.allocate_tagged(2 * MIB, StreamId::DEFAULT, "w").unwrap();
     let keep = a.allocate(MIB, StreamId::DEFAULT).unwrap();

@@ -163,3 +163,148 @@ pub fn rerun_over_double_with(vars: &[(&str, &str)]) -> bool {
     );
     false
 }
+
+/// The driver functions a test calls itself, from the `libcuda.so.1` this
+/// process loaded (over the double: the same library, so the same state, as
+/// cudarc's; with [`real_driver`]: the real driver), looked up with `dlsym`
+/// so that the calling test needs no CUDA bindings of its own.
+pub mod driver {
+    use std::ffi::{c_char, c_int, c_void, CStr};
+    use std::sync::OnceLock;
+
+    /// `CUresult`.
+    pub type CuResult = c_int;
+    /// `CUDA_SUCCESS`.
+    pub const SUCCESS: CuResult = 0;
+
+    extern "C" {
+        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+        fn dlerror() -> *const c_char;
+    }
+
+    const RTLD_NOW: c_int = 2;
+
+    type Init = unsafe extern "C" fn(u32) -> CuResult;
+    type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
+    type PrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult;
+    type PrimaryCtxRelease = unsafe extern "C" fn(c_int) -> CuResult;
+    type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> CuResult;
+    type GetErrorName = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
+
+    /// The function `name` of the loaded `libcuda.so.1` (loaded on the
+    /// first call), or why there is none.
+    pub fn symbol(name: &CStr) -> Result<*mut c_void, String> {
+        static LIB: OnceLock<Result<usize, String>> = OnceLock::new();
+        let lib = LIB
+            .get_or_init(|| {
+                // SAFETY: a NUL-terminated name; loading the driver library
+                // runs no code of ours.
+                let lib = unsafe { dlopen(c"libcuda.so.1".as_ptr(), RTLD_NOW) };
+                if lib.is_null() {
+                    // SAFETY: dlerror returns a NUL-terminated message after
+                    // a failed dlopen.
+                    let why = unsafe { CStr::from_ptr(dlerror()) };
+                    return Err(format!("dlopen libcuda.so.1: {why:?}"));
+                }
+                Ok(lib as usize)
+            })
+            .clone()?;
+        // SAFETY: `lib` is a handle from `dlopen`; `name` is NUL-terminated.
+        let p = unsafe { dlsym(lib as *mut c_void, name.as_ptr()) };
+        if p.is_null() {
+            return Err(format!("libcuda.so.1 has no {name:?}"));
+        }
+        Ok(p)
+    }
+
+    /// [`symbol`] as the function type `F`.
+    ///
+    /// # Safety
+    /// `F` must be the signature cuda.h declares for `name`.
+    #[allow(clippy::panic)] // a test helper: failing the calling test is its job
+    pub unsafe fn function<F: Copy>(name: &CStr) -> F {
+        assert_eq!(
+            size_of::<F>(),
+            size_of::<*mut c_void>(),
+            "a function pointer"
+        );
+        let p = symbol(name).unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: `p` is the driver's function `name`, and the caller
+        // vouches that `F` is its signature.
+        unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+    }
+
+    /// `Ok` for `CUDA_SUCCESS`, else `what` failed with the error's name.
+    pub fn check(what: &str, r: CuResult) -> Result<(), String> {
+        if r == SUCCESS {
+            return Ok(());
+        }
+        // SAFETY: cuGetErrorName's signature as cuda.h declares it.
+        let get_error_name: GetErrorName = unsafe { function(c"cuGetErrorName") };
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY: a valid out-pointer; the driver points it at a static
+        // NUL-terminated string when it knows the code.
+        let known = unsafe { get_error_name(r, &mut name) } == SUCCESS;
+        let name = if known && !name.is_null() {
+            // SAFETY: as above: a static NUL-terminated string.
+            unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            format!("CUresult {r}")
+        };
+        Err(format!("{what} failed: {name} ({r})"))
+    }
+
+    #[allow(clippy::panic)] // a test helper: failing the calling test is its job
+    fn must(what: &str, r: CuResult) {
+        if let Err(e) = check(what, r) {
+            panic!("{e}");
+        }
+    }
+
+    /// Initialises the driver and makes device 0's primary context current
+    /// on the calling thread (retained until [`release_primary`]), as cudarc
+    /// and PyTorch do before they queue work. Panics with the driver's
+    /// error.
+    pub fn bind_primary() {
+        // SAFETY (all four): each signature as cuda.h declares it.
+        let (init, device_get, retain, set_current) = unsafe {
+            (
+                function::<Init>(c"cuInit"),
+                function::<DeviceGet>(c"cuDeviceGet"),
+                function::<PrimaryCtxRetain>(c"cuDevicePrimaryCtxRetain"),
+                function::<CtxSetCurrent>(c"cuCtxSetCurrent"),
+            )
+        };
+        // SAFETY: no pointers.
+        must("cuInit", unsafe { init(0) });
+        let mut dev: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        must("cuDeviceGet", unsafe { device_get(&mut dev, 0) });
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and a device from cuDeviceGet.
+        must("cuDevicePrimaryCtxRetain", unsafe { retain(&mut ctx, dev) });
+        // SAFETY: a context the driver just gave (retained).
+        must("cuCtxSetCurrent", unsafe { set_current(ctx) });
+    }
+
+    /// Releases the primary context [`bind_primary`] retained and leaves
+    /// none current on the calling thread.
+    pub fn release_primary() {
+        // SAFETY (both): each signature as cuda.h declares it.
+        let (set_current, release) = unsafe {
+            (
+                function::<CtxSetCurrent>(c"cuCtxSetCurrent"),
+                function::<PrimaryCtxRelease>(c"cuDevicePrimaryCtxRelease_v2"),
+            )
+        };
+        // SAFETY: a null context is valid: none current.
+        must("cuCtxSetCurrent", unsafe {
+            set_current(std::ptr::null_mut())
+        });
+        // SAFETY: device 0, retained by `bind_primary`.
+        must("cuDevicePrimaryCtxRelease", unsafe { release(0) });
+    }
+}

@@ -11,22 +11,13 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
+use quilt_cuda_double::harness::driver::bind_primary;
 use quilt_torch::ffi::{
     quilt_forget_stream, quilt_free, quilt_malloc, quilt_record_stream, quilt_stats_json,
 };
 
 fn ok(r: sys::CUresult, what: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
-fn bind_primary() {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver (the double) is loaded; valid out-pointer.
-    unsafe {
-        ok(sys::cuInit(0), "cuInit");
-        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), "retain");
-        ok(sys::cuCtxSetCurrent(ctx), "set current");
-    }
 }
 
 fn last_error() -> String {

@@ -3,11 +3,13 @@
 //! two processes on one device (POSIX file descriptor over a Unix socket).
 //!
 //! `cargo test` runs every test over the CUDA double (`quilt-cuda-double`,
-//! two devices for the peer test), each in a child process;
-//! `QUILT_CUDA_TESTS=real` runs them on a real GPU (`scripts/gpu-check.sh`,
-//! step `cuda_share`). A check that cannot run on the machine it finds (one
-//! device only; no POSIX handle support) prints `cuda_share: SKIPPED: <why>`
-//! and returns, and the script records the step with that reason.
+//! two devices for the peer test, POSIX handles for the export test), each
+//! in a child process; `QUILT_CUDA_TESTS=real` runs them on a real GPU
+//! (`scripts/gpu-check.sh`, step `cuda_share`). A test that cannot run on the
+//! machine it finds (one device only; no POSIX handle support) fails with
+//! the reason: it never passes without running. On a machine with one
+//! device, `scripts/gpu-check.sh` leaves the peer test out
+//! (`--skip cuda_share_peer_access_for_every_device`) and records why.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -107,13 +109,11 @@ fn cuda_share_peer_access_for_every_device() {
     }
     let v = gpu(0);
     let caps = v.caps();
-    if caps.device_count < 2 {
-        println!(
-            "cuda_share: SKIPPED: peer access needs two or more devices, found {}",
-            caps.device_count
-        );
-        return;
-    }
+    assert!(
+        caps.device_count >= 2,
+        "cuda_share: peer access needs two or more devices, found {} (on a one-device machine leave this test out: --skip cuda_share_peer_access_for_every_device)",
+        caps.device_count
+    );
     let g = caps.granularity;
     let devices = caps.all_devices();
     let h = v.create(2 * g).unwrap();
@@ -167,7 +167,8 @@ fn child(path: &str) {
 
 #[test]
 fn cuda_share_export_and_import_between_two_processes() {
-    if !quilt_cuda_double::harness::rerun_over_double() {
+    // POSIX handles on the double (its default, set here all the same).
+    if !quilt_cuda_double::harness::rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_POSIX_FD", "1")]) {
         return; // ran over the CUDA double in a child process
     }
     if let Ok(path) = std::env::var(CHILD_SOCKET) {
@@ -176,10 +177,10 @@ fn cuda_share_export_and_import_between_two_processes() {
     }
     let v = gpu(0);
     let caps = v.caps();
-    if !caps.handle_types.posix_fd {
-        println!("cuda_share: SKIPPED: the device reports no POSIX file descriptor handles");
-        return;
-    }
+    assert!(
+        caps.handle_types.posix_fd,
+        "cuda_share: the device reports no POSIX file descriptor handles, which this test exports"
+    );
     let size = 2 * caps.granularity;
     let props = CreateProps {
         handle_types: HandleTypes::POSIX_FD,
