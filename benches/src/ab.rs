@@ -107,7 +107,7 @@ fn export_snapshot(
     alloc: &dyn DeviceAllocator,
 ) -> Result<(), String> {
     let safe = |s: &str| file_safe(s, "-_.");
-    let bytes = quilt_torch::snapshot::pickle_of(alloc)?;
+    let bytes = quilt_torch::pytorch_snapshot::pickle_of(alloc)?;
     std::fs::create_dir_all(dir)
         .and_then(|()| {
             std::fs::write(

@@ -24,7 +24,7 @@ pub struct Entry {
     pub name: &'static str,
     /// Runs the serving events (growable buffers, tagged allocations, sleep
     /// and wake) on its own API ([`build_for_serving`] gives it as
-    /// [`Built::Native`]); the others have them emulated ([`crate::serving`]).
+    /// [`Built::Native`]); the others have them emulated ([`crate::serving_events`]).
     pub native_serving: bool,
     /// The reference allocator: with its default settings, the row the wide
     /// table's ratio columns (`min cap/classic`, ...) divide by.

@@ -17,7 +17,7 @@ use crate::report::rows::{
 };
 use crate::report::text::{self, Layout, RunContext};
 use crate::report::{charts, json};
-use crate::snapshot::load_snapshot;
+use crate::snapshot_import::load_snapshot;
 use crate::trace::{load_trace, Event, Trace, TraceError};
 use crate::units::{parse_size, size_text, SizeError};
 use crate::workloads::{self, DEFAULT_SEED, WORKLOADS};

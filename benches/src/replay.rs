@@ -22,7 +22,7 @@
 //!   replay (`completed == false`). Any other allocator error, or a trace that
 //!   frees an id that is not live, is a [`ReplayError`].
 //! - The serving events (growable buffers, tagged allocations, sleep and
-//!   wake) run through [`crate::serving`]: natively on an allocator whose
+//!   wake) run through [`crate::serving_events`]: natively on an allocator whose
 //!   registry entry says so ([`allocators::Entry::native_serving`]: Quilt's
 //!   `quilt` preset, built by [`replay_fresh`]), emulated on every other allocator
 //!   (and on any allocator given to [`replay`]). A growable buffer's length
@@ -43,7 +43,7 @@ use quilt_vmm::{DriverStats, StreamId, Vmm};
 
 use crate::allocators::{self, Built, RegistryError};
 use crate::live::LiveTracker;
-use crate::serving::{GrowthCopies, LiveBlocks, Serving, ServingFailure, Target};
+use crate::serving_events::{GrowthCopies, LiveBlocks, Serving, ServingFailure, Target};
 use crate::trace::{Event, Trace};
 
 /// How to replay.
@@ -598,7 +598,7 @@ pub fn replay(
 }
 
 /// [`replay`] on `target`: Quilt's own serving API, or any allocator with the
-/// serving events emulated ([`crate::serving`]).
+/// serving events emulated ([`crate::serving_events`]).
 pub fn replay_on(
     trace: &Trace,
     target: Target<'_>,

@@ -17,7 +17,7 @@ use common::{dict, s};
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict, MAX_ALLOCATION};
 use quilt_bench::allocators::{self, RegistryError, ALLOCATOR_NAMES};
 use quilt_bench::replay::{replay_fresh, ReplayConfig, ReplayError};
-use quilt_bench::snapshot::import_snapshot;
+use quilt_bench::snapshot_import::import_snapshot;
 use quilt_bench::trace::{load_trace, parse_trace, Trace, TraceError};
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::sim::SimVmm;

@@ -548,7 +548,7 @@ fn export_snapshot_writes_pytorch_layout_pickles_that_add_up() {
             assert_eq!(sizes, int(get(s, "total_size")), "{allocator}: blocks tile");
         }
         // The snapshot reads back through Quilt's importer.
-        quilt_bench::snapshot::import_snapshot(&bytes, allocator, 0).unwrap();
+        quilt_bench::snapshot_import::import_snapshot(&bytes, allocator, 0).unwrap();
     }
 }
 

@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::{dict, s};
-use quilt_bench::snapshot::{import_snapshot, load_snapshot};
+use quilt_bench::snapshot_import::{import_snapshot, load_snapshot};
 use quilt_bench::trace::{load_trace, Event, TraceError};
 use serde_pickle::{SerOptions, Value};
 

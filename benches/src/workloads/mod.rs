@@ -13,11 +13,11 @@ use rand_pcg::Pcg64Mcg;
 
 use crate::trace::{Event, Trace};
 
+pub mod llm_serving;
+pub mod llm_serving_growable;
 pub mod mixed_vision_language;
 pub mod model_switch;
 pub mod offload_pipeline;
-pub mod serving;
-pub mod serving_growable;
 pub mod train_varlen;
 
 /// A built-in workload: its name, what it models, and its generator.
@@ -41,7 +41,7 @@ pub const WORKLOADS: [Workload; 9] = [
     Workload {
         name: "llm-serving",
         description: "LLM serving: concurrent requests whose contiguous KV caches grow per token and end at random",
-        generate: serving::generate,
+        generate: llm_serving::generate,
     },
     Workload {
         name: "model-switch",
@@ -56,12 +56,12 @@ pub const WORKLOADS: [Workload; 9] = [
     Workload {
         name: "llm-serving-growable",
         description: "llm-serving with each request's KV cache one growable buffer, grown 32 tokens at a time",
-        generate: serving_growable::generate,
+        generate: llm_serving_growable::generate,
     },
     Workload {
         name: "llm-serving-growable-switch",
         description: "three models switched by sleep and wake, serving with growable KV caches between switches",
-        generate: serving_growable::generate_switch,
+        generate: llm_serving_growable::generate_switch,
     },
     Workload {
         name: "offload-pipeline-4",

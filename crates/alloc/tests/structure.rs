@@ -22,7 +22,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sleep",
             "offload",
             "export",
-            "snapshot",
+            "segments",
             "invariants",
         ],
     ),

@@ -47,6 +47,6 @@ pub mod conf;
 pub mod ffi;
 pub mod history;
 pub mod library;
-pub mod snapshot;
+pub mod pytorch_snapshot;
 
 pub use ffi::{current_tag, last_error};

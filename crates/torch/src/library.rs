@@ -17,7 +17,7 @@ use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm};
 
 use crate::conf::{self, Backend, LibraryConf};
 use crate::history::History;
-use crate::snapshot::{self, DeviceMemory};
+use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
 
 /// The driver's map and unmap count of `alloc`: the mapped memory changes
 /// only when it moves ([`History::sync_segments`]).

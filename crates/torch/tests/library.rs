@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use quilt_bench::snapshot::import_snapshot;
+use quilt_bench::snapshot_import::import_snapshot;
 use quilt_bench::trace::Event;
 use quilt_torch::library::Library;
 use serde_pickle::{HashableValue, Value};

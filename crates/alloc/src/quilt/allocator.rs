@@ -13,8 +13,8 @@ use super::growable::Growables;
 #[cfg(feature = "invariants")]
 use super::invariants;
 use super::offload::{with_offload_tier, Tier};
+use super::segments;
 use super::sleep::Tags;
-use super::snapshot;
 use super::stitch::{pool_err, Core, Ctx};
 use crate::api::{Allocation, DeviceAllocator};
 use crate::error::AllocError;
@@ -261,7 +261,7 @@ impl QuiltAllocator {
     /// ```
     pub fn mapped_segments(&self) -> MemorySnapshot {
         match self.shared.lock() {
-            Ok(l) => snapshot::mapped_segments(&l.core, self.shared.name, self.shared.page),
+            Ok(l) => segments::mapped_segments(&l.core, self.shared.name, self.shared.page),
             Err(_) => MemorySnapshot {
                 allocator: self.shared.name.to_string(),
                 segments: Vec::new(),
@@ -423,7 +423,7 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn snapshot(&self) -> MemorySnapshot {
         match self.shared.lock() {
-            Ok(l) => snapshot::snapshot(&l.core, self.shared.name, self.shared.page),
+            Ok(l) => segments::snapshot(&l.core, self.shared.name, self.shared.page),
             Err(_) => MemorySnapshot {
                 allocator: self.shared.name.to_string(),
                 segments: Vec::new(),

@@ -252,7 +252,7 @@ impl Core {
                     if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
                         continue;
                     }
-                    streams.poll(ctx.vmm, s, tick, Poll::Now);
+                    streams.learn(ctx.vmm, s, h.tick, tick);
                     if !streams.is_done(s, h.tick) {
                         waits = true;
                         break 'hazards;

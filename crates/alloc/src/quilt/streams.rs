@@ -362,6 +362,28 @@ impl Streams {
         }
     }
 
+    /// Learn whether stream `i`'s work up to tick `k` is complete, for a
+    /// decision that depends on it (placement, a wait): when no event of the
+    /// stream covers `k` yet (frees made while it was the only stream), one
+    /// is recorded now, on demand (it covers all of the stream's work so
+    /// far), then the stream is polled (one query at most this operation).
+    /// A stream that has caught up then needs no wait.
+    pub(crate) fn learn(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
+        if self.is_done(i, k) {
+            return;
+        }
+        let Some(s) = self.states.get(i as usize) else {
+            return;
+        };
+        let covered = s.events.back().map_or(s.done, |&(t, _)| t);
+        if covered < k && s.polled_at != tick && !s.forgotten && !self.capturing(vmm, i, tick) {
+            if let Err(err) = self.record(vmm, i, tick) {
+                event_call_failed("recording an event on demand", &err);
+            }
+        }
+        self.poll(vmm, i, tick, Poll::Now);
+    }
+
     /// Stream `i` freed a block at `tick`. With `track`, record an event
     /// there (one per stream per operation), so that other streams (and
     /// reclaim) can later learn without waiting that the free is complete;
@@ -466,7 +488,7 @@ impl Streams {
         if s == t || self.is_done(s, k) || self.waited(t, s) >= k {
             return Ok(false);
         }
-        self.poll(vmm, s, tick, Poll::Now);
+        self.learn(vmm, s, k, tick);
         if self.is_done(s, k) {
             return Ok(false);
         }
