@@ -118,10 +118,12 @@ pub enum AccessGranularity {
 
 /// When cached pages (mapped, touched by no block) are unmapped and returned
 /// to the pool *before* it grows. Whatever the policy, when the pool cannot
-/// grow, cached pages are reclaimed (synchronising the streams whose work may
-/// still use them) before a request is declared out of memory; before growth,
-/// only pages whose freeing work is known complete are taken, so no policy
-/// ever synchronises a stream while the device still has room.
+/// grow, cached pages are reclaimed before a request is declared out of
+/// memory, without a synchronisation: a page whose freeing work is known
+/// complete is unmapped, any other retired (its pool page moves on carrying
+/// that work as a hazard, its unmap waits for the work); before growth, only
+/// pages whose freeing work is known complete are taken. No policy
+/// synchronises a stream while the device still has room.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReclaimPolicy {
     /// Grow first; reclaim only when the pool cannot grow (Quilt's default).
