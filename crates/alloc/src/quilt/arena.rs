@@ -356,6 +356,37 @@ impl Arena {
         }
     }
 
+    /// A second stream appeared: the ranges freed so far become hazards
+    /// of the first stream's work (`streams`, up to `tick`), since they were
+    /// freed without an event (no other stream could reuse them then). Only
+    /// pages freed on since they were mapped can carry that work: in each
+    /// gap, each run of them (clipped to the gap) gets one hazard; pristine
+    /// space (never used, or unmapped since: an unmap waits for the work)
+    /// gets none.
+    pub(crate) fn add_first_stream_hazards(&mut self, streams: u64, tick: u64) {
+        let Some(known) = (self.pages.len() as u64).checked_sub(1) else {
+            return; // no page was ever touched
+        };
+        for (id, start, end) in self.tiling.gap_ids() {
+            let (first, last) = self.page_span(start, end - start);
+            let last = last.min(known); // pages past those known are pristine
+            let mut p = first;
+            while p <= last {
+                if self.slot(p).freed_by == 0 {
+                    p += 1;
+                    continue;
+                }
+                let run = p;
+                while p <= last && self.slot(p).freed_by != 0 {
+                    p += 1;
+                }
+                let (lo, hi) = ((run * self.page).max(start), (p * self.page).min(end));
+                self.tiling
+                    .add_hazard(id, Hazard::over(lo, hi - lo, streams, tick));
+            }
+        }
+    }
+
     /// The gap holding `off`, walking the arena from its start (see
     /// [`Arena::add_hazard`]); `None` when a block holds it.
     pub(crate) fn gap_at(&self, off: u64) -> Option<PieceId> {

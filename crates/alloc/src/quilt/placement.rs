@@ -249,11 +249,11 @@ impl Core {
             let mut waits = false;
             'hazards: for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
                 for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                    if streams.waited(t, s) >= h.tick || streams.is_done(s, h.tick) {
+                    if streams.has_waited(t, s, h.tick) || streams.freed_done(s, h.tick) {
                         continue;
                     }
                     streams.learn(ctx.vmm, s, h.tick, tick);
-                    if !streams.is_done(s, h.tick) {
+                    if !streams.freed_done(s, h.tick) {
                         waits = true;
                         break 'hazards;
                     }
@@ -278,7 +278,7 @@ impl Core {
             streams
                 .in_mask(h.streams)
                 .filter(|&s| s != t)
-                .any(|s| streams.waited(t, s) < h.tick && !streams.is_done(s, h.tick))
+                .any(|s| !streams.has_waited(t, s, h.tick) && !streams.freed_done(s, h.tick))
         })
     }
 
@@ -381,12 +381,13 @@ impl Core {
         Some(start)
     }
 
-    /// True when the work of every stream in `mask` up to tick `k` is known
-    /// complete (after at most one query per stream this operation).
+    /// True when the work of every stream in `mask` up to tick `k` that the
+    /// memory they freed can depend on is known complete (after at most one
+    /// query per stream this operation).
     pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
         self.streams.in_mask(mask).all(|s| {
             self.streams.poll(ctx.vmm, s, tick, Poll::Now);
-            self.streams.is_done(s, k)
+            self.streams.freed_done(s, k)
         })
     }
 }

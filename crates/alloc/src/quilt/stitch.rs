@@ -171,14 +171,15 @@ impl Core {
     }
 
     /// Register `stream`, returning its index. When a second stream appears,
-    /// every free range so far becomes a hazard of the first stream's work: it
-    /// was freed without one, since no other stream could reuse it then.
+    /// every range freed so far becomes a hazard of the first stream's work
+    /// (it was freed without an event, since no other stream could reuse it
+    /// then); pristine space does not ([`Arena::add_first_stream_hazards`]).
     pub(super) fn stream_index(&mut self, stream: StreamId) -> u32 {
         let (i, new) = self.streams.index(stream);
         if new && self.streams.len() == 2 {
             let (bit, tick) = (Streams::bit(0), self.tick);
             for a in &mut self.arenas {
-                a.tiling.add_hazard_to_gaps(bit, tick);
+                a.add_first_stream_hazards(bit, tick);
             }
         }
         i
@@ -196,7 +197,7 @@ impl Core {
         self.arenas[ai].tiling.retain_hazards(gap, |h| {
             !streams
                 .in_mask(h.streams)
-                .all(|s| streams.is_done(s, h.tick))
+                .all(|s| streams.freed_done(s, h.tick))
         });
     }
 

@@ -323,9 +323,33 @@ impl Streams {
             .chain(shared)
     }
 
+    /// The part of stream `i`'s work up to tick `k` that freed memory can
+    /// depend on: up to its last free. Work enqueued on a stream after its
+    /// last free cannot touch memory it freed (a range freed by several
+    /// streams, or a page's hazard, carries the latest free of any of
+    /// them, which may be later than this stream's).
+    fn relevant(&self, i: u32, k: u64) -> u64 {
+        self.states
+            .get(i as usize)
+            .map_or(0, |s| k.min(s.last_free))
+    }
+
     /// True when stream `i`'s work up to tick `k` is known complete.
     pub(crate) fn is_done(&self, i: u32, k: u64) -> bool {
         self.states.get(i as usize).is_none_or(|s| s.done >= k)
+    }
+
+    /// True when the part of stream `i`'s work up to tick `k` that memory
+    /// it freed can depend on is known complete (for a hazard: never for
+    /// live memory, whose work may come after any free).
+    pub(crate) fn freed_done(&self, i: u32, k: u64) -> bool {
+        self.is_done(i, self.relevant(i, k))
+    }
+
+    /// True when stream `t` already waited for stream `s`'s work up to `k`
+    /// (as far as freed memory can depend on it).
+    pub(crate) fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
+        self.waited(t, s) >= self.relevant(s, k)
     }
 
     /// Learn whether stream `i`'s oldest events completed (one query at most
@@ -369,9 +393,10 @@ impl Streams {
     /// far), then the stream is polled (one query at most this operation).
     /// A stream that has caught up then needs no wait.
     pub(crate) fn learn(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        if self.is_done(i, k) {
+        if self.freed_done(i, k) {
             return;
         }
+        let k = self.relevant(i, k);
         let Some(s) = self.states.get(i as usize) else {
             return;
         };
@@ -485,11 +510,11 @@ impl Streams {
         k: u64,
         tick: u64,
     ) -> Result<bool, VmmError> {
-        if s == t || self.is_done(s, k) || self.waited(t, s) >= k {
+        if s == t || self.freed_done(s, k) || self.has_waited(t, s, k) {
             return Ok(false);
         }
         self.learn(vmm, s, k, tick);
-        if self.is_done(s, k) {
+        if self.freed_done(s, k) {
             return Ok(false);
         }
         if self.capturing(vmm, t, tick) {
@@ -502,7 +527,8 @@ impl Streams {
         let Some(st) = self.states.get(s as usize) else {
             return Ok(false);
         };
-        let cover = st.last_free.max(k);
+        // Its newest event if it covers every free of `s`, else one now.
+        let cover = st.last_free.max(self.relevant(s, k));
         let (et, e) = match st.events.back().filter(|&&(et, _)| et >= cover) {
             Some(&found) => found,
             None => (tick, self.record(vmm, s, tick)?),

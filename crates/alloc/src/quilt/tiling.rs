@@ -308,25 +308,17 @@ impl Tiling {
         }
     }
 
-    /// Make every gap a hazard of `streams` at `tick` (its hazards so far,
-    /// if any, are joined into it: conservative).
-    pub(crate) fn add_hazard_to_gaps(&mut self, streams: u64, tick: u64) {
+    /// The gaps in address order, as (piece, start, end).
+    pub(crate) fn gap_ids(&self) -> Vec<(PieceId, u64, u64)> {
+        let mut out = Vec::new();
         let mut id = self.head;
         while let Some(&p) = self.get(id) {
             if p.free {
-                let (s, k) = self.hazard_union(id, p.start, p.end - p.start);
-                let (s, k) = (s | streams, k.max(tick));
-                let list = &mut self.hazards[id as usize];
-                list.clear();
-                list.push(Hazard {
-                    start: p.start,
-                    end: p.end,
-                    streams: s,
-                    tick: k,
-                });
+                out.push((id, p.start, p.end));
             }
             id = p.next;
         }
+        out
     }
 
     /// The range of block `id`; `None` when `id` is no block.
