@@ -391,8 +391,17 @@ impl<P> Ledger<P> {
         Ok(())
     }
 
-    /// Records a handle the backend has created; returns its id.
+    /// Records a handle the backend has created (requesting no shareable
+    /// handle type); returns its id.
+    #[cfg(test)]
     pub fn add_handle(&mut self, size: u64, payload: P) -> PhysHandle {
+        self.add_handle_of(size, payload, HandleTypes::NONE)
+    }
+
+    /// Records a handle the backend has created or imported with
+    /// `handle_types`; returns its id. One map insertion: `create` runs it
+    /// once per page.
+    fn add_handle_of(&mut self, size: u64, payload: P, handle_types: HandleTypes) -> PhysHandle {
         let id = self.next_handle;
         self.next_handle += 1;
         self.used += size;
@@ -403,7 +412,7 @@ impl<P> Ledger<P> {
                 released: false,
                 mappings: 0,
                 payload,
-                handle_types: HandleTypes::NONE,
+                handle_types,
             },
         );
         PhysHandle(id)
@@ -730,13 +739,6 @@ impl<P> Ledger<P> {
         Ok(())
     }
 
-    /// Records the handle types a handle was created (or imported) with.
-    pub fn set_handle_types(&mut self, handle: PhysHandle, types: HandleTypes) {
-        if let Some(entry) = self.handles.get_mut(&handle.0) {
-            entry.handle_types = types;
-        }
-    }
-
     /// Checks an `export_handle(handle, kind)`: a live (unreleased) handle
     /// created requesting `kind`. Returns its entry.
     pub fn check_export(&self, handle: PhysHandle, kind: HandleKind) -> Result<&HandleEntry<P>> {
@@ -911,9 +913,7 @@ impl<P> Ledger<P> {
     ) -> Result<PhysHandle> {
         self.check_create_with(size, props)?;
         let payload = call(self)?;
-        let handle = self.add_handle(size, payload);
-        self.set_handle_types(handle, props.handle_types);
-        Ok(handle)
+        Ok(self.add_handle_of(size, payload, props.handle_types))
     }
 
     /// `cuMemRelease`: a live handle, `call` on its payload, then marked
@@ -1009,15 +1009,11 @@ impl<P> Ledger<P> {
 
     /// Records a handle imported as `kind` (checked by [`Ledger::check_import`]).
     pub fn add_imported(&mut self, size: u64, kind: HandleKind, payload: P) -> PhysHandle {
-        let handle = self.add_handle(size, payload);
-        self.set_handle_types(
-            handle,
-            HandleTypes {
-                posix_fd: kind == HandleKind::PosixFd,
-                fabric: kind == HandleKind::Fabric,
-            },
-        );
-        handle
+        let types = HandleTypes {
+            posix_fd: kind == HandleKind::PosixFd,
+            fabric: kind == HandleKind::Fabric,
+        };
+        self.add_handle_of(size, payload, types)
     }
 
     // ---- reports, checks and teardown ----
