@@ -222,11 +222,21 @@ impl Harness {
         // stream caught up, nowhere. A wait the account cannot justify is
         // counted: see `UNNEEDED_WAITS`.
         if waits > 0 {
+            // Under the block's addresses, or under its physical memory: a
+            // page freed elsewhere may back it now while its old mapping
+            // stays until the work completes (a retired page), so the same
+            // bytes are still in use through another address.
+            let now: Vec<(PhysHandle, u64)> = pages(start, end)
+                .filter_map(|p| self.sim.translate(p))
+                .collect();
             let under = !synced
-                && self
-                    .hazards
-                    .iter()
-                    .any(|h| h.stream != stream && h.overlaps(start, end));
+                && self.hazards.iter().any(|h| {
+                    h.stream != stream
+                        && (h.overlaps(start, end)
+                            || h.backing
+                                .iter()
+                                .any(|&(_, was)| was.is_some_and(|w| now.contains(&w))))
+                });
             if !under {
                 self.unneeded_waits += waits;
             }
