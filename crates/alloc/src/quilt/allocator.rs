@@ -91,7 +91,7 @@ impl Shared {
     ) -> Result<T, AllocError> {
         let mut guard = self.lock()?;
         let locked = &mut *guard;
-        // A copy (a few dozen bytes), so that `op` may change the policy in
+        // A copy (the policy is a small `Copy` value), so that `op` may change the policy in
         // force (`set_memory_limit`) while its context reads this one.
         let policy = locked.policy;
         let ctx = self.ctx(&policy);
