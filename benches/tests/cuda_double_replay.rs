@@ -311,6 +311,20 @@ struct ReplayPlan {
     invariants_every: usize,
 }
 
+impl ReplayPlan {
+    /// All of `trace` on its own streams, invariants checked after every
+    /// event, no `empty_cache`.
+    fn whole(trace: &'static str) -> ReplayPlan {
+        ReplayPlan {
+            trace,
+            max_events: usize::MAX,
+            spread: None,
+            empty_cache_every: None,
+            invariants_every: 1,
+        }
+    }
+}
+
 /// What a replay did.
 #[derive(Debug, Default)]
 struct Replayed {
@@ -411,7 +425,19 @@ fn replay(
 }
 
 /// The memory of the double's device for the trace tests.
-const TRACE_MEMORY: (&str, &str) = ("QUILT_CUDA_DOUBLE_MEMORY", "8GiB");
+const TRACE_MEMORY: &str = "8GiB";
+
+/// Reruns the calling test over the CUDA double with a device of `memory`
+/// bytes, where it [`replay_test`]s `plan`.
+fn replay_over_double(
+    memory: &str,
+    plan: ReplayPlan,
+    make: fn(Arc<dyn Vmm>) -> Box<dyn DeviceAllocator>,
+) {
+    if quilt_cuda_double::harness::rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_MEMORY", memory)]) {
+        replay_test(plan, make);
+    } // else it ran over the double in a child process
+}
 
 /// Replays `plan` on the allocator `make` builds over the CUDA backend and
 /// checks the end state (see [`finish`]).
@@ -454,17 +480,7 @@ const TRACE: &str = "bert_large_infer.trace";
     ignore = "needs ../shared/traces/converted (absent when built)"
 )]
 fn trace_on_quilt_keeps_every_pattern_over_the_double() {
-    if !quilt_cuda_double::harness::rerun_over_double_with(&[TRACE_MEMORY]) {
-        return; // ran over the CUDA double in a child process
-    }
-    let plan = ReplayPlan {
-        trace: TRACE,
-        max_events: usize::MAX,
-        spread: None,
-        empty_cache_every: None,
-        invariants_every: 1,
-    };
-    replay_test(plan, quilt);
+    replay_over_double(TRACE_MEMORY, ReplayPlan::whole(TRACE), quilt);
 }
 
 #[test]
@@ -473,17 +489,15 @@ fn trace_on_quilt_keeps_every_pattern_over_the_double() {
     ignore = "needs ../shared/traces/converted (absent when built)"
 )]
 fn trace_on_four_streams_on_quilt_keeps_every_pattern_over_the_double() {
-    if !quilt_cuda_double::harness::rerun_over_double_with(&[TRACE_MEMORY]) {
-        return; // ran over the CUDA double in a child process
-    }
-    let plan = ReplayPlan {
-        trace: TRACE,
-        max_events: usize::MAX,
-        spread: Some(4),
-        empty_cache_every: Some(700),
-        invariants_every: 1,
-    };
-    replay_test(plan, quilt);
+    replay_over_double(
+        TRACE_MEMORY,
+        ReplayPlan {
+            spread: Some(4),
+            empty_cache_every: Some(700),
+            ..ReplayPlan::whole(TRACE)
+        },
+        quilt,
+    );
 }
 
 /// A large training trace's first 2,000 events (its 326 preexisting
@@ -497,18 +511,14 @@ fn trace_on_four_streams_on_quilt_keeps_every_pattern_over_the_double() {
     ignore = "needs ../shared/traces/converted (absent when built)"
 )]
 fn large_trace_prefix_on_quilt_keeps_every_pattern_over_the_double() {
-    if !quilt_cuda_double::harness::rerun_over_double_with(&[("QUILT_CUDA_DOUBLE_MEMORY", "80GiB")])
-    {
-        return; // ran over the CUDA double in a child process
-    }
-    let plan = ReplayPlan {
-        trace: "cs336_lm_ctx512_train.trace",
-        max_events: 2000,
-        spread: None,
-        empty_cache_every: None,
-        invariants_every: 1,
-    };
-    replay_test(plan, quilt);
+    replay_over_double(
+        "80GiB",
+        ReplayPlan {
+            max_events: 2000,
+            ..ReplayPlan::whole("cs336_lm_ctx512_train.trace")
+        },
+        quilt,
+    );
 }
 
 /// The device 2% above the trace's peak (2,297 MiB live; Quilt reserves
@@ -521,20 +531,14 @@ fn large_trace_prefix_on_quilt_keeps_every_pattern_over_the_double() {
     ignore = "needs ../shared/traces/converted (absent when built)"
 )]
 fn trace_on_four_streams_on_quilt_under_memory_pressure_keeps_every_pattern_over_the_double() {
-    if !quilt_cuda_double::harness::rerun_over_double_with(&[(
-        "QUILT_CUDA_DOUBLE_MEMORY",
+    replay_over_double(
         "2350MiB",
-    )]) {
-        return; // ran over the CUDA double in a child process
-    }
-    let plan = ReplayPlan {
-        trace: TRACE,
-        max_events: usize::MAX,
-        spread: Some(4),
-        empty_cache_every: None,
-        invariants_every: 1,
-    };
-    replay_test(plan, quilt);
+        ReplayPlan {
+            spread: Some(4),
+            ..ReplayPlan::whole(TRACE)
+        },
+        quilt,
+    );
 }
 
 #[test]
@@ -543,17 +547,14 @@ fn trace_on_four_streams_on_quilt_under_memory_pressure_keeps_every_pattern_over
     ignore = "needs ../shared/traces/converted (absent when built)"
 )]
 fn trace_on_classic_with_empty_cache_keeps_every_pattern_over_the_double() {
-    if !quilt_cuda_double::harness::rerun_over_double_with(&[TRACE_MEMORY]) {
-        return; // ran over the CUDA double in a child process
-    }
-    let plan = ReplayPlan {
-        trace: TRACE,
-        max_events: usize::MAX,
-        spread: None,
-        empty_cache_every: Some(700),
-        invariants_every: 1,
-    };
-    replay_test(plan, classic);
+    replay_over_double(
+        TRACE_MEMORY,
+        ReplayPlan {
+            empty_cache_every: Some(700),
+            ..ReplayPlan::whole(TRACE)
+        },
+        classic,
+    );
 }
 
 // --- 2. Offloading: layers prefetched on side streams ------------------------
