@@ -17,7 +17,8 @@
 //!   intermediate and fp32 logits, then frees them.
 
 use super::{
-    inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16, FP32, I64,
+    decode_step, inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
+    FP32, I64,
 };
 use crate::trace::Trace;
 
@@ -94,12 +95,7 @@ pub fn generate(seed: u64) -> Trace {
         if n == 0 {
             continue;
         }
-        let hidden = b.alloc(n * m.hidden * BF16, s0);
-        let mlp = b.alloc(n * m.ffn * 2 * BF16, s0);
-        b.free(mlp);
-        let logits = b.alloc(n * m.vocab * FP32, s0);
-        b.free(hidden);
-        b.free(logits);
+        decode_step(&mut b, &m, n, s0);
         let mut i = 0;
         while i < running.len() {
             let r = &mut running[i];

@@ -20,7 +20,8 @@ use rand::RngExt;
 use rand_pcg::Pcg64Mcg;
 
 use super::{
-    inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16, FP32, I64,
+    decode_step, inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
+    FP32, I64,
 };
 use crate::trace::Trace;
 
@@ -126,12 +127,7 @@ fn serve(b: &mut TraceBuilder, rng: &mut Pcg64Mcg, m: &Transformer, requests: us
         if n == 0 {
             continue;
         }
-        let hidden = b.alloc(n * m.hidden * BF16, s0);
-        let mlp = b.alloc(n * m.ffn * 2 * BF16, s0);
-        b.free(mlp);
-        let logits = b.alloc(n * m.vocab * FP32, s0);
-        b.free(hidden);
-        b.free(logits);
+        decode_step(b, m, n, s0);
         let mut i = 0;
         while i < running.len() {
             let r = &mut running[i];

@@ -316,6 +316,18 @@ impl Transformer {
     }
 }
 
+/// The batch-wide activations of one decode step of `n` sequences on
+/// `stream`: hidden state, MLP intermediate, fp32 logits (both serving
+/// workloads).
+pub(crate) fn decode_step(b: &mut TraceBuilder, m: &Transformer, n: u64, stream: u64) {
+    let hidden = b.alloc(n * m.hidden * BF16, stream);
+    let mlp = b.alloc(n * m.ffn * 2 * BF16, stream);
+    b.free(mlp);
+    let logits = b.alloc(n * m.vocab * FP32, stream);
+    b.free(hidden);
+    b.free(logits);
+}
+
 /// The activations of one representative transformer layer over `tokens`
 /// tokens in bf16, allocated and freed as an inference forward pass does
 /// (hidden state, fused QKV, attention scores over `context` keys, MLP
