@@ -453,6 +453,17 @@ impl Driver {
         }
     }
 
+    /// A host wait for stream `s` while it captures is refused and
+    /// invalidates its capture (what CUDA does to a sync or query of a
+    /// capturing stream).
+    fn refuse_waiting_on_capture(&mut self, s: u64) -> Call<()> {
+        if let Some(id) = self.streams[&s].capture {
+            self.invalidate(id);
+            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        Ok(())
+    }
+
     /// The sticky error of `ctx`, if any.
     fn sticky(&self, ctx: u64) -> Call<()> {
         self.live_context(ctx).map(|_| ())
@@ -461,10 +472,7 @@ impl Driver {
     /// `cuStreamSynchronize`.
     pub fn synchronize_stream(&mut self, handle: u64) -> Call<()> {
         let s = self.stream(handle)?;
-        if let Some(id) = self.streams[&s].capture {
-            self.invalidate(id);
-            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-        }
+        self.refuse_waiting_on_capture(s)?;
         self.legacy_free_of_capture(s)?;
         self.forbidden_under_capture()?;
         let (ctx, seq) = (self.streams[&s].context, self.streams[&s].submitted);
@@ -475,10 +483,7 @@ impl Driver {
     /// Runs stream `s` up to position `seq` for a caller that waits for it
     /// (a copy into pageable host memory): refused on a capturing stream.
     pub fn synchronize_up_to(&mut self, s: u64, seq: u64) -> Call<()> {
-        if let Some(id) = self.streams[&s].capture {
-            self.invalidate(id);
-            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-        }
+        self.refuse_waiting_on_capture(s)?;
         self.forbidden_under_capture()?;
         self.run_until(s, seq);
         let ctx = self.streams.get(&s).map(|st| st.context).unwrap_or(0);
@@ -488,10 +493,7 @@ impl Driver {
     /// `cuStreamQuery`.
     pub fn query_stream(&mut self, handle: u64) -> Call<()> {
         let s = self.stream(handle)?;
-        if let Some(id) = self.streams[&s].capture {
-            self.invalidate(id);
-            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-        }
+        self.refuse_waiting_on_capture(s)?;
         self.legacy_free_of_capture(s)?;
         self.forbidden_under_capture()?;
         let st = &self.streams[&s];
