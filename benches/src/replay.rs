@@ -14,6 +14,13 @@
 //!   every event completes as it is recorded, as when the replay completed all
 //!   work after every free. Trace frees are still taken at `free_completed`:
 //!   the lag applies to the work the allocator itself orders with events.
+//! - Work is queued per stream ([`SimVmm::queue_work`]): before an
+//!   allocation on its stream (the program was running there), and before a
+//!   free on every stream the block was used on (its own and those of its
+//!   stream uses: the kernels that used it were queued before the free). An
+//!   event the allocator records completes once the work queued on its
+//!   stream before it has: a lag after that stream's last operation, at once
+//!   on a stream idle for longer, as on a GPU.
 //! - With `iterations: N`, the pre-existing prefix is replayed once and the rest
 //!   N times. Between iterations, whatever the iteration left live is freed (in
 //!   allocation order) and any pre-existing allocation it freed is allocated
@@ -264,6 +271,9 @@ pub fn replay_fresh_then<T>(
 /// The live allocations of a replay, by trace id.
 struct Live {
     by_id: LiveBlocks,
+    /// The streams each live allocation is used on: the one it was made on,
+    /// then those of its stream uses (`u`), without repeats.
+    streams: HashMap<u64, Vec<u64>>,
     tracker: LiveTracker,
 }
 
@@ -313,6 +323,7 @@ impl Run<'_> {
         if self.live.by_id.contains_key(&id) || self.serving.is_growable(id) {
             return Err(self.bad(index, format!("id {id} allocated while live")));
         }
+        self.sim.queue_work(StreamId(stream));
         let start = self.config.time_ops.then(Instant::now);
         let result = match tag {
             None => self
@@ -335,6 +346,7 @@ impl Run<'_> {
         match result {
             Ok(ptr) => {
                 self.live.by_id.insert(id, (ptr, size));
+                self.live.streams.insert(id, vec![stream]);
                 self.live.tracker.add(size);
                 Ok(Step::Done)
             }
@@ -398,6 +410,10 @@ impl Run<'_> {
             return Err(self.bad(index, format!("free of id {id}, which is not live")));
         };
         self.serving.forget(id);
+        // The kernels that used it were queued before the free.
+        for stream in self.live.streams.remove(&id).unwrap_or_default() {
+            self.sim.queue_work(StreamId(stream));
+        }
         let start = self.config.time_ops.then(Instant::now);
         let result = self.alloc.free(ptr);
         if let Some(start) = start {
@@ -419,6 +435,11 @@ impl Run<'_> {
         let Some(&(ptr, _)) = self.live.by_id.get(&id) else {
             return Err(self.bad(index, format!("stream use of id {id}, which is not live")));
         };
+        if let Some(used_on) = self.live.streams.get_mut(&id) {
+            if !used_on.contains(&stream) {
+                used_on.push(stream);
+            }
+        }
         self.alloc
             .record_stream(ptr, StreamId(stream))
             .map_err(|source| ReplayError::Allocator {
@@ -620,6 +641,7 @@ pub fn replay_on(
         config,
         live: Live {
             by_id: HashMap::new(),
+            streams: HashMap::new(),
             tracker: LiveTracker::new(),
         },
         events: 0,

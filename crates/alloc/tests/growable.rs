@@ -65,8 +65,12 @@ fn growable_host_bytes_stay_put_and_pages_flow_both_ways() {
     h.write_bytes(ptr + 100 * KIB, &second).unwrap();
     a.check_invariants().unwrap();
 
-    // Shrink: what stays below the new length is intact.
+    // Shrink: what stays below the new length is intact. The host backend
+    // completes work at once, so the pages past the shrink's allowance go
+    // straight back to the pool (their work is learnt done at the shrink).
+    let free_before_shrink = a.pool_stats().free_pages;
     buf.shrink_to(300 * KIB).unwrap();
+    let returned_at_shrink = a.pool_stats().free_pages - free_before_shrink;
     assert_eq!(read(&h, ptr, 100 * KIB), first);
     assert_eq!(
         read(&h, ptr + 100 * KIB, 200 * KIB),
@@ -80,8 +84,8 @@ fn growable_host_bytes_stay_put_and_pages_flow_both_ways() {
     let block = a.allocate(3 * MIB + 512 * KIB, StreamId::DEFAULT).unwrap();
     assert!(a.stats().reserved_bytes.current <= 4 * MIB);
     assert!(
-        a.serving_stats().spare_pages_reclaimed > 0,
-        "the shrink's pages were not reclaimed first: {:?}",
+        returned_at_shrink + a.serving_stats().spare_pages_reclaimed >= 24,
+        "the shrink's pages were not reused: {returned_at_shrink} returned at the shrink, {:?}",
         a.serving_stats()
     );
     assert!(reserved_before <= 4 * MIB);

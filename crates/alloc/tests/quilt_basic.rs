@@ -366,10 +366,15 @@ fn record_stream_reuse_on_a_third_stream_waits_for_both() {
     assert_eq!(a.stats().num_stream_waits, 2, "stream 2 waits for 0 and 1");
     a.free(y.ptr).unwrap();
     ok(&a);
-    // Stream 1's work done, stream 0's not: one wait (for stream 0).
+    // Stream 1's work done, stream 0's not: one wait (for stream 0). The
+    // work is declared: the event recorded on demand on stream 1, caught
+    // up, completes at once.
     let (sim2, b) = setup(256 * MIB);
+    sim2.queue_work(S0);
     let x = b.allocate(4 * MIB, S0).unwrap();
     b.record_stream(x.ptr, S1).unwrap();
+    sim2.queue_work(S0);
+    sim2.queue_work(S1);
     b.free(x.ptr).unwrap();
     sim2.complete_stream(S1);
     let y = b.allocate(4 * MIB, S2).unwrap();
@@ -383,10 +388,15 @@ fn record_stream_reuse_on_a_third_stream_waits_for_both() {
 
 #[test]
 fn record_stream_reuse_needs_no_wait_once_the_event_completed() {
+    // The work is declared: the events recorded on demand once the device
+    // caught up complete at once.
     for stream in [S0, S1, S2] {
         let (sim, a) = setup(256 * MIB);
+        sim.queue_work(S0);
         let x = a.allocate(4 * MIB, S0).unwrap();
         a.record_stream(x.ptr, S1).unwrap();
+        sim.queue_work(S0);
+        sim.queue_work(S1);
         a.free(x.ptr).unwrap();
         ok(&a);
         sim.complete_all();
@@ -538,9 +548,13 @@ fn driver_failures_leave_state_consistent() {
     }
     // A failing unmap during reclaim (per-stream arenas: stream 1 must take
     // stream 0's cached pages, whose work is complete, so they are unmapped).
+    // Work is declared, so that the event recorded on demand once the
+    // device caught up completes at once.
     let (sim, a) = setup_with(32 * MIB, per_stream());
+    sim.queue_work(S1);
     let w = a.allocate(512, S1).unwrap();
     a.free(w.ptr).unwrap();
+    sim.queue_work(S0);
     let x = a.allocate(28 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     sim.complete_all();
@@ -1005,35 +1019,37 @@ fn a_hundred_pending_frees_cost_no_query_storm() {
 }
 
 #[test]
-fn a_running_stream_is_not_queried_at_every_free() {
+fn frees_record_no_event_and_a_decision_records_one_on_demand() {
     // The device never catches up: every event stays running. Stream 2
-    // exists, so each free on stream 1 records an event, and the free's
-    // housekeeping poll finds the oldest one running again and again.
+    // exists, yet frees on stream 1 record nothing, and stream 1 reusing
+    // its own memory needs no event either.
     let (sim, a) = setup(1 << 30);
     let w = a.allocate(MIB, S2).unwrap();
     let before = sim.driver_stats();
-    let frees = 2000u64;
-    for i in 0..frees {
+    for i in 0..2000u64 {
         let x = a.allocate(64 * KIB + (i % 5) * 4 * KIB, S1).unwrap();
         ok(&a);
         a.free(x.ptr).unwrap();
         ok(&a);
     }
     let d = sim.driver_stats().since(&before);
-    assert!(d.count(CallKind::EventRecord) >= frees);
-    // Queried each time the oldest event's age doubled: about log2(4000)
-    // times, not once per free.
-    let q = d.count(CallKind::EventQuery);
-    assert!(
-        (1..=2 * 13).contains(&q),
-        "{q} event queries over {frees} frees"
-    );
-    // A decision still asks at once: stream 2 placing over stream 1's
-    // latest free queries (and, the work running, waits for it).
-    let q_before = sim.driver_stats().count(CallKind::EventQuery);
+    assert_eq!(d.count(CallKind::EventRecord), 0, "{d:?}");
+    assert_eq!(d.count(CallKind::EventQuery), 0, "{d:?}");
+    // Stream 2 placing over stream 1's latest free: one event recorded on
+    // stream 1 on demand, queried, and (the work running) waited for.
     let y = a.allocate(64 * KIB, S2).unwrap();
     ok(&a);
-    assert!(sim.driver_stats().count(CallKind::EventQuery) > q_before);
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::EventRecord), 1, "{d:?}");
+    assert!(d.count(CallKind::EventQuery) >= 1, "{d:?}");
+    assert_eq!(d.count(CallKind::StreamWaitEvent), 1, "{d:?}");
+    // Stream 2 again over stream 1's frees: the wait already covers them.
+    let z = a.allocate(64 * KIB, S2).unwrap();
+    ok(&a);
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::EventRecord), 1, "{d:?}");
+    assert_eq!(d.count(CallKind::StreamWaitEvent), 1, "{d:?}");
+    a.free(z.ptr).unwrap();
     a.free(y.ptr).unwrap();
     a.free(w.ptr).unwrap();
     ok(&a);
@@ -1135,7 +1151,13 @@ fn sixty_four_streams_of_churn_query_few_events() {
             c.waits_per_op(),
             c.max_queries
         );
-        assert!(q <= 2.0, "hold {hold}: {q} event queries per operation");
+        // Events recorded on demand (none at a free) cost this adversarial
+        // churn more queries than events recorded at every free did (2.48
+        // against 1.75 per operation at hold 1: an event recorded when a
+        // stream reaches for another's frees completes later, so the frees
+        // stay pending, and are polled, longer); real multi-stream
+        // workloads record 10 to 15 times fewer events in exchange.
+        assert!(q <= 3.0, "hold {hold}: {q} event queries per operation");
         assert!(r <= 2.0, "hold {hold}: {r} event records per operation");
         // Never one query per pending event: at most one per stream.
         assert!(
@@ -1324,11 +1346,15 @@ fn pressure_makes_no_sync_when_several_frees_completed() {
         );
     }
     // The smallest case: two frees on one stream, the device catches up,
-    // then empty_cache.
+    // then empty_cache (the work declared: the event empty_cache records
+    // on demand, after the catch-up, completes at once).
     let (sim, spy, a) = spy_setup(1 << 30, QuiltConfig::default());
+    sim.queue_work(S0);
     let x = a.allocate(4 * MIB, S0).unwrap();
     let y = a.allocate(4 * MIB, S0).unwrap();
+    sim.queue_work(S1);
     let z = a.allocate(4 * MIB, S1).unwrap();
+    sim.queue_work(S0);
     a.free(x.ptr).unwrap();
     a.free(y.ptr).unwrap();
     sim.complete_all();
@@ -1345,9 +1371,17 @@ fn pressure_makes_no_sync_when_several_frees_completed() {
 #[test]
 fn empty_cache_syncs_only_streams_whose_frees_may_be_running() {
     let (sim, spy, a) = spy_setup(1 << 30, QuiltConfig::default());
+    // The program's work is declared on both streams (an event then
+    // completes once the work queued before it has): frees record nothing,
+    // and the event empty_cache records on demand on stream 1, caught up,
+    // completes at once.
+    sim.queue_work(S0);
     let x = a.allocate(8 * MIB, S0).unwrap();
+    sim.queue_work(S1);
     let y = a.allocate(8 * MIB, S1).unwrap();
+    sim.queue_work(S0);
     a.free(x.ptr).unwrap();
+    sim.queue_work(S1);
     a.free(y.ptr).unwrap();
     ok(&a);
     sim.complete_stream(S1);

@@ -191,12 +191,18 @@ fn sleep_wake_takes_done_cached_pages_before_the_pool_grows() {
     let sim = Arc::new(SimVmm::with_capacity(1 << 30).unwrap());
     let a = quilt(sim.clone(), 1 << 30);
     let (s1, s2) = (StreamId(1), StreamId(2));
-    let _other = a.allocate(MIB, s2).unwrap(); // two streams: frees carry events
+    // Two streams, their work declared: an event recorded once the device
+    // caught up completes at once.
+    sim.queue_work(s2);
+    let _other = a.allocate(MIB, s2).unwrap();
+    sim.queue_work(s1);
     let w = a.allocate_tagged(20 * MIB, s1, "weights").unwrap();
     a.sleep("weights", SleepMode::Discard).unwrap();
     // The sleeping weights' pages serve a block that is freed again: they
     // stay cached in the shared arena, where the weights cannot use them.
+    sim.queue_work(s1);
     let b = a.allocate(20 * MIB, s1).unwrap();
+    sim.queue_work(s1);
     a.free(b.ptr).unwrap();
     let held = a.pool_stats().total_pages;
     sim.complete_all();

@@ -109,7 +109,7 @@ impl Core {
                 self.arenas[ai].add_hazard(to, from - to, streams, tick);
             }
             for s in self.streams.in_mask(streams) {
-                self.streams.note_free(ctx.vmm, s, tick, track);
+                self.streams.note_free(ctx.vmm, s, tick);
             }
         }
         self.stats.allocated_bytes.decrease(from - to);
@@ -124,7 +124,7 @@ impl Core {
         let tick = self.tick;
         self.set_extent(ai, from, 0, Some((streams, tick)));
         for s in self.streams.in_mask(streams) {
-            self.streams.note_free(ctx.vmm, s, tick, true);
+            self.streams.note_free(ctx.vmm, s, tick);
         }
         self.stats.allocated_bytes.decrease(from);
         self.stats.active_bytes.decrease(from);

@@ -11,7 +11,6 @@
 use super::arena::PageSlot;
 use super::config::Placement;
 use super::stitch::{Core, Ctx, Kind};
-use super::streams::Poll;
 use super::tiling::PieceId;
 use crate::error::AllocError;
 
@@ -386,7 +385,7 @@ impl Core {
     /// query per stream this operation).
     pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
         self.streams.in_mask(mask).all(|s| {
-            self.streams.poll(ctx.vmm, s, tick, Poll::Now);
+            self.streams.learn(ctx.vmm, s, k, tick);
             self.streams.freed_done(s, k)
         })
     }

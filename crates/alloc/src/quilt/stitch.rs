@@ -598,7 +598,7 @@ impl Core {
                 .add_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));
         }
         for s in self.streams.in_mask(b.streams) {
-            self.streams.note_free(ctx.vmm, s, tick, track);
+            self.streams.note_free(ctx.vmm, s, tick);
         }
         if track {
             self.forget_completed_hazards(ai, b.piece);

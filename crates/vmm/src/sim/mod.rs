@@ -207,6 +207,18 @@ impl SimVmm {
         self.lock().state.advance(ops);
     }
 
+    /// Declare work queued on `stream` now (the kernels a program launches
+    /// there): it completes [`SimConfig::gpu_lag_ops`] operations from now,
+    /// once what the stream waited on has. A stream whose work is declared
+    /// completes an event as soon as the work before it has, at once when
+    /// the stream is idle, as a GPU does; on a stream never declared, every
+    /// event counts as work due a lag after its record (a stream always
+    /// busy). Not a driver call: not counted, costs nothing. Ignored on a
+    /// capturing stream.
+    pub fn queue_work(&self, stream: StreamId) {
+        self.lock().state.queue_work(stream);
+    }
+
     /// Set how far the device runs behind for work queued from now on (work
     /// already queued keeps its completion time): for experiments, and for
     /// tests of a stream held back by a long kernel. [`SimVmm::config`] keeps

@@ -55,6 +55,12 @@ struct Stream {
     /// `(position, stream, seq)`: work on this stream after its `position`th event waits
     /// for event number `seq` of `stream`.
     waits: VecDeque<(u64, StreamId, u64)>,
+    /// Whoever drives the device declares this stream's work
+    /// ([`State::queue_work`]): its events are markers that complete as soon
+    /// as the work queued before them has (at once on an idle stream), where
+    /// an undeclared stream counts each event as work of its own, due a lag
+    /// after its record (a stream always busy).
+    declares_work: bool,
 }
 
 /// A live event: the `seq`th event recorded on `stream`, or (`captured`)
@@ -454,10 +460,36 @@ impl State {
         Ok(())
     }
 
-    /// Queue the next event of `stream` (reaching the front of the device at
-    /// [`State::ready_time`]); returns its sequence number.
-    fn enqueue(&mut self, stream: StreamId) -> u64 {
+    /// Work was queued on `stream` now (kernels the program launched there):
+    /// it completes [`State::ready_time`] from now, once what the stream
+    /// waited on has. From the first call on, the stream's events are
+    /// markers that cost no time themselves (see [`Stream::declares_work`]).
+    pub(crate) fn queue_work(&mut self, stream: StreamId) {
+        if self.capturing.contains_key(&stream) {
+            return; // captured work runs when the graph is launched
+        }
         let ready = self.ready_time();
+        self.streams.entry(stream).or_default().declares_work = true;
+        self.enqueue_at(stream, ready);
+    }
+
+    /// Queue the next event of `stream`; returns its sequence number. On a
+    /// stream whose work is declared it is due at once (it completes when
+    /// the work and waits before it have), else a lag from now
+    /// ([`State::ready_time`]).
+    fn enqueue(&mut self, stream: StreamId) -> u64 {
+        let marker = self.streams.get(&stream).is_some_and(|s| s.declares_work);
+        let ready = if marker {
+            Some(self.clock)
+        } else {
+            self.ready_time()
+        };
+        self.enqueue_at(stream, ready)
+    }
+
+    /// Queue the next item of `stream`, due at `ready`; returns its sequence
+    /// number.
+    fn enqueue_at(&mut self, stream: StreamId, ready: Option<u64>) -> u64 {
         let mut s = self.streams.entry(stream).or_default();
         if s.queued.len() >= SETTLE_AT_RECORD {
             // Settling keeps the queue short where nothing queries the
@@ -804,6 +836,41 @@ mod tests {
         assert!(!st.event_query(b).unwrap(), "recorded at 1");
         st.advance(1);
         assert!(st.event_query(b).unwrap());
+        st.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn on_a_stream_whose_work_is_declared_events_wait_only_for_that_work() {
+        let mut st = with_lag(3);
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        st.queue_work(s1);
+        st.advance(1);
+        // Behind the work queued at 0: due at 3.
+        let a = st.event_record(s1);
+        st.advance(1);
+        assert!(!st.event_query(a).unwrap(), "the work queued at 0 runs");
+        st.advance(1);
+        assert!(
+            st.event_query(a).unwrap(),
+            "the work queued at 0 is done at 3"
+        );
+        // The stream is idle: an event recorded now is complete at once.
+        let b = st.event_record(s1);
+        assert!(
+            st.event_query(b).unwrap(),
+            "an idle stream completes at once"
+        );
+        // A marker after a wait waits for the event waited on.
+        st.queue_work(s2);
+        let on_s2 = st.event_record(s2);
+        st.stream_wait_event(s1, on_s2).unwrap();
+        let c = st.event_record(s1);
+        assert!(!st.event_query(c).unwrap(), "ordered after s2's work");
+        st.advance(3);
+        assert!(st.event_query(c).unwrap());
+        // A stream never declared keeps counting each event as work.
+        let d = st.event_record(StreamId(3));
+        assert!(!st.event_query(d).unwrap());
         st.check_invariants().unwrap();
     }
 
