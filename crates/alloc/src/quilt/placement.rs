@@ -381,8 +381,10 @@ impl Core {
     }
 
     /// True when the work of every stream in `mask` up to tick `k` that the
-    /// memory they freed can depend on is known complete (after at most one
-    /// query per stream this operation).
+    /// memory they freed can depend on is known complete (after
+    /// [`Streams::learn`](super::streams::Streams::learn): an event recorded
+    /// on demand where none covers those frees, and at most one query per
+    /// stream this operation).
     pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
         self.streams.in_mask(mask).all(|s| {
             self.streams.learn(ctx.vmm, s, k, tick);
