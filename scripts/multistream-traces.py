@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Write two synthetic multi-stream traces in the converted trace format
+(`a ID SIZE STREAM`, `f ID`; see ../shared/traces/README.md), for measuring
+what stream handling costs where the real traces have one or two streams:
+
+- `pipeline-N.trace`: pipelined inference, as converted from a PyTorch
+  snapshot: a 32-layer model (hidden 4096) whose first 8 layers stay
+  resident, the others prefetched three layers ahead on N - 1 side streams
+  in turn and freed on the stream that allocated them (a converted trace has
+  no `record_stream`); per layer, small activations on the compute stream
+  (stream 0); 20 forward passes of 1 to 128 tokens.
+- `small-streams-10.trace`: 10 streams each allocating and freeing small and
+  medium tensors (4 KiB to 6 MiB) in random turns, each freeing only what it
+  allocated: frees on one stream that the others reuse within the GPU's lag.
+
+Deterministic (fixed seeds). Usage:
+
+    python3 scripts/multistream-traces.py OUT_DIR [N ...]   # N default: 10
+
+then, for instance,
+
+    cargo run --release -p quilt-bench -- ab --iterations 5 --no-bisect \\
+        --trace OUT_DIR/*.trace
+"""
+
+import os
+import random
+import sys
+
+HIDDEN = 4096
+FFN = 11008
+VOCAB = 32000
+LAYERS = 32
+RESIDENT = 8
+AHEAD = 3
+BF16 = 2
+LAYER_WEIGHTS = [
+    HIDDEN * BF16,
+    3 * HIDDEN * HIDDEN * BF16,
+    HIDDEN * HIDDEN * BF16,
+    HIDDEN * BF16,
+    2 * FFN * HIDDEN * BF16,
+    FFN * HIDDEN * BF16,
+]
+
+
+class Trace:
+    def __init__(self):
+        self.lines = []
+        self.next_id = 0
+
+    def alloc(self, size, stream):
+        i = self.next_id
+        self.next_id += 1
+        self.lines.append(f"a {i} {size} {stream}")
+        return i
+
+    def free(self, i):
+        self.lines.append(f"f {i}")
+
+    def write(self, path):
+        with open(path, "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+
+
+def pipeline(streams):
+    rng = random.Random(7)
+    t = Trace()
+    for _ in range(RESIDENT):
+        for w in LAYER_WEIGHTS:
+            t.alloc(w, 0)
+    t.alloc(VOCAB * HIDDEN * BF16, 0)
+    side = 0
+    for _ in range(20):
+        tokens = rng.choice([1, 1, 1, 1, 16, 128])
+        in_flight = []
+        next_layer = RESIDENT
+        hidden = t.alloc(tokens * HIDDEN * BF16, 0)
+        for layer in range(LAYERS):
+            while next_layer < min(layer + AHEAD, LAYERS):
+                s = 1 + side % (streams - 1)
+                side += 1
+                in_flight.append([t.alloc(w, s) for w in LAYER_WEIGHTS])
+                next_layer += 1
+            weights = in_flight.pop(0) if layer >= RESIDENT else []
+            acts = []
+            for size in [
+                tokens * HIDDEN * BF16,
+                tokens * 3 * HIDDEN * BF16,
+                tokens * HIDDEN * 4,
+                tokens * HIDDEN * BF16,
+                tokens * 2 * FFN * BF16,
+                tokens * FFN * BF16,
+                tokens * HIDDEN * BF16,
+                8,
+                4,
+            ]:
+                acts.append(t.alloc(size, 0))
+                if len(acts) > 3:
+                    t.free(acts.pop(0))
+            for a in acts:
+                t.free(a)
+            for w in weights:
+                t.free(w)
+        logits = t.alloc(VOCAB * 4 * tokens, 0)
+        t.free(logits)
+        t.free(hidden)
+    return t
+
+
+def small_streams():
+    rng = random.Random(11)
+    t = Trace()
+    for _ in range(30):
+        t.alloc(rng.choice([1 << 20, 4 << 20, 16 << 20]), 0)
+    live = {s: [] for s in range(10)}
+    sizes = [4096, 16384, 65536, 131072, 524288, 2 << 20, 6 << 20]
+    for _ in range(20000):
+        s = rng.randrange(10)
+        if live[s] and (len(live[s]) > 8 or rng.random() < 0.45):
+            t.free(live[s].pop(rng.randrange(len(live[s]))))
+        else:
+            live[s].append(t.alloc(rng.choice(sizes), s))
+    return t
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    counts = [int(n) for n in sys.argv[2:]] or [10]
+    if any(n < 2 for n in counts):
+        sys.exit("multistream-traces: N must be at least 2")
+    os.makedirs(out, exist_ok=True)
+    for n in counts:
+        pipeline(n).write(os.path.join(out, f"pipeline-{n}.trace"))
+    small_streams().write(os.path.join(out, "small-streams-10.trace"))
+
+
+if __name__ == "__main__":
+    main()
