@@ -17,8 +17,7 @@
 //!   intermediate and fp32 logits, then frees them.
 
 use super::{
-    decode_step, inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
-    FP32, I64,
+    decode_step, lognormal, prefill_step, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
 };
 use crate::trace::Trace;
 
@@ -72,13 +71,7 @@ pub fn generate(seed: u64) -> Trace {
             let k = b.alloc(capacity * per_token, s0);
             let v = b.alloc(capacity * per_token, s0);
             kv_bytes += need;
-            let ids = b.alloc(prompt * I64, s0);
-            let hidden = b.alloc(prompt * m.hidden * BF16, s0);
-            inference_layer(&mut b, &m, prompt, prompt, s0);
-            let logits = b.alloc(m.vocab * FP32, s0);
-            b.free(hidden);
-            b.free(ids);
-            b.free(logits);
+            prefill_step(&mut b, &m, prompt, s0);
             running.push(Request {
                 k,
                 v,

@@ -20,8 +20,7 @@ use rand::RngExt;
 use rand_pcg::Pcg64Mcg;
 
 use super::{
-    decode_step, inference_layer, lognormal, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
-    FP32, I64,
+    decode_step, lognormal, prefill_step, rng_for, round_up_to, TraceBuilder, Transformer, BF16,
 };
 use crate::trace::Trace;
 
@@ -106,13 +105,7 @@ fn serve(b: &mut TraceBuilder, rng: &mut Pcg64Mcg, m: &Transformer, requests: us
             let kv = b.create_growable(2 * max, s0);
             b.grow(kv, 2 * capacity * per_token);
             kv_bytes += need;
-            let ids = b.alloc(prompt * I64, s0);
-            let hidden = b.alloc(prompt * m.hidden * BF16, s0);
-            inference_layer(b, m, prompt, prompt, s0);
-            let logits = b.alloc(m.vocab * FP32, s0);
-            b.free(hidden);
-            b.free(ids);
-            b.free(logits);
+            prefill_step(b, m, prompt, s0);
             running.push(Request {
                 kv,
                 capacity,

@@ -328,6 +328,19 @@ pub(crate) fn decode_step(b: &mut TraceBuilder, m: &Transformer, n: u64, stream:
     b.free(logits);
 }
 
+/// The activations of one prefill pass over a `prompt`-token request on
+/// `stream`: token ids, hidden state, one representative layer, the fp32
+/// logits of its last token (both serving workloads).
+pub(crate) fn prefill_step(b: &mut TraceBuilder, m: &Transformer, prompt: u64, stream: u64) {
+    let ids = b.alloc(prompt * I64, stream);
+    let hidden = b.alloc(prompt * m.hidden * BF16, stream);
+    inference_layer(b, m, prompt, prompt, stream);
+    let logits = b.alloc(m.vocab * FP32, stream);
+    b.free(hidden);
+    b.free(ids);
+    b.free(logits);
+}
+
 /// The activations of one representative transformer layer over `tokens`
 /// tokens in bf16, allocated and freed as an inference forward pass does
 /// (hidden state, fused QKV, attention scores over `context` keys, MLP
