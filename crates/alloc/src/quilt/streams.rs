@@ -414,7 +414,9 @@ impl Streams {
     /// when none does (frees record nothing), one is recorded now, on demand
     /// (it covers all of the stream's work so far, and may complete later
     /// than an event recorded at the free would have; on an idle stream it
-    /// is complete at once). Nothing on a forgotten or capturing stream.
+    /// is complete at once). Nothing on a forgotten or capturing stream. A
+    /// failed record is only logged: waits and synchronisations do without
+    /// events.
     fn cover(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
         let Some(s) = self.states.get(i as usize) else {
             return;
@@ -439,24 +441,6 @@ impl Streams {
         s.last_free = tick;
         if s.events.len() >= POLL_AT_FREE {
             self.poll(vmm, i, tick, Poll::IfDue);
-        }
-    }
-
-    /// Record an event on stream `i` if it has frees no event covers. A
-    /// failed record is only logged: these events are an optimisation, waits
-    /// and synchronisations do without them.
-    fn record_progress(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
-        let Some(s) = self.states.get(i as usize) else {
-            return;
-        };
-        if s.forgotten {
-            return; // all its work is complete, and its handle is gone
-        }
-        let covered = s.events.back().map_or(s.done, |&(t, _)| t);
-        if s.last_free > covered && !self.capturing(vmm, i, tick) {
-            if let Err(err) = self.record(vmm, i, tick) {
-                event_call_failed("recording a progress event", &err);
-            }
         }
     }
 
@@ -501,7 +485,8 @@ impl Streams {
         for _ in 0..n.min(REFRESH_STREAMS) {
             let i = (self.cursor % n) as u32;
             self.cursor = self.cursor.wrapping_add(1);
-            self.record_progress(vmm, i, tick);
+            let last_free = self.states.get(i as usize).map_or(0, |s| s.last_free);
+            self.cover(vmm, i, last_free, tick);
             self.poll(vmm, i, tick, Poll::IfDue);
         }
     }

@@ -63,6 +63,15 @@ struct Stream {
     declares_work: bool,
 }
 
+/// What [`State::enqueue`] queues on a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queued {
+    /// Work the program launched ([`State::queue_work`]).
+    Work,
+    /// An event recorded there.
+    Event,
+}
+
 /// A live event: the `seq`th event recorded on `stream`, or (`captured`)
 /// an event last recorded on `stream` while it was being captured: a node
 /// of the graph, not work of the stream (its `seq` is the stream's last
@@ -354,7 +363,7 @@ impl State {
                 captured: true,
             };
         }
-        let seq = self.enqueue(stream);
+        let seq = self.enqueue(stream, Queued::Event);
         Event {
             stream,
             seq,
@@ -468,28 +477,16 @@ impl State {
         if self.capturing.contains_key(&stream) {
             return; // captured work runs when the graph is launched
         }
-        let ready = self.ready_time();
-        self.streams.entry(stream).or_default().declares_work = true;
-        self.enqueue_at(stream, ready);
+        self.enqueue(stream, Queued::Work);
     }
 
-    /// Queue the next event of `stream`; returns its sequence number. On a
-    /// stream whose work is declared it is due at once (it completes when
-    /// the work and waits before it have), else a lag from now
-    /// ([`State::ready_time`]).
-    fn enqueue(&mut self, stream: StreamId) -> u64 {
-        let marker = self.streams.get(&stream).is_some_and(|s| s.declares_work);
-        let ready = if marker {
-            Some(self.clock)
-        } else {
-            self.ready_time()
-        };
-        self.enqueue_at(stream, ready)
-    }
-
-    /// Queue the next item of `stream`, due at `ready`; returns its sequence
-    /// number.
-    fn enqueue_at(&mut self, stream: StreamId, ready: Option<u64>) -> u64 {
+    /// Queue the next item of `stream`; returns its sequence number. Work,
+    /// and an event on a stream whose work is not declared, is due
+    /// [`State::ready_time`] from now; an event on a stream whose work is
+    /// declared is due at once (it completes when the work and waits before
+    /// it have).
+    fn enqueue(&mut self, stream: StreamId, item: Queued) -> u64 {
+        let (clock, lag) = (self.clock, self.ready_time());
         let mut s = self.streams.entry(stream).or_default();
         if s.queued.len() >= SETTLE_AT_RECORD {
             // Settling keeps the queue short where nothing queries the
@@ -497,6 +494,12 @@ impl State {
             self.settle(stream);
             s = self.streams.entry(stream).or_default();
         }
+        s.declares_work |= item == Queued::Work;
+        let ready = if item == Queued::Event && s.declares_work {
+            Some(clock)
+        } else {
+            lag
+        };
         s.recorded += 1;
         let seq = s.recorded;
         s.queued.push_back((seq, ready));
