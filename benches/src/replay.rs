@@ -16,8 +16,10 @@
 //!   the lag applies to the work the allocator itself orders with events.
 //! - Work is queued per stream ([`SimVmm::queue_work`]): before an
 //!   allocation on its stream (the program was running there), and before a
-//!   free on every stream the block was used on (its own and those of its
-//!   stream uses: the kernels that used it were queued before the free). An
+//!   free on the streams that used the block last (the kernels that used it
+//!   were queued before the free): those of its stream uses if it has any
+//!   (made on its own stream, as a copy or a collective produces it, it is
+//!   consumed on the others, as `record_stream` says), else its own. An
 //!   event the allocator records completes once the work queued on its
 //!   stream before it has: a lag after that stream's last operation, at once
 //!   on a stream idle for longer, as on a GPU.
@@ -410,8 +412,12 @@ impl Run<'_> {
             return Err(self.bad(index, format!("free of id {id}, which is not live")));
         };
         self.serving.forget(id);
-        // The kernels that used it were queued before the free.
-        for stream in self.live.streams.remove(&id).unwrap_or_default() {
+        // The kernels that used it last were queued before the free: on
+        // the streams it was recorded on if any (its own stream produced it,
+        // they consume it), else on its own.
+        let used_on = self.live.streams.remove(&id).unwrap_or_default();
+        let last_users = if used_on.len() > 1 { &used_on[1..] } else { &used_on[..] };
+        for &stream in last_users {
             self.sim.queue_work(StreamId(stream));
         }
         let start = self.config.time_ops.then(Instant::now);

@@ -583,3 +583,43 @@ fn recorded_series_keep_the_peak() {
     assert!(r.series.windows(2).all(|w| w[0].event < w[1].event));
     assert!(r.series.len() <= 3 * quilt_bench::replay::MAX_SERIES_POINTS + 3);
 }
+
+/// Where a free queues work: on the streams that used the block last. A
+/// block made on stream 1 (its producer: a copy) and used on stream 0
+/// (`record_stream`) was last used by stream 0's kernels, so the free queues
+/// work there and leaves stream 1 idle; a block never used elsewhere queues
+/// work on its own stream. Read after the replay, one operation after the
+/// free, by recording an event on a stream (the lag is 64 operations).
+#[test]
+fn a_free_queues_work_on_the_streams_that_used_the_block_last() {
+    // (used on stream 0, the streams then busy and idle).
+    for (used_elsewhere, busy, idle) in [(true, vec![0], vec![1]), (false, vec![1], vec![])] {
+        let mut text = String::from("a 0 4096 1\n");
+        // 100 operations on stream 2: stream 1's copy is long done.
+        for i in 1..=50u64 {
+            text.push_str(&format!("a {i} 4096 2\nf {i}\n"));
+        }
+        if used_elsewhere {
+            text.push_str("u 0 0\n");
+        }
+        text.push_str("f 0\n");
+        let cfg = ReplayConfig {
+            gpu_lag_ops: 64,
+            ..ReplayConfig::default()
+        };
+        let sim = Arc::new(SimVmm::new(cfg.sim_config(64 * MIB)).unwrap());
+        let alloc = quilt_bench::allocators::build("classic", sim.clone()).unwrap();
+        let r = replay(&trace("uses", &text, 0), alloc.as_ref(), &sim, &cfg).unwrap();
+        assert!(r.completed);
+        let streams = busy.iter().map(|&s| (s, true)).chain(idle.iter().map(|&s| (s, false)));
+        for (stream, busy) in streams {
+            let ev = sim.event_record(StreamId(stream)).unwrap();
+            assert_eq!(
+                sim.event_query(ev).unwrap(),
+                !busy,
+                "stream {stream}, block used elsewhere: {used_elsewhere}"
+            );
+            sim.event_destroy(ev).unwrap();
+        }
+    }
+}
