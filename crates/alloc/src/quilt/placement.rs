@@ -3,14 +3,16 @@
 //! gaps scored by mapped pages and waits) and [`Gmlake`] (GMLake's limits);
 //! and ordering a block's stream after the other streams' work on its range.
 //!
-//! Scoring is pure: the progress of the streams whose work a candidate's
-//! range may still carry is polled once, before the candidates are scored
-//! (at most one query per stream per operation); the scores then read what
-//! is known and make no driver call.
+//! Candidates are scored in one pass, best fit first, and the first that
+//! is mapped and needs no wait is taken at once: scoring a candidate walks
+//! its hazards once, learning the progress of each stream whose work it may
+//! still carry until one is found running (at most one query per stream per
+//! operation, none for a stream known done or already waited for).
 
-use super::arena::PageSlot;
+use super::arena::{Arena, PageSlot};
 use super::config::Placement;
 use super::stitch::{Core, Ctx, Kind};
+use super::streams::Streams;
 use super::tiling::PieceId;
 use crate::error::AllocError;
 
@@ -91,52 +93,20 @@ impl Placer for BestFit {
     fn place(&self, core: &mut Core, ctx: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed> {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
-        let mut first_score = None;
-        if n > 1 && core.arenas[ai].retired_pages == 0 {
-            // The best fit is most often perfect: look at it before
-            // collecting the others (the same choice as `best_candidate`,
-            // which returns the first perfect candidate, and looks at none
-            // when there is only one).
-            let (first, more) = {
-                let mut two = core.arenas[ai].fitting_gaps(rounded, 2);
-                (two.next()?, two.next().is_some())
-            };
-            if more {
-                core.poll_hazard_streams(ctx, ai, &[first], rounded, t);
-                let score = core.score(ai, rounded, t, first);
-                if score == PlaceScore::PERFECT {
-                    return Some(Placed {
-                        off: first.0,
-                        gap: first.1,
-                        wait_free: true,
-                    });
-                }
-                first_score = Some(score);
-            }
+        if core.arenas[ai].retired_pages == 0 {
+            return core.best_candidate(ctx, ai, rounded, t, |arena| {
+                arena.fitting_gaps(rounded, n)
+            });
         }
-        let mut candidates = std::mem::take(&mut core.scratch);
-        candidates.clear();
-        candidates.extend(core.arenas[ai].fitting_gaps(rounded, n));
-        if core.arenas[ai].retired_pages > 0 {
-            let moved: Vec<(u64, PieceId)> = candidates
-                .iter()
-                .filter_map(|&(_, g)| {
-                    core.past_retired_in_use(ctx, ai, g, rounded)
-                        .map(|off| (off, g))
-                })
-                .collect();
-            // If every fitting gap is blocked, a retired page will be
-            // synchronised for (rare; only after reclaim moved pages).
-            if !moved.is_empty() {
-                candidates = moved;
-            }
-        }
-        if candidates.len() > 1 {
-            core.poll_hazard_streams(ctx, ai, &candidates, rounded, t);
-        }
-        let chosen = core.best_candidate(ai, rounded, t, &candidates, first_score);
-        core.scratch = candidates;
-        chosen
+        let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
+        let moved: Vec<(u64, PieceId)> = candidates
+            .iter()
+            .filter_map(|&(_, g)| core.past_retired_in_use(ctx, ai, g, rounded).map(|off| (off, g)))
+            .collect();
+        // If every fitting gap is blocked, a retired page will be
+        // synchronised for (rare; only after reclaim moved pages).
+        let candidates = if moved.is_empty() { candidates } else { moved };
+        core.best_candidate(ctx, ai, rounded, t, |_| candidates.iter().copied())
     }
 }
 
@@ -171,113 +141,47 @@ impl Placer for Gmlake {
 }
 
 impl Core {
-    /// The best of `candidates` (starts of a block of `rounded` bytes on
-    /// stream `t` in arena `ai`, each with its gap), by [`PlaceScore`], from
-    /// what is known of the streams (no driver call); `first_score`, when
-    /// given, is the first candidate's, scored already this operation.
-    fn best_candidate(
-        &self,
+    /// The best of the candidates `candidates(arena)` yields (starts of a
+    /// block of `rounded` bytes on stream `t` in arena `ai`, each with its
+    /// gap, best fit first), by [`PlaceScore`], scored in one pass: the
+    /// first that is mapped and wait-free is taken at once. A lone candidate
+    /// is taken unscored.
+    fn best_candidate<'a, I>(
+        &'a mut self,
+        ctx: &Ctx<'_>,
         ai: usize,
         rounded: u64,
         t: u32,
-        candidates: &[(u64, PieceId)],
-        first_score: Option<PlaceScore>,
-    ) -> Option<Placed> {
-        if candidates.len() <= 1 {
-            return candidates.first().copied().map(Placed::unchecked);
+        candidates: impl FnOnce(&'a Arena) -> I,
+    ) -> Option<Placed>
+    where
+        I: Iterator<Item = (u64, PieceId)>,
+    {
+        let tick = self.tick;
+        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+        let mut candidates = candidates(arena).peekable();
+        let first = candidates.next()?;
+        if candidates.peek().is_none() {
+            return Some(Placed::unchecked(first));
         }
         let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
-        for (i, &(start, gap)) in candidates.iter().enumerate() {
-            let score = match first_score {
-                Some(known) if i == 0 => known,
-                _ => self.score(ai, rounded, t, (start, gap)),
-            };
+        for c in std::iter::once(first).chain(candidates) {
+            let score = score(arena, streams, ctx, rounded, t, c, tick);
             if score == PlaceScore::PERFECT {
                 return Some(Placed {
-                    off: start,
-                    gap,
+                    off: c.0,
+                    gap: c.1,
                     wait_free: true,
                 });
             }
             if best.is_none_or(|(b, _)| score < b) {
-                best = Some((score, (start, gap)));
+                best = Some((score, c));
             }
         }
         best.map(|(score, (off, gap))| Placed {
             off,
             gap,
             wait_free: !score.waits,
-        })
-    }
-
-    /// The score of a block of `rounded` bytes on stream `t` at `start` of
-    /// gap `gap` in arena `ai` (pure: no driver call).
-    fn score(&self, ai: usize, rounded: u64, t: u32, (start, gap): (u64, PieceId)) -> PlaceScore {
-        let unmapped = self.arenas[ai].unmapped_pages(start, rounded);
-        let wait = self.needs_wait(ai, (start, gap), rounded, t);
-        PlaceScore {
-            needs_pages: unmapped > 0,
-            waits_though_mapped: unmapped == 0 && wait,
-            new_pages: unmapped,
-            waits: wait,
-        }
-    }
-
-    /// Learn how far the streams got whose work a block on stream `t` over
-    /// `candidates` (`len` bytes each, in arena `ai`) may still have to wait
-    /// for, in the order scoring looks at them: per candidate, its hazards'
-    /// streams until one is found still running (the candidate waits, more
-    /// answers would not change its score), and no candidate past the first
-    /// that is mapped and wait-free (scoring takes it). At most one query per
-    /// stream this operation; none for a stream already waited for or known
-    /// done.
-    fn poll_hazard_streams(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        candidates: &[(u64, PieceId)],
-        len: u64,
-        t: u32,
-    ) {
-        if self.streams.len() < 2 {
-            return;
-        }
-        let tick = self.tick;
-        for &(off, gap) in candidates {
-            let streams = &mut self.streams;
-            let mut waits = false;
-            'hazards: for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
-                for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                    if streams.has_waited(t, s, h.tick) || streams.freed_done(s, h.tick) {
-                        continue;
-                    }
-                    streams.learn(ctx.vmm, s, h.tick, tick);
-                    if !streams.freed_done(s, h.tick) {
-                        waits = true;
-                        break 'hazards;
-                    }
-                }
-            }
-            if !waits && self.arenas[ai].unmapped_pages(off, len) == 0 {
-                return;
-            }
-        }
-    }
-
-    /// True when a block on stream `t` over `off .. off + len` of gap `gap`
-    /// in arena `ai` would have to wait for another stream's work, as far
-    /// as is known (no driver call).
-    fn needs_wait(&self, ai: usize, (off, gap): (u64, PieceId), len: u64, t: u32) -> bool {
-        // A single stream orders its own reuse.
-        if self.streams.len() < 2 {
-            return false;
-        }
-        let streams = &self.streams;
-        self.arenas[ai].tiling.hazards_over(gap, off, len).any(|h| {
-            streams
-                .in_mask(h.streams)
-                .filter(|&s| s != t)
-                .any(|s| !streams.has_waited(t, s, h.tick) && !streams.freed_done(s, h.tick))
         })
     }
 
@@ -390,5 +294,40 @@ impl Core {
             self.streams.learn(ctx.vmm, s, k, tick);
             self.streams.freed_done(s, k)
         })
+    }
+}
+
+/// The score of a block of `len` bytes on stream `t` at `start` of gap `gap`
+/// in `arena`. Walks the gap's hazards over the range once: a hazard's
+/// streams other than `t`, not known done and not waited for, are learnt
+/// (an event recorded on demand where none covers their frees, at most one
+/// query per stream per operation `tick`) until one is found still running:
+/// the block then waits, and further answers would not change its score.
+fn score(
+    arena: &Arena,
+    streams: &mut Streams,
+    ctx: &Ctx<'_>,
+    len: u64,
+    t: u32,
+    (start, gap): (u64, PieceId),
+    tick: u64,
+) -> PlaceScore {
+    let unmapped = arena.unmapped_pages(start, len);
+    // A single stream orders its own reuse.
+    let wait = streams.len() >= 2
+        && arena.tiling.hazards_over(gap, start, len).any(|h| {
+            streams.in_mask(h.streams).filter(|&s| s != t).any(|s| {
+                if streams.has_waited(t, s, h.tick) || streams.freed_done(s, h.tick) {
+                    return false;
+                }
+                streams.learn(ctx.vmm, s, h.tick, tick);
+                !streams.freed_done(s, h.tick)
+            })
+        });
+    PlaceScore {
+        needs_pages: unmapped > 0,
+        waits_though_mapped: unmapped == 0 && wait,
+        new_pages: unmapped,
+        waits: wait,
     }
 }

@@ -120,8 +120,6 @@ pub(crate) struct Core {
     /// Whether the reclaim queue is kept: from the first reclaim on (built
     /// then from the page tables). Until then no operation pays for it.
     pub(crate) reclaim_queue_kept: bool,
-    /// Scratch space of placement, kept to spare an allocation per request.
-    pub(super) scratch: Vec<(u64, PieceId)>,
     /// Retired virtual pages, in the order they were retired, as (arena,
     /// page, the pool page that was mapped there); an entry whose page is no
     /// longer retired is stale and skipped.
