@@ -198,6 +198,10 @@ impl Arena {
     /// Pages among `off .. off + len` that are not mapped.
     pub(crate) fn unmapped_pages(&self, off: u64, len: u64) -> u64 {
         let (first, last) = self.page_span(off, len);
+        let known = self.pages.len() as u64;
+        if last < known && self.mapped_pages == known {
+            return 0; // every page of the table is mapped
+        }
         (first..=last)
             .filter(|&p| self.slot(p).phys.is_none())
             .count() as u64
