@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write two synthetic multi-stream traces in the converted trace format
+"""Write three kinds of synthetic multi-stream traces in the converted trace format
 (`a ID SIZE STREAM`, `f ID`; see ../shared/traces/README.md), for measuring
 what stream handling costs where the real traces have one or two streams:
 
@@ -9,6 +9,11 @@ what stream handling costs where the real traces have one or two streams:
   in turn and freed on the stream that allocated them (a converted trace has
   no `record_stream`); per layer, small activations on the compute stream
   (stream 0); 20 forward passes of 1 to 128 tokens.
+- `staging-N.trace`: as `pipeline-N`, but each prefetched weight is first
+  copied into a staging buffer on its side stream, converted from there
+  into its own tensor (a dtype cast or a dequantisation after the
+  host-to-device copy) and the staging buffer freed at once on that side
+  stream: every side stream frees memory the next one wants.
 - `small-streams-10.trace`: 10 streams each allocating and freeing small and
   medium tensors (4 KiB to 6 MiB) in random turns, each freeing only what it
   allocated: frees on one stream that the others reuse within the GPU's lag.
@@ -63,7 +68,7 @@ class Trace:
             f.write("\n".join(self.lines) + "\n")
 
 
-def pipeline(streams):
+def pipeline(streams, staging=False):
     rng = random.Random(7)
     t = Trace()
     for _ in range(RESIDENT):
@@ -80,7 +85,13 @@ def pipeline(streams):
             while next_layer < min(layer + AHEAD, LAYERS):
                 s = 1 + side % (streams - 1)
                 side += 1
-                in_flight.append([t.alloc(w, s) for w in LAYER_WEIGHTS])
+                weights = []
+                for w in LAYER_WEIGHTS:
+                    buffer = t.alloc(w, s) if staging else None
+                    weights.append(t.alloc(w, s))
+                    if buffer is not None:
+                        t.free(buffer)
+                in_flight.append(weights)
                 next_layer += 1
             weights = in_flight.pop(0) if layer >= RESIDENT else []
             acts = []
@@ -134,6 +145,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     for n in counts:
         pipeline(n).write(os.path.join(out, f"pipeline-{n}.trace"))
+        pipeline(n, staging=True).write(os.path.join(out, f"staging-{n}.trace"))
     small_streams().write(os.path.join(out, "small-streams-10.trace"))
 
 
