@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashMap as HashMap;
 
 use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
@@ -111,8 +111,9 @@ pub(crate) struct Core {
     arena_index: HashMap<(Option<StreamId>, Kind), usize>,
     pub(crate) streams: Streams,
     pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
-    freed_recent: HashSet<DevicePtr>,
-    freed_order: VecDeque<DevicePtr>,
+    /// The last [`FREED_MEMORY`] pointers freed, oldest first (read only
+    /// on the error path, to tell a double free from an unknown pointer).
+    freed_recent: VecDeque<DevicePtr>,
     /// Pages that became cached, oldest first, as (arena, page, tick it became
     /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
@@ -343,13 +344,20 @@ impl Core {
     }
 
     fn remember_freed(&mut self, ptr: DevicePtr) {
-        if self.freed_recent.insert(ptr) {
-            self.freed_order.push_back(ptr);
-            if self.freed_order.len() > FREED_MEMORY {
-                if let Some(old) = self.freed_order.pop_front() {
-                    self.freed_recent.remove(&old);
-                }
-            }
+        if self.freed_recent.len() == FREED_MEMORY {
+            self.freed_recent.pop_front();
+        }
+        self.freed_recent.push_back(ptr);
+    }
+
+    /// The error for a free of `ptr`, which is no live block: a double free
+    /// if it is among the pointers freed last, else an unknown pointer (a
+    /// scan, on the error path only).
+    fn not_live(&self, ptr: DevicePtr) -> AllocError {
+        if self.freed_recent.contains(&ptr) {
+            AllocError::DoubleFree { ptr }
+        } else {
+            AllocError::UnknownPointer { ptr }
         }
     }
 
@@ -460,7 +468,6 @@ impl Core {
                 freed_in_capture: false,
             },
         );
-        self.freed_recent.remove(&ptr);
         self.stats.allocated_bytes.increase(rounded);
         self.stats.allocation.increase(1);
         self.stats.active_bytes.increase(rounded);
@@ -483,11 +490,7 @@ impl Core {
         }
         self.end_deferred_frees(ctx);
         let Some(b) = self.blocks.get(&ptr) else {
-            return Err(if self.freed_recent.contains(&ptr) {
-                AllocError::DoubleFree { ptr }
-            } else {
-                AllocError::UnknownPointer { ptr }
-            });
+            return Err(self.not_live(ptr));
         };
         if b.freed_in_capture {
             return Err(AllocError::DoubleFree { ptr });
@@ -571,11 +574,7 @@ impl Core {
     /// hazard of its streams' work where several streams exist).
     fn free_now(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
         let Some(b) = self.blocks.remove(&ptr) else {
-            return Err(if self.freed_recent.contains(&ptr) {
-                AllocError::DoubleFree { ptr }
-            } else {
-                AllocError::UnknownPointer { ptr }
-            });
+            return Err(self.not_live(ptr));
         };
         self.tick += 1;
         let tick = self.tick;
