@@ -400,7 +400,24 @@ impl Tiling {
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
     /// none), cut at the block; drop those under it.
     fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
-        let list = std::mem::take(&mut self.hazards[block as usize]);
+        let mut list = std::mem::take(&mut self.hazards[block as usize]);
+        if left == NIL && right != NIL {
+            // The block at the gap's start (placement's choice): the gap
+            // after it keeps the list itself, less the hazards the block
+            // covers whole, the first cut at the block's end.
+            let covered = list.partition_point(|h| h.end <= end);
+            list.drain(..covered);
+            if let Some(first) = list.first_mut() {
+                first.start = first.start.max(end);
+            }
+            let old = std::mem::replace(&mut self.hazards[right as usize], list);
+            self.spare(old);
+            if self.hazards[right as usize].is_empty() {
+                let list = std::mem::take(&mut self.hazards[right as usize]);
+                self.spare(list);
+            }
+            return;
+        }
         if left != NIL && list.first().is_some_and(|h| h.start < off) {
             let mut to = self.list_to_fill(left);
             to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
