@@ -416,7 +416,11 @@ impl Run<'_> {
         // the streams it was recorded on if any (its own stream produced it,
         // they consume it), else on its own.
         let used_on = self.live.streams.remove(&id).unwrap_or_default();
-        let last_users = if used_on.len() > 1 { &used_on[1..] } else { &used_on[..] };
+        let last_users = if used_on.len() > 1 {
+            &used_on[1..]
+        } else {
+            &used_on[..]
+        };
         for &stream in last_users {
             self.sim.queue_work(StreamId(stream));
         }

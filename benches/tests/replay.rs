@@ -611,7 +611,10 @@ fn a_free_queues_work_on_the_streams_that_used_the_block_last() {
         let alloc = quilt_bench::allocators::build("classic", sim.clone()).unwrap();
         let r = replay(&trace("uses", &text, 0), alloc.as_ref(), &sim, &cfg).unwrap();
         assert!(r.completed);
-        let streams = busy.iter().map(|&s| (s, true)).chain(idle.iter().map(|&s| (s, false)));
+        let streams = busy
+            .iter()
+            .map(|&s| (s, true))
+            .chain(idle.iter().map(|&s| (s, false)));
         for (stream, busy) in streams {
             let ev = sim.event_record(StreamId(stream)).unwrap();
             assert_eq!(

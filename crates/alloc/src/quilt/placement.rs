@@ -94,14 +94,16 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            return core.best_candidate(ctx, ai, rounded, t, |arena| {
-                arena.fitting_gaps(rounded, n)
-            });
+            return core
+                .best_candidate(ctx, ai, rounded, t, |arena| arena.fitting_gaps(rounded, n));
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
         let moved: Vec<(u64, PieceId)> = candidates
             .iter()
-            .filter_map(|&(_, g)| core.past_retired_in_use(ctx, ai, g, rounded).map(|off| (off, g)))
+            .filter_map(|&(_, g)| {
+                core.past_retired_in_use(ctx, ai, g, rounded)
+                    .map(|off| (off, g))
+            })
             .collect();
         // If every fitting gap is blocked, a retired page will be
         // synchronised for (rare; only after reclaim moved pages).
