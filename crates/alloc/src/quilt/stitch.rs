@@ -193,11 +193,13 @@ impl Core {
         if self.arenas[ai].tiling.gap_hazards(gap).is_empty() {
             return;
         }
-        self.arenas[ai].tiling.retain_hazards(gap, |h| {
-            !streams
-                .in_mask(h.streams)
-                .all(|s| streams.freed_done(s, h.tick))
-        });
+        self.arenas[ai]
+            .tiling
+            .prune_hazards(gap, streams.progress, |h| {
+                streams
+                    .in_mask(h.streams)
+                    .all(|s| streams.freed_done(s, h.tick))
+            });
     }
 
     fn arena_for(
@@ -589,15 +591,22 @@ impl Core {
             }
         });
         a.vacate_block(b.piece);
-        if track {
-            // The block's piece is now the gap that holds it.
-            a.tiling
-                .add_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));
-        }
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick);
         }
         if track {
+            // The block's piece is now the gap that holds it. Its hazard,
+            // unless its streams are all known done (forgotten ones), is
+            // pending: the gap's last pruning still holds with it.
+            let streams = &self.streams;
+            if !streams
+                .in_mask(b.streams)
+                .all(|s| streams.freed_done(s, tick))
+            {
+                self.arenas[ai]
+                    .tiling
+                    .add_fresh_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));
+            }
             self.forget_completed_hazards(ai, b.piece);
         }
         self.stats.allocated_bytes.decrease(b.size);

@@ -181,6 +181,11 @@ pub(crate) struct Streams {
     pub(crate) waits: u64,
     /// Stream synchronisations made.
     pub(crate) syncs: u64,
+    /// Bumped whenever some stream's work becomes known complete further
+    /// (its `done` grows): what is known complete is as it was while this
+    /// is unchanged (a gap pruned of its completed hazards at this value
+    /// needs no pruning again, see `Tiling::prune_hazards`).
+    pub(crate) progress: u64,
     /// The next stream `refresh` polls.
     cursor: usize,
     /// The stream asked for last and its index: most requests name the
@@ -278,6 +283,7 @@ impl Streams {
         };
         s.forgotten = true;
         s.done = u64::MAX;
+        self.progress += 1;
         s.due_at = 0;
         let events: Vec<EventId> = s.events.drain(..).map(|(_, e)| e).collect();
         for e in events {
@@ -380,7 +386,10 @@ impl Streams {
             match vmm.event_query(e) {
                 Ok(true) => {
                     s.events.pop_front();
-                    s.done = s.done.max(t);
+                    if t > s.done {
+                        s.done = t;
+                        self.progress += 1;
+                    }
                     // The next event was never found running.
                     s.due_at = 0;
                     retire(&mut self.spare, vmm, e);
@@ -581,6 +590,7 @@ impl Streams {
         vmm.stream_synchronize(s.id)?;
         self.syncs += 1;
         s.done = tick;
+        self.progress += 1;
         s.due_at = 0;
         for (_, e) in s.events.drain(..) {
             retire(&mut self.spare, vmm, e);

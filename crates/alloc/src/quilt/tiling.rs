@@ -90,6 +90,10 @@ pub(crate) struct Tiling {
     /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
     /// block or a vacant slot); parallel to `pieces`.
     hazards: Vec<Vec<Hazard>>,
+    /// `pruned[id]`: the progress (`Streams::progress`) at which gap `id`'s
+    /// hazards were last all checked and the completed ones dropped
+    /// ([`NEVER`] when some were not); parallel to `pieces`.
+    pruned: Vec<u64>,
     /// Emptied hazard lists kept for reuse (at most [`SPARE_LISTS`]):
     /// hazards move from gap to gap as blocks come and go, and a gap that
     /// receives some takes a spare list rather than allocating one, while a
@@ -102,6 +106,9 @@ pub(crate) struct Tiling {
 
 /// Most emptied hazard lists kept for reuse.
 const SPARE_LISTS: usize = 1024;
+
+/// A hazard list not pruned at any progress (see `Tiling::pruned`).
+const NEVER: u64 = u64::MAX;
 
 impl Tiling {
     /// One gap over `0 .. size` (nothing for a size of 0).
@@ -132,11 +139,13 @@ impl Tiling {
         match self.vacant.pop() {
             Some(id) => {
                 self.pieces[id as usize] = p;
+                self.pruned[id as usize] = NEVER;
                 id
             }
             None => {
                 self.pieces.push(p);
                 self.hazards.push(Vec::new());
+                self.pruned.push(NEVER);
                 (self.pieces.len() - 1) as PieceId
             }
         }
@@ -288,23 +297,52 @@ impl Tiling {
     /// is no gap or `h` is empty; `h` must lie inside the gap, overlapping
     /// none of its hazards).
     pub(crate) fn add_hazard(&mut self, id: PieceId, h: Hazard) {
+        if self.insert_hazard(id, h) {
+            self.pruned[id as usize] = NEVER;
+        }
+    }
+
+    /// [`Tiling::add_hazard`] for a hazard whose work is known not to be
+    /// complete (a free's, noted at its own tick): the gap's last pruning
+    /// still holds.
+    pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard) {
+        self.insert_hazard(id, h);
+    }
+
+    /// Insert `h` in gap `id`'s list; false (nothing done) when `id` is no
+    /// gap or `h` is empty.
+    fn insert_hazard(&mut self, id: PieceId, h: Hazard) -> bool {
         if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
-            return;
+            return false;
         }
         let mut list = self.list_to_fill(id);
         let at = list.partition_point(|x| x.start < h.start);
         list.insert(at, h);
         self.hazards[id as usize] = list;
+        true
     }
 
-    /// Keep only the hazards of gap `id` for which `keep` is true.
-    pub(crate) fn retain_hazards(&mut self, id: PieceId, keep: impl FnMut(&Hazard) -> bool) {
-        if let Some(list) = self.hazards.get_mut(id as usize) {
-            list.retain(keep);
-            if list.is_empty() {
-                let list = std::mem::take(list);
-                self.spare(list);
-            }
+    /// Drop the hazards of gap `id` for which `completed` is true, unless
+    /// the gap was pruned at `progress` already (what is known complete has
+    /// not changed since: every hazard it kept is still pending).
+    pub(crate) fn prune_hazards(
+        &mut self,
+        id: PieceId,
+        progress: u64,
+        mut completed: impl FnMut(&Hazard) -> bool,
+    ) {
+        let Some(&pruned) = self.pruned.get(id as usize) else {
+            return;
+        };
+        if pruned == progress {
+            return;
+        }
+        self.pruned[id as usize] = progress;
+        let list = &mut self.hazards[id as usize];
+        list.retain(|h| !completed(h));
+        if list.is_empty() {
+            let list = std::mem::take(list);
+            self.spare(list);
         }
     }
 
@@ -400,6 +438,13 @@ impl Tiling {
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
     /// none), cut at the block; drop those under it.
     fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
+        // Parts of a pruned list are pruned as it was.
+        let pruned = self.pruned[block as usize];
+        for side in [left, right] {
+            if side != NIL {
+                self.pruned[side as usize] = pruned;
+            }
+        }
         let mut list = std::mem::take(&mut self.hazards[block as usize]);
         if left == NIL && right != NIL {
             // The block at the gap's start (placement's choice): the gap
@@ -447,7 +492,20 @@ impl Tiling {
         // The joined gap's hazards, in address order: the gap before's, the
         // block's (none), the gap after's.
         let mut list = std::mem::take(&mut self.hazards[id as usize]);
+        // The joined list is pruned at a progress only if every non-empty
+        // part was pruned at that one.
+        let mut pruned = None;
+        let mut join_pruned = |part: &[Hazard], at: u64| {
+            if !part.is_empty() {
+                pruned = match pruned {
+                    None => Some(at),
+                    Some(p) if p == at => Some(p),
+                    Some(_) => Some(NEVER),
+                };
+            }
+        };
         if let Some(&p) = self.get(b.prev).filter(|p| p.free) {
+            join_pruned(&self.hazards[b.prev as usize], self.pruned[b.prev as usize]);
             self.by_size.remove(&(p.end - p.start, p.start));
             self.remove_piece(b.prev);
             start = p.start;
@@ -455,6 +513,7 @@ impl Tiling {
             list = self.joined(before, list);
         }
         if let Some(&n) = self.get(b.next).filter(|n| n.free) {
+            join_pruned(&self.hazards[b.next as usize], self.pruned[b.next as usize]);
             self.by_size.remove(&(n.end - n.start, n.start));
             self.remove_piece(b.next);
             end = n.end;
@@ -462,6 +521,7 @@ impl Tiling {
             list = self.joined(list, after);
         }
         self.hazards[id as usize] = list;
+        self.pruned[id as usize] = pruned.unwrap_or(NEVER);
         let g = &mut self.pieces[id as usize];
         g.start = start;
         g.end = end;
