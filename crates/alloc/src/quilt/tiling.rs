@@ -671,6 +671,53 @@ mod tests {
     }
 
     #[test]
+    fn a_gap_is_pruned_again_only_after_progress() {
+        // One gap over the arena; "completed" here is a tick of at most
+        // `done`, as a caller's knowledge would say.
+        let mut t = Tiling::new(1000);
+        let g = t.find(0).unwrap();
+        let walks = std::cell::Cell::new(0);
+        let prune = |t: &mut Tiling, id: PieceId, progress: u64, done: u64| {
+            t.prune_hazards(id, progress, |h| {
+                walks.set(walks.get() + 1);
+                h.tick <= done
+            })
+        };
+        t.add_hazard(g, Hazard::over(0, 100, 1, 1));
+        t.add_hazard(g, Hazard::over(200, 100, 1, 5));
+        prune(&mut t, g, 1, 1);
+        assert_eq!(t.gap_hazards(g).len(), 1, "tick 1 is done");
+        assert_eq!(walks.replace(0), 2);
+        // No progress since: not walked again.
+        prune(&mut t, g, 1, 1);
+        assert_eq!(walks.replace(0), 0);
+        // A fresh hazard keeps the pruning; any other undoes it.
+        t.add_fresh_hazard(g, Hazard::over(400, 100, 1, 9));
+        prune(&mut t, g, 1, 1);
+        assert_eq!(walks.replace(0), 0);
+        t.add_hazard(g, Hazard::over(600, 100, 1, 1));
+        prune(&mut t, g, 1, 1);
+        assert_eq!(walks.replace(0), 3);
+        assert_eq!(t.gap_hazards(g).len(), 2);
+        // Cut: both parts inherit the pruning.
+        let b = t.occupy(g, 300, 50).unwrap();
+        let (left, right) = (t.find(0).unwrap(), t.find(400).unwrap());
+        prune(&mut t, left, 1, 1);
+        prune(&mut t, right, 1, 1);
+        assert_eq!(walks.replace(0), 0);
+        // Progress: walked, and what completed is dropped.
+        prune(&mut t, right, 2, 9);
+        assert_eq!(walks.replace(0), 1);
+        assert!(t.gap_hazards(right).is_empty());
+        // Joined with parts pruned at different progress: walked again.
+        t.vacate(b).unwrap();
+        let joined = t.find(0).unwrap();
+        prune(&mut t, joined, 2, 1);
+        assert_eq!(walks.replace(0), 1, "the left part was pruned at 1 only");
+        t.check(1000).unwrap();
+    }
+
+    #[test]
     fn hazard_lists_are_reused_not_allocated_again() {
         // Blocks at 0..100, 100..200 and 200..300 of a 1000-byte arena; each
         // round frees the middle one (a hazard), joins it with no gap, and
