@@ -196,9 +196,7 @@ impl Core {
         self.arenas[ai]
             .tiling
             .prune_hazards(gap, streams.progress, |h| {
-                streams
-                    .in_mask(h.streams)
-                    .all(|s| streams.freed_done(s, h.tick))
+                streams.all_freed_done(h.streams, h.tick)
             });
     }
 
@@ -598,11 +596,7 @@ impl Core {
             // The block's piece is now the gap that holds it. Its hazard,
             // unless its streams are all known done (forgotten ones), is
             // pending: the gap's last pruning still holds with it.
-            let streams = &self.streams;
-            if !streams
-                .in_mask(b.streams)
-                .all(|s| streams.freed_done(s, tick))
-            {
+            if !self.streams.all_freed_done(b.streams, tick) {
                 self.arenas[ai]
                     .tiling
                     .add_fresh_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));

@@ -364,6 +364,12 @@ impl Streams {
         self.is_done(i, self.relevant(i, k))
     }
 
+    /// True when [`Streams::freed_done`] holds for every stream in `mask`:
+    /// a hazard of theirs up to `k` constrains nothing.
+    pub(crate) fn all_freed_done(&self, mask: u64, k: u64) -> bool {
+        self.in_mask(mask).all(|s| self.freed_done(s, k))
+    }
+
     /// True when stream `t` already waited for stream `s`'s work up to `k`
     /// (as far as freed memory can depend on it).
     pub(crate) fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
