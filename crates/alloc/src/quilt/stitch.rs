@@ -597,9 +597,12 @@ impl Core {
             // unless its streams are all known done (forgotten ones), is
             // pending: the gap's last pruning still holds with it.
             if !self.streams.all_freed_done(b.streams, tick) {
-                self.arenas[ai]
-                    .tiling
-                    .add_fresh_hazard(b.piece, Hazard::over(b.off, b.size, b.streams, tick));
+                let streams = &self.streams;
+                self.arenas[ai].tiling.add_fresh_hazard(
+                    b.piece,
+                    Hazard::over(b.off, b.size, b.streams, tick),
+                    || streams.last_mark(b.streams),
+                );
             }
             self.forget_completed_hazards(ai, b.piece);
         }

@@ -149,6 +149,10 @@ struct StreamState {
     events: VecDeque<(u64, EventId)>,
     /// Work enqueued up to this tick is known complete.
     done: u64,
+    /// The tick of the latest event recorded here or synchronisation of
+    /// this stream: `done` and every `waited` of it only ever take such
+    /// ticks (see [`Streams::last_mark`]).
+    marked: u64,
     /// Tick of the latest free on this stream.
     last_free: u64,
     /// Tick of the last query of the oldest event (at most one per operation).
@@ -213,6 +217,7 @@ impl Streams {
             id,
             events: VecDeque::new(),
             done: 0,
+            marked: 0,
             last_free: 0,
             polled_at: 0,
             due_at: 0,
@@ -283,6 +288,7 @@ impl Streams {
         };
         s.forgotten = true;
         s.done = u64::MAX;
+        s.marked = tick;
         self.progress += 1;
         s.due_at = 0;
         let events: Vec<EventId> = s.events.drain(..).map(|(_, e)| e).collect();
@@ -350,6 +356,21 @@ impl Streams {
         self.states
             .get(i as usize)
             .map_or(0, |s| k.min(s.last_free))
+    }
+
+    /// The latest tick at which an event was recorded on a stream in `mask`
+    /// or one of them was synchronised (0: never). What is known of a
+    /// stream's progress (how far its work is known complete, how far
+    /// another stream waited for it) only ever stops at such ticks, so two
+    /// frees of the same streams both later than this are told apart by no
+    /// decision, now or later: their hazards may be one (see
+    /// `Tiling::add_fresh_hazard`).
+    pub(crate) fn last_mark(&self, mask: u64) -> u64 {
+        self.in_mask(mask)
+            .filter_map(|i| self.states.get(i as usize))
+            .map(|s| s.marked)
+            .max()
+            .unwrap_or(0)
     }
 
     /// True when stream `i`'s work up to tick `k` is known complete.
@@ -486,6 +507,7 @@ impl Streams {
         };
         if let Some(s) = self.states.get_mut(i as usize) {
             s.events.push_back((tick, e));
+            s.marked = tick;
         }
         self.recorded += 1;
         Ok(e)
@@ -596,6 +618,7 @@ impl Streams {
         vmm.stream_synchronize(s.id)?;
         self.syncs += 1;
         s.done = tick;
+        s.marked = tick;
         self.progress += 1;
         s.due_at = 0;
         for (_, e) in s.events.drain(..) {

@@ -303,10 +303,55 @@ impl Tiling {
     }
 
     /// [`Tiling::add_hazard`] for a hazard whose work is known not to be
-    /// complete (a free's, noted at its own tick): the gap's last pruning
-    /// still holds.
-    pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard) {
-        self.insert_hazard(id, h);
+    /// complete (a free's, noted at its own tick, the latest of any hazard):
+    /// the gap's last pruning still holds. It joins the hazards right
+    /// beside it that name the same streams at a tick past `mark()`, the
+    /// joined hazard taking the latest tick: the caller vouches that no
+    /// decision tells those ticks apart (no event of those streams was
+    /// recorded since, see `Streams::last_mark`; asked only when such a
+    /// neighbour exists). A stream whose progress nobody asks for (the only
+    /// one allocating) thus leaves one hazard per run of its frees, not one
+    /// per free.
+    pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
+        if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
+            return;
+        }
+        let mut list = self.list_to_fill(id);
+        let at = list.partition_point(|x| x.start < h.start);
+        let left = at
+            .checked_sub(1)
+            .filter(|&i| list[i].end == h.start && list[i].streams == h.streams);
+        let right = Some(at).filter(|&i| {
+            list.get(i)
+                .is_some_and(|x| x.start == h.end && x.streams == h.streams)
+        });
+        let (left, right) = if left.is_some() || right.is_some() {
+            let mark = mark();
+            (
+                left.filter(|&i| list[i].tick > mark),
+                right.filter(|&i| list[i].tick > mark),
+            )
+        } else {
+            (None, None)
+        };
+        match (left, right) {
+            (Some(l), Some(r)) => {
+                let right = list.remove(r);
+                let l = &mut list[l];
+                l.end = right.end;
+                l.tick = l.tick.max(right.tick).max(h.tick);
+            }
+            (Some(l), None) => {
+                list[l].end = h.end;
+                list[l].tick = list[l].tick.max(h.tick);
+            }
+            (None, Some(r)) => {
+                list[r].start = h.start;
+                list[r].tick = list[r].tick.max(h.tick);
+            }
+            (None, None) => list.insert(at, h),
+        }
+        self.hazards[id as usize] = list;
     }
 
     /// Insert `h` in gap `id`'s list; false (nothing done) when `id` is no
@@ -692,7 +737,7 @@ mod tests {
         prune(&mut t, g, 1, 1);
         assert_eq!(walks.replace(0), 0);
         // A fresh hazard keeps the pruning; any other undoes it.
-        t.add_fresh_hazard(g, Hazard::over(400, 100, 1, 9));
+        t.add_fresh_hazard(g, Hazard::over(400, 100, 1, 9), || u64::MAX);
         prune(&mut t, g, 1, 1);
         assert_eq!(walks.replace(0), 0);
         t.add_hazard(g, Hazard::over(600, 100, 1, 1));
@@ -715,6 +760,50 @@ mod tests {
         prune(&mut t, joined, 2, 1);
         assert_eq!(walks.replace(0), 1, "the left part was pruned at 1 only");
         t.check(1000).unwrap();
+    }
+
+    #[test]
+    fn a_fresh_hazard_joins_its_neighbours_of_the_same_streams_past_the_mark() {
+        // Blocks of 100 bytes at 0, 100, ... 500 of a 1000-byte arena.
+        let mut t = Tiling::new(1000);
+        let occupy = |t: &mut Tiling, i: u64| {
+            let g = t.find(i * 100).unwrap();
+            t.occupy(g, i * 100, 100).unwrap()
+        };
+        let mut blocks: Vec<PieceId> = (0..6).map(|i| occupy(&mut t, i)).collect();
+        let free = |t: &mut Tiling, blocks: &[PieceId], i: usize, streams, tick, mark| {
+            t.vacate(blocks[i]).unwrap();
+            let h = Hazard::over(i as u64 * 100, 100, streams, tick);
+            t.add_fresh_hazard(blocks[i], h, || mark);
+            t.check(1000).unwrap();
+        };
+        let hazards = |t: &Tiling| -> Vec<(u64, u64, u64, u64)> {
+            t.all_hazards()
+                .map(|h| (h.start, h.end, h.streams, h.tick))
+                .collect()
+        };
+        free(&mut t, &blocks, 0, 1, 10, 0);
+        // Same streams, no mark since tick 10: one hazard at the later tick.
+        free(&mut t, &blocks, 1, 1, 11, 9);
+        assert_eq!(hazards(&t), vec![(0, 200, 1, 11)]);
+        // Other streams beside it: kept apart.
+        free(&mut t, &blocks, 2, 2, 12, 0);
+        // A mark at tick 12 (an event of those streams since): kept apart.
+        free(&mut t, &blocks, 3, 2, 13, 12);
+        assert_eq!(
+            hazards(&t),
+            vec![(0, 200, 1, 11), (200, 300, 2, 12), (300, 400, 2, 13)]
+        );
+        // Occupied again (the hazards under the blocks dropped), then freed
+        // outside in: the last free joins both neighbours.
+        for i in 0..4 {
+            blocks[i as usize] = occupy(&mut t, i);
+        }
+        assert!(hazards(&t).is_empty(), "dropped under the blocks");
+        free(&mut t, &blocks, 0, 1, 20, 0);
+        free(&mut t, &blocks, 2, 1, 21, 0);
+        free(&mut t, &blocks, 1, 1, 22, 0);
+        assert_eq!(hazards(&t), vec![(0, 300, 1, 22)], "left and right joined");
     }
 
     #[test]
