@@ -17,10 +17,17 @@ what stream handling costs where the real traces have one or two streams:
 - `small-streams-10.trace`: 10 streams each allocating and freeing small and
   medium tensors (4 KiB to 6 MiB) in random turns, each freeing only what it
   allocated: frees on one stream that the others reuse within the GPU's lag.
+- With `--idle-from DIR` (the real traces, `../shared/traces/converted`):
+  `NAME-idle.trace` for each real trace `NAME`: the trace with one 4 KiB
+  block allocated on a second stream first and never freed (a stream used
+  once, as a CUDA-graph warm-up or a one-off copy leaves), and a
+  `stats.json` beside them that keeps each trace's pre-existing prefix (the
+  new block is part of it).
 
 Deterministic (fixed seeds). Usage:
 
     python3 scripts/multistream-traces.py OUT_DIR [N ...]   # N default: 10
+    python3 scripts/multistream-traces.py OUT_DIR --idle-from ../shared/traces/converted
 
 then, for instance,
 
@@ -28,6 +35,7 @@ then, for instance,
         --trace OUT_DIR/*.trace
 """
 
+import json
 import os
 import random
 import sys
@@ -135,10 +143,43 @@ def small_streams():
     return t
 
 
+def idle_second_stream(src, out):
+    """Each real trace of `src` with a 4 KiB block on stream 1 first."""
+    with open(os.path.join(src, "stats.json")) as f:
+        stats = json.load(f)
+    kept = []
+    for entry in stats:
+        name = entry["name"] + "-idle"
+        lines = ["a 0 4096 1"]
+        with open(os.path.join(src, entry["file"])) as f:
+            for line in f:
+                parts = line.split()
+                if parts:
+                    parts[1] = str(int(parts[1]) + 1)
+                    lines.append(" ".join(parts))
+        with open(os.path.join(out, name + ".trace"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        entry = dict(entry, name=name, file=name + ".trace")
+        entry["preexisting_allocs"] += 1
+        entry["streams"] += 1
+        kept.append(entry)
+    with open(os.path.join(out, "stats.json"), "w") as f:
+        json.dump(kept, f, indent=1)
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     out = sys.argv[1]
+    if sys.argv[2:3] == ["--idle-from"]:
+        if len(sys.argv) != 4:
+            sys.exit("multistream-traces: --idle-from takes the folder of the real traces")
+        os.makedirs(out, exist_ok=True)
+        try:
+            idle_second_stream(sys.argv[3], out)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"multistream-traces: reading the real traces: {e}")
+        return
     counts = [int(n) for n in sys.argv[2:]] or [10]
     if any(n < 2 for n in counts):
         sys.exit("multistream-traces: N must be at least 2")
