@@ -13,7 +13,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("pure pieces", &["tiling", "arena", "streams", "config"]),
     (
         "the stitching core",
-        &["stitch", "placement", "backing", "reclaim", "own"],
+        &["stitch", "placement", "backing", "reclaim", "own", "solo"],
     ),
     (
         "features",

@@ -62,6 +62,7 @@ impl Core {
             return Err(self.oom(ctx, requested, need.len() as u64, 0));
         }
         if to > from {
+            self.note_allocating(si);
             // The growth lies in the gap past the block: order the stream
             // after the hazards there before the gap drops them.
             let Some(gap) = self.arenas[ai].gap_at(from) else {

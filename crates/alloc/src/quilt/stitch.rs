@@ -16,7 +16,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
-use super::streams::Streams;
+use super::streams::{Solo, Streams};
 use super::tiling::{Hazard, PieceId};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
@@ -131,6 +131,11 @@ pub(crate) struct Core {
     pub(crate) page_hazards: HashMap<PageId, (u64, u64)>,
     /// One tick per allocator operation.
     pub(crate) tick: u64,
+    /// The stream that made the allocations since the tick given, alone
+    /// (see `solo.rs`).
+    pub(crate) alloc_run: (u32, u64),
+    /// The solo run, if one stream allocates alone (see `solo.rs`).
+    pub(crate) solo: Option<Solo>,
     pub(crate) stats: AllocatorStats,
     /// Arenas of their own (a growable buffer's) released while they still
     /// hold mappings (retired pages whose work may still run): their
@@ -410,6 +415,7 @@ impl Core {
         })?;
         self.tick += 1;
         let si = self.stream_index(stream);
+        self.note_allocating(si);
         let kind = if let Some(g) = group {
             Kind::Isolated(g)
         } else if ctx.cfg.layout.small.is_small(size) {
@@ -578,7 +584,7 @@ impl Core {
         };
         self.tick += 1;
         let tick = self.tick;
-        let track = self.streams.len() > 1;
+        let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
         let a = &mut self.arenas[b.arena];

@@ -354,6 +354,27 @@ impl Tiling {
         self.hazards[id as usize] = list;
     }
 
+    /// Add the hazards `new` (in address order, disjoint, inside gap `id`,
+    /// overlapping none of its hazards) to gap `id`, in one merge.
+    pub(crate) fn add_hazards(&mut self, id: PieceId, new: Vec<Hazard>) {
+        if new.is_empty() || self.gap(id).is_none() {
+            return;
+        }
+        let old = self.list_to_fill(id);
+        let mut list = Vec::with_capacity(old.len() + new.len());
+        let mut new = new.into_iter().peekable();
+        for &h in &old {
+            while let Some(n) = new.next_if(|n| n.start < h.start) {
+                list.push(n);
+            }
+            list.push(h);
+        }
+        list.extend(new);
+        self.spare(old);
+        self.hazards[id as usize] = list;
+        self.pruned[id as usize] = NEVER;
+    }
+
     /// Insert `h` in gap `id`'s list; false (nothing done) when `id` is no
     /// gap or `h` is empty.
     fn insert_hazard(&mut self, id: PieceId, h: Hazard) -> bool {
