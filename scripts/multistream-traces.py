@@ -17,12 +17,14 @@ what stream handling costs where the real traces have one or two streams:
 - `small-streams-10.trace`: 10 streams each allocating and freeing small and
   medium tensors (4 KiB to 6 MiB) in random turns, each freeing only what it
   allocated: frees on one stream that the others reuse within the GPU's lag.
-- With `--idle-from DIR` (the real traces, `../shared/traces/converted`):
-  `NAME-idle.trace` for each real trace `NAME`: the trace with one 4 KiB
+- With `--idle-from DIR` (the real traces, `../shared/traces/converted`),
+  for each real trace `NAME`: `NAME-idle.trace`, the trace with one 4 KiB
   block allocated on a second stream first and never freed (a stream used
-  once, as a CUDA-graph warm-up or a one-off copy leaves), and a
-  `stats.json` beside them that keeps each trace's pre-existing prefix (the
-  new block is part of it).
+  once, as a CUDA-graph warm-up or a one-off copy leaves); `NAME-side.trace`,
+  the trace with an 8 MiB block allocated on a second stream every 1,500
+  events past the pre-existing prefix and freed 50 events later (a side
+  stream that comes back now and then); and a `stats.json` beside them
+  that keeps each trace's pre-existing prefix.
 
 Deterministic (fixed seeds). Usage:
 
@@ -143,26 +145,49 @@ def small_streams():
     return t
 
 
-def idle_second_stream(src, out):
-    """Each real trace of `src` with a 4 KiB block on stream 1 first."""
+def second_stream_variants(src, out):
+    """Each real trace of `src` as `-idle` and `-side` (see above)."""
     with open(os.path.join(src, "stats.json")) as f:
         stats = json.load(f)
     kept = []
     for entry in stats:
-        name = entry["name"] + "-idle"
-        lines = ["a 0 4096 1"]
         with open(os.path.join(src, entry["file"])) as f:
-            for line in f:
-                parts = line.split()
-                if parts:
-                    parts[1] = str(int(parts[1]) + 1)
-                    lines.append(" ".join(parts))
-        with open(os.path.join(out, name + ".trace"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        entry = dict(entry, name=name, file=name + ".trace")
-        entry["preexisting_allocs"] += 1
-        entry["streams"] += 1
-        kept.append(entry)
+            events = [line.split() for line in f if line.strip()]
+        pre = entry["preexisting_allocs"]
+        # -idle: one block on stream 1 first (part of the prefix).
+        lines = ["a 0 4096 1"]
+        lines += [" ".join([e[0], str(int(e[1]) + 1)] + e[2:]) for e in events]
+        variants = [("-idle", lines, pre + 1)]
+        # -side: 8 MiB on stream 1 every 1,500 events, freed 50 later.
+        lines, ids, pending, next_id = [], {}, [], 0
+        for i, e in enumerate(events):
+            if e[0] == "a":
+                ids[e[1]] = next_id
+                lines.append(f"a {next_id} {e[2]} {e[3]}")
+                next_id += 1
+            else:
+                lines.append(f"f {ids[e[1]]}")
+            if i >= pre and i % 1500 == 0:
+                lines.append(f"a {next_id} {8 << 20} 1")
+                pending.append((i + 50, next_id))
+                next_id += 1
+            while pending and pending[0][0] <= i:
+                lines.append(f"f {pending.pop(0)[1]}")
+        lines += [f"f {k}" for _, k in pending]
+        variants.append(("-side", lines, pre))
+        for suffix, lines, prefix in variants:
+            name = entry["name"] + suffix
+            with open(os.path.join(out, name + ".trace"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            kept.append(
+                dict(
+                    entry,
+                    name=name,
+                    file=name + ".trace",
+                    preexisting_allocs=prefix,
+                    streams=entry["streams"] + 1,
+                )
+            )
     with open(os.path.join(out, "stats.json"), "w") as f:
         json.dump(kept, f, indent=1)
 
@@ -176,7 +201,7 @@ def main():
             sys.exit("multistream-traces: --idle-from takes the folder of the real traces")
         os.makedirs(out, exist_ok=True)
         try:
-            idle_second_stream(sys.argv[3], out)
+            second_stream_variants(sys.argv[3], out)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"multistream-traces: reading the real traces: {e}")
         return
