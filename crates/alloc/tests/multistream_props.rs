@@ -475,3 +475,35 @@ proptest! {
         run(Kind::Quilt, Waits::Strict, case)?;
     }
 }
+
+/// One stream allocates alone long enough to run solo (its frees leave no
+/// hazard, see `solo.rs`), frees the last blocks just before the other
+/// stream, silent since its first block, allocates again: that allocation
+/// lands on memory the first stream's pending work may still use, and must
+/// be ordered after it (the hazards are built from the pages first).
+#[test]
+fn a_solo_run_s_frees_are_ordered_when_another_stream_comes_back() {
+    // The other stream's block first: it is the lowest, so `pick: 1` frees
+    // the first stream's newest of two.
+    let mut ops = vec![Op::Alloc {
+        size: 4 * MIB,
+        stream: 1,
+    }];
+    for _ in 0..200 {
+        ops.push(Op::Alloc {
+            size: 4 * MIB,
+            stream: 0,
+        });
+        ops.push(Op::Free { pick: 1 });
+    }
+    for size in [4 * MIB, 6 * MIB] {
+        ops.push(Op::Alloc { size, stream: 0 });
+    }
+    ops.extend([Op::Free { pick: 1 }, Op::Free { pick: 1 }]);
+    for size in [4 * MIB, 6 * MIB] {
+        ops.push(Op::Alloc { size, stream: 1 });
+    }
+    for kind in [Kind::Quilt, Kind::Gmlake] {
+        run(kind, Waits::Bounded, (2, 64, 192 * MIB, ops.clone())).unwrap();
+    }
+}
