@@ -309,9 +309,9 @@ impl Tiling {
     /// joined hazard taking the latest tick: the caller vouches that no
     /// decision tells those ticks apart (no event of those streams was
     /// recorded since, see `Streams::last_mark`; asked only when such a
-    /// neighbour exists). A stream whose progress nobody asks for (the only
-    /// one allocating) thus leaves one hazard per run of its frees, not one
-    /// per free.
+    /// neighbour exists). A stream whose progress nobody asks for (no other
+    /// stream reaches for the memory it frees) thus leaves one hazard per
+    /// run of its frees, not one per free.
     pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
         if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
             return;
