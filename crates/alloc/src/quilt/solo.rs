@@ -10,10 +10,10 @@
 //!
 //! So once one stream has made every allocation for [`SOLO_AFTER`]
 //! operations, or for an eighth as many as the arenas have pages if that
-//! is more, it runs *solo*: its frees (of blocks no other stream used) leave no hazard.
-//! The pages still record them, as every free does (`PageSlot::freed_by`,
-//! `freed_at`). When another stream next allocates (or grows a block of its
-//! own), the solo run ends and the hazards are built from the pages first
+//! is more, it runs *solo*: its frees (of blocks no other stream used)
+//! leave no hazard. The pages still record them, as every free does
+//! (`PageSlot::freed_by`, `freed_at`). When another stream next allocates
+//! (or grows a block of its own), the solo run ends and the hazards are built from the pages first
 //! ([`Arena::add_solo_hazards`]): each page the solo stream freed on since
 //! the run began becomes, over its part in a gap not under a hazard
 //! already, a hazard of that stream at the page's latest free. That is
