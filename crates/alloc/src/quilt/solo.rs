@@ -29,8 +29,8 @@
 //! always.
 
 use super::arena::Arena;
-use super::stitch::Core;
-use super::streams::{Solo, Streams};
+use super::stitch::{Core, Solo};
+use super::streams::Streams;
 
 /// Operations one stream must allocate alone, at least, before it runs solo.
 pub(crate) const SOLO_AFTER: u64 = 64;

@@ -16,7 +16,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
-use super::streams::{Solo, Streams};
+use super::streams::Streams;
 use super::tiling::{Hazard, PieceId};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
@@ -97,6 +97,16 @@ pub(crate) struct BlockRec {
     /// carried out ([`Core::end_deferred_frees`]). PyTorch's
     /// `needs_events_deferred_until_no_capture`.
     pub(crate) freed_in_capture: bool,
+}
+
+/// A solo run (see `solo.rs`): the one stream allocating, whose frees
+/// leave no hazard, since `since`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Solo {
+    /// The stream's index (below 63: streams past it share one bit).
+    pub(crate) stream: u32,
+    /// The tick the run began at: its frees are later.
+    pub(crate) since: u64,
 }
 
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.

@@ -171,16 +171,6 @@ struct StreamState {
     forgotten: bool,
 }
 
-/// A solo run (see `solo.rs`): the one stream allocating, whose frees
-/// leave no hazard, since `since`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Solo {
-    /// The stream's index (below 63: streams past it share one bit).
-    pub(crate) stream: u32,
-    /// The tick the run began at: its frees are later.
-    pub(crate) since: u64,
-}
-
 /// Every stream seen, by dense index. See the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct Streams {

@@ -313,10 +313,18 @@ impl Tiling {
     /// stream reaches for the memory it frees) thus leaves one hazard per
     /// run of its frees, not one per free.
     pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
-        if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
-            return;
+        if h.start < h.end && !self.join_beside(id, h, mark) {
+            self.insert_hazard(id, h);
         }
-        let mut list = self.list_to_fill(id);
+    }
+
+    /// Join `h` (not empty) to the hazards of gap `id` right beside it that
+    /// name the same streams at a tick past `mark()` (see
+    /// [`Tiling::add_fresh_hazard`]); false when none does.
+    fn join_beside(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) -> bool {
+        let Some(list) = self.hazards.get_mut(id as usize) else {
+            return false;
+        };
         let at = list.partition_point(|x| x.start < h.start);
         let left = at
             .checked_sub(1)
@@ -325,16 +333,14 @@ impl Tiling {
             list.get(i)
                 .is_some_and(|x| x.start == h.end && x.streams == h.streams)
         });
-        let (left, right) = if left.is_some() || right.is_some() {
-            let mark = mark();
-            (
-                left.filter(|&i| list[i].tick > mark),
-                right.filter(|&i| list[i].tick > mark),
-            )
-        } else {
-            (None, None)
-        };
-        match (left, right) {
+        if left.is_none() && right.is_none() {
+            return false;
+        }
+        let mark = mark();
+        match (
+            left.filter(|&i| list[i].tick > mark),
+            right.filter(|&i| list[i].tick > mark),
+        ) {
             (Some(l), Some(r)) => {
                 let right = list.remove(r);
                 let l = &mut list[l];
@@ -349,9 +355,9 @@ impl Tiling {
                 list[r].start = h.start;
                 list[r].tick = list[r].tick.max(h.tick);
             }
-            (None, None) => list.insert(at, h),
+            (None, None) => return false,
         }
-        self.hazards[id as usize] = list;
+        true
     }
 
     /// Add the hazards `new` (in address order, disjoint, inside gap `id`,
