@@ -44,6 +44,24 @@ pub(crate) struct PageSlot {
     pub(crate) retired: bool,
 }
 
+/// A block's pages split into its first page, the pages between its ends
+/// (touched by it alone: blocks never overlap) and its last page (`None`
+/// when the block lies on one page).
+#[allow(clippy::type_complexity)]
+fn split_ends(
+    slots: &mut [PageSlot],
+) -> (
+    Option<&mut PageSlot>,
+    &mut [PageSlot],
+    Option<&mut PageSlot>,
+) {
+    match slots {
+        [] => (None, &mut [], None),
+        [only] => (Some(only), &mut [], None),
+        [head, inner @ .., tail] => (Some(head), inner, Some(tail)),
+    }
+}
+
 impl PageSlot {
     /// Mapped and touched by no block.
     pub(crate) fn is_cached(&self) -> bool {
@@ -216,20 +234,41 @@ impl Arena {
 
     /// A block now covers `off .. off + len`: add one to the touch count of
     /// its pages. Returns how many of them are not mapped.
+    ///
+    /// Only the block's two end pages can be shared with another block
+    /// (blocks never overlap): the pages between them are touched by no
+    /// other, so each is a first touch and costs a store and, unless every
+    /// page of the table is mapped, a look at its mapping (a large block
+    /// touches hundreds of pages).
     pub(crate) fn touch(&mut self, off: u64, len: u64) -> u64 {
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
-        // Counted in locals, without a branch per page: a large block
-        // touches hundreds of pages.
+        let all_mapped = self.mapped_pages == self.pages.len() as u64;
+        let slots = &mut self.pages[first as usize..=last as usize];
         let (mut unmapped, mut fresh, mut fresh_mapped) = (0, 0, 0);
-        for s in &mut self.pages[first as usize..=last as usize] {
+        let mut end_page = |s: &mut PageSlot| {
             s.touch += 1;
             let mapped = u64::from(s.phys.is_some());
             let first_touch = u64::from(s.touch == 1);
             unmapped += 1 - mapped;
             fresh += first_touch;
             fresh_mapped += first_touch & mapped;
+        };
+        let (head, inner, tail) = split_ends(slots);
+        head.into_iter().chain(tail).for_each(&mut end_page);
+        for s in inner.iter_mut() {
+            debug_assert_eq!(s.touch, 0, "a page inside a new block is touched");
+            s.touch = 1;
         }
+        let inner_unmapped = if all_mapped {
+            0
+        } else {
+            inner.iter().filter(|s| s.phys.is_none()).count() as u64
+        };
+        let inner_len = inner.len() as u64;
+        unmapped += inner_unmapped;
+        fresh += inner_len;
+        fresh_mapped += inner_len - inner_unmapped;
         self.touched_pages += fresh;
         self.cached_pages -= fresh_mapped;
         unmapped
@@ -238,7 +277,9 @@ impl Arena {
     /// A block over `off .. off + len` is gone: take one from the touch
     /// count of its pages. With `freed`, the block was freed by the streams
     /// `streams` at `tick` (not rolled back), which the pages remember.
-    /// Calls `cached(page)` for every page that becomes cached.
+    /// Calls `cached(page)` for every page that becomes cached. (As in
+    /// [`Arena::touch`], the pages between the block's ends were touched by
+    /// it alone, so each becomes untouched.)
     pub(crate) fn untouch(
         &mut self,
         off: u64,
@@ -251,12 +292,9 @@ impl Arena {
         self.ensure_len(last);
         // Nothing freed: an empty set of streams at tick 0 changes nothing.
         let (streams, at) = freed.unwrap_or((0, 0));
+        let slots = &mut self.pages[first as usize..=last as usize];
         let (mut untouched, mut now_cached) = (0, 0);
-        for (i, s) in self.pages[first as usize..=last as usize]
-            .iter_mut()
-            .enumerate()
-        {
-            s.touch = s.touch.saturating_sub(1);
+        let mut forget = |s: &mut PageSlot, p: u64| {
             s.freed_by |= streams;
             s.freed_at = s.freed_at.max(at);
             if s.touch == 0 {
@@ -264,9 +302,24 @@ impl Arena {
                 if s.phys.is_some() {
                     now_cached += 1;
                     s.cached_at = tick;
-                    cached(first + i as u64);
+                    cached(p);
                 }
             }
+        };
+        // In address order: the pages become cached in this order.
+        let (head, inner, tail) = split_ends(slots);
+        if let Some(s) = head {
+            s.touch = s.touch.saturating_sub(1);
+            forget(s, first);
+        }
+        for (s, p) in inner.iter_mut().zip(first + 1..) {
+            debug_assert_eq!(s.touch, 1, "a page inside a block is shared");
+            s.touch = 0;
+            forget(s, p);
+        }
+        if let Some(s) = tail {
+            s.touch = s.touch.saturating_sub(1);
+            forget(s, last);
         }
         self.touched_pages -= untouched;
         self.cached_pages += now_cached;
