@@ -419,34 +419,61 @@ impl Arena {
         }
     }
 
-    /// A second stream appeared: the ranges freed so far become hazards
-    /// of the first stream's work (`streams`, up to `tick`), since they were
-    /// freed without an event (no other stream could reuse them then). Only
-    /// pages freed on since they were mapped can carry that work: in each
-    /// gap, each run of them (clipped to the gap) gets one hazard; pristine
-    /// space (never used, or unmapped since: an unmap waits for the work)
-    /// gets none.
-    pub(crate) fn add_first_stream_hazards(&mut self, streams: u64, tick: u64) {
-        let Some(known) = (self.pages.len() as u64).checked_sub(1) else {
-            return; // no page was ever touched
-        };
+    /// Hazards of the stream `bit`'s frees since tick `since` that left
+    /// none, built from the pages: each page it freed on since (`freed_by`
+    /// has it, `freed_at` is later) becomes, over its part in a gap that no
+    /// hazard covers yet, a hazard of that stream at the page's latest free.
+    /// Pieces side by side join, at the later tick, where both ticks are
+    /// past `mark` (no event of the stream recorded since: see
+    /// `Streams::last_mark`). For the frees a single stream made before a
+    /// second appeared (`since` 0) and those of a solo run (`solo.rs`).
+    /// Pristine space (never used, or unmapped since: an unmap waits for
+    /// the work) gets none.
+    pub(crate) fn add_hazards_from_pages(&mut self, bit: u64, since: u64, mark: u64) {
+        let known = self.pages.len() as u64;
+        if known == 0 {
+            return;
+        }
         for (id, start, end) in self.tiling.gap_ids() {
             let (first, last) = self.page_span(start, end - start);
-            let last = last.min(known); // pages past those known are pristine
-            let mut p = first;
-            while p <= last {
-                if self.slot(p).freed_by == 0 {
-                    p += 1;
+            let last = last.min(known - 1);
+            if first > last {
+                continue;
+            }
+            let existing = self.tiling.gap_hazards(id);
+            let mut under = 0; // the first existing hazard not wholly before
+            let mut new: Vec<Hazard> = Vec::new();
+            for p in first..=last {
+                let slot = &self.pages[p as usize];
+                if slot.freed_by & bit == 0 || slot.freed_at <= since {
                     continue;
                 }
-                let run = p;
-                while p <= last && self.slot(p).freed_by != 0 {
-                    p += 1;
+                let tick = slot.freed_at;
+                let (mut lo, hi) = ((p * self.page).max(start), ((p + 1) * self.page).min(end));
+                // The parts of `lo .. hi` between the existing hazards.
+                while lo < hi {
+                    while existing.get(under).is_some_and(|h| h.end <= lo) {
+                        under += 1;
+                    }
+                    let piece_end = match existing.get(under) {
+                        Some(h) if h.start <= lo => {
+                            lo = h.end.min(hi);
+                            continue;
+                        }
+                        Some(h) => h.start.min(hi),
+                        None => hi,
+                    };
+                    match new.last_mut() {
+                        Some(prev) if prev.end == lo && prev.tick > mark && tick > mark => {
+                            prev.end = piece_end;
+                            prev.tick = prev.tick.max(tick);
+                        }
+                        _ => new.push(Hazard::over(lo, piece_end - lo, bit, tick)),
+                    }
+                    lo = piece_end;
                 }
-                let (lo, hi) = ((run * self.page).max(start), (p * self.page).min(end));
-                self.tiling
-                    .add_hazard(id, Hazard::over(lo, hi - lo, streams, tick));
             }
+            self.tiling.add_hazards(id, new);
         }
     }
 
@@ -461,5 +488,60 @@ impl Arena {
     /// The virtual address of page `p`.
     pub(crate) fn page_addr(&self, p: u64) -> u64 {
         self.base + p * self.page
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code
+    use super::*;
+
+    /// The hazards of `a`, as (start, end, streams, tick).
+    fn hazards(a: &Arena) -> Vec<(u64, u64, u64, u64)> {
+        a.tiling
+            .gap_ids()
+            .into_iter()
+            .flat_map(|(id, _, _)| a.tiling.gap_hazards(id).to_vec())
+            .map(|h| (h.start, h.end, h.streams, h.tick))
+            .collect()
+    }
+
+    #[test]
+    fn pages_freed_on_since_become_hazards_around_those_already_there() {
+        // Pages of 100 bytes; pages 0..6 known. Stream bit 1 freed on pages
+        // 1 and 2 during the run (ticks 7 and 9), on page 4 before it (tick
+        // 3); stream bit 2 freed on page 2 during the run too, with its own
+        // hazard over 230..260. A block holds 500..600 (page 5).
+        let mut a = Arena::new(0, 1000, 100);
+        a.pages.resize(6, Default::default());
+        for (p, by, at) in [(1, 1, 7), (2, 3, 9), (4, 1, 3), (5, 1, 8)] {
+            a.pages[p].freed_by = by;
+            a.pages[p].freed_at = at;
+        }
+        let g = a.tiling.find(0).unwrap();
+        a.tiling.occupy(g, 500, 100).unwrap();
+        let g = a.tiling.find(0).unwrap();
+        a.tiling.add_hazard(g, Hazard::over(230, 30, 2, 9));
+        // Since tick 5 (a solo run's start); the stream's last event was at tick 6.
+        a.add_hazards_from_pages(1, 5, 6);
+        assert_eq!(
+            hazards(&a),
+            vec![
+                (100, 230, 1, 9), // pages 1 and 2 joined (ticks past the mark)
+                (230, 260, 2, 9), // the hazard already there
+                (260, 300, 1, 9), // the rest of page 2
+            ],
+            "page 4 was freed on before tick 5, page 5 is under a block"
+        );
+        a.tiling.check(1000).unwrap();
+        // With an event of the stream at tick 7, pages 1 and 2 stay apart.
+        let mut b = Arena::new(0, 1000, 100);
+        b.pages.resize(3, Default::default());
+        for (p, at) in [(1, 7), (2, 9)] {
+            b.pages[p].freed_by = 1;
+            b.pages[p].freed_at = at;
+        }
+        b.add_hazards_from_pages(1, 5, 7);
+        assert_eq!(hazards(&b), vec![(100, 200, 1, 7), (200, 300, 1, 9)]);
     }
 }

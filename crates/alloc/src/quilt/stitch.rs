@@ -185,15 +185,17 @@ impl Core {
     }
 
     /// Register `stream`, returning its index. When a second stream appears,
-    /// every range freed so far becomes a hazard of the first stream's work
-    /// (it was freed without an event, since no other stream could reuse it
-    /// then); pristine space does not ([`Arena::add_first_stream_hazards`]).
+    /// every page freed on so far becomes, over its part in a gap, a hazard
+    /// of the first stream's work at the page's latest free (it was freed
+    /// without a hazard, since no other stream could reuse it then);
+    /// pristine space does not ([`Arena::add_hazards_from_pages`]).
     pub(super) fn stream_index(&mut self, stream: StreamId) -> u32 {
         let (i, new) = self.streams.index(stream);
         if new && self.streams.len() == 2 {
-            let (bit, tick) = (Streams::bit(0), self.tick);
+            let bit = Streams::bit(0);
+            let mark = self.streams.last_mark(bit);
             for a in &mut self.arenas {
-                a.add_first_stream_hazards(bit, tick);
+                a.add_hazards_from_pages(bit, 0, mark);
             }
         }
         i
