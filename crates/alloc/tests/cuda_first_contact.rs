@@ -175,8 +175,9 @@ fn caching_release_waits_for_queued_work() {
 
 /// Under capture (PyTorch's pattern: the capture in global mode, the
 /// allocator called in relaxed mode), Quilt records no event on and queries
-/// none for the capturing stream, does not reuse a block freed during the
-/// capture until it ends, and leaves the capture valid.
+/// none for the capturing stream, frees without a driver call (a block
+/// freed in the capture may serve the capturing stream again, in stream
+/// order, as PyTorch's private pools do), and leaves the capture valid.
 #[test]
 fn capture_is_respected() {
     if !over_the_double() {
@@ -207,12 +208,14 @@ fn capture_is_respected() {
     );
     let a = alloc.allocate(4 * MIB, stream).unwrap();
     fill_async(a.ptr, 9, 4 * MIB, stream.0); // captured, never run
+    let before = cuda.driver_stats();
     alloc.free(a.ptr).unwrap();
-    let b = alloc.allocate(4 * MIB, stream).unwrap();
-    assert_ne!(
-        a.ptr, b.ptr,
-        "a block freed during the capture was reused before it ended"
+    assert_eq!(
+        cuda.driver_stats().calls,
+        before.calls,
+        "the free under capture made a driver call"
     );
+    let b = alloc.allocate(4 * MIB, stream).unwrap();
     alloc.free(b.ptr).unwrap();
     // SAFETY: valid in-out pointer.
     ok(

@@ -3,8 +3,8 @@
 //! that may use the memory is not known complete (Quilt's drop, the caching
 //! baseline's `cudaFree`); a forgotten stream is synchronised once and never
 //! named to the driver again; under stream capture only the calls relaxed
-//! capture mode permits, and blocks freed during a capture not reused
-//! until it ends; exhausted address space is not out of memory.
+//! capture mode permits, and blocks freed during a capture given to no
+//! other stream until it ends; exhausted address space is not out of memory.
 //!
 //! A recording wrapper over the simulator logs every stream and event call
 //! (with its stream) and every unmap, in order.
@@ -31,18 +31,26 @@ const S2: StreamId = StreamId(2);
 enum Call {
     Record(StreamId),
     Query,
-    Wait { waiter: StreamId },
+    Wait {
+        waiter: StreamId,
+    },
     Sync(StreamId),
     DeviceSync,
     Unmap,
     Forget(StreamId),
+    /// `cuStreamIsCapturing`: a question, legal under any capture.
+    IsCapturing(StreamId),
 }
 
 impl Call {
     /// The stream the call hands to the driver, if any.
     fn stream(self) -> Option<StreamId> {
         match self {
-            Call::Record(s) | Call::Wait { waiter: s } | Call::Sync(s) | Call::Forget(s) => Some(s),
+            Call::Record(s)
+            | Call::Wait { waiter: s }
+            | Call::Sync(s)
+            | Call::Forget(s)
+            | Call::IsCapturing(s) => Some(s),
             _ => None,
         }
     }
@@ -138,6 +146,7 @@ impl Vmm for Recorder {
         self.sim.device_synchronize()
     }
     fn stream_is_capturing(&self, stream: StreamId) -> quilt_vmm::Result<bool> {
+        self.push(Call::IsCapturing(stream));
         self.sim.stream_is_capturing(stream)
     }
     fn forget_stream(&self, stream: StreamId) -> quilt_vmm::Result<()> {
@@ -386,38 +395,75 @@ fn no_event_is_recorded_on_or_queried_for_a_capturing_stream() {
     alloc.check_invariants().unwrap();
 }
 
+/// Whether two blocks share a byte.
+fn overlap(a: quilt_alloc::Allocation, b: quilt_alloc::Allocation) -> bool {
+    a.ptr < b.ptr + b.size && b.ptr < a.ptr + a.size
+}
+
+/// A block freed while its stream captures a graph: the free makes no
+/// driver call; the capturing stream may place a block there in the capture
+/// (stream order, which the graph keeps); no other stream gets the range
+/// until the capture ends (its work runs only when the graph is launched,
+/// so nothing could order another stream after it), and none is made to
+/// wait for, or synchronise, the capturing stream.
 #[test]
-fn blocks_freed_during_a_capture_are_not_reused_until_it_ends() {
-    let sim = sim(1 << 30);
-    let alloc = quilt(sim.clone());
-    let a = alloc.allocate(8 * MIB, S1).unwrap();
-    sim.begin_capture(S1).unwrap();
-    alloc.free(a.ptr).unwrap();
-    assert!(matches!(
-        alloc.free(a.ptr),
-        Err(AllocError::DoubleFree { .. })
-    ));
-    assert!(matches!(
-        alloc.record_stream(a.ptr, S2),
-        Err(AllocError::UnknownPointer { .. })
-    ));
-    // The graph may still use it: nothing placed over it during the capture.
-    let during = alloc.allocate(8 * MIB, S1).unwrap();
-    assert!(
-        during.ptr + during.size <= a.ptr || a.ptr + a.size <= during.ptr,
-        "{during:?} overlaps {a:?}, freed during the capture"
-    );
-    assert_eq!(alloc.stats().allocated_bytes.current, 16 * MIB);
-    alloc.check_invariants().unwrap();
-    alloc.free(during.ptr).unwrap();
-    end_capture_cleanly(&sim, S1);
-    // The next operation carries the deferred free out.
-    let after = alloc.allocate(8 * MIB, S1).unwrap();
-    assert_eq!(alloc.stats().allocated_bytes.current, 8 * MIB);
-    alloc.free(after.ptr).unwrap();
-    alloc.check_invariants().unwrap();
-    alloc.empty_cache().unwrap();
-    assert_eq!(alloc.stats().reserved_bytes.current, 0);
+fn a_block_freed_in_a_capture_goes_to_no_other_stream_until_it_ends() {
+    // Two streams known before the capture, and a second stream seen for
+    // the first time during it (hazards built from the pages then).
+    for second_known_before in [true, false] {
+        let sim = sim(1 << 30);
+        let rec = Recorder::new(sim.clone());
+        let alloc = quilt(rec.clone());
+        let other = if second_known_before {
+            Some(alloc.allocate(MIB, S2).unwrap())
+        } else {
+            None
+        };
+        let a = alloc.allocate(8 * MIB, S1).unwrap();
+        sim.begin_capture(S1).unwrap();
+        rec.clear();
+        alloc.free(a.ptr).unwrap();
+        assert!(
+            rec.calls().is_empty(),
+            "the free made a call: {:?}",
+            rec.calls()
+        );
+        assert!(matches!(
+            alloc.free(a.ptr),
+            Err(AllocError::DoubleFree { .. })
+        ));
+        assert!(matches!(
+            alloc.record_stream(a.ptr, S2),
+            Err(AllocError::UnknownPointer { .. })
+        ));
+        let elsewhere = alloc.allocate(8 * MIB, S2).unwrap();
+        assert!(
+            !overlap(elsewhere, a),
+            "{elsewhere:?} on another stream overlaps {a:?}, freed in the capture \
+             (second stream known before: {second_known_before})"
+        );
+        let calls = rec.calls();
+        assert!(
+            !calls
+                .iter()
+                .any(|&c| c.stream() == Some(S1) && c != Call::IsCapturing(S1)),
+            "a call on the capturing stream: {calls:?}"
+        );
+        assert!(!calls.contains(&Call::DeviceSync), "{calls:?}");
+        alloc.check_invariants().unwrap();
+        // In the capture, the capturing stream itself may take the range back.
+        let during = alloc.allocate(8 * MIB, S1).unwrap();
+        alloc.free(during.ptr).unwrap();
+        alloc.check_invariants().unwrap();
+        end_capture_cleanly(&sim, S1);
+        alloc.free(elsewhere.ptr).unwrap();
+        if let Some(o) = other {
+            alloc.free(o.ptr).unwrap();
+        }
+        alloc.check_invariants().unwrap();
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.stats().reserved_bytes.current, 0);
+    }
 }
 
 #[test]

@@ -66,6 +66,14 @@ impl Placed {
     }
 }
 
+/// Where [`BestFit`]'s candidates come from: the `n` best-fitting gaps of
+/// the arena, or a list made first (starts moved past retired pages).
+#[derive(Clone, Copy, Debug)]
+enum Candidates<'c> {
+    Fitting(usize),
+    Listed(&'c [(u64, PieceId)]),
+}
+
 /// A block to place: `rounded` bytes (asked for as `size`) on stream index `t`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Request {
@@ -94,8 +102,7 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            return core
-                .best_candidate(ctx, ai, rounded, t, |arena| arena.fitting_gaps(rounded, n));
+            return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
         let moved: Vec<(u64, PieceId)> = candidates
@@ -108,7 +115,7 @@ impl Placer for BestFit {
         // If every fitting gap is blocked, a retired page will be
         // synchronised for (rare; only after reclaim moved pages).
         let candidates = if moved.is_empty() { candidates } else { moved };
-        core.best_candidate(ctx, ai, rounded, t, |_| candidates.iter().copied())
+        core.best_candidate(ctx, ai, rounded, t, Candidates::Listed(&candidates))
     }
 }
 
@@ -145,23 +152,60 @@ impl Placer for Gmlake {
 impl Core {
     /// The best of the candidates `candidates(arena)` yields (starts of a
     /// block of `rounded` bytes on stream `t` in arena `ai`, each with its
-    /// gap, best fit first), by [`PlaceScore`], scored in one pass: the
-    /// first that is mapped and wait-free is taken at once. A lone candidate
-    /// is taken unscored.
-    fn best_candidate<'a, I>(
-        &'a mut self,
+    /// gap, best fit first), by [`PlaceScore`], skipping any whose range
+    /// another stream freed while capturing a CUDA graph that is still
+    /// under way ([`Core::under_capture`]; nothing may wait for such work:
+    /// it runs only when the graph is launched). When every candidate is
+    /// skipped so, fresh virtual space past the arena's mapped tail.
+    fn best_candidate(
+        &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         rounded: u64,
         t: u32,
-        candidates: impl FnOnce(&'a Arena) -> I,
-    ) -> Option<Placed>
-    where
-        I: Iterator<Item = (u64, PieceId)>,
-    {
+        candidates: Candidates<'_>,
+    ) -> Option<Placed> {
+        let mut skipped: Vec<(u64, PieceId)> = Vec::new();
+        loop {
+            let Some(placed) = self.best_of(ctx, ai, rounded, t, candidates, &skipped) else {
+                if skipped.is_empty() {
+                    return None;
+                }
+                return self.arenas[ai].fresh_tail(rounded).map(Placed::unchecked);
+            };
+            if placed.wait_free
+                || !self.under_capture(ctx, ai, (placed.off, placed.gap), rounded, t)
+            {
+                return Some(placed);
+            }
+            skipped.push((placed.off, placed.gap));
+        }
+    }
+
+    /// [`Core::best_candidate`]'s choice among the candidates not in
+    /// `skipped`, scored in one pass: the first that is mapped and
+    /// wait-free is taken at once. A lone candidate is taken unscored.
+    fn best_of(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        rounded: u64,
+        t: u32,
+        candidates: Candidates<'_>,
+        skipped: &[(u64, PieceId)],
+    ) -> Option<Placed> {
         let tick = self.tick;
         let (arena, streams) = (&self.arenas[ai], &mut self.streams);
-        let mut candidates = candidates(arena).peekable();
+        let (fitting, listed) = match candidates {
+            Candidates::Fitting(n) => (Some(arena.fitting_gaps(rounded, n)), None),
+            Candidates::Listed(list) => (None, Some(list.iter().copied())),
+        };
+        let mut candidates = fitting
+            .into_iter()
+            .flatten()
+            .chain(listed.into_iter().flatten())
+            .filter(|c| !skipped.contains(c))
+            .peekable();
         let first = candidates.next()?;
         if candidates.peek().is_none() {
             return Some(Placed::unchecked(first));
@@ -184,6 +228,36 @@ impl Core {
             off,
             gap,
             wait_free: !score.waits,
+        })
+    }
+
+    /// Whether a block of `len` bytes on stream `t` at `off` of gap `gap`
+    /// in arena `ai` would cover a range another stream freed and may
+    /// still use from inside a capture under way: that stream's work
+    /// there is not known done, and the stream is capturing now (asked of
+    /// the driver at most once per stream per operation). Such work runs
+    /// only when the graph is launched, so no event can order `t` after
+    /// it; the range waits for the capture to end.
+    fn under_capture(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (off, gap): (u64, PieceId),
+        len: u64,
+        t: u32,
+    ) -> bool {
+        if self.streams.len() < 2 {
+            return false;
+        }
+        let tick = self.tick;
+        let streams = &mut self.streams;
+        self.arenas[ai].tiling.hazards_over(gap, off, len).any(|h| {
+            streams.in_mask(h.streams).any(|s| {
+                s != t
+                    && !streams.has_waited(t, s, h.tick)
+                    && !streams.freed_done(s, h.tick)
+                    && streams.capturing(ctx.vmm, s, tick)
+            })
         })
     }
 

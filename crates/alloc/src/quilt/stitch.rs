@@ -91,12 +91,6 @@ pub(crate) struct BlockRec {
     pub(crate) streams: u64,
     /// Its piece in the arena's tiling.
     pub(crate) piece: PieceId,
-    /// Freed while one of its streams was capturing a CUDA graph: the
-    /// graph may use it, so it is not reused (it stays occupied and counted
-    /// as allocated) until no stream of it captures; then the free is
-    /// carried out ([`Core::end_deferred_frees`]). PyTorch's
-    /// `needs_events_deferred_until_no_capture`.
-    pub(crate) freed_in_capture: bool,
 }
 
 /// A solo run (see `solo.rs`): the one stream allocating, whose frees
@@ -164,9 +158,6 @@ pub(crate) struct Core {
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
-    /// Blocks freed under capture, waiting for it to end (see
-    /// [`BlockRec::freed_in_capture`]).
-    pub(crate) deferred_frees: Vec<DevicePtr>,
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -420,7 +411,6 @@ impl Core {
         group: Option<u32>,
     ) -> Result<Allocation, AllocError> {
         check_size(size)?;
-        self.end_deferred_frees(ctx);
         let rounded = round_up(size, MIN_BLOCK_SIZE).ok_or(AllocError::InvalidSize {
             size,
             reason: "size overflows when rounded",
@@ -483,7 +473,6 @@ impl Core {
                 requested: size,
                 streams: Streams::bit(si),
                 piece,
-                freed_in_capture: false,
             },
         );
         self.stats.allocated_bytes.increase(rounded);
@@ -495,10 +484,11 @@ impl Core {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Free the block at `ptr`. A block one of whose streams is capturing a
-    /// CUDA graph is not reusable until the capture ends: its free is
-    /// deferred ([`BlockRec::freed_in_capture`]), and carried out by the
-    /// first operation that finds no stream of it capturing.
+    /// Free the block at `ptr`: no driver call. A block freed while its
+    /// stream captures a CUDA graph is reused in the capture by that stream
+    /// only (in stream order, as the graph orders it); another stream finds
+    /// its range under a hazard of the capturing stream and places nothing
+    /// there until the capture ends (see `placement.rs`).
     pub(crate) fn free(&mut self, ctx: &Ctx<'_>, ptr: DevicePtr) -> Result<(), AllocError> {
         if !self.frozen.is_empty() {
             // Only while something is frozen: the free path pays nothing else.
@@ -506,57 +496,7 @@ impl Core {
                 self.check_not_frozen(b.arena)?;
             }
         }
-        self.end_deferred_frees(ctx);
-        let Some(b) = self.blocks.get(&ptr) else {
-            return Err(self.not_live(ptr));
-        };
-        if b.freed_in_capture {
-            return Err(AllocError::DoubleFree { ptr });
-        }
-        let mask = b.streams;
-        self.tick += 1;
-        if self.streams.any_capturing(ctx.vmm, mask, self.tick) {
-            if let Some(b) = self.blocks.get_mut(&ptr) {
-                b.freed_in_capture = true;
-            }
-            self.deferred_frees.push(ptr);
-            return Ok(());
-        }
         self.free_now(ctx, ptr)
-    }
-
-    /// Carry out the frees deferred under capture whose streams capture no
-    /// more (at most one question per stream per call), and whose tag (if
-    /// any) is awake. A failure (none is expected: the block is live) is
-    /// logged and the block stays deferred.
-    pub(crate) fn end_deferred_frees(&mut self, ctx: &Ctx<'_>) {
-        if self.deferred_frees.is_empty() {
-            return;
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        for ptr in std::mem::take(&mut self.deferred_frees) {
-            let Some((mask, arena)) = self.blocks.get(&ptr).map(|b| (b.streams, b.arena)) else {
-                continue;
-            };
-            // A block of a frozen arena waits for its thaw as well.
-            if self.check_not_frozen(arena).is_err()
-                || self.streams.any_capturing(ctx.vmm, mask, tick)
-            {
-                self.deferred_frees.push(ptr);
-                continue;
-            }
-            if let Some(b) = self.blocks.get_mut(&ptr) {
-                b.freed_in_capture = false;
-            }
-            if let Err(e) = self.free_now(ctx, ptr) {
-                tracing::warn!(error = %e, ptr, "a free deferred under capture failed");
-                if let Some(b) = self.blocks.get_mut(&ptr) {
-                    b.freed_in_capture = true;
-                    self.deferred_frees.push(ptr);
-                }
-            }
-        }
     }
 
     /// Forget `stream`: its owner is destroying it (see
@@ -572,7 +512,6 @@ impl Core {
                 reason: "the default stream cannot be forgotten",
             });
         }
-        self.end_deferred_frees(ctx);
         self.tick += 1;
         if let Some(i) = self.streams.find(stream) {
             if self.streams.capturing(ctx.vmm, i, self.tick) {
@@ -642,7 +581,7 @@ impl Core {
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        let Some(b) = self.blocks.get(&ptr).filter(|b| !b.freed_in_capture) else {
+        let Some(b) = self.blocks.get(&ptr) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
         self.check_not_frozen(b.arena)?;
@@ -656,7 +595,6 @@ impl Core {
     /// Release every cached and retired page (synchronising the streams
     /// whose work may still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
-        self.end_deferred_frees(ctx);
         self.tick += 1;
         let r = self
             .reclaim(ctx, u64::MAX, Reclaim::Drain)

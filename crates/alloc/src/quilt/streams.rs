@@ -56,7 +56,9 @@
 //! stream is never synchronised and never waits for an event (its ordering
 //! after another stream's work is a synchronisation of that other stream,
 //! on the host, instead). Where only such a call would do, the operation
-//! fails with [`capturing`]'s typed error.
+//! fails with [`capturing`]'s typed error. A free asks nothing; placement
+//! asks about the streams whose pending frees lie under the block it chose,
+//! and passes over a range a capturing stream freed (`Core::under_capture`).
 //!
 //! A forgotten stream ([`Streams::forget`]: its owner destroys it) keeps its
 //! index, as a tombstone whose work is all complete: its handle is never
@@ -256,16 +258,6 @@ impl Streams {
             s.capture_asked_at = tick;
         }
         s.capturing
-    }
-
-    /// Whether any stream of `mask` is capturing now (see [`Streams::capturing`]).
-    pub(crate) fn any_capturing(&mut self, vmm: &dyn Vmm, mask: u64, tick: u64) -> bool {
-        for i in self.in_mask(mask) {
-            if self.capturing(vmm, i, tick) {
-                return true;
-            }
-        }
-        false
     }
 
     /// Forget stream `i` (its owner is destroying it): synchronise it once
