@@ -183,8 +183,7 @@ impl Core {
     }
 
     /// [`Core::best_candidate`]'s choice among the candidates not in
-    /// `skipped`, scored in one pass: the first that is mapped and
-    /// wait-free is taken at once. A lone candidate is taken unscored.
+    /// `skipped` (see [`best_of`]).
     fn best_of(
         &mut self,
         ctx: &Ctx<'_>,
@@ -194,41 +193,21 @@ impl Core {
         candidates: Candidates<'_>,
         skipped: &[(u64, PieceId)],
     ) -> Option<Placed> {
-        let tick = self.tick;
-        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
-        let (fitting, listed) = match candidates {
-            Candidates::Fitting(n) => (Some(arena.fitting_gaps(rounded, n)), None),
-            Candidates::Listed(list) => (None, Some(list.iter().copied())),
-        };
-        let mut candidates = fitting
-            .into_iter()
-            .flatten()
-            .chain(listed.into_iter().flatten())
-            .filter(|c| !skipped.contains(c))
-            .peekable();
-        let first = candidates.next()?;
-        if candidates.peek().is_none() {
-            return Some(Placed::unchecked(first));
-        }
-        let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
-        for c in std::iter::once(first).chain(candidates) {
-            let score = score(arena, streams, ctx, rounded, t, c, tick);
-            if score == PlaceScore::PERFECT {
-                return Some(Placed {
-                    off: c.0,
-                    gap: c.1,
-                    wait_free: true,
-                });
-            }
-            if best.is_none_or(|(b, _)| score < b) {
-                best = Some((score, c));
+        let (arena, streams, tick) = (&self.arenas[ai], &mut self.streams, self.tick);
+        let req = (rounded, t, tick);
+        match candidates {
+            Candidates::Fitting(n) => best_of(
+                arena,
+                streams,
+                ctx,
+                req,
+                arena.fitting_gaps(rounded, n),
+                skipped,
+            ),
+            Candidates::Listed(list) => {
+                best_of(arena, streams, ctx, req, list.iter().copied(), skipped)
             }
         }
-        best.map(|(score, (off, gap))| Placed {
-            off,
-            gap,
-            wait_free: !score.waits,
-        })
     }
 
     /// Whether a block of `len` bytes on stream `t` at `off` of gap `gap`
@@ -371,6 +350,47 @@ impl Core {
             self.streams.freed_done(s, k)
         })
     }
+}
+
+/// The best of `candidates` (starts of a block of `len` bytes on stream `t`
+/// in `arena`, each with its gap, best fit first) not in `skipped`, by
+/// [`PlaceScore`], scored in one pass at operation `tick`: the first that
+/// is mapped and wait-free is taken at once. A lone candidate is taken
+/// unscored.
+fn best_of(
+    arena: &Arena,
+    streams: &mut Streams,
+    ctx: &Ctx<'_>,
+    (len, t, tick): (u64, u32, u64),
+    candidates: impl Iterator<Item = (u64, PieceId)>,
+    skipped: &[(u64, PieceId)],
+) -> Option<Placed> {
+    let mut candidates = candidates
+        .filter(|c| skipped.is_empty() || !skipped.contains(c))
+        .peekable();
+    let first = candidates.next()?;
+    if candidates.peek().is_none() {
+        return Some(Placed::unchecked(first));
+    }
+    let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
+    for c in std::iter::once(first).chain(candidates) {
+        let score = score(arena, streams, ctx, len, t, c, tick);
+        if score == PlaceScore::PERFECT {
+            return Some(Placed {
+                off: c.0,
+                gap: c.1,
+                wait_free: true,
+            });
+        }
+        if best.is_none_or(|(b, _)| score < b) {
+            best = Some((score, c));
+        }
+    }
+    best.map(|(score, (off, gap))| Placed {
+        off,
+        gap,
+        wait_free: !score.waits,
+    })
 }
 
 /// The score of a block of `len` bytes on stream `t` at `start` of gap `gap`
