@@ -552,6 +552,7 @@ fn a_synchronisation_completes_at_once_and_costs_sync_cost_ns() {
             event_record: 80,
             event_query: 80,
             event_destroy: 80,
+            is_capturing: 0,
         }
     );
     assert_eq!(

@@ -70,6 +70,8 @@ pub struct StreamCalls {
     pub event_query: u64,
     /// `cuEventDestroy`.
     pub event_destroy: u64,
+    /// `cuStreamIsCapturing`.
+    pub is_capturing: u64,
 }
 
 impl StreamCalls {
@@ -81,16 +83,18 @@ impl StreamCalls {
             event_record: stats.count(CallKind::EventRecord),
             event_query: stats.count(CallKind::EventQuery),
             event_destroy: stats.count(CallKind::EventDestroy),
+            is_capturing: stats.count(CallKind::StreamIsCapturing),
         }
     }
 
-    /// All five together.
+    /// All six together.
     pub fn total(&self) -> u64 {
         self.synchronize
             + self.wait_event
             + self.event_record
             + self.event_query
             + self.event_destroy
+            + self.is_capturing
     }
 }
 

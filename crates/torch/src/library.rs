@@ -380,6 +380,7 @@ impl Library {
             ("event_record", CallKind::EventRecord),
             ("event_query", CallKind::EventQuery),
             ("event_destroy", CallKind::EventDestroy),
+            ("is_capturing", CallKind::StreamIsCapturing),
         ]
         .into_iter()
         .map(|(k, c)| (k.to_string(), serde_json::json!(s.driver.count(c))))

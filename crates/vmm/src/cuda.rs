@@ -1153,26 +1153,30 @@ impl Vmm for CudaVmm {
         })
     }
 
-    /// `cuStreamIsCapturing` (not counted). An invalidated capture counts as
+    /// `cuStreamIsCapturing`, counted. An invalidated capture counts as
     /// capturing; `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` (the legacy stream
     /// asked while a blocking stream captures) is true, as is the
     /// conservative answer for another thread's per-thread stream (see
     /// [`CudaVmm::adopt_stream`]).
     fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
-        let call = CallKind::StreamSynchronize;
+        let call = CallKind::StreamIsCapturing;
         let target = lock(&self.sync).target(call, stream)?;
         let raw = match target {
             StreamTarget::Raw(raw) => raw,
             StreamTarget::OtherThread => CU_STREAM_LEGACY as usize as sys::CUstream,
         };
-        let _context = self.bind(call)?;
-        // SAFETY: a stream of this context (checked in the book) or the
-        // legacy stream's handle.
-        match unsafe { cu::stream_is_capturing(raw) } {
-            Ok(status) => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
-            Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) => Ok(true),
-            Err(r) => Err(driver_error(call, r)),
-        }
+        self.log.time(call, 0, || {
+            let _context = self.bind(call)?;
+            // SAFETY: a stream of this context (checked in the book) or the
+            // legacy stream's handle.
+            match unsafe { cu::stream_is_capturing(raw) } {
+                Ok(status) => {
+                    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+                }
+                Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) => Ok(true),
+                Err(r) => Err(driver_error(call, r)),
+            }
+        })
     }
 
     /// Drops an adopted stream or a per-thread stream's id: later calls

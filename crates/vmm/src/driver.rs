@@ -143,10 +143,12 @@ pub trait Vmm: Send + Sync + std::fmt::Debug {
     /// relaxed capture mode: no event recorded on the capturing stream for
     /// later queries, no query of an event recorded during the capture, no
     /// synchronisation of the capturing stream (nor of the device), no wait
-    /// by the capturing stream on an event recorded outside the capture. Not
-    /// counted in [`Vmm::driver_stats`]. By default `Ok(false)`: a backend
-    /// that cannot capture never captures; the simulated backend models
-    /// capture ([`crate::sim::SimVmm::begin_capture`]).
+    /// by the capturing stream on an event recorded outside the capture.
+    /// Counted in [`Vmm::driver_stats`] as
+    /// [`crate::CallKind::StreamIsCapturing`] where the backend calls the
+    /// driver. By default `Ok(false)`, no call: a backend that cannot
+    /// capture never captures; the simulated backend models capture
+    /// ([`crate::sim::SimVmm::begin_capture`]).
     fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
         let _ = stream;
         Ok(false)

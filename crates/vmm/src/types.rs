@@ -121,11 +121,13 @@ pub enum CallKind {
     MemcpyDtoH,
     /// `cuMemcpyHtoD`: host memory copied to the device (its size is the byte count).
     MemcpyHtoD,
+    /// `cuStreamIsCapturing`: whether a stream is capturing a CUDA graph.
+    StreamIsCapturing,
 }
 
 impl CallKind {
     /// How many kinds there are (the length of [`CallKind::ALL`]).
-    pub const COUNT: usize = 17;
+    pub const COUNT: usize = 18;
 
     /// Every kind, in declaration order (the index of a kind is its position here).
     pub const ALL: [CallKind; CallKind::COUNT] = [
@@ -146,6 +148,7 @@ impl CallKind {
         CallKind::ImportHandle,
         CallKind::MemcpyDtoH,
         CallKind::MemcpyHtoD,
+        CallKind::StreamIsCapturing,
     ];
 
     /// Position of this kind in [`CallKind::ALL`].
@@ -173,6 +176,7 @@ impl CallKind {
             CallKind::ImportHandle => "cuMemImportFromShareableHandle",
             CallKind::MemcpyDtoH => "cuMemcpyDtoH",
             CallKind::MemcpyHtoD => "cuMemcpyHtoD",
+            CallKind::StreamIsCapturing => "cuStreamIsCapturing",
         }
     }
 

@@ -37,7 +37,10 @@ pub struct CostModel {
     pub unmap_ns: u64,
     /// `cuMemGetInfo`, per call.
     pub mem_info_ns: u64,
-    /// Event record, query and destroy, and stream-wait-event, per call.
+    /// Event record, query and destroy, stream-wait-event and the capture
+    /// question (`cuStreamIsCapturing`), per call: small driver calls on the
+    /// allocating thread (2 us, conservatively, until a GPU measures them:
+    /// `scripts/gpu-check.sh`).
     pub event_ns: u64,
     /// `cuStreamSynchronize`, per call, charged as a pipeline drain (100 us by
     /// default). The call itself is cheap; what it costs a busy GPU is not: the
@@ -105,7 +108,8 @@ impl CostModel {
             CallKind::EventRecord
             | CallKind::EventQuery
             | CallKind::EventDestroy
-            | CallKind::StreamWaitEvent => self.event_ns,
+            | CallKind::StreamWaitEvent
+            | CallKind::StreamIsCapturing => self.event_ns,
             CallKind::StreamSynchronize => self.sync_ns,
             CallKind::ExportHandle => self.export_ns,
             CallKind::ImportHandle => self.import_ns,

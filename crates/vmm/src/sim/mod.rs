@@ -588,10 +588,12 @@ impl Vmm for SimVmm {
         self.call(CallKind::StreamSynchronize, 0, |s| s.device_synchronize())
     }
 
-    /// As [`SimVmm::begin_capture`] and [`SimVmm::end_capture`] left it.
-    /// Not counted, costs nothing.
+    /// As [`SimVmm::begin_capture`] and [`SimVmm::end_capture`] left it;
+    /// counted and charged as a driver call (what a GPU pays for it).
     fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
-        Ok(self.lock().state.is_capturing(stream))
+        self.call(CallKind::StreamIsCapturing, 0, |s| {
+            Ok(s.is_capturing(stream))
+        })
     }
 
     fn driver_stats(&self) -> DriverStats {
