@@ -41,7 +41,10 @@
 #      (so a crash midway keeps the earlier answers) and copied into the
 #      findings as "probe";
 #   2. driver_latency: the driver-call latency micro-benchmark on CUDA (every
-#      VMM call, one thread, 1000 calls of 2 MiB, 200 of 64 MiB); the Markdown
+#      VMM call, one thread, 1000 calls of 2 MiB, 200 of 64 MiB; then 1000
+#      rounds of the stream calls: event record, query, stream wait,
+#      cuStreamIsCapturing, event destroy, which the cost model prices at
+#      2 us each until measured); the Markdown
 #      table goes to OUT/driver_latency.md, which docs/benchmarks.md can take;
 #   3. conformance (crates/vmm/tests/conformance.rs): its two CUDA tests
 #      (every shared check, and the differential check against the

@@ -10,7 +10,11 @@
 //!    reserve each page's address range, create each page, map, set access,
 //!    unmap, release, address-free (every call on one page, `iters` pages in all);
 //! 2. a large handle (`large_size`, 64 MiB by default), `large_iters` times:
-//!    create, map, set access, unmap, release, one call each on the whole handle.
+//!    create, map, set access, unmap, release, one call each on the whole handle;
+//! 3. the stream calls an allocator makes besides them ([`STREAM_CALLS`]),
+//!    `iters` times on the default stream: record an event, query it, make
+//!    the stream wait for it, ask whether the stream is capturing, destroy
+//!    the event (size 0; the cost model prices each as one event call).
 //!
 //! A few untimed warm-up cycles run first. Results are per-call samples,
 //! summarised as median, p99, mean and max in microseconds, and printed as a
@@ -20,7 +24,7 @@
 use std::fmt::Write as _;
 use std::time::Instant;
 
-use quilt_vmm::{CallKind, DevicePtr, PhysHandle, Result, Vmm};
+use quilt_vmm::{CallKind, DevicePtr, EventId, PhysHandle, Result, StreamId, Vmm};
 
 /// The seven VMM calls of one page's life, in the order the page lifecycle
 /// makes them: reserve, create, map, set access, unmap, release, address-free.
@@ -32,6 +36,15 @@ pub const PAGE_LIFECYCLE: [CallKind; 7] = [
     CallKind::Unmap,
     CallKind::Release,
     CallKind::AddressFree,
+];
+
+/// The stream and event calls of the third loop, in the order it makes them.
+pub const STREAM_CALLS: [CallKind; 5] = [
+    CallKind::EventRecord,
+    CallKind::EventQuery,
+    CallKind::StreamWaitEvent,
+    CallKind::StreamIsCapturing,
+    CallKind::EventDestroy,
 ];
 
 /// What to measure.
@@ -132,7 +145,9 @@ pub struct LatencyReport {
 }
 
 fn size_label(bytes: u64) -> String {
-    if bytes >= 1 << 30 && bytes.is_multiple_of(1 << 30) {
+    if bytes == 0 {
+        "-".to_owned() // a stream or event call: no size
+    } else if bytes >= 1 << 30 && bytes.is_multiple_of(1 << 30) {
         format!("{} GiB", bytes >> 30)
     } else if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
         format!("{} MiB", bytes >> 20)
@@ -162,6 +177,7 @@ impl LatencyReport {
             out,
             "One thread, each call timed alone (`std::time::Instant`); granularity {}; \
              page lifecycle of {} pages of {} in batches of {}; large handle of {} × {}; \
+             {} rounds of the stream calls on the default stream; \
              {} untimed warm-up cycles.\n",
             size_label(self.granularity),
             self.config.iters,
@@ -169,6 +185,7 @@ impl LatencyReport {
             self.config.batch,
             self.config.large_iters,
             size_label(self.config.large_size),
+            self.config.iters,
             self.config.warmup
         );
         out.push_str("| call | size | calls | median µs | p99 µs | mean µs | max µs |\n");
@@ -197,6 +214,7 @@ struct Run<'a> {
     reserved: Vec<(DevicePtr, u64)>,
     created: Vec<PhysHandle>,
     mapped: Vec<(DevicePtr, u64)>,
+    events: Vec<EventId>,
 }
 
 impl Run<'_> {
@@ -284,8 +302,28 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// One round of the stream calls on the default stream.
+    fn stream_round(&mut self, timed: bool) -> Result<()> {
+        let s = StreamId::DEFAULT;
+        let e = self.timed(timed, CallKind::EventRecord, 0, |v| v.event_record(s))?;
+        self.events.push(e);
+        self.timed(timed, CallKind::EventQuery, 0, |v| v.event_query(e))?;
+        self.timed(timed, CallKind::StreamWaitEvent, 0, |v| {
+            v.stream_wait_event(s, e)
+        })?;
+        self.timed(timed, CallKind::StreamIsCapturing, 0, |v| {
+            v.stream_is_capturing(s)
+        })?;
+        self.timed(timed, CallKind::EventDestroy, 0, |v| v.event_destroy(e))?;
+        self.events.clear();
+        Ok(())
+    }
+
     /// Gives back whatever a failed run left alive (errors ignored).
     fn clean_up(&mut self) {
+        for e in self.events.drain(..) {
+            let _ = self.vmm.event_destroy(e);
+        }
         for (p, size) in self.mapped.drain(..) {
             let _ = self.vmm.unmap(p, size);
         }
@@ -307,6 +345,7 @@ pub fn measure(vmm: &dyn Vmm, description: &str, config: &LatencyConfig) -> Resu
         reserved: Vec::new(),
         created: Vec::new(),
         mapped: Vec::new(),
+        events: Vec::new(),
     };
     let result = measure_in(&mut run, config);
     run.clean_up();
@@ -344,6 +383,12 @@ fn measure_in(run: &mut Run<'_>, config: &LatencyConfig) -> Result<()> {
         run.vmm.address_free(va, size)?;
         run.reserved.clear();
     }
+    for _ in 0..config.warmup {
+        run.stream_round(false)?;
+    }
+    for _ in 0..config.iters {
+        run.stream_round(true)?;
+    }
     Ok(())
 }
 
@@ -379,6 +424,9 @@ mod tests {
             assert_eq!(report.row(call, 8 << 20).unwrap().samples_ns.len(), 4);
         }
         assert!(report.row(CallKind::Reserve, 8 << 20).is_none());
+        for call in STREAM_CALLS {
+            assert_eq!(report.row(call, 0).unwrap().samples_ns.len(), 30, "{call}");
+        }
         assert!(vmm.leak_report().is_empty(), "{}", vmm.leak_report());
         let md = report.to_markdown();
         assert!(
@@ -386,7 +434,8 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| `cuMemCreate` | 8 MiB | 4 |"), "{md}");
-        assert_eq!(md.lines().filter(|l| l.starts_with("| `")).count(), 12);
+        assert!(md.contains("| `cuStreamIsCapturing` | - | 30 |"), "{md}");
+        assert_eq!(md.lines().filter(|l| l.starts_with("| `")).count(), 17);
     }
 
     #[test]
