@@ -371,6 +371,7 @@ fn gpu_lag_and_sync_cost_flags_reach_the_report() {
         "event_record",
         "event_query",
         "event_destroy",
+        "is_capturing",
     ];
     for ((d, f), x) in default.iter().zip(&free).zip(&dear) {
         for field in ["stream_calls", "stream_calls_after_first_iteration"] {
@@ -672,6 +673,7 @@ fn scale_reports_one_point_per_allocator_live_count_and_streams() {
             "event_record",
             "event_query",
             "event_destroy",
+            "is_capturing",
         ]
         .iter()
         .map(|k| events[k].as_u64().unwrap())

@@ -282,6 +282,7 @@ fn json_has_exactly_the_listed_fields() {
         "event_destroy",
         "event_query",
         "event_record",
+        "is_capturing",
         "synchronize",
         "wait_event",
     ];
