@@ -7,7 +7,9 @@
 //! is mapped and needs no wait is taken at once: scoring a candidate walks
 //! its hazards once, learning the progress of each stream whose work it may
 //! still carry until one is found running (at most one query per stream per
-//! operation, none for a stream known done or already waited for).
+//! operation, none for a stream known done or already waited for). A block
+//! that would wait for a stream capturing a CUDA graph is passed over (see
+//! [`Core::under_capture`]).
 
 use super::arena::{Arena, PageSlot};
 use super::config::Placement;
@@ -150,9 +152,9 @@ impl Placer for Gmlake {
 }
 
 impl Core {
-    /// The best of the candidates `candidates(arena)` yields (starts of a
-    /// block of `rounded` bytes on stream `t` in arena `ai`, each with its
-    /// gap, best fit first), by [`PlaceScore`], skipping any whose range
+    /// The best of `candidates` (starts of a block of `rounded` bytes on
+    /// stream `t` in arena `ai`, each with its gap, best fit first), by
+    /// [`PlaceScore`] ([`best_of`]), skipping any whose range
     /// another stream freed while capturing a CUDA graph that is still
     /// under way ([`Core::under_capture`]; nothing may wait for such work:
     /// it runs only when the graph is launched). When every candidate is
