@@ -169,7 +169,18 @@ impl Core {
     ) -> Option<Placed> {
         let mut skipped: Vec<(u64, PieceId)> = Vec::new();
         loop {
-            let Some(placed) = self.best_of(ctx, ai, rounded, t, candidates, &skipped) else {
+            let req = (rounded, t, self.tick);
+            let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+            let best = match candidates {
+                Candidates::Fitting(n) => {
+                    let fitting = arena.fitting_gaps(rounded, n);
+                    best_of(arena, streams, ctx, req, fitting, &skipped)
+                }
+                Candidates::Listed(list) => {
+                    best_of(arena, streams, ctx, req, list.iter().copied(), &skipped)
+                }
+            };
+            let Some(placed) = best else {
                 if skipped.is_empty() {
                     return None;
                 }
@@ -181,34 +192,6 @@ impl Core {
                 return Some(placed);
             }
             skipped.push((placed.off, placed.gap));
-        }
-    }
-
-    /// [`Core::best_candidate`]'s choice among the candidates not in
-    /// `skipped` (see [`best_of`]).
-    fn best_of(
-        &mut self,
-        ctx: &Ctx<'_>,
-        ai: usize,
-        rounded: u64,
-        t: u32,
-        candidates: Candidates<'_>,
-        skipped: &[(u64, PieceId)],
-    ) -> Option<Placed> {
-        let (arena, streams, tick) = (&self.arenas[ai], &mut self.streams, self.tick);
-        let req = (rounded, t, tick);
-        match candidates {
-            Candidates::Fitting(n) => best_of(
-                arena,
-                streams,
-                ctx,
-                req,
-                arena.fitting_gaps(rounded, n),
-                skipped,
-            ),
-            Candidates::Listed(list) => {
-                best_of(arena, streams, ctx, req, list.iter().copied(), skipped)
-            }
         }
     }
 
