@@ -217,10 +217,7 @@ impl Core {
         let streams = &mut self.streams;
         self.arenas[ai].tiling.hazards_over(gap, off, len).any(|h| {
             streams.in_mask(h.streams).any(|s| {
-                s != t
-                    && !streams.has_waited(t, s, h.tick)
-                    && !streams.freed_done(s, h.tick)
-                    && streams.capturing(ctx.vmm, s, tick)
+                !streams.orders_nothing(t, s, h.tick) && streams.capturing(ctx.vmm, s, tick)
             })
         })
     }
@@ -397,8 +394,8 @@ fn score(
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {
-            streams.in_mask(h.streams).filter(|&s| s != t).any(|s| {
-                if streams.has_waited(t, s, h.tick) || streams.freed_done(s, h.tick) {
+            streams.in_mask(h.streams).any(|s| {
+                if streams.orders_nothing(t, s, h.tick) {
                     return false;
                 }
                 streams.learn(ctx.vmm, s, h.tick, tick);

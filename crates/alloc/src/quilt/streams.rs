@@ -385,8 +385,15 @@ impl Streams {
 
     /// True when stream `t` already waited for stream `s`'s work up to `k`
     /// (as far as freed memory can depend on it).
-    pub(crate) fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
+    fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
         self.waited(t, s) >= self.relevant(s, k)
+    }
+
+    /// True when stream `t` needs nothing of stream `s`'s work up to `k` (as
+    /// far as freed memory can depend on it): `s` is `t`, or that work is
+    /// known complete, or `t` already waited for it. Known without a call.
+    pub(crate) fn orders_nothing(&self, t: u32, s: u32, k: u64) -> bool {
+        s == t || self.freed_done(s, k) || self.has_waited(t, s, k)
     }
 
     /// Learn whether stream `i`'s oldest events completed (one query at most
@@ -537,7 +544,7 @@ impl Streams {
         k: u64,
         tick: u64,
     ) -> Result<bool, VmmError> {
-        if s == t || self.freed_done(s, k) || self.has_waited(t, s, k) {
+        if self.orders_nothing(t, s, k) {
             return Ok(false);
         }
         self.learn(vmm, s, k, tick);
