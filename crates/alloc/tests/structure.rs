@@ -10,7 +10,10 @@ use std::path::Path;
 
 /// The layer of each file, bottom up.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("pure pieces", &["tiling", "arena", "streams", "config"]),
+    (
+        "pure pieces",
+        &["tiling", "page_table", "arena", "streams", "config"],
+    ),
     (
         "the stitching core",
         &["stitch", "placement", "backing", "reclaim", "own", "solo"],

@@ -8,9 +8,9 @@
 //!   coalesced) in address order, the gaps indexed by (length, start) for
 //!   best fit, each gap with its hazards: the freed byte ranges in it whose
 //!   streams' work may still use them (see `tiling.rs`);
-//! - `pages[p]`: virtual page `p`: how many blocks touch it, the pool page
-//!   mapped there (one handle, mapped whole at offset 0), and which streams
-//!   freed blocks on it since it was mapped, and when.
+//! - `pages` (`page_table.rs`): for virtual page `p`, how many blocks touch
+//!   it, the pool page mapped there (one handle, mapped whole at offset 0),
+//!   and which streams freed blocks on it since it was mapped, and when.
 //!
 //! Invariants: every page with `touch > 0` is mapped (a block's pages are
 //! always backed); `cached_pages` counts the mapped pages with `touch == 0`,
@@ -20,54 +20,9 @@
 
 use quilt_pool::Page;
 
+pub(crate) use super::page_table::PageSlot;
+use super::page_table::PageTable;
 use super::tiling::{Hazard, PieceId, Tiling};
-
-/// One virtual page of an arena.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct PageSlot {
-    /// Blocks overlapping this page.
-    pub(crate) touch: u32,
-    /// The pool page mapped here.
-    pub(crate) phys: Option<Page>,
-    /// Streams (as bits, see `Streams::bit`) that freed a block on this page
-    /// since it was mapped: their work may still use it.
-    pub(crate) freed_by: u64,
-    /// The allocator tick of the last free on this page.
-    pub(crate) freed_at: u64,
-    /// The tick at which the page last became cached (mapped, untouched): its
-    /// entry in the reclaim queue is valid while this matches.
-    pub(crate) cached_at: u64,
-    /// Retired: the handle once mapped here was moved to another virtual page
-    /// while work freed here (`freed_by`, `freed_at`) may still run, so this
-    /// page keeps its mapping, backs nothing of its own (`phys` is `None`),
-    /// and is unmapped once that work is known complete.
-    pub(crate) retired: bool,
-}
-
-/// A block's pages split into its first page, the pages between its ends
-/// (touched by it alone: blocks never overlap) and its last page (`None`
-/// when the block lies on one page).
-#[allow(clippy::type_complexity)]
-fn split_ends(
-    slots: &mut [PageSlot],
-) -> (
-    Option<&mut PageSlot>,
-    &mut [PageSlot],
-    Option<&mut PageSlot>,
-) {
-    match slots {
-        [] => (None, &mut [], None),
-        [only] => (Some(only), &mut [], None),
-        [head, inner @ .., tail] => (Some(head), inner, Some(tail)),
-    }
-}
-
-impl PageSlot {
-    /// Mapped and touched by no block.
-    pub(crate) fn is_cached(&self) -> bool {
-        self.phys.is_some() && self.touch == 0
-    }
-}
 
 /// One arena. See the module documentation.
 #[derive(Debug)]
@@ -80,7 +35,7 @@ pub(crate) struct Arena {
     pub(crate) page: u64,
     /// Blocks and gaps in address order, gaps by size.
     pub(crate) tiling: Tiling,
-    pub(crate) pages: Vec<PageSlot>,
+    pub(crate) pages: PageTable,
     pub(crate) cached_pages: u64,
     pub(crate) touched_pages: u64,
     pub(crate) mapped_pages: u64,
@@ -95,7 +50,7 @@ impl Arena {
             size,
             page,
             tiling: Tiling::new(size),
-            pages: Vec::new(),
+            pages: PageTable::default(),
             cached_pages: 0,
             touched_pages: 0,
             mapped_pages: 0,
@@ -150,18 +105,21 @@ impl Arena {
             .find(|&(start, _)| self.unmapped_pages(start, len) == 0)
     }
 
+    /// The end of the last mapped page (0: none is mapped), in bytes.
+    pub(crate) fn mapped_end(&self) -> u64 {
+        self.pages
+            .phys
+            .iter()
+            .rposition(Option::is_some)
+            .map_or(0, |p| (p as u64 + 1) * self.page)
+    }
+
     /// A page-aligned offset for `len` bytes past everything mapped or
     /// occupied: fresh virtual space whose pages are all unmapped, as
     /// (offset, gap).
     pub(crate) fn fresh_tail(&self, len: u64) -> Option<(u64, PieceId)> {
         let (gs, ge, id) = self.tiling.last_gap()?;
-        let mapped_end = self
-            .pages
-            .iter()
-            .rposition(|s| s.phys.is_some())
-            .map(|p| (p as u64 + 1) * self.page)
-            .unwrap_or(0);
-        let start = gs.max(mapped_end).div_ceil(self.page) * self.page;
+        let start = gs.max(self.mapped_end()).div_ceil(self.page) * self.page;
         (ge >= start && ge - start >= len).then_some((start, id))
     }
 
@@ -203,13 +161,12 @@ impl Arena {
 
     /// The slot of page `p` (a default, unmapped slot past the table).
     pub(crate) fn slot(&self, p: u64) -> PageSlot {
-        self.pages.get(p as usize).copied().unwrap_or_default()
+        self.pages.get(p)
     }
 
     fn ensure_len(&mut self, last: u64) {
-        let need = last as usize + 1;
-        if self.pages.len() < need {
-            self.pages.resize(need, PageSlot::default());
+        if self.pages.len() <= last as usize {
+            self.pages.grow_to(last as usize + 1);
         }
     }
 
@@ -220,9 +177,13 @@ impl Arena {
         if last < known && self.mapped_pages == known {
             return 0; // every page of the table is mapped
         }
-        (first..=last)
-            .filter(|&p| self.slot(p).phys.is_none())
-            .count() as u64
+        let known_part = first.min(known)..(last + 1).min(known);
+        let beyond = (last + 1).saturating_sub(first.max(known));
+        let known_unmapped = self.pages.phys[known_part.start as usize..known_part.end as usize]
+            .iter()
+            .filter(|p| p.is_none())
+            .count() as u64;
+        known_unmapped + beyond
     }
 
     /// Pages `first ..= last` that are not mapped, in order.
@@ -244,98 +205,134 @@ impl Arena {
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
         let all_mapped = self.mapped_pages == self.pages.len() as u64;
-        let slots = &mut self.pages[first as usize..=last as usize];
+        let (f, l) = (first as usize, last as usize);
+        let touch = &mut self.pages.touch[f..=l];
+        let phys = &self.pages.phys[f..=l];
+        let n = touch.len();
         let (mut unmapped, mut fresh, mut fresh_mapped) = (0, 0, 0);
-        let mut end_page = |s: &mut PageSlot| {
-            s.touch += 1;
-            let mapped = u64::from(s.phys.is_some());
-            let first_touch = u64::from(s.touch == 1);
+        for i in [0, n - 1].into_iter().take(if n > 1 { 2 } else { 1 }) {
+            touch[i] += 1;
+            let mapped = u64::from(phys[i].is_some());
+            let first_touch = u64::from(touch[i] == 1);
             unmapped += 1 - mapped;
             fresh += first_touch;
             fresh_mapped += first_touch & mapped;
-        };
-        let (head, inner, tail) = split_ends(slots);
-        head.into_iter().chain(tail).for_each(&mut end_page);
-        for s in inner.iter_mut() {
-            debug_assert_eq!(s.touch, 0, "a page inside a new block is touched");
-            s.touch = 1;
         }
-        let inner_unmapped = if all_mapped {
-            0
-        } else {
-            inner.iter().filter(|s| s.phys.is_none()).count() as u64
-        };
-        let inner_len = inner.len() as u64;
-        unmapped += inner_unmapped;
-        fresh += inner_len;
-        fresh_mapped += inner_len - inner_unmapped;
+        if n > 2 {
+            let inner = 1..n - 1;
+            debug_assert!(
+                touch[inner.clone()].iter().all(|&t| t == 0),
+                "a page inside a new block is touched"
+            );
+            touch[inner.clone()].fill(1);
+            let inner_unmapped = if all_mapped {
+                0
+            } else {
+                phys[inner.clone()].iter().filter(|p| p.is_none()).count() as u64
+            };
+            let inner_len = inner.len() as u64;
+            unmapped += inner_unmapped;
+            fresh += inner_len;
+            fresh_mapped += inner_len - inner_unmapped;
+        }
         self.touched_pages += fresh;
         self.cached_pages -= fresh_mapped;
         unmapped
     }
 
     /// A block over `off .. off + len` is gone: take one from the touch
-    /// count of its pages. With `freed`, the block was freed by the streams
-    /// `streams` at `tick` (not rolled back), which the pages remember.
-    /// Calls `cached(page)` for every page that becomes cached. (As in
-    /// [`Arena::touch`], the pages between the block's ends were touched by
-    /// it alone, so each becomes untouched.)
+    /// count of its pages. With `freed`, the block was freed now (at `tick`,
+    /// the latest tick so far; not rolled back) by those streams, which the
+    /// pages remember. Calls `cached` with the pages that become cached, in
+    /// address order, a run at a time. (As in [`Arena::touch`], the pages
+    /// between the block's ends were touched by it alone, so each becomes
+    /// untouched: the same values are written on each.)
     pub(crate) fn untouch(
         &mut self,
         off: u64,
         len: u64,
-        freed: Option<(u64, u64)>,
+        freed: Option<u64>,
         tick: u64,
-        mut cached: impl FnMut(u64),
+        mut cached: impl FnMut(std::ops::Range<u64>),
     ) {
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
-        // Nothing freed: an empty set of streams at tick 0 changes nothing.
-        let (streams, at) = freed.unwrap_or((0, 0));
-        let slots = &mut self.pages[first as usize..=last as usize];
-        let (mut untouched, mut now_cached) = (0, 0);
-        let mut forget = |s: &mut PageSlot, p: u64| {
-            s.freed_by |= streams;
-            s.freed_at = s.freed_at.max(at);
-            if s.touch == 0 {
-                untouched += 1;
-                if s.phys.is_some() {
-                    now_cached += 1;
-                    s.cached_at = tick;
-                    cached(p);
+        let all_mapped = self.mapped_pages == self.pages.len() as u64;
+        let (f, l) = (first as usize, last as usize);
+        let t = &mut self.pages;
+        // The end pages, perhaps shared with the blocks beside them.
+        let (head_untouched, head_cached) = t.leave(f, freed, tick);
+        let (tail_untouched, tail_cached) = if l > f {
+            t.leave(l, freed, tick)
+        } else {
+            (false, false)
+        };
+        // The pages between: touched by this block alone, so the same
+        // values are written on each.
+        let (mut inner_untouched, mut inner_cached) = (0, 0);
+        if l > f + 1 {
+            let inner = f + 1..l;
+            debug_assert!(
+                t.touch[inner.clone()].iter().all(|&n| n == 1),
+                "a page inside a block is shared"
+            );
+            t.touch[inner.clone()].fill(0);
+            if let Some(streams) = freed {
+                t.freed_by[inner.clone()]
+                    .iter_mut()
+                    .for_each(|b| *b |= streams);
+                debug_assert!(t.freed_at[inner.clone()].iter().all(|&k| k <= tick));
+                t.freed_at[inner.clone()].fill(tick);
+            }
+            inner_untouched = inner.len() as u64;
+            if all_mapped {
+                t.cached_at[inner.clone()].fill(tick);
+                inner_cached = inner.len() as u64;
+            } else {
+                // Some may not be mapped (a block taken back before it was
+                // backed): only the mapped ones become cached.
+                for p in inner {
+                    if t.phys[p].is_some() {
+                        t.cached_at[p] = tick;
+                        inner_cached += 1;
+                    }
                 }
             }
-        };
-        // In address order: the pages become cached in this order.
-        let (head, inner, tail) = split_ends(slots);
-        if let Some(s) = head {
-            s.touch = s.touch.saturating_sub(1);
-            forget(s, first);
         }
-        for (s, p) in inner.iter_mut().zip(first + 1..) {
-            debug_assert_eq!(s.touch, 1, "a page inside a block is shared");
-            s.touch = 0;
-            forget(s, p);
+        // The pages that became cached, in address order.
+        if head_cached {
+            cached(first..first + 1);
         }
-        if let Some(s) = tail {
-            s.touch = s.touch.saturating_sub(1);
-            forget(s, last);
+        if inner_cached == inner_untouched {
+            if inner_cached > 0 {
+                cached(first + 1..last);
+            }
+        } else {
+            for p in first + 1..last {
+                if t.phys[p as usize].is_some() {
+                    cached(p..p + 1);
+                }
+            }
         }
-        self.touched_pages -= untouched;
-        self.cached_pages += now_cached;
+        if tail_cached {
+            cached(last..last + 1);
+        }
+        self.touched_pages -=
+            u64::from(head_untouched) + inner_untouched + u64::from(tail_untouched);
+        self.cached_pages += u64::from(head_cached) + inner_cached + u64::from(tail_cached);
     }
 
     /// Record that `page` is mapped at virtual page `p` (which must be
     /// unmapped). Returns true when the page is cached (no block touches it).
     pub(crate) fn set_mapped(&mut self, p: u64, page: Page, tick: u64) -> bool {
         self.ensure_len(p);
-        let s = &mut self.pages[p as usize];
-        s.phys = Some(page);
-        s.freed_by = 0;
-        s.freed_at = 0;
+        let (p, t) = (p as usize, &mut self.pages);
+        t.phys[p] = Some(page);
+        t.freed_by[p] = 0;
+        t.freed_at[p] = 0;
         self.mapped_pages += 1;
-        if s.touch == 0 {
-            s.cached_at = tick;
+        if t.touch[p] == 0 {
+            t.cached_at[p] = tick;
             self.cached_pages += 1;
             true
         } else {
@@ -347,12 +344,12 @@ impl Arena {
     /// returned) while its mapping stays until the work freed here is known
     /// complete. `None` (changing nothing) unless `p` is cached.
     pub(crate) fn set_retired(&mut self, p: u64) -> Option<Page> {
-        let s = self.pages.get_mut(p as usize)?;
-        if s.touch != 0 || s.retired {
+        let (p, t) = (p as usize, &mut self.pages);
+        if p >= t.len() || t.touch[p] != 0 || t.retired[p] {
             return None;
         }
-        let page = s.phys.take()?;
-        s.retired = true;
+        let page = t.phys[p].take()?;
+        t.retired[p] = true;
         self.mapped_pages -= 1;
         self.cached_pages -= 1;
         self.retired_pages += 1;
@@ -361,22 +358,20 @@ impl Arena {
 
     /// The retired virtual page `p` was unmapped.
     pub(crate) fn clear_retired(&mut self, p: u64) {
-        if let Some(s) = self.pages.get_mut(p as usize) {
-            if s.retired {
-                s.retired = false;
-                s.freed_by = 0;
-                s.freed_at = 0;
-                self.retired_pages -= 1;
-            }
+        let (p, t) = (p as usize, &mut self.pages);
+        if p < t.len() && t.retired[p] {
+            t.retired[p] = false;
+            t.freed_by[p] = 0;
+            t.freed_at[p] = 0;
+            self.retired_pages -= 1;
         }
     }
 
     /// Note that the streams `mask`, at tick `k`, may still use the physical
     /// page now mapped at virtual page `p`.
     pub(crate) fn note_freed(&mut self, p: u64, mask: u64, k: u64) {
-        if let Some(s) = self.pages.get_mut(p as usize) {
-            s.freed_by |= mask;
-            s.freed_at = s.freed_at.max(k);
+        if (p as usize) < self.pages.len() {
+            self.pages.note_freed(p as usize, mask, k);
         }
     }
 
@@ -397,12 +392,12 @@ impl Arena {
     /// Record that virtual page `p` is unmapped; returns the pool page that
     /// was there.
     pub(crate) fn set_unmapped(&mut self, p: u64) -> Option<Page> {
-        let s = self.pages.get_mut(p as usize)?;
-        let page = s.phys.take()?;
-        s.freed_by = 0;
-        s.freed_at = 0;
+        let (p, t) = (p as usize, &mut self.pages);
+        let page = t.phys.get_mut(p)?.take()?;
+        t.freed_by[p] = 0;
+        t.freed_at[p] = 0;
         self.mapped_pages -= 1;
-        if s.touch == 0 {
+        if t.touch[p] == 0 {
             self.cached_pages -= 1;
         }
         Some(page)
@@ -444,11 +439,13 @@ impl Arena {
             let mut under = 0; // the first existing hazard not wholly before
             let mut new: Vec<Hazard> = Vec::new();
             for p in first..=last {
-                let slot = &self.pages[p as usize];
-                if slot.freed_by & bit == 0 || slot.freed_at <= since {
+                let (freed_by, tick) = (
+                    self.pages.freed_by[p as usize],
+                    self.pages.freed_at[p as usize],
+                );
+                if freed_by & bit == 0 || tick <= since {
                     continue;
                 }
-                let tick = slot.freed_at;
                 let (mut lo, hi) = ((p * self.page).max(start), ((p + 1) * self.page).min(end));
                 // The parts of `lo .. hi` between the existing hazards.
                 while lo < hi {
@@ -513,10 +510,10 @@ mod tests {
         // 3); stream bit 2 freed on page 2 during the run too, with its own
         // hazard over 230..260. A block holds 500..600 (page 5).
         let mut a = Arena::new(0, 1000, 100);
-        a.pages.resize(6, Default::default());
+        a.pages.grow_to(6);
         for (p, by, at) in [(1, 1, 7), (2, 3, 9), (4, 1, 3), (5, 1, 8)] {
-            a.pages[p].freed_by = by;
-            a.pages[p].freed_at = at;
+            a.pages.freed_by[p] = by;
+            a.pages.freed_at[p] = at;
         }
         let g = a.tiling.find(0).unwrap();
         a.tiling.occupy(g, 500, 100).unwrap();
@@ -536,10 +533,10 @@ mod tests {
         a.tiling.check(1000).unwrap();
         // With an event of the stream at tick 7, pages 1 and 2 stay apart.
         let mut b = Arena::new(0, 1000, 100);
-        b.pages.resize(3, Default::default());
+        b.pages.grow_to(3);
         for (p, at) in [(1, 7), (2, 9)] {
-            b.pages[p].freed_by = 1;
-            b.pages[p].freed_at = at;
+            b.pages.freed_by[p] = 1;
+            b.pages.freed_at[p] = at;
         }
         b.add_hazards_from_pages(1, 5, 7);
         assert_eq!(hazards(&b), vec![(100, 200, 1, 7), (200, 300, 1, 9)]);

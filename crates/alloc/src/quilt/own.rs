@@ -15,7 +15,7 @@ impl Core {
     /// Move the block of arena `ai` from extent `from` to extent `to` (bytes
     /// from offset 0): the pages it leaves are untouched (with `freed`, as
     /// freed by those streams at that tick), those it reaches touched.
-    fn set_extent(&mut self, ai: usize, from: u64, to: u64, freed: Option<(u64, u64)>) {
+    fn set_extent(&mut self, ai: usize, from: u64, to: u64, freed: Option<u64>) {
         let tick = self.tick;
         let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
@@ -31,9 +31,9 @@ impl Core {
         if n_to > n_from {
             a.touch(n_from * page, (n_to - n_from) * page);
         } else if n_to < n_from {
-            a.untouch(n_to * page, (n_from - n_to) * page, freed, tick, |p| {
+            a.untouch(n_to * page, (n_from - n_to) * page, freed, tick, |pages| {
                 if kept {
-                    queue.push_back((ai, p, tick))
+                    queue.extend(pages.map(|p| (ai, p, tick)));
                 }
             });
         }
@@ -105,7 +105,7 @@ impl Core {
         let tick = self.tick;
         if to < from {
             let track = self.streams.len() > 1;
-            self.set_extent(ai, from, to, Some((streams, tick)));
+            self.set_extent(ai, from, to, Some(streams));
             if track {
                 self.arenas[ai].add_hazard(to, from - to, streams, tick);
             }
@@ -123,7 +123,7 @@ impl Core {
     /// operation learns when the pages are free.
     pub(crate) fn vacate_own_block(&mut self, ctx: &Ctx<'_>, ai: usize, from: u64, streams: u64) {
         let tick = self.tick;
-        self.set_extent(ai, from, 0, Some((streams, tick)));
+        self.set_extent(ai, from, 0, Some(streams));
         for s in self.streams.in_mask(streams) {
             self.streams.note_free(ctx.vmm, s, tick);
         }

@@ -14,11 +14,7 @@ pub(crate) fn snapshot(st: &Core, name: &str, page: u64) -> MemorySnapshot {
         }
         let (stream, kind) = st.arena_meta[ai];
         let high = a
-            .pages
-            .iter()
-            .rposition(|s| s.phys.is_some())
-            .map(|p| (p as u64 + 1) * page)
-            .unwrap_or(0)
+            .mapped_end()
             .max(a.occupied().last().map(|(_, e)| e).unwrap_or(0));
         let mut blocks = Vec::new();
         for (s, e) in a.occupied() {
@@ -82,12 +78,12 @@ pub(crate) fn mapped_segments(st: &Core, name: &str, page: u64) -> MemorySnapsho
         let mut pieces = a.tiling.pieces().peekable();
         let mut p = 0usize;
         while p < a.pages.len() {
-            if a.pages[p].phys.is_none() {
+            if a.pages.phys[p].is_none() {
                 p += 1;
                 continue;
             }
             let first = p;
-            while p < a.pages.len() && a.pages[p].phys.is_some() {
+            while p < a.pages.len() && a.pages.phys[p].is_some() {
                 p += 1;
             }
             let (rs, re) = (first as u64 * page, p as u64 * page);

@@ -281,7 +281,7 @@ impl Tags {
         // a member or freed on one of the arenas' pages.
         let mut mask = members.iter().fold(0u64, |m, &(_, _, s)| m | s);
         for &ai in &arenas {
-            for slot in &core.arenas[ai].pages {
+            for slot in core.arenas[ai].pages.iter() {
                 if slot.phys.is_some() || slot.retired {
                     mask |= slot.freed_by;
                 }

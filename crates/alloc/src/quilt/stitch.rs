@@ -378,9 +378,9 @@ impl Core {
         let tick = self.tick;
         let kept = self.reclaim_queue_kept;
         let queue = &mut self.reclaim_queue;
-        self.arenas[ai].untouch(off, len, None, tick, |p| {
+        self.arenas[ai].untouch(off, len, None, tick, |pages| {
             if kept {
-                queue.push_back((ai, p, tick))
+                queue.extend(pages.map(|p| (ai, p, tick)));
             }
         });
         self.arenas[ai].vacate_block(piece);
@@ -540,9 +540,9 @@ impl Core {
         let queue = &mut self.reclaim_queue;
         let a = &mut self.arenas[b.arena];
         let ai = b.arena;
-        a.untouch(b.off, b.size, Some((b.streams, tick)), tick, |p| {
+        a.untouch(b.off, b.size, Some(b.streams), tick, |pages| {
             if kept {
-                queue.push_back((ai, p, tick))
+                queue.extend(pages.map(|p| (ai, p, tick)));
             }
         });
         a.vacate_block(b.piece);
