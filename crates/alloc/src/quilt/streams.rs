@@ -87,6 +87,21 @@ impl Iterator for BitIter {
     }
 }
 
+/// The streams of a mask ([`Streams::in_mask`]): its bits below 63, then,
+/// when bit 63 is set, every stream from the 63rd on (they share it).
+pub(crate) struct InMask {
+    low: BitIter,
+    shared: std::ops::Range<u32>,
+}
+
+impl Iterator for InMask {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        self.low.next().or_else(|| self.shared.next())
+    }
+}
+
 /// Log an event call that failed (`what`: the call and its purpose). These
 /// calls only spare waits and synchronisations, so their failure is logged,
 /// not returned. Cold and out of line, so that the hot paths which make
@@ -330,13 +345,14 @@ impl Streams {
 
     /// The indices of the streams in `mask` (borrowing nothing: the caller
     /// may change the streams while it walks them).
-    pub(crate) fn in_mask(&self, mask: u64) -> impl Iterator<Item = u32> {
+    pub(crate) fn in_mask(&self, mask: u64) -> InMask {
         let n = self.states.len() as u32;
-        let low = mask & !(1 << 63);
-        let shared = if mask & (1 << 63) != 0 { 63..n } else { 0..0 };
-        BitIter(low)
-            .take_while(move |&i| i < n.min(63))
-            .chain(shared)
+        // Bits of streams not seen yet name none.
+        let known = if n >= 63 { !(1 << 63) } else { (1u64 << n) - 1 };
+        InMask {
+            low: BitIter(mask & known),
+            shared: if mask & (1 << 63) != 0 { 63..n } else { 0..0 },
+        }
     }
 
     /// The part of stream `i`'s work up to tick `k` that freed memory can
