@@ -14,6 +14,13 @@ what stream handling costs where the real traces have one or two streams:
   into its own tensor (a dtype cast or a dequantisation after the
   host-to-device copy) and the staging buffer freed at once on that side
   stream: every side stream frees memory the next one wants.
+- With `--wide`, `pipeline-wide-N.trace` and `staging-wide-N.trace`: the
+  same at Llama-2-70B's widths (hidden 8192, FFN 28672; 32 layers, 20 GiB
+  at the peak): weight tensors of 128 to 448 MiB, a few hundred pages each.
+  `pipeline-wide-10` is the closest stand-in here for the held-out 10-stream
+  inference trace of issue 25 (about 20 GiB at its peak, classic's
+  efficiency 0.65 against 0.67 there, and, before events were recorded on
+  demand, about 0.5 event records and 0.6 queries per operation, as there).
 - `small-streams-10.trace`: 10 streams each allocating and freeing small and
   medium tensors (4 KiB to 6 MiB) in random turns, each freeing only what it
   allocated: frees on one stream that the others reuse within the GPU's lag.
@@ -29,6 +36,7 @@ what stream handling costs where the real traces have one or two streams:
 Deterministic (fixed seeds). Usage:
 
     python3 scripts/multistream-traces.py OUT_DIR [N ...]   # N default: 10
+    python3 scripts/multistream-traces.py OUT_DIR --wide [N ...]
     python3 scripts/multistream-traces.py OUT_DIR --idle-from ../shared/traces/converted
 
 then, for instance,
@@ -42,21 +50,25 @@ import os
 import random
 import sys
 
-HIDDEN = 4096
-FFN = 11008
+# (hidden, FFN) widths: the default model's, and --wide's (Llama-2-70B's).
+WIDTHS = (4096, 11008)
+WIDE = (8192, 28672)
 VOCAB = 32000
 LAYERS = 32
 RESIDENT = 8
 AHEAD = 3
 BF16 = 2
-LAYER_WEIGHTS = [
-    HIDDEN * BF16,
-    3 * HIDDEN * HIDDEN * BF16,
-    HIDDEN * HIDDEN * BF16,
-    HIDDEN * BF16,
-    2 * FFN * HIDDEN * BF16,
-    FFN * HIDDEN * BF16,
-]
+
+
+def layer_weights(hidden, ffn):
+    return [
+        hidden * BF16,
+        3 * hidden * hidden * BF16,
+        hidden * hidden * BF16,
+        hidden * BF16,
+        2 * ffn * hidden * BF16,
+        ffn * hidden * BF16,
+    ]
 
 
 class Trace:
@@ -78,25 +90,27 @@ class Trace:
             f.write("\n".join(self.lines) + "\n")
 
 
-def pipeline(streams, staging=False):
+def pipeline(streams, staging=False, widths=WIDTHS):
+    hidden_size, ffn = widths
+    weights_of_layer = layer_weights(hidden_size, ffn)
     rng = random.Random(7)
     t = Trace()
     for _ in range(RESIDENT):
-        for w in LAYER_WEIGHTS:
+        for w in weights_of_layer:
             t.alloc(w, 0)
-    t.alloc(VOCAB * HIDDEN * BF16, 0)
+    t.alloc(VOCAB * hidden_size * BF16, 0)
     side = 0
     for _ in range(20):
         tokens = rng.choice([1, 1, 1, 1, 16, 128])
         in_flight = []
         next_layer = RESIDENT
-        hidden = t.alloc(tokens * HIDDEN * BF16, 0)
+        hidden = t.alloc(tokens * hidden_size * BF16, 0)
         for layer in range(LAYERS):
             while next_layer < min(layer + AHEAD, LAYERS):
                 s = 1 + side % (streams - 1)
                 side += 1
                 weights = []
-                for w in LAYER_WEIGHTS:
+                for w in weights_of_layer:
                     buffer = t.alloc(w, s) if staging else None
                     weights.append(t.alloc(w, s))
                     if buffer is not None:
@@ -106,13 +120,13 @@ def pipeline(streams, staging=False):
             weights = in_flight.pop(0) if layer >= RESIDENT else []
             acts = []
             for size in [
-                tokens * HIDDEN * BF16,
-                tokens * 3 * HIDDEN * BF16,
-                tokens * HIDDEN * 4,
-                tokens * HIDDEN * BF16,
-                tokens * 2 * FFN * BF16,
-                tokens * FFN * BF16,
-                tokens * HIDDEN * BF16,
+                tokens * hidden_size * BF16,
+                tokens * 3 * hidden_size * BF16,
+                tokens * hidden_size * 4,
+                tokens * hidden_size * BF16,
+                tokens * 2 * ffn * BF16,
+                tokens * ffn * BF16,
+                tokens * hidden_size * BF16,
                 8,
                 4,
             ]:
@@ -205,14 +219,23 @@ def main():
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"multistream-traces: reading the real traces: {e}")
         return
-    counts = [int(n) for n in sys.argv[2:]] or [10]
+    args = sys.argv[2:]
+    wide = args[:1] == ["--wide"]
+    try:
+        counts = [int(n) for n in args[1:] if wide] or [int(n) for n in args if not wide] or [10]
+    except ValueError:
+        sys.exit(f"multistream-traces: N must be a number (got {' '.join(args)})")
     if any(n < 2 for n in counts):
         sys.exit("multistream-traces: N must be at least 2")
     os.makedirs(out, exist_ok=True)
+    kind, widths = ("-wide", WIDE) if wide else ("", WIDTHS)
     for n in counts:
-        pipeline(n).write(os.path.join(out, f"pipeline-{n}.trace"))
-        pipeline(n, staging=True).write(os.path.join(out, f"staging-{n}.trace"))
-    small_streams().write(os.path.join(out, "small-streams-10.trace"))
+        pipeline(n, widths=widths).write(os.path.join(out, f"pipeline{kind}-{n}.trace"))
+        pipeline(n, staging=True, widths=widths).write(
+            os.path.join(out, f"staging{kind}-{n}.trace")
+        )
+    if not wide:
+        small_streams().write(os.path.join(out, "small-streams-10.trace"))
 
 
 if __name__ == "__main__":
