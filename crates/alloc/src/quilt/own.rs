@@ -14,7 +14,7 @@ use crate::error::AllocError;
 impl Core {
     /// Move the block of arena `ai` from extent `from` to extent `to` (bytes
     /// from offset 0): the pages it leaves are untouched (with `freed`, as
-    /// freed by those streams at that tick), those it reaches touched.
+    /// freed now by those streams), those it reaches touched.
     fn set_extent(&mut self, ai: usize, from: u64, to: u64, freed: Option<u64>) {
         let tick = self.tick;
         let kept = self.reclaim_queue_kept;

@@ -685,3 +685,25 @@ impl Streams {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mask_names_the_streams_seen_and_bit_63_every_stream_past_the_62nd() {
+        let mut st = Streams::default();
+        for id in 0..3 {
+            st.index(StreamId(100 + id));
+        }
+        // Bits of streams not seen yet name none; bit 63 names none either.
+        let all: Vec<u32> = st.in_mask(0b1011 | 1 << 63).collect();
+        assert_eq!(all, vec![0, 1]);
+        for id in 3..66 {
+            st.index(StreamId(100 + id));
+        }
+        let shared: Vec<u32> = st.in_mask(1 | 1 << 62 | 1 << 63).collect();
+        assert_eq!(shared, vec![0, 62, 63, 64, 65]);
+        assert_eq!(st.in_mask(0).count(), 0);
+    }
+}
