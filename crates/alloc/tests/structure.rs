@@ -12,7 +12,14 @@ use std::path::Path;
 const LAYERS: &[(&str, &[&str])] = &[
     (
         "pure pieces",
-        &["tiling", "page_table", "arena", "streams", "config"],
+        &[
+            "gap_index",
+            "tiling",
+            "page_table",
+            "arena",
+            "streams",
+            "config",
+        ],
     ),
     (
         "the stitching core",

@@ -28,7 +28,7 @@
 //! hazards are non-empty, disjoint, in address order and inside the gap; a
 //! block has none.
 
-use std::collections::BTreeMap;
+use super::gap_index::GapIndex;
 
 /// A piece of a tiling (its slot), stable while the piece lives.
 pub(crate) type PieceId = u32;
@@ -85,7 +85,7 @@ pub(crate) struct Tiling {
     tail: PieceId,
     /// Every gap as `(length, start) -> piece`: best fit is the first entry
     /// at or past `(len, 0)` (smallest gap, lowest address among equals).
-    by_size: BTreeMap<(u64, u64), PieceId>,
+    by_size: GapIndex<PieceId>,
     blocks: usize,
     /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
     /// block or a vacant slot); parallel to `pieces`.
@@ -242,8 +242,8 @@ impl Tiling {
     /// address), as (start, piece).
     pub(crate) fn fitting(&self, len: u64) -> impl Iterator<Item = (u64, u64, PieceId)> + '_ {
         self.by_size
-            .range((len, 0)..)
-            .map(|(&(l, start), &id)| (l, start, id))
+            .from((len, 0))
+            .map(|((l, start), id)| (l, start, id))
     }
 
     /// The range of gap `id`; `None` when `id` is no gap.
@@ -654,7 +654,7 @@ impl Tiling {
                 if last_free {
                     return Err(format!("uncoalesced gap at {:#x}", p.start));
                 }
-                if self.by_size.get(&(p.end - p.start, p.start)) != Some(&id) {
+                if self.by_size.get(&(p.end - p.start, p.start)) != Some(id) {
                     return Err(format!("gap at {:#x} missing from the size index", p.start));
                 }
                 gaps += 1;

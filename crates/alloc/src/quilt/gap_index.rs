@@ -1,0 +1,165 @@
+//! The gaps of a tiling by `(length, start)`, for best fit: the smallest
+//! gap of at least a length first, then the next ones in that order.
+//!
+//! An arena holds few gaps (on the real traces at hand, 4 to 255 at most),
+//! where a sorted vector beats a B-tree: a binary search and a short move
+//! instead of a walk through nodes. An arena cut into thousands of gaps (a
+//! fragmenting workload; `quilt-bench scale`'s 100,000 live blocks) would
+//! make every insert a long move, so past [`SPILL`] entries the index is a
+//! B-tree, and a vector again once it shrinks below half of that.
+
+use std::collections::{btree_map, BTreeMap};
+
+/// A gap's key: its length, then its start.
+pub(crate) type GapKey = (u64, u64);
+
+/// Entries past which the index is a B-tree.
+const SPILL: usize = 128;
+
+/// Every gap by [`GapKey`], each with its id `I`. See the module
+/// documentation.
+#[derive(Debug)]
+pub(crate) enum GapIndex<I> {
+    /// Few gaps: sorted by key.
+    Sorted(Vec<(GapKey, I)>),
+    /// Many.
+    Tree(BTreeMap<GapKey, I>),
+}
+
+impl<I> Default for GapIndex<I> {
+    fn default() -> GapIndex<I> {
+        GapIndex::Sorted(Vec::new())
+    }
+}
+
+impl<I: Copy> GapIndex<I> {
+    /// Gaps held.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            GapIndex::Sorted(v) => v.len(),
+            GapIndex::Tree(t) => t.len(),
+        }
+    }
+
+    /// Add gap `id` under `key` (replacing what `key` held).
+    pub(crate) fn insert(&mut self, key: GapKey, id: I) {
+        match self {
+            GapIndex::Sorted(v) => match v.binary_search_by_key(&key, |e| e.0) {
+                Ok(i) => v[i].1 = id,
+                Err(i) => {
+                    v.insert(i, (key, id));
+                    if v.len() > SPILL {
+                        *self = GapIndex::Tree(v.drain(..).collect());
+                    }
+                }
+            },
+            GapIndex::Tree(t) => {
+                t.insert(key, id);
+            }
+        }
+    }
+
+    /// Take the gap under `key` out; `None` when there is none.
+    pub(crate) fn remove(&mut self, key: &GapKey) -> Option<I> {
+        match self {
+            GapIndex::Sorted(v) => {
+                let i = v.binary_search_by_key(key, |e| e.0).ok()?;
+                Some(v.remove(i).1)
+            }
+            GapIndex::Tree(t) => {
+                let id = t.remove(key)?;
+                if t.len() < SPILL / 2 {
+                    *self = GapIndex::Sorted(std::mem::take(t).into_iter().collect());
+                }
+                Some(id)
+            }
+        }
+    }
+
+    /// The gap under `key`.
+    #[cfg(feature = "invariants")]
+    pub(crate) fn get(&self, key: &GapKey) -> Option<I> {
+        match self {
+            GapIndex::Sorted(v) => v.binary_search_by_key(key, |e| e.0).ok().map(|i| v[i].1),
+            GapIndex::Tree(t) => t.get(key).copied(),
+        }
+    }
+
+    /// The gaps from `key` on, in key order.
+    pub(crate) fn from(&self, key: GapKey) -> GapsFrom<'_, I> {
+        match self {
+            GapIndex::Sorted(v) => {
+                let i = v.partition_point(|e| e.0 < key);
+                GapsFrom::Sorted(v[i..].iter())
+            }
+            GapIndex::Tree(t) => GapsFrom::Tree(t.range(key..)),
+        }
+    }
+}
+
+/// The gaps from a key on ([`GapIndex::from`]), as `(key, id)`.
+pub(crate) enum GapsFrom<'a, I> {
+    Sorted(std::slice::Iter<'a, (GapKey, I)>),
+    Tree(btree_map::Range<'a, GapKey, I>),
+}
+
+impl<I: Copy> Iterator for GapsFrom<'_, I> {
+    type Item = (GapKey, I);
+
+    fn next(&mut self) -> Option<(GapKey, I)> {
+        match self {
+            GapsFrom::Sorted(it) => it.next().copied(),
+            GapsFrom::Tree(it) => it.next().map(|(&k, &id)| (k, id)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Through any inserts and removes, across the switch both ways,
+        /// the index answers as a B-tree would.
+        #[test]
+        fn answers_as_a_btree_does(ops in proptest::collection::vec((any::<bool>(), 0u64..3, 0u64..100), 1..1200)) {
+            let mut index = GapIndex::default();
+            let mut model: BTreeMap<GapKey, u32> = BTreeMap::new();
+            for (n, (add, len, start)) in ops.into_iter().enumerate() {
+                let key = (len, start);
+                if add {
+                    index.insert(key, n as u32);
+                    model.insert(key, n as u32);
+                } else {
+                    prop_assert_eq!(index.remove(&key), model.remove(&key));
+                }
+                prop_assert_eq!(index.len(), model.len());
+                let from = (len, 0);
+                let got: Vec<_> = index.from(from).take(5).collect();
+                let want: Vec<_> = model.range(from..).take(5).map(|(&k, &v)| (k, v)).collect();
+                prop_assert_eq!(got, want);
+            }
+            let all: Vec<_> = index.from((0, 0)).collect();
+            let want: Vec<_> = model.into_iter().collect();
+            prop_assert_eq!(all, want);
+        }
+    }
+
+    #[test]
+    fn spills_into_a_tree_and_comes_back() {
+        let mut index = GapIndex::default();
+        for i in 0..=SPILL as u64 {
+            index.insert((i % 7, i), i as u32);
+        }
+        assert!(matches!(index, GapIndex::Tree(_)));
+        for i in 0..=SPILL as u64 / 2 + 1 {
+            assert_eq!(index.remove(&(i % 7, i)), Some(i as u32));
+        }
+        assert!(matches!(index, GapIndex::Sorted(_)));
+        assert_eq!(index.len(), SPILL / 2 - 1);
+        let keys: Vec<GapKey> = index.from((0, 0)).map(|(k, _)| k).collect();
+        assert!(keys.windows(2).all(|w| w[0] < w[1]));
+    }
+}
