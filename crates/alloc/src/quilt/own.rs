@@ -16,9 +16,6 @@ impl Core {
     /// from offset 0): the pages it leaves are untouched (with `freed`, as
     /// freed now by those streams), those it reaches touched.
     fn set_extent(&mut self, ai: usize, from: u64, to: u64, freed: Option<u64>) {
-        let tick = self.tick;
-        let kept = self.reclaim_queue_kept;
-        let queue = &mut self.reclaim_queue;
         let a = &mut self.arenas[ai];
         let page = a.page;
         if from > 0 {
@@ -31,11 +28,7 @@ impl Core {
         if n_to > n_from {
             a.touch(n_from * page, (n_to - n_from) * page);
         } else if n_to < n_from {
-            a.untouch(n_to * page, (n_from - n_to) * page, freed, tick, |pages| {
-                if kept {
-                    queue.extend(pages.map(|p| (ai, p, tick)));
-                }
-            });
+            self.untouch(ai, n_to * page, (n_from - n_to) * page, freed);
         }
     }
 

@@ -369,20 +369,28 @@ impl Core {
         }
     }
 
+    /// A block over `off .. off + len` of arena `ai` is gone (with
+    /// `freed`, freed now by those streams; see
+    /// [`Arena::untouch`](super::arena::Arena::untouch)): the pages that
+    /// become cached join the reclaim queue, where it is kept.
+    pub(crate) fn untouch(&mut self, ai: usize, off: u64, len: u64, freed: Option<u64>) {
+        let tick = self.tick;
+        let kept = self.reclaim_queue_kept;
+        let queue = &mut self.reclaim_queue;
+        self.arenas[ai].untouch(off, len, freed, tick, |pages| {
+            if kept {
+                queue.extend(pages.map(|p| (ai, p, tick)));
+            }
+        });
+    }
+
     /// Take block `piece` off `off .. off + len` of arena `ai` again (a
     /// failed allocation): its pages lose the touch, nothing is remembered as
     /// freed; the range gets back the hazards it had, as one (`hazard`: the
     /// streams and latest tick of those dropped when it was occupied; none
     /// when `hazard.0` is 0).
     fn undo_occupy(&mut self, ai: usize, piece: PieceId, off: u64, len: u64, hazard: (u64, u64)) {
-        let tick = self.tick;
-        let kept = self.reclaim_queue_kept;
-        let queue = &mut self.reclaim_queue;
-        self.arenas[ai].untouch(off, len, None, tick, |pages| {
-            if kept {
-                queue.extend(pages.map(|p| (ai, p, tick)));
-            }
-        });
+        self.untouch(ai, off, len, None);
         self.arenas[ai].vacate_block(piece);
         let (streams, tick) = hazard;
         self.arenas[ai]
@@ -536,16 +544,9 @@ impl Core {
         self.tick += 1;
         let tick = self.tick;
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
-        let kept = self.reclaim_queue_kept;
-        let queue = &mut self.reclaim_queue;
-        let a = &mut self.arenas[b.arena];
         let ai = b.arena;
-        a.untouch(b.off, b.size, Some(b.streams), tick, |pages| {
-            if kept {
-                queue.extend(pages.map(|p| (ai, p, tick)));
-            }
-        });
-        a.vacate_block(b.piece);
+        self.untouch(ai, b.off, b.size, Some(b.streams));
+        self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
             self.streams.note_free(ctx.vmm, s, tick);
         }
