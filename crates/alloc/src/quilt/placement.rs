@@ -11,6 +11,8 @@
 //! that would wait for a stream capturing a CUDA graph is passed over (see
 //! [`Core::under_capture`]).
 
+use std::ops::ControlFlow;
+
 use super::arena::{Arena, PageSlot};
 use super::config::Placement;
 use super::stitch::{Core, Ctx, Kind};
@@ -210,16 +212,15 @@ impl Core {
         len: u64,
         t: u32,
     ) -> bool {
-        if self.streams.len() < 2 {
-            return false;
-        }
         let tick = self.tick;
-        let streams = &mut self.streams;
-        self.arenas[ai].tiling.hazards_over(gap, off, len).any(|h| {
-            streams.in_mask(h.streams).any(|s| {
-                !streams.orders_nothing(t, s, h.tick) && streams.capturing(ctx.vmm, s, tick)
-            })
-        })
+        let found = self.each_hazard_stream(ai, (off, gap), len, t, |streams, s, k| {
+            if !streams.orders_nothing(t, s, k) && streams.capturing(ctx.vmm, s, tick) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        found.is_break()
     }
 
     /// Order stream `t` after every other stream's work that may still use
@@ -232,17 +233,42 @@ impl Core {
         len: u64,
         t: u32,
     ) -> Result<(), AllocError> {
-        if self.streams.len() < 2 {
-            return Ok(());
-        }
         let tick = self.tick;
+        let ordered =
+            self.each_hazard_stream(ai, (off, gap), len, t, |streams, s, k| {
+                match streams.order_after(ctx.vmm, t, s, k, tick) {
+                    Ok(_) => ControlFlow::Continue(()),
+                    Err(e) => ControlFlow::Break(e),
+                }
+            });
+        match ordered {
+            ControlFlow::Break(e) => Err(e.into()),
+            ControlFlow::Continue(()) => Ok(()),
+        }
+    }
+
+    /// Call `visit(streams, s, k)`, until it breaks, for each hazard over
+    /// `off .. off + len` of gap `gap` in arena `ai` and each stream `s`
+    /// other than `t` in it (`k`: the hazard's tick). A single stream has
+    /// no hazards to visit.
+    fn each_hazard_stream<B>(
+        &mut self,
+        ai: usize,
+        (off, gap): (u64, PieceId),
+        len: u64,
+        t: u32,
+        mut visit: impl FnMut(&mut Streams, u32, u64) -> ControlFlow<B>,
+    ) -> ControlFlow<B> {
+        if self.streams.len() < 2 {
+            return ControlFlow::Continue(());
+        }
         let streams = &mut self.streams;
         for h in self.arenas[ai].tiling.hazards_over(gap, off, len) {
             for s in streams.in_mask(h.streams).filter(|&s| s != t) {
-                streams.order_after(ctx.vmm, t, s, h.tick, tick)?;
+                visit(streams, s, h.tick)?;
             }
         }
-        Ok(())
+        ControlFlow::Continue(())
     }
 
     /// Where a block of `rounded` bytes (asked for as `size`) of class
