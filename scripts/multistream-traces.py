@@ -33,11 +33,26 @@ what stream handling costs where the real traces have one or two streams:
   stream that comes back now and then); and a `stats.json` beside them
   that keeps each trace's pre-existing prefix.
 
+- With `--family COUNT [FIRST]`, `family-SEED.trace` for COUNT seeds from
+  FIRST (default 0) and a `family.json` of what each drew: traces no one
+  tuned for, each drawn from how frameworks use streams: 2 to 32 streams;
+  a model of 12 to 80 layers (hidden 1024 to 8192) whose first layers stay
+  resident and the others are prefetched 1 to 6 layers ahead on side
+  streams (in turn, at random, or by layer); optionally staging buffers,
+  small tensors beside each weight on the side streams (scales, indices),
+  activation sizes off any alignment, a KV cache growing on the compute
+  stream and freed every second pass, a communication stream with
+  buckets, a data-loader stream with batches, and frees out of order;
+  2 to 8 passes of 1 to 512 tokens. Beside each, `family-SEED-one.trace`:
+  the same events on stream 0 alone, to tell what the streams cost from
+  what the layout costs.
+
 Deterministic (fixed seeds). Usage:
 
     python3 scripts/multistream-traces.py OUT_DIR [N ...]   # N default: 10
     python3 scripts/multistream-traces.py OUT_DIR --wide [N ...]
     python3 scripts/multistream-traces.py OUT_DIR --idle-from ../shared/traces/converted
+    python3 scripts/multistream-traces.py OUT_DIR --family COUNT [FIRST]
 
 then, for instance,
 
@@ -159,6 +174,114 @@ def small_streams():
     return t
 
 
+def family_member(seed):
+    """One trace of the family (see `--family`) and what it drew."""
+    rng = random.Random(seed)
+    drawn = dict(
+        streams=rng.choice([2, 3, 4, 6, 8, 10, 10, 10, 16, 32]),
+        hidden=rng.choice([1024, 2048, 4096, 5120, 8192]),
+        ffn_ratio=rng.choice([2.6875, 3.5, 4]),
+        layers=rng.choice([12, 24, 32, 40, 80]),
+    )
+    drawn.update(
+        resident=rng.randrange(0, drawn["layers"] // 2 + 1),
+        ahead=rng.choice([1, 2, 3, 4, 6]),
+        weights=rng.choice([2, 6, 9, 12]),
+        side_small=rng.random() < 0.5,
+        staging=rng.random() < 0.3,
+        unaligned=rng.random() < 0.5,
+        kv_cache=rng.random() < 0.4,
+        comm=rng.random() < 0.3 and drawn["streams"] > 2,
+        loader=rng.random() < 0.3 and drawn["streams"] > 2,
+        frees_out_of_order=rng.random() < 0.4,
+        side_stream_by=rng.choice(["turn", "random", "layer"]),
+        passes=rng.choice([2, 4, 8]),
+    )
+    d = drawn
+    n, hidden = d["streams"], d["hidden"]
+    ffn = int(hidden * d["ffn_ratio"])
+    t = Trace()
+    sizes = [hidden * hidden * BF16 * rng.choice([1, 3, 1, 1]) for _ in range(d["weights"] // 2)]
+    sizes += [ffn * hidden * BF16 * rng.choice([1, 2]) for _ in range(d["weights"] - d["weights"] // 2)]
+    sizes += [hidden * BF16] * rng.choice([0, 1, 2])
+    for _ in range(d["resident"]):
+        for w in sizes:
+            t.alloc(w, 0)
+    t.alloc(VOCAB * hidden * BF16, 0)
+    # The last streams carry communication and data loading when drawn;
+    # the side streams are the others (at least stream 1).
+    comm = n - 1 if d["comm"] else None
+    loader = n - 1 - int(d["comm"]) if d["loader"] else None
+    side = list(range(1, max(2, n - int(d["comm"]) - int(d["loader"]))))
+    kv, prefetched = [], 0
+    for p in range(d["passes"]):
+        tokens = rng.choice([1, 1, 7, 16, 128, 333, 512])
+        batch = t.alloc(tokens * 4 * rng.choice([1, 3]), loader) if loader is not None else None
+        hidden_state = t.alloc(tokens * hidden * BF16 + (rng.randrange(1, 64) if d["unaligned"] else 0), 0)
+        in_flight, next_layer = [], d["resident"]
+        for layer in range(d["layers"]):
+            while next_layer < min(layer + d["ahead"], d["layers"]):
+                s = {
+                    "turn": side[prefetched % len(side)],
+                    "random": rng.choice(side),
+                    "layer": side[next_layer % len(side)],
+                }[d["side_stream_by"]]
+                prefetched += 1
+                weights = []
+                for w in sizes:
+                    staging = t.alloc(w // rng.choice([1, 2, 4]), s) if d["staging"] else None
+                    weights.append(t.alloc(w, s))
+                    if d["side_small"]:
+                        weights.append(t.alloc(rng.choice([hidden * 4, hidden // 8, 64, 4096]), s))
+                    if staging is not None:
+                        t.free(staging)
+                in_flight.append(weights)
+                next_layer += 1
+            weights = in_flight.pop(0) if layer >= d["resident"] else []
+            acts = []
+            for m in [1, 3, 2, 1, 2 * ffn / hidden, ffn / hidden, 1]:
+                size = tokens * hidden * BF16 * m + (rng.randrange(1, 4096) if d["unaligned"] else 0)
+                acts.append(t.alloc(int(size), 0))
+                if len(acts) > 3:
+                    t.free(acts.pop(rng.randrange(len(acts)) if d["frees_out_of_order"] else 0))
+            if d["kv_cache"]:
+                kv.append(t.alloc(2 * tokens * hidden * BF16 + 64, 0))
+            for a in acts:
+                t.free(a)
+            if d["frees_out_of_order"]:
+                rng.shuffle(weights)
+            for w in weights:
+                t.free(w)
+            if comm is not None and layer % 4 == 3:
+                t.free(t.alloc(rng.choice([25 << 20, 50 << 20, 4 << 20]), comm))
+        if batch is not None:
+            t.free(batch)
+        t.free(hidden_state)
+        t.free(t.alloc(VOCAB * 4 * tokens, 0))
+        if d["kv_cache"] and p % 2 == 1:
+            for k in kv:
+                t.free(k)
+            kv = []
+    for k in kv:
+        t.free(k)
+    return t, drawn
+
+
+def family(out, count, first):
+    """`family-SEED.trace` for `count` seeds from `first`, and `family.json`."""
+    drawn = []
+    for seed in range(first, first + count):
+        t, d = family_member(seed)
+        name = f"family-{seed:03d}"
+        t.write(os.path.join(out, name + ".trace"))
+        drawn.append(dict(name=name, events=len(t.lines), **d))
+        one = Trace()
+        one.lines = [" ".join(line.split()[:3] + ["0"]) if line[0] == "a" else line for line in t.lines]
+        one.write(os.path.join(out, name + "-one.trace"))
+    with open(os.path.join(out, "family.json"), "w") as f:
+        json.dump(drawn, f, indent=1)
+
+
 def second_stream_variants(src, out):
     """Each real trace of `src` as `-idle` and `-side` (see above)."""
     with open(os.path.join(src, "stats.json")) as f:
@@ -218,6 +341,17 @@ def main():
             second_stream_variants(sys.argv[3], out)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"multistream-traces: reading the real traces: {e}")
+        return
+    if sys.argv[2:3] == ["--family"]:
+        usage = "multistream-traces: --family takes COUNT (at least 1) and an optional FIRST seed"
+        try:
+            count, first = ([int(a) for a in sys.argv[3:5]] + [0])[:2]
+        except ValueError:
+            sys.exit(usage)
+        if len(sys.argv) not in (4, 5) or count < 1 or first < 0:
+            sys.exit(usage)
+        os.makedirs(out, exist_ok=True)
+        family(out, count, first)
         return
     args = sys.argv[2:]
     wide = args[:1] == ["--wide"]
