@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Check Quilt's promises on the JSON of a `quilt-bench ab` run, row by row.
+
+The promises (issue 25's list, at 80 GiB, 3 iterations), for the Quilt row of
+each workload against the baselines of the same run:
+
+- sync:         no stream synchronisation beyond the fewest any baseline
+                made (a workload that puts a model to sleep synchronises
+                for every allocator);
+- waits:        at most 0.05 cross-stream waits per allocation;
+- calls-after:  driver calls after the first iteration at most 0.2 % of the
+                events (not checked on rows with growable buffers, which Quilt
+                serves natively by mapping pages as they grow);
+- min-ideal:    minimum capacity at most 1.005 x ideal + 8 MiB;
+- min-baseline: minimum capacity at most every baseline's + max(2 MiB, 0.1 %);
+- dominated:    no baseline as small in minimum capacity, with no more calls
+                after the first iteration and an efficiency higher by more
+                than 0.005;
+- driver:       modelled driver time at most 1.05 x expandable's.
+
+Run `ab` with bisection (the default) and the baselines wanted, e.g.
+
+    quilt-bench ab --iterations 3 --jobs 2 --trace DIR/*.trace --json run.json
+    python3 scripts/promise-check.py run.json [--quilt NAME]
+
+Prints each broken promise with its rows and a count per promise; exit status
+0 when every checked row keeps every promise, 1 when one is broken, 2 on bad
+input. Rows the run could not measure (a failed replay, no minimum capacity)
+are listed as such, not counted as kept.
+"""
+
+import argparse
+import json
+import sys
+
+MIB = 1 << 20
+
+
+def calls_after(row):
+    return sum(row["vmm_calls_after_first_iteration"].values())
+
+
+def check(quilt, baselines):
+    """The promises `quilt` breaks against `baselines` (name -> row), as
+    (promise, detail) pairs, and what could not be checked."""
+    broken, unchecked = [], []
+    if not quilt["completed"]:
+        return broken, ["did not complete at the run's capacity"]
+    allocations = max(1.0, quilt["events"] / 2)
+    syncs = quilt["stream_calls"]["synchronize"]
+    fewest = min((b["stream_calls"]["synchronize"] for b in baselines.values()), default=0)
+    if syncs > fewest:
+        broken.append(("sync", f"{syncs} synchronisations (fewest of the baselines: {fewest})"))
+    waits = quilt["stream_calls"]["wait_event"] / allocations
+    if waits > 0.05:
+        broken.append(("waits", f"{waits:.3f} waits per allocation"))
+    if quilt.get("grows") is None:
+        share = calls_after(quilt) / max(1, quilt["events"])
+        if share > 0.002:
+            broken.append(("calls-after", f"{calls_after(quilt)} calls after the first iteration ({share:.2%} of events)"))
+    cap, ideal = quilt["min_capacity_bytes"], quilt["ideal_bytes"]
+    if cap is None:
+        unchecked.append("no minimum capacity (run without --no-bisect)")
+    else:
+        if cap > 1.005 * ideal + 8 * MIB:
+            broken.append(("min-ideal", f"{cap / MIB:.0f} MiB against ideal {ideal / MIB:.0f} MiB"))
+        for name, b in sorted(baselines.items()):
+            other = b["min_capacity_bytes"]
+            if other is None:
+                continue
+            if cap > other + max(2 * MIB, other // 1000):
+                broken.append(("min-baseline", f"{cap / MIB:.0f} MiB against {name}'s {other / MIB:.0f} MiB"))
+            if (
+                other <= cap
+                and calls_after(b) <= calls_after(quilt)
+                and b["efficiency"] > quilt["efficiency"] + 0.005
+            ):
+                broken.append(("dominated", f"by {name}: efficiency {b['efficiency']:.3f} against {quilt['efficiency']:.3f}, minimum capacity {other / MIB:.0f} against {cap / MIB:.0f} MiB"))
+    expandable = baselines.get("expandable")
+    if expandable is None:
+        unchecked.append("no expandable row (driver time)")
+    elif quilt["modelled_driver_us"] > 1.05 * expandable["modelled_driver_us"]:
+        ratio = quilt["modelled_driver_us"] / expandable["modelled_driver_us"]
+        broken.append(("driver", f"{ratio:.3f} x expandable's modelled driver time"))
+    return broken, unchecked
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", help="the JSON of a `quilt-bench ab` run (--json)")
+    parser.add_argument("--quilt", default="quilt", help="the allocator checked, as the run names it (default: quilt)")
+    args = parser.parse_args()
+    try:
+        with open(args.json) as f:
+            rows = json.load(f)["rows"]
+        workloads = {}
+        for r in rows:
+            workloads.setdefault(r["workload"], {})[r["allocator"]] = r
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"promise-check: reading {args.json}: {e}")
+    baseline_names = {"classic", "expandable", "gmlake", "offset"}
+    counts, checked, failed = {}, 0, False
+    for workload, by_allocator in workloads.items():
+        quilt = by_allocator.get(args.quilt)
+        if quilt is None:
+            continue
+        baselines = {n: r for n, r in by_allocator.items() if n in baseline_names and r["completed"]}
+        try:
+            broken, unchecked = check(quilt, baselines)
+        except (KeyError, TypeError) as e:
+            sys.exit(f"promise-check: {workload}: a field is missing or malformed: {e}")
+        checked += 1
+        for why in unchecked:
+            print(f"{workload}: not checked: {why}")
+        for promise, detail in broken:
+            print(f"{workload}: {promise}: {detail}")
+            counts.setdefault(promise, set()).add(workload)
+            failed = True
+    if checked == 0:
+        sys.exit(f"promise-check: no `{args.quilt}` row in {args.json}")
+    kept = ", ".join(f"{p} broken on {len(w)}" for p, w in sorted(counts.items())) or "every promise kept"
+    print(f"{checked} workloads checked: {kept}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
