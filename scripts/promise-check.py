@@ -54,7 +54,7 @@ def check(quilt, baselines):
     waits = quilt["stream_calls"]["wait_event"] / allocations
     if waits > 0.05:
         broken.append(("waits", f"{waits:.3f} waits per allocation"))
-    if quilt.get("grows") is None:
+    if not quilt.get("grows"):
         share = calls_after(quilt) / max(1, quilt["events"])
         if share > 0.002:
             broken.append(("calls-after", f"{calls_after(quilt)} calls after the first iteration ({share:.2%} of events)"))
