@@ -6,7 +6,9 @@
 //!   PyTorch traces, beside the clone) is present, and `has_shared_snapshot`
 //!   when its raw snapshot pickle is: the tests that replay them are compiled
 //!   as `#[ignore]`d without (they show as ignored, never as passed). After
-//!   adding `../shared`, rebuild: `touch benches/build.rs`.
+//!   adding `../shared`, rebuild: `touch benches/build.rs`;
+//! - the cfg `no_python3` where no `python3` runs at build time: the tests of
+//!   the Python scripts (`tests/scripts.rs`) are then ignored.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,6 +20,15 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rustc-check-cfg=cfg(has_shared_traces)");
     println!("cargo:rustc-check-cfg=cfg(has_shared_snapshot)");
+    println!("cargo:rustc-check-cfg=cfg(no_python3)");
+    println!("cargo:rerun-if-env-changed=PATH");
+    let python3 = Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !python3 {
+        println!("cargo:rustc-cfg=no_python3");
+    }
     let shared = manifest.join("../../shared/traces");
     let converted = shared.join("converted");
     if converted.join("stats.json").is_file() {

@@ -36,6 +36,12 @@ import sys
 MIB = 1 << 20
 
 
+def bad_input(message):
+    """Say what is wrong with the input and exit with status 2."""
+    print(f"promise-check: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def calls_after(row):
     return sum(row["vmm_calls_after_first_iteration"].values())
 
@@ -97,7 +103,7 @@ def main():
         for r in rows:
             workloads.setdefault(r["workload"], {})[r["allocator"]] = r
     except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"promise-check: reading {args.json}: {e}")
+        bad_input(f"reading {args.json}: {e}")
     baseline_names = {"classic", "expandable", "gmlake", "offset"}
     counts, checked, failed = {}, 0, False
     for workload, by_allocator in workloads.items():
@@ -108,7 +114,7 @@ def main():
         try:
             broken, unchecked = check(quilt, baselines)
         except (KeyError, TypeError) as e:
-            sys.exit(f"promise-check: {workload}: a field is missing or malformed: {e}")
+            bad_input(f"{workload}: a field is missing or malformed: {e}")
         checked += 1
         for why in unchecked:
             print(f"{workload}: not checked: {why}")
@@ -117,7 +123,7 @@ def main():
             counts.setdefault(promise, set()).add(workload)
             failed = True
     if checked == 0:
-        sys.exit(f"promise-check: no `{args.quilt}` row in {args.json}")
+        bad_input(f"no `{args.quilt}` row in {args.json}")
     kept = ", ".join(f"{p} broken on {len(w)}" for p, w in sorted(counts.items())) or "every promise kept"
     print(f"{checked} workloads checked: {kept}")
     sys.exit(1 if failed else 0)
