@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::process::Output;
 
 use serde_pickle::{HashableValue, Value};
 
@@ -13,6 +14,25 @@ pub fn traces_dir() -> PathBuf {
         env!("CARGO_MANIFEST_DIR"),
         "/../../shared/traces/converted"
     ))
+}
+
+/// A fresh folder under the system's temporary directory, named after
+/// `tag` and this process.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("quilt-bench-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A finished process's exit status, stdout and stderr, for assertion messages.
+pub fn text(out: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 /// A pickle string key.
