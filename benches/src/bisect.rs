@@ -37,6 +37,7 @@ pub fn min_capacity_bytes(
     let probe_config = ReplayConfig {
         record_series: false,
         time_ops: false,
+        find_races: false,
         ..*config
     };
     let completes = |pages: u64| -> Result<bool, ProbeError> {

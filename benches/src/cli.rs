@@ -733,6 +733,7 @@ pub fn run_ab(args: &AbArgs) -> Result<(RunParameters, Vec<Outcome>), CliError> 
         time_ops: true,
         gpu_lag_ops: args.run.gpu_lag_ops,
         sync_cost_ns,
+        find_races: true,
     };
     let out = ab::measure_all(&ab::Plan {
         traces: &traces,

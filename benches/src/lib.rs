@@ -4,7 +4,8 @@
 //!   [`workloads`]: built-in generators.
 //! - [`replay`]: a trace through an allocator on a simulated device, with
 //!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
-//!   minimum capacity at which it completes; [`serving`]: the serving events
+//!   minimum capacity at which it completes; [`races`]: memory reused while
+//!   another stream's work may still use it, unordered; [`serving`]: the serving events
 //!   (growable buffers, sleep and wake) natively on Quilt, emulated elsewhere.
 //! - [`ab`]: the A/B measuring (every pair, on worker threads); [`scale`]:
 //!   host cost per operation as live blocks and streams grow; [`sweep`]: one
@@ -21,6 +22,7 @@ pub mod bisect;
 pub mod cli;
 pub mod latency;
 pub mod live;
+pub mod races;
 pub mod replay;
 pub mod report;
 pub mod scale;

@@ -52,6 +52,7 @@ use quilt_vmm::{DriverStats, StreamId, Vmm};
 
 use crate::allocators::{self, Built, RegistryError};
 use crate::live::LiveTracker;
+use crate::races::RaceTracker;
 use crate::serving_events::{GrowthCopies, LiveBlocks, Serving, ServingFailure, Target};
 use crate::trace::{Event, Trace};
 
@@ -72,6 +73,9 @@ pub struct ReplayConfig {
     /// Modelled cost of one `cuStreamSynchronize`, in nanoseconds
     /// ([`CostModel::sync_ns`]).
     pub sync_cost_ns: u64,
+    /// Look for memory reused while another stream's work may still use
+    /// it, unordered ([`crate::races`]; for `races`).
+    pub find_races: bool,
 }
 
 /// The default [`ReplayConfig::gpu_lag_ops`]: 64 allocator operations (see
@@ -91,6 +95,7 @@ impl Default for ReplayConfig {
             time_ops: false,
             gpu_lag_ops: DEFAULT_GPU_LAG_OPS,
             sync_cost_ns: DEFAULT_SYNC_COST_NS,
+            find_races: true,
         }
     }
 }
@@ -171,6 +176,13 @@ pub struct ReplayResult {
     pub ops: u64,
     /// Live and reserved memory over the replay (empty unless recorded).
     pub series: Vec<SeriesPoint>,
+    /// Allocations given memory that another stream's work, queued before
+    /// its free, may still use, with nothing ordering the new block's
+    /// stream after that work: data races on a GPU ([`crate::races`]; 0
+    /// unless [`ReplayConfig::find_races`]).
+    pub races: u64,
+    /// The first of them, described.
+    pub first_race: Option<String>,
 }
 
 /// Why a replay could not run to a result.
@@ -296,6 +308,8 @@ struct Run<'a> {
     op_ns: Vec<u32>,
     /// The allocator's report of the last out-of-memory error.
     oom_report: Option<OomReport>,
+    /// Unordered reuse found so far (`None` unless looked for).
+    races: Option<RaceTracker>,
 }
 
 /// What applying one event came to.
@@ -343,6 +357,9 @@ impl Run<'_> {
         };
         if let Some(start) = start {
             self.op_ns.push(elapsed_ns(start));
+        }
+        if let (Some(races), Ok(ptr)) = (&mut self.races, &result) {
+            races.allocated(self.sim, *ptr, size, stream, index);
         }
         self.sim.advance(1);
         match result {
@@ -423,6 +440,9 @@ impl Run<'_> {
         };
         for &stream in last_users {
             self.sim.queue_work(StreamId(stream));
+        }
+        if let Some(races) = &mut self.races {
+            races.freeing(self.sim, ptr, size, &used_on);
         }
         let start = self.config.time_ops.then(Instant::now);
         let result = self.alloc.free(ptr);
@@ -664,6 +684,7 @@ pub fn replay_on(
             0
         }),
         oom_report: None,
+        races: config.find_races.then(RaceTracker::new),
     };
     let pre: Vec<Preexisting> = trace.events[..pre_len]
         .iter()
@@ -760,6 +781,11 @@ pub fn replay_on(
         cpu_ns_per_op: median(&mut run.op_ns),
         ops: sim.clock().saturating_sub(clock_at_start),
         series: run.series,
+        races: run.races.as_ref().map_or(0, RaceTracker::races),
+        first_race: run
+            .races
+            .as_ref()
+            .and_then(|r| r.first().map(str::to_owned)),
     })
 }
 

@@ -252,6 +252,8 @@ fn json_has_exactly_the_listed_fields() {
         "cpu_ns_per_op",
         "event_records_per_op",
         "event_queries_per_op",
+        "races",
+        "first_race",
     ];
     want.sort_unstable();
     assert_eq!(keys, want);
@@ -259,6 +261,10 @@ fn json_has_exactly_the_listed_fields() {
     // classic emulates growth: no count of native grows.
     assert!(row["grows"].is_null() && row["grows_already_mapped"].is_null());
     assert!(row["oom"].is_null());
+    assert_eq!(
+        (row["races"].as_u64(), row["first_race"].is_null()),
+        (Some(0), true)
+    );
     let calls = [
         "address_free",
         "create",

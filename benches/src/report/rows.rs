@@ -132,7 +132,7 @@ impl OomRow {
 /// copied GiB` (`growth_copied_bytes`), `grows mapped` (`grows_already_mapped`
 /// over `grows`), `driver ms` (`modelled_driver_us`), `CPU ns/op`
 /// (`cpu_ns_per_op`), `event records/op` (`event_records_per_op`), `event
-/// queries/op` (`event_queries_per_op`).
+/// queries/op` (`event_queries_per_op`), `races` (`races`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReportRow {
     /// Workload (generator name, trace file stem or snapshot stem).
@@ -191,6 +191,12 @@ pub struct ReportRow {
     pub event_records_per_op: f64,
     /// `cuEventQuery` calls per allocator operation over the replay.
     pub event_queries_per_op: f64,
+    /// Allocations given memory that another stream's work, queued before
+    /// its free, may still use, with nothing ordering the new block's
+    /// stream after that work: data races on a GPU (see `races.rs`).
+    pub races: u64,
+    /// The first of them, described (`null` when there was none).
+    pub first_race: Option<String>,
 }
 
 /// A row with what the JSON leaves out: the flat-create driver time, the
@@ -258,6 +264,8 @@ impl Measurement {
                 cpu_ns_per_op: result.cpu_ns_per_op,
                 event_records_per_op: per_op(result.driver.count(CallKind::EventRecord)),
                 event_queries_per_op: per_op(result.driver.count(CallKind::EventQuery)),
+                races: result.races,
+                first_race: result.first_race,
             },
             modelled_flat_create_us: growth_ns.saturating_add(result.driver.modelled_flat_create_ns)
                 as f64

@@ -245,6 +245,13 @@ const COLUMNS: &[Column] = &[
         narrow: false,
         cell: |c| format!("{:.3}", c.m.row.event_queries_per_op),
     },
+    Column {
+        name: "races",
+        legend: "allocations reusing memory another stream's work may still use, unordered \
+                 (data races)",
+        narrow: false,
+        cell: |c| c.m.row.races.to_string(),
+    },
 ];
 
 /// The columns of `layout`, in order.
@@ -429,13 +436,22 @@ pub fn legend(layout: Layout) -> String {
     out
 }
 
-/// The out-of-memory errors, a note per row that ran out (its verdict, the
+/// The unsafe rows (memory reused unordered: their count and the first), the
+/// out-of-memory errors, a note per row that ran out (its verdict, the
 /// request, the device, the allocator's memory), and the failed pairs.
 pub fn notes(outcomes: &[Outcome]) -> String {
     let mut out = String::new();
     for o in outcomes {
         match o {
             Ok(m) => {
+                if let Some(first) = &m.row.first_race {
+                    out.push_str(&format!(
+                        "{} / {}: UNSAFE: {} allocations reuse memory another stream's work may \
+                         still use, unordered (data races on a GPU); it competes for no claim. \
+                         First: {first}\n",
+                        m.row.workload, m.row.allocator, m.row.races
+                    ));
+                }
                 let Some(oom) = &m.row.oom else { continue };
                 let who = format!("{} / {}", m.row.workload, m.row.allocator);
                 match (&oom.report, oom.verdict) {
@@ -541,7 +557,8 @@ const CLAIMS: &[Claim] = &[
 
 /// The best allocator per column: for each claim, how many workloads each
 /// allocator is best on (ties count for each; only rows that completed
-/// compete, except for min cap), the winner first.
+/// compete, except for min cap, and no row that reused memory unordered),
+/// the winner first.
 pub fn summary(outcomes: &[Outcome]) -> String {
     let ws = workloads(outcomes);
     let allocators = distinct(outcomes.iter().map(allocator_of));
@@ -564,7 +581,7 @@ pub fn summary(outcomes: &[Outcome]) -> String {
             let figures: Vec<(usize, f64)> = outcomes
                 .iter()
                 .filter_map(|o| o.as_ref().ok())
-                .filter(|m| m.row.workload == *w)
+                .filter(|m| m.row.workload == *w && m.row.races == 0)
                 .filter_map(|m| {
                     let a = allocators.iter().position(|a| *a == m.row.allocator)?;
                     Some((a, (claim.figure)(&m.row)?))
@@ -799,6 +816,8 @@ mod tests {
                 cpu_ns_per_op: 100,
                 event_records_per_op: 0.5,
                 event_queries_per_op: 0.25,
+                races: 0,
+                first_race: None,
             },
             modelled_flat_create_us: 1000.0,
             series: Vec::new(),
@@ -847,6 +866,25 @@ mod tests {
             line(&s, "calls after 1st (fewest):").contains("one iteration ran"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn a_row_that_reused_memory_unordered_wins_nothing_and_is_named_in_the_notes() {
+        let mut unsafe_row = row("w", "a", true, 0.99, 1 << 30);
+        if let Ok(m) = &mut unsafe_row {
+            m.row.races = 3;
+            m.row.first_race = Some("event 7: ...".into());
+        }
+        let outcomes = vec![unsafe_row, row("w", "b", true, 0.90, 2 << 30)];
+        let s = summary(&outcomes);
+        assert!(line(&s, "eff. (highest):").ends_with("b 1/1"), "{s}");
+        assert!(line(&s, "min cap GiB (lowest):").ends_with("b 1/1"), "{s}");
+        let n = notes(&outcomes);
+        assert!(
+            n.starts_with("w / a: UNSAFE: 3 allocations reuse memory") && n.contains("event 7"),
+            "{n}"
+        );
+        assert_eq!(n.lines().count(), 1, "{n}");
     }
 
     #[test]

@@ -19,6 +19,19 @@
 //!   `empty_cache` only completes deferred frees. A block recorded on other
 //!   streams (`record_stream`) is given back once their events complete, as in
 //!   the caching baselines.
+//! - **One arena for every stream.** A free gives the block back at once
+//!   (its `record_stream` streams aside), so the next block, on any stream,
+//!   may land on memory another stream's work still uses. As
+//!   `cudaMallocAsync` does for its pool, the allocating stream is then
+//!   ordered after that work: before it takes a block, it waits (one event
+//!   recorded on the other stream and one `cuStreamWaitEvent`) for every
+//!   stream that freed a block, or used one freed since (its own stream and
+//!   its `record_stream` streams), since it last waited for that stream.
+//!   Which block it gets is the crate's choice, not known before, so the
+//!   wait covers every such stream; a single-stream program makes none.
+//!   (Without these waits a block freed on one stream was reused at once by
+//!   another whose kernels could overwrite it while the first stream's still
+//!   ran: a data race the replay's race finder reports.)
 //!
 //! Invariants ([`DeviceAllocator::check_invariants`]): live and pending blocks do
 //! not overlap and lie below the mapped high-water mark; the offset allocator's
@@ -85,6 +98,14 @@ struct State {
     stats: AllocatorStats,
     /// The report of the last request that ran out of memory.
     last_oom: Option<OomReport>,
+    /// Allocator operations so far (allocate and free).
+    tick: u64,
+    /// The streams whose work used freed memory: the operation of the last
+    /// free naming each (the block's own stream and its `record_stream`s).
+    freed_at: BTreeMap<StreamId, u64>,
+    /// (waiter, stream): the operation at which the waiter last waited for
+    /// the stream's work.
+    waited: HashMap<(StreamId, StreamId), u64>,
 }
 
 /// The `offset-allocator` crate over one lazily backed arena (see the module docs).
@@ -162,6 +183,9 @@ impl OffsetAllocator {
                 mapped: 0,
                 stats: AllocatorStats::default(),
                 last_oom: None,
+                tick: 0,
+                freed_at: BTreeMap::new(),
+                waited: HashMap::new(),
             }),
         })
     }
@@ -199,6 +223,27 @@ impl OffsetAllocator {
         st.mapped = target;
         st.stats.reserved_bytes.increase(size);
         st.stats.segment.increase(1);
+        Ok(())
+    }
+
+    /// Order `stream` after the work of every other stream that freed
+    /// memory (or used memory freed) since `stream` last waited for it: an
+    /// event recorded there and one `cuStreamWaitEvent` each. A failed call
+    /// leaves the waits made so far (harmless: more order than needed).
+    fn order_after_frees(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+        let due: Vec<StreamId> = st
+            .freed_at
+            .iter()
+            .filter(|&(&s, &at)| s != stream && st.waited.get(&(stream, s)).is_none_or(|&w| w < at))
+            .map(|(&s, _)| s)
+            .collect();
+        for s in due {
+            let e = self.vmm.event_record(s)?;
+            let waited = self.vmm.stream_wait_event(stream, e);
+            self.vmm.event_destroy(e)?;
+            waited?;
+            st.waited.insert((stream, s), st.tick);
+        }
         Ok(())
     }
 
@@ -284,6 +329,8 @@ impl DeviceAllocator for OffsetAllocator {
         check_size(size)?;
         let mut guard = self.lock()?;
         let st = &mut *guard;
+        st.tick += 1;
+        self.order_after_frees(st, stream)?;
         self.process_events(st, false)?;
         let rounded = round_up(size, MIN_BLOCK_SIZE).unwrap_or(u64::MAX);
         if rounded > self.arena_bytes {
@@ -351,6 +398,10 @@ impl DeviceAllocator for OffsetAllocator {
         let Some(mut b) = st.live.remove(&ptr) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
+        st.tick += 1;
+        for s in b.uses.iter().chain(std::iter::once(&b.stream)) {
+            st.freed_at.insert(*s, st.tick);
+        }
         st.freed.insert(ptr);
         st.stats.allocation.decrease(1);
         st.stats.allocated_bytes.decrease(b.size);
@@ -571,6 +622,7 @@ impl Drop for OffsetAllocator {
 mod tests {
     use super::*;
     use quilt_vmm::sim::{Fault, SimVmm};
+    use quilt_vmm::CallKind;
 
     const MIB: u64 = 1 << 20;
     const S0: StreamId = StreamId(0);
@@ -671,6 +723,47 @@ mod tests {
         a.check_invariants().unwrap();
         assert_eq!(a.stats().active.current, 1);
         free(&a, y.ptr);
+        drop(a);
+        assert!(vmm.leak_report().is_empty());
+    }
+
+    #[test]
+    fn a_stream_waits_for_the_streams_that_freed_before_it_allocates() {
+        let (vmm, a) = setup(1 << 30, None);
+        let calls = |kind| vmm.driver_stats().count(kind);
+        // One stream: no event, no wait.
+        let x = alloc(&a, MIB, S0);
+        free(&a, x.ptr);
+        let x2 = alloc(&a, MIB, S0);
+        assert_eq!(calls(CallKind::EventRecord), 0);
+        free(&a, x2.ptr);
+        // Another stream waits for S0's frees, once, then takes the memory.
+        let y = alloc(&a, MIB, S1);
+        assert_eq!(y.ptr, x.ptr);
+        let z = alloc(&a, MIB, S1);
+        assert_eq!(
+            (
+                calls(CallKind::EventRecord),
+                calls(CallKind::StreamWaitEvent)
+            ),
+            (1, 1)
+        );
+        // S1's frees (and a block S0 made and S1 used) make S0 wait next
+        // time, once, for S1 alone.
+        free(&a, y.ptr);
+        let w = alloc(&a, MIB, S0);
+        a.record_stream(w.ptr, S1).unwrap();
+        assert_eq!(calls(CallKind::StreamWaitEvent), 2);
+        free(&a, w.ptr);
+        let v = alloc(&a, MIB, S0);
+        assert_eq!(calls(CallKind::StreamWaitEvent), 3);
+        let u = alloc(&a, MIB, S0);
+        assert_eq!(calls(CallKind::StreamWaitEvent), 3);
+        for p in [z.ptr, v.ptr, u.ptr] {
+            free(&a, p);
+        }
+        a.empty_cache().unwrap();
+        a.check_invariants().unwrap();
         drop(a);
         assert!(vmm.leak_report().is_empty());
     }

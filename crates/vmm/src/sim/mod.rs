@@ -54,6 +54,18 @@ use crate::types::{
 use faults::FaultSet;
 use state::State;
 
+/// Bytes of the simulated device's memory: `len` bytes from `offset` of
+/// the memory `memory` (a handle's id, see [`SimVmm::memory_id`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryPiece {
+    /// The memory (shared by a handle and its imports).
+    pub memory: u64,
+    /// Where in it the piece starts.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
 /// Target of the backend's tracing events.
 const TARGET: &str = "quilt_vmm::sim";
 
@@ -331,6 +343,44 @@ impl SimVmm {
     /// when `addr` is not mapped.
     pub fn translate(&self, addr: DevicePtr) -> Option<(PhysHandle, u64)> {
         self.lock().state.translate(addr)
+    }
+
+    /// The simulated memory behind `addr .. addr + len` (whatever handles
+    /// and mappings make it up), as pieces in address order; unmapped parts
+    /// are left out. Two pieces name the same memory only where the same
+    /// bytes of the device lie behind them, whatever their addresses.
+    pub fn memory_pieces(&self, addr: DevicePtr, len: u64) -> Vec<MemoryPiece> {
+        self.lock()
+            .state
+            .memory_pieces(addr, len)
+            .into_iter()
+            .map(|(memory, offset, len)| MemoryPiece {
+                memory,
+                offset,
+                len,
+            })
+            .collect()
+    }
+
+    /// How far the host has queued `stream`'s work: a position that
+    /// [`SimVmm::work_complete`] and [`SimVmm::ordered_after`] take (every
+    /// [`SimVmm::queue_work`] and event record moves it by one).
+    pub fn stream_position(&self, stream: StreamId) -> u64 {
+        self.lock().state.stream_position(stream)
+    }
+
+    /// Whether `stream`'s work up to `position` has completed on the device.
+    pub fn work_complete(&self, stream: StreamId, position: u64) -> bool {
+        self.lock().state.work_complete(stream, position)
+    }
+
+    /// Whether work queued on `waiter` from now on is ordered after
+    /// `stream`'s work up to `position` (see [`SimVmm::stream_position`]):
+    /// the same stream (stream order), that work completed, or a chain of
+    /// [`Vmm::stream_wait_event`] calls from `waiter` to an event of
+    /// `stream` recorded at or past `position`. Not a driver call.
+    pub fn ordered_after(&self, waiter: StreamId, stream: StreamId, position: u64) -> bool {
+        self.lock().state.ordered_after(waiter, stream, position)
     }
 
     /// Checks every invariant of the simulated device's bookkeeping and says which
@@ -670,6 +720,91 @@ mod tests {
             sim.event_destroy(e).unwrap();
         }
         sim.check_invariants().unwrap();
+        assert!(sim.leak_report().is_empty());
+    }
+
+    #[test]
+    fn ordering_follows_completion_stream_order_and_chains_of_waits() {
+        let sim = SimVmm::new(SimConfig {
+            gpu_lag_ops: 4,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let (a, b, c) = (StreamId(1), StreamId(2), StreamId(3));
+        sim.queue_work(a);
+        let pos = sim.stream_position(a);
+        assert_eq!(pos, 1);
+        assert!(!sim.work_complete(a, pos));
+        assert!(sim.ordered_after(a, a, pos), "stream order");
+        assert!(!sim.ordered_after(b, a, pos), "nothing orders b after a");
+        // c waits for a's event; b waits for one of c's recorded after that:
+        // b is ordered after a's work through c.
+        let ea = sim.event_record(a).unwrap();
+        sim.stream_wait_event(c, ea).unwrap();
+        assert!(sim.ordered_after(c, a, pos));
+        assert!(!sim.ordered_after(b, a, pos));
+        let ec = sim.event_record(c).unwrap();
+        sim.stream_wait_event(b, ec).unwrap();
+        assert!(sim.ordered_after(b, a, pos), "through c's wait");
+        // Work a queues later is not covered by those waits.
+        sim.queue_work(a);
+        let later = sim.stream_position(a);
+        assert!(!sim.ordered_after(b, a, later));
+        // A wait for a stream that never waited for a orders nothing after a.
+        let (d, early) = (StreamId(4), StreamId(5));
+        let ec_early = sim.event_record(early).unwrap();
+        sim.stream_wait_event(d, ec_early).unwrap();
+        assert!(!sim.ordered_after(d, a, pos));
+        // The device catches up: everything is complete, hence ordered.
+        sim.advance(10);
+        assert!(sim.work_complete(a, later));
+        assert!(sim.ordered_after(d, a, later));
+        for e in [ea, ec, ec_early] {
+            sim.event_destroy(e).unwrap();
+        }
+    }
+
+    #[test]
+    fn memory_pieces_name_the_bytes_behind_addresses() {
+        let sim = SimVmm::with_capacity(1 << 30).unwrap();
+        let g = sim.config().granularity;
+        let va = sim.reserve(5 * g, 0).unwrap();
+        let (big, one, other) = (
+            sim.create(2 * g).unwrap(),
+            sim.create(g).unwrap(),
+            sim.create(g).unwrap(),
+        );
+        // `one`, then `big` whole, then nothing, then `other`.
+        sim.map(va, g, one, 0).unwrap();
+        sim.map(va + g, 2 * g, big, 0).unwrap();
+        sim.map(va + 4 * g, g, other, 0).unwrap();
+        let m = |h| sim.memory_id(h).unwrap();
+        let piece = |memory, offset, len| MemoryPiece {
+            memory,
+            offset,
+            len,
+        };
+        assert_eq!(
+            sim.memory_pieces(va + 10, 5 * g - 20),
+            [
+                piece(m(one), 10, g - 10),
+                piece(m(big), 0, 2 * g),
+                piece(m(other), 0, g - 10),
+            ]
+        );
+        assert_eq!(sim.memory_pieces(va + g + 7, g), [piece(m(big), 7, g)]);
+        assert!(sim.memory_pieces(va + 3 * g, g).is_empty());
+        // The same memory mapped elsewhere is the same piece.
+        sim.unmap(va, g).unwrap();
+        sim.map(va + 3 * g, g, one, 0).unwrap();
+        assert_eq!(sim.memory_pieces(va + 3 * g, 16), [piece(m(one), 0, 16)]);
+        for (addr, len) in [(va + g, 2 * g), (va + 3 * g, g), (va + 4 * g, g)] {
+            sim.unmap(addr, len).unwrap();
+        }
+        for h in [big, one, other] {
+            sim.release(h).unwrap();
+        }
+        sim.address_free(va, 5 * g).unwrap();
         assert!(sim.leak_report().is_empty());
     }
 

@@ -329,6 +329,83 @@ impl State {
             .map(|(start, m)| (PhysHandle(m.handle), m.offset + (addr - start)))
     }
 
+    /// The simulated memory behind `addr .. addr + len`, as
+    /// `(memory id, offset, length)` pieces in address order (pieces of one
+    /// memory that continue each other joined); unmapped parts left out.
+    pub(crate) fn memory_pieces(&self, addr: DevicePtr, len: u64) -> Vec<(u64, u64, u64)> {
+        let end = addr.saturating_add(len);
+        let mut pieces: Vec<(u64, u64, u64)> = Vec::new();
+        let mut at = addr;
+        while at < end {
+            let Some((start, m)) = self.ledger.mapping_containing(at) else {
+                at = (at / self.granularity + 1).saturating_mul(self.granularity);
+                continue;
+            };
+            let upto = start.saturating_add(m.size).min(end);
+            if let Some(memory) = self.memory_id(PhysHandle(m.handle)) {
+                let offset = m.offset + (at - start);
+                let len = upto - at;
+                match pieces.last_mut() {
+                    Some(last) if last.0 == memory && last.1 + last.2 == offset => last.2 += len,
+                    _ => pieces.push((memory, offset, len)),
+                }
+            }
+            at = upto;
+        }
+        pieces
+    }
+
+    /// How many items (declared work and events) were queued on `stream`
+    /// so far: the position its work has reached on the host.
+    pub(crate) fn stream_position(&self, stream: StreamId) -> u64 {
+        self.streams.get(&stream).map_or(0, |s| s.recorded)
+    }
+
+    /// Whether `stream`'s work up to `position` has completed on the device
+    /// (settled at the clock now).
+    pub(crate) fn work_complete(&mut self, stream: StreamId, position: u64) -> bool {
+        self.settle(stream);
+        self.streams
+            .get(&stream)
+            .is_none_or(|s| s.completed >= position)
+    }
+
+    /// Whether work queued on `waiter` from now on runs after `stream`'s
+    /// work up to `position`: the same stream, that work completed, or
+    /// `waiter` waited for an event of `stream` at or past `position`,
+    /// directly or through the waits of the streams it waited for (a wait
+    /// orders the waiter's later work after the event, and after whatever
+    /// that event's stream waited for before it).
+    pub(crate) fn ordered_after(
+        &mut self,
+        waiter: StreamId,
+        stream: StreamId,
+        position: u64,
+    ) -> bool {
+        if waiter == stream || self.work_complete(stream, position) {
+            return true;
+        }
+        // (stream, its work up to this position) whose waits order it.
+        let mut stack = vec![(waiter, u64::MAX)];
+        let mut seen: Vec<(StreamId, u64)> = Vec::new();
+        while let Some((id, before)) = stack.pop() {
+            let Some(s) = self.streams.get(&id) else {
+                continue;
+            };
+            // A wait at `at` precedes the stream's items `at + 1` onwards.
+            for &(_, other, seq) in s.waits.iter().take_while(|w| w.0 < before) {
+                if other == stream && seq >= position {
+                    return true;
+                }
+                if !seen.contains(&(other, seq)) {
+                    seen.push((other, seq));
+                    stack.push((other, seq));
+                }
+            }
+        }
+        false
+    }
+
     /// `cuMemGetInfo`.
     pub(crate) fn mem_info(&self) -> MemInfo {
         self.ledger.mem_info()
