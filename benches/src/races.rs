@@ -109,13 +109,15 @@ impl RaceTracker {
         let mut unordered: Option<(StreamId, u64)> = None;
         for p in sim.memory_pieces(ptr, len) {
             let end = p.offset + p.len;
-            for users in self.overlapping(p.memory, p.offset, end) {
-                if unordered.is_none() {
-                    unordered = users
-                        .iter()
-                        .copied()
-                        .find(|&(s, pos)| !sim.ordered_after(t, s, pos));
+            for key in self.overlapping(p.memory, p.offset, end) {
+                if unordered.is_some() {
+                    break;
                 }
+                unordered = self.freed[&key]
+                    .1
+                    .iter()
+                    .copied()
+                    .find(|&(s, pos)| !sim.ordered_after(t, s, pos));
             }
             self.cut(p.memory, p.offset, end);
         }
@@ -134,8 +136,8 @@ impl RaceTracker {
         true
     }
 
-    /// The users of the freed pieces of `memory` that overlap `start .. end`.
-    fn overlapping(&self, memory: u64, start: u64, end: u64) -> Vec<Users> {
+    /// The keys of the freed pieces of `memory` that overlap `start .. end`.
+    fn overlapping(&self, memory: u64, start: u64, end: u64) -> Vec<(u64, u64)> {
         let before = self
             .freed
             .range(..=(memory, start))
@@ -144,30 +146,13 @@ impl RaceTracker {
         let inside = self
             .freed
             .range((memory, start.saturating_add(1))..(memory, end));
-        before
-            .into_iter()
-            .chain(inside)
-            .map(|(_, (_, users))| users.clone())
-            .collect()
+        before.into_iter().chain(inside).map(|(k, _)| *k).collect()
     }
 
     /// Forget `start .. end` of `memory`, keeping the parts of pieces
     /// outside it.
     fn cut(&mut self, memory: u64, start: u64, end: u64) {
-        let mut keys: Vec<(u64, u64)> = self
-            .freed
-            .range(..=(memory, start))
-            .next_back()
-            .filter(|((m, _), (e, _))| *m == memory && *e > start)
-            .map(|(k, _)| *k)
-            .into_iter()
-            .collect();
-        keys.extend(
-            self.freed
-                .range((memory, start.saturating_add(1))..(memory, end))
-                .map(|(k, _)| *k),
-        );
-        for key in keys {
+        for key in self.overlapping(memory, start, end) {
             let Some((piece_end, users)) = self.freed.remove(&key) else {
                 continue;
             };
