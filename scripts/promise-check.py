@@ -16,7 +16,12 @@ each workload against the baselines of the same run:
 - dominated:    no baseline as small in minimum capacity, with no more calls
                 after the first iteration and an efficiency higher by more
                 than 0.005;
-- driver:       modelled driver time at most 1.05 x expandable's.
+- driver:       modelled driver time at most 1.05 x expandable's;
+- races:        no allocation given memory another stream's work may still
+                use, unordered (the row's `races`, from the replay's race
+                finder). A baseline row with races is no comparison (an
+                allocator a GPU would corrupt memory with): it is left out
+                of every promise above and listed as not compared.
 
 Run `ab` with bisection (the default) and the baselines wanted, e.g.
 
@@ -52,6 +57,12 @@ def check(quilt, baselines):
     broken, unchecked = [], []
     if not quilt["completed"]:
         return broken, ["did not complete at the run's capacity"]
+    if quilt.get("races", 0) > 0:
+        broken.append(("races", f"{quilt['races']} allocations reuse memory another stream's work may still use, unordered (first: {quilt.get('first_race')})"))
+    for name, b in sorted(baselines.items()):
+        if b.get("races", 0) > 0:
+            unchecked.append(f"{name} not compared: it reused memory unordered {b['races']} times")
+    baselines = {n: b for n, b in baselines.items() if b.get("races", 0) == 0}
     allocations = max(1.0, quilt["events"] / 2)
     syncs = quilt["stream_calls"]["synchronize"]
     fewest = min((b["stream_calls"]["synchronize"] for b in baselines.values()), default=0)
