@@ -82,7 +82,7 @@ impl RaceTracker {
             .collect();
         for p in sim.memory_pieces(ptr, len) {
             let end = p.offset + p.len;
-            self.cut(p.memory, p.offset, end);
+            self.take(p.memory, p.offset, end);
             self.freed
                 .insert((p.memory, p.offset), (end, users.clone()));
         }
@@ -108,18 +108,13 @@ impl RaceTracker {
         let t = StreamId(stream);
         let mut unordered: Option<(StreamId, u64)> = None;
         for p in sim.memory_pieces(ptr, len) {
-            let end = p.offset + p.len;
-            for key in self.overlapping(p.memory, p.offset, end) {
-                if unordered.is_some() {
-                    break;
+            for users in self.take(p.memory, p.offset, p.offset + p.len) {
+                if unordered.is_none() {
+                    unordered = users
+                        .into_iter()
+                        .find(|&(s, pos)| !sim.ordered_after(t, s, pos));
                 }
-                unordered = self.freed[&key]
-                    .1
-                    .iter()
-                    .copied()
-                    .find(|&(s, pos)| !sim.ordered_after(t, s, pos));
             }
-            self.cut(p.memory, p.offset, end);
         }
         let Some((s, pos)) = unordered else {
             return false;
@@ -150,8 +145,9 @@ impl RaceTracker {
     }
 
     /// Forget `start .. end` of `memory`, keeping the parts of pieces
-    /// outside it.
-    fn cut(&mut self, memory: u64, start: u64, end: u64) {
+    /// outside it; the users of each piece it overlapped.
+    fn take(&mut self, memory: u64, start: u64, end: u64) -> Vec<Users> {
+        let mut taken = Vec::new();
         for key in self.overlapping(memory, start, end) {
             let Some((piece_end, users)) = self.freed.remove(&key) else {
                 continue;
@@ -160,9 +156,11 @@ impl RaceTracker {
                 self.freed.insert(key, (start, users.clone()));
             }
             if piece_end > end {
-                self.freed.insert((memory, end), (piece_end, users));
+                self.freed.insert((memory, end), (piece_end, users.clone()));
             }
+            taken.push(users);
         }
+        taken
     }
 }
 
@@ -236,16 +234,16 @@ mod tests {
     }
 
     #[test]
-    fn cut_keeps_the_parts_outside() {
+    fn take_keeps_the_parts_outside() {
         let mut races = RaceTracker::new();
         let users = vec![(StreamId(1), 5)];
         races.freed.insert((7, 0), (100, users.clone()));
         races.freed.insert((7, 200), (300, users.clone()));
         races.freed.insert((8, 0), (100, users.clone()));
-        races.cut(7, 50, 250);
+        assert_eq!(races.take(7, 50, 250), [users.clone(), users]);
         let left: Vec<_> = races.freed.iter().map(|(k, (e, _))| (*k, *e)).collect();
         assert_eq!(left, [((7, 0), 50), ((7, 250), 300), ((8, 0), 100)]);
         assert_eq!(races.overlapping(7, 40, 260).len(), 2);
-        assert!(races.overlapping(7, 50, 250).is_empty());
+        assert!(races.take(7, 50, 250).is_empty());
     }
 }

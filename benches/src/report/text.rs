@@ -444,16 +444,16 @@ pub fn notes(outcomes: &[Outcome]) -> String {
     for o in outcomes {
         match o {
             Ok(m) => {
+                let who = format!("{} / {}", m.row.workload, m.row.allocator);
                 if let Some(first) = &m.row.first_race {
                     out.push_str(&format!(
-                        "{} / {}: UNSAFE: {} allocations reuse memory another stream's work may \
+                        "{who}: UNSAFE: {} allocations reuse memory another stream's work may \
                          still use, unordered (data races on a GPU); it competes for no claim. \
                          First: {first}\n",
-                        m.row.workload, m.row.allocator, m.row.races
+                        m.row.races
                     ));
                 }
                 let Some(oom) = &m.row.oom else { continue };
-                let who = format!("{} / {}", m.row.workload, m.row.allocator);
                 match (&oom.report, oom.verdict) {
                     (Some(r), Some(verdict)) => {
                         out.push_str(&format!(
