@@ -25,7 +25,6 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(quilt_no_python3)");
     println!("cargo::rustc-check-cfg=cfg(quilt_no_torch)");
     println!("cargo::rerun-if-changed=build.rs");
-    println!("cargo::rerun-if-env-changed=PATH");
     println!("cargo::rerun-if-env-changed=QUILT_TORCH_VENV");
     println!("cargo::rerun-if-env-changed=HOME");
     let runs = Command::new("python3")
@@ -34,6 +33,12 @@ fn main() {
         .is_ok_and(|o| o.status.success());
     if !runs {
         println!("cargo::rustc-cfg=quilt_no_python3");
+        // Looked for again when PATH changes, so that a python3 installed
+        // later is found. Not where one runs: `pip install .` builds this
+        // crate under PATHs with fresh temporary folders (its isolated build
+        // environment), which would otherwise rebuild quilt-torch, and
+        // everything above it, at each install and at the next `cargo test`.
+        println!("cargo::rerun-if-env-changed=PATH");
     }
     // The install script writes `<venv>.status`: "ok torch ..." once the
     // venv's python imports torch, else "skipped: <why>".
