@@ -1,11 +1,11 @@
 //! # quilt-bench: trace replay, workloads and the A/B harness
 //!
-//! - [`trace`]: the text trace format; [`snapshot`]: PyTorch snapshot pickles;
+//! - [`trace`]: the text trace format; [`snapshot_import`]: PyTorch snapshot pickles;
 //!   [`workloads`]: built-in generators.
 //! - [`replay`]: a trace through an allocator on a simulated device, with
 //!   metrics ([`live`]: live bytes and the page-granular ideal); [`bisect`]: the
 //!   minimum capacity at which it completes; [`races`]: memory reused while
-//!   another stream's work may still use it, unordered; [`serving`]: the serving events
+//!   another stream's work may still use it, unordered; [`serving_events`]: the serving events
 //!   (growable buffers, sleep and wake) natively on Quilt, emulated elsewhere.
 //! - [`ab`]: the A/B measuring (every pair, on worker threads); [`scale`]:
 //!   host cost per operation as live blocks and streams grow; [`sweep`]: one

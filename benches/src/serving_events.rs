@@ -12,10 +12,10 @@
 //!   [`CostModel::copy_bytes_per_us`]). A buffer of length 0 holds no block.
 //! - **Sleep** synchronises each stream its tag's allocations were made on
 //!   (the copy must see their work complete), copies each to the host
-//!   ([`Vmm::copy_to_host`], one call per GiB, as Quilt's sleep does; the
+//!   ([`quilt_vmm::Vmm::copy_to_host`], one call per GiB, as Quilt's sleep does; the
 //!   simulated device counts and costs it) and frees it. **Wake** allocates
 //!   each again (at a new address) and copies it back
-//!   ([`Vmm::copy_from_host`]).
+//!   ([`quilt_vmm::Vmm::copy_from_host`]).
 //!
 //! Quilt ([`Target::Native`]) runs `create_growable`, `grow_to`,
 //! `shrink_to`, `release_growable`, `allocate_tagged`, `sleep` (offload:

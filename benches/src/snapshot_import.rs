@@ -69,7 +69,7 @@ const DECODE_STACK_BYTES: usize = 512 << 20;
 
 /// Import the pickled snapshot `bytes` for device `device` as a trace named `name`.
 ///
-/// The import runs on its own thread with [`DECODE_STACK_BYTES`] of stack, and a
+/// The import runs on its own thread with `DECODE_STACK_BYTES` of stack, and a
 /// panic inside `serde-pickle` (it panics on some malformed input, such as a set
 /// holding NaN) becomes a [`TraceError::Snapshot`]: bad input never takes the
 /// caller down.

@@ -18,7 +18,7 @@
 //!   (`record_stream` on stream 0 for each weight, as PyTorch code must when
 //!   a tensor made on one stream is used on another) and they are freed after
 //!   the layer's kernels are queued: every such free crosses streams.
-//! - Compute: per layer, the activations of [`inference_layer`] on stream 0
+//! - Compute: per layer, the activations of `inference_layer` on stream 0
 //!   (hidden state, QKV, attention scores, MLP intermediates), then fp32
 //!   logits and the sampled ids at the end of a pass.
 //! - The loop body: [`BATCHES`] batches, each of 4 to 8 requests (prompts

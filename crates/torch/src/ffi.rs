@@ -1,5 +1,5 @@
 //! The C boundary: every exported function, each a thin wrapper that runs
-//! the safe [`crate::library`] inside [`guard`] (no panic crosses it, every
+//! the safe [`crate::library`] inside `guard` (no panic crosses it, every
 //! error is kept for `quilt_last_error`).
 //!
 //! The exported names all start with `quilt_`, so they cannot collide with

@@ -33,7 +33,8 @@
 //!   another whose kernels could overwrite it while the first stream's still
 //!   ran: a data race the replay's race finder reports.)
 //!
-//! Invariants ([`DeviceAllocator::check_invariants`]): live and pending blocks do
+//! Invariants (`DeviceAllocator::check_invariants`, with the `invariants`
+//! feature): live and pending blocks do
 //! not overlap and lie below the mapped high-water mark; the offset allocator's
 //! free space equals the arena minus the live and pending units; every
 //! statistic equals what it counts.

@@ -60,7 +60,8 @@ impl PageTable {
         self.touch.len()
     }
 
-    /// No page known.
+    /// No page known (for the invariant checker and the tests).
+    #[cfg(any(test, feature = "invariants"))]
     pub(crate) fn is_empty(&self) -> bool {
         self.touch.is_empty()
     }
