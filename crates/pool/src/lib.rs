@@ -1,11 +1,115 @@
 //! # quilt-pool: the page-granularity physical pool
 //!
-//! Physical memory is created **one handle per page** (one `cuMemCreate` of
-//! the page size, the driver's granularity by default) and handed out page by
-//! page. The caller maps each page whole, at offset 0, with its own
-//! `cuMemMap`, as CUDA's reference requires ("offset currently must be
+//! The physical memory under the Quilt allocator: GPU memory created **one
+//! handle per page** (one `cuMemCreate` of the page size, the driver's
+//! granularity by default), under a memory limit, and handed out and taken
+//! back page by page. The caller maps each page whole, at offset 0, with its
+//! own `cuMemMap`, as CUDA's reference requires ("offset currently must be
 //! zero") and as every production VMM allocator does: any page can later be
 //! unmapped alone without touching its neighbours.
+//!
+//! It runs on any backend of [`quilt_vmm`] (CUDA, host memory, a simulated
+//! device). A program that wants GPU memory takes `quilt-alloc`, which holds
+//! one pool per device; this crate is for building on pages directly. It has
+//! no feature flags, and no streams: which work still uses a page is the
+//! allocator's business.
+//!
+//! ## A first program
+//!
+//! On the simulated device (no GPU; `quilt-pool` and `quilt-vmm` as
+//! dependencies): pages created and handed out under a limit, mapped behind
+//! one virtual range, a growth the limit refuses, the statistics.
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use quilt_pool::{MemoryLimit, PagePool, PoolConfig, PoolError};
+//! use quilt_vmm::{sim::SimVmm, Vmm};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // A simulated device of 1 GiB (no GPU), of which the pool may hold 64 MiB.
+//!     // On a GPU: `Arc::new(quilt_vmm::cuda::CudaVmm::new(0)?)`.
+//!     let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+//!     let config = PoolConfig { limit: MemoryLimit::Bytes(64 << 20), ..PoolConfig::default() };
+//!     let pool = PagePool::new(vmm.clone(), config)?;
+//!     let page = pool.page_size(); // one `cuMemCreate` handle: 2 MiB here
+//!
+//!     // Pages are created on demand, then handed out; any eight will do.
+//!     pool.grow(8)?;
+//!     let pages = pool.take(8)?;
+//!     // The caller maps each page whole, at offset 0, behind one virtual range.
+//!     let va = vmm.reserve(8 * page, 0)?;
+//!     for (i, p) in (0u64..).zip(&pages) {
+//!         vmm.map(va + i * page, page, p.handle, 0)?;
+//!     }
+//!     vmm.set_access(va, 8 * page)?;
+//!
+//!     // Past the memory limit: refused with the figures, nothing changed.
+//!     match pool.grow(100) {
+//!         Err(PoolError::LimitReached { requested, allowed }) => {
+//!             println!("refused: {requested} pages asked, the limit allows {allowed} more")
+//!         }
+//!         other => return Err(format!("expected the limit, got {other:?}").into()),
+//!     }
+//!
+//!     vmm.unmap(va, 8 * page)?;
+//!     vmm.address_free(va, 8 * page)?;
+//!     pool.give_back(&pages)?;
+//!     let stats = pool.stats();
+//!     println!(
+//!         "{} pages held, {} free, {} handles created",
+//!         stats.total_pages, stats.free_pages, stats.handles_created
+//!     );
+//!     pool.trim(0)?; // release the free pages to the driver
+//!     assert_eq!(pool.stats().held_bytes, 0);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! It prints `refused: 100 pages asked, the limit allows 24 more` and
+//! `8 pages held, 8 free, 8 handles created`.
+//!
+//! ## On a GPU
+//!
+//! The same over CUDA's driver: `quilt-vmm` with its `cuda` feature (on by
+//! default) and a GPU (the doctests compile this program, and do not run
+//! it). Streams, and cudarc's, appear one layer up: the front pages of
+//! `quilt-vmm` and `quilt-alloc`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use quilt_pool::{MemoryLimit, PagePool, PoolConfig};
+//! use quilt_vmm::{cuda::CudaVmm, Vmm};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // Device 0 (libcuda loaded at run time); the pool may hold a quarter of it.
+//!     let cuda = Arc::new(CudaVmm::new(0)?);
+//!     let vmm: Arc<dyn Vmm> = cuda.clone();
+//!     let config = PoolConfig { limit: MemoryLimit::Fraction(0.25), ..PoolConfig::default() };
+//!     let pool = PagePool::new(vmm, config)?;
+//!     let page = pool.page_size();
+//!
+//!     // Three pages, wherever the device has them, behind one range.
+//!     pool.grow(3)?;
+//!     let pages = pool.take(3)?;
+//!     let va = cuda.reserve(3 * page, 0)?;
+//!     for (i, p) in (0u64..).zip(&pages) {
+//!         cuda.map(va + i * page, page, p.handle, 0)?;
+//!     }
+//!     cuda.set_access(va, 3 * page)?;
+//!     cuda.copy_to_device(va, &vec![1u8; (3 * page) as usize])?; // one copy across three handles
+//!
+//!     cuda.unmap(va, 3 * page)?;
+//!     cuda.address_free(va, 3 * page)?;
+//!     pool.give_back(&pages)?;
+//!     pool.trim(0)?;
+//!     assert!(cuda.leak_report().is_empty());
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## The pool
 //!
 //! - [`PagePool::take`] hands out `n` free pages; they never need to be
 //!   contiguous in any sense.
@@ -27,6 +131,13 @@
 //! The pool is `Send + Sync`; its state sits behind one mutex, taken only when
 //! pages change hands (a driver call follows anyway), never on an allocator's
 //! cache-hit path.
+//!
+//! ## Where to go next
+//!
+//! - `quilt-alloc`: the allocator on top (stitching pages into ranges,
+//!   caching them, reclaiming them under streams' work).
+//! - `docs/design.md` in the repository, §2: the pool as built, and the
+//!   growth policy's reasoning.
 #![forbid(unsafe_code)]
 
 mod config;
