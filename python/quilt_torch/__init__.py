@@ -89,16 +89,24 @@ __all__ = [
     "is_asleep",
 ]
 
-# The environment variable that overrides where the library is looked for.
+# Where library_path() looks for Quilt's C library, in this order:
+# 1. the file this environment variable names, when it is set (and nowhere
+#    else then: a wrong override is an error, not a silent fallback);
 LIBRARY_ENV = "QUILT_TORCH_LIBRARY"
-
-# The repository root: this file is <repo>/python/quilt_torch/__init__.py.
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# 2. inside this package, where `pip install` puts it (setup.py: crates/torch's
+#    cdylib, named for the stable-ABI wheel it ships in);
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_INSTALLED_LIBRARY = os.path.join(_PACKAGE_DIR, "libquilt_torch.abi3.so")
+# 3. the checkout's cargo build, for development in a source checkout (this
+#    file is then <repo>/python/quilt_torch/__init__.py).
+_REPO = os.path.abspath(os.path.join(_PACKAGE_DIR, "..", ".."))
 _DEFAULT_LIBRARY = os.path.join(_REPO, "target", "release", "libquilt_torch.so")
 
 _BUILD_HINT = (
-    "build it with `cargo build --release -p quilt-torch` in {repo}, "
-    "or point the environment variable {env} at an existing libquilt_torch.so"
+    "install the package with `pip install <checkout>` (it builds the library "
+    "into it), or in a checkout build it with `cargo build --release -p "
+    "quilt-torch`, or point the environment variable {env} at an existing "
+    "libquilt_torch.so"
 )
 
 # Guards the lazily created, process-wide objects below.
@@ -109,24 +117,36 @@ _enabled = None  # the allocator passed to change_current_allocator, if any
 
 
 def library_path():
-    """Return the absolute path of ``libquilt_torch.so``.
+    """Return the absolute path of Quilt's C library, ``libquilt_torch.so``.
 
     The environment variable ``QUILT_TORCH_LIBRARY`` wins when set; otherwise
-    the repository's ``target/release/libquilt_torch.so`` is used.
+    the library that ``pip install`` put inside this package
+    (``quilt_torch/libquilt_torch.abi3.so``); otherwise, in a source checkout,
+    ``target/release/libquilt_torch.so``.
 
     Raises:
-        FileNotFoundError: if the file does not exist, with a message saying
-            how to build it.
+        FileNotFoundError: if ``QUILT_TORCH_LIBRARY`` names no file, or
+            neither of the other two exists, with a message saying how to
+            install or build it.
     """
     override = os.environ.get(LIBRARY_ENV)
-    path = os.path.abspath(override) if override else _DEFAULT_LIBRARY
-    if not os.path.isfile(path):
-        origin = "{} points at".format(LIBRARY_ENV) if override else "expected"
-        raise FileNotFoundError(
-            "Quilt's PyTorch library not found ({} {}); ".format(origin, path)
-            + _BUILD_HINT.format(repo=_REPO, env=LIBRARY_ENV)
+    if override:
+        path = os.path.abspath(override)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                "Quilt's PyTorch library not found ({} points at {}, which "
+                "is not a file)".format(LIBRARY_ENV, path)
+            )
+        return path
+    for path in (_INSTALLED_LIBRARY, _DEFAULT_LIBRARY):
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        "Quilt's PyTorch library not found (looked for {} and {}); ".format(
+            _INSTALLED_LIBRARY, _DEFAULT_LIBRARY
         )
-    return path
+        + _BUILD_HINT.format(env=LIBRARY_ENV)
+    )
 
 
 def _declare(lib):
