@@ -211,3 +211,9 @@ pub use error::{AllocError, InvariantViolation, OomReport, OomVerdict};
 pub use snapshot::{BlockInfo, BlockState, MemorySnapshot, SegmentInfo};
 pub use stats::{AllocatorStats, Stat};
 pub use summary::MemorySummary;
+
+/// The example of the crate's README (its page on the registry), run with
+/// the doctests so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
