@@ -19,9 +19,12 @@ else:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# setuptools' scratch folder (pyproject.toml's [tool.distutils.*]): egg_info
-# wants it to exist already.
-os.makedirs(os.path.join(HERE, "target", "python-build"), exist_ok=True)
+# setuptools' scratch folder, inside the ignored target/ rather than build/
+# and python/quilt_torch.egg-info in the checkout. egg_info wants it to exist.
+# A config file overrides it (crates/torch/tests/pip_install.rs names one of
+# its own through $DIST_EXTRA_CONFIG, so that runs at once do not share it).
+SCRATCH = os.path.join(HERE, "target", "python-build")
+os.makedirs(SCRATCH, exist_ok=True)
 
 
 def workspace_version():
@@ -42,14 +45,17 @@ setup(
             # there is a debug build).
             debug=False,
             # The crate's own crate types, so that this build is the same
-            # cargo unit as `cargo build --release -p quilt-torch` and as the
-            # workspace's `cargo test --release`: with setuptools-rust's
-            # default (cdylib alone) each would rebuild quilt-torch, and the
-            # crates above it, after the other.
+            # cargo unit as `cargo build --release -p quilt-torch` (the
+            # README's development build): with setuptools-rust's default
+            # (cdylib alone) each would rebuild quilt-torch after the other.
             args=["--crate-type", "cdylib", "--crate-type", "rlib"],
         )
     ],
     # The library calls no Python C API (it is loaded with ctypes), so the
     # wheel holds for every CPython 3 from 3.8: a stable-ABI (abi3) wheel.
-    options={"bdist_wheel": {"py_limited_api": "cp38"}},
+    options={
+        "bdist_wheel": {"py_limited_api": "cp38"},
+        "build": {"build_base": SCRATCH},
+        "egg_info": {"egg_base": SCRATCH},
+    },
 )

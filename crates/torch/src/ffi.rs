@@ -326,3 +326,254 @@ pub unsafe extern "C" fn quilt_dump_snapshot(path: *const c_char) -> c_int {
         library().dump_snapshot(path).map(|()| 0)
     })
 }
+
+// -- torch's allocator class (python/quilt_torch/torch_allocator.cpp) ------
+
+/// What `quilt_torch_malloc` made.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QuiltAllocation {
+    /// The block (NULL on failure).
+    pub ptr: *mut c_void,
+    /// The sequence number of its `alloc` history entry (0: none recorded).
+    pub seq: u64,
+}
+
+/// Write `value` to `out` if it is not null.
+///
+/// # Safety
+///
+/// `out` is null or points to a writable `T`.
+unsafe fn write_out<T>(out: *mut T, value: T) {
+    if !out.is_null() {
+        // SAFETY: a non-null `out` points to a writable `T` (this
+        // function's contract, passed on from the C functions').
+        unsafe { out.write(value) };
+    }
+}
+
+/// Copy `items` into the caller's array `out` of `len` elements (as many
+/// as fit); returns how many there are.
+///
+/// # Safety
+///
+/// `out` is null (then nothing is written) or points to `len` writable `T`s.
+unsafe fn write_array<T: Copy>(items: &[T], out: *mut T, len: usize) -> usize {
+    if !out.is_null() {
+        let n = items.len().min(len);
+        // SAFETY: `out` points to `len >= n` writable `T`s (this function's
+        // contract); `items` is our own slice, which cannot overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, n) };
+    }
+    items.len()
+}
+
+/// The pool of a `quilt_torch_malloc`: none when `use_pool` is 0.
+fn pool_of(use_pool: c_int, first: u64, second: u64) -> Option<crate::private_pools::PoolId> {
+    (use_pool != 0).then_some((first, second))
+}
+
+/// A block of `size` bytes on `device`, ordered on `stream`, into torch's
+/// private pool `(pool_first, pool_second)` when `use_pool` is non-zero,
+/// carrying the calling thread's tag if one is set. Returns 0 and fills
+/// `*out`; 1 for an out of memory (the device cannot back it, or it is
+/// larger than Quilt could ever map), 2 for another failure (both: see
+/// `quilt_last_error`).
+///
+/// # Safety
+///
+/// `out` is null or points to a writable `QuiltAllocation`.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_torch_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    use_pool: c_int,
+    pool_first: u64,
+    pool_second: u64,
+    out: *mut QuiltAllocation,
+) -> c_int {
+    guard(2, || {
+        let made = CURRENT_TAG.with(|tag| {
+            library().torch_malloc(
+                size as u64,
+                device,
+                stream as usize as u64,
+                tag.borrow().as_deref(),
+                pool_of(use_pool, pool_first, pool_second),
+            )
+        });
+        match made {
+            Ok((ptr, seq)) => {
+                let a = QuiltAllocation {
+                    ptr: ptr as usize as *mut c_void,
+                    seq,
+                };
+                // SAFETY: `out` as this function's contract says.
+                unsafe { write_out(out, a) };
+                Ok(0)
+            }
+            Err(f) => {
+                set_last_error(f.message);
+                Ok(if f.out_of_memory { 1 } else { 2 })
+            }
+        }
+    })
+}
+
+/// Give back the block at `ptr` (of `size` bytes, on `device`, allocated on
+/// `stream`): a block of a private pool in use stays the pool's. 0 on
+/// success, with the sequence number of its `free_requested` history entry
+/// in `*seq` (0: none recorded); 1 on error.
+///
+/// # Safety
+///
+/// `seq` is null or points to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_torch_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    seq: *mut u64,
+) -> c_int {
+    guard(1, || {
+        let s = library().torch_free(
+            ptr as usize as u64,
+            size as u64,
+            device,
+            stream as usize as u64,
+        )?;
+        // SAFETY: `seq` as this function's contract says.
+        unsafe { write_out(seq, s) };
+        Ok(0)
+    })
+}
+
+/// torch's statistics of `device` into `*out`. 0 on success, 1 on error.
+///
+/// # Safety
+///
+/// `out` is null or points to a writable `QuiltDeviceStats`.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_device_stats(
+    device: c_int,
+    out: *mut crate::device_stats::QuiltDeviceStats,
+) -> c_int {
+    guard(1, || {
+        let s = library().device_stats(device)?;
+        // SAFETY: `out` as this function's contract says.
+        unsafe { write_out(out, s) };
+        Ok(0)
+    })
+}
+
+/// The totals of `device`'s statistics count from now (torch's
+/// `resetAccumulatedStats`). 0 on success, 1 on error.
+#[no_mangle]
+pub extern "C" fn quilt_reset_accumulated_stats(device: c_int) -> c_int {
+    guard(1, || library().reset_accumulated_stats(device).map(|()| 0))
+}
+
+/// torch's `createOrIncrefPool`. 0 on success, 1 on error.
+#[no_mangle]
+pub extern "C" fn quilt_pool_create_or_incref(device: c_int, first: u64, second: u64) -> c_int {
+    guard(1, || {
+        library()
+            .pool_create_or_incref(device, (first, second))
+            .map(|()| 0)
+    })
+}
+
+/// torch's `releasePool`. 0 on success, 1 on error.
+#[no_mangle]
+pub extern "C" fn quilt_pool_release(device: c_int, first: u64, second: u64) -> c_int {
+    guard(1, || {
+        library().pool_release(device, (first, second)).map(|()| 0)
+    })
+}
+
+/// torch's `getPoolUseCount`; -1 on error.
+#[no_mangle]
+pub extern "C" fn quilt_pool_use_count(device: c_int, first: u64, second: u64) -> c_int {
+    guard(-1, || {
+        library()
+            .pool_use_count(device, (first, second))
+            .map(|n| c_int::try_from(n).unwrap_or(c_int::MAX))
+    })
+}
+
+/// The memory fraction of `device`; -1 on error.
+#[no_mangle]
+pub extern "C" fn quilt_get_memory_fraction(device: c_int) -> c_double {
+    guard(-1.0, || library().memory_fraction(device))
+}
+
+/// The segments of `device` (every device when it is -1) into `segs` (of
+/// `seg_len`) and their blocks into `blocks` (of `block_len`), as many as
+/// fit; returns the number of segments and writes the number of blocks to
+/// `*blocks_needed`. Call again with larger arrays when they did not fit.
+///
+/// # Safety
+///
+/// `segs` is null or points to `seg_len` writable `QuiltSegment`s; `blocks`
+/// likewise with `block_len`; `blocks_needed` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_segments(
+    device: c_int,
+    segs: *mut crate::listing::QuiltSegment,
+    seg_len: usize,
+    blocks: *mut crate::listing::QuiltBlock,
+    block_len: usize,
+    blocks_needed: *mut usize,
+) -> usize {
+    guard(0, || {
+        let (s, b) = library().segments((device >= 0).then_some(device))?;
+        // SAFETY: the three pointers as this function's contract says.
+        unsafe {
+            write_out(blocks_needed, b.len());
+            write_array(&b, blocks, block_len);
+            Ok(write_array(&s, segs, seg_len))
+        }
+    })
+}
+
+/// The history entries with a sequence number above `seq`, oldest first,
+/// into `out` (of `len`), as many as fit; returns how many there are.
+///
+/// # Safety
+///
+/// `out` is null or points to `len` writable `QuiltTraceEntry`s.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_history_since(
+    seq: u64,
+    out: *mut crate::listing::QuiltTraceEntry,
+    len: usize,
+) -> usize {
+    guard(0, || {
+        let entries = library().history_since(seq);
+        // SAFETY: `out` and `len` as this function's contract says.
+        Ok(unsafe { write_array(&entries, out, len) })
+    })
+}
+
+/// Forget the history recorded so far. 0.
+#[no_mangle]
+pub extern "C" fn quilt_clear_history() -> c_int {
+    guard(1, || {
+        library().clear_history();
+        Ok(0)
+    })
+}
+
+/// As `quilt_set_memory_fraction`, saying whether it took: 0 on success, 1
+/// when refused (a fraction outside (0, 1], one below what live blocks
+/// hold; see `quilt_last_error`).
+#[no_mangle]
+pub extern "C" fn quilt_try_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
+    guard(1, || {
+        library()
+            .set_memory_fraction(fraction, device)
+            .map(|()| 0)
+    })
+}

@@ -8,9 +8,13 @@
 //! from the snapshot: the mapped memory is a set of [`Run`]s (maximal ranges
 //! of mapped address space on one stream, the snapshot's segments), and after
 //! each operation that mapped or unmapped pages [`History::sync_segments`]
-//! records what changed since the last time ([`segment_events`]): a new run
-//! is `segment_alloc`, a vanished one `segment_free`, pages mapped onto or
-//! unmapped from a run that stays are `segment_map` and `segment_unmap`.
+//! records what changed since the last time ([`segment_events`]): pages
+//! mapped are `segment_map`, pages unmapped `segment_unmap`, whether they
+//! make or end a run or change one that stays, as PyTorch writes them for
+//! its expandable segments. No `segment_alloc` or `segment_free` is written:
+//! PyTorch pairs a `segment_free` only with a `segment_alloc` of the same
+//! range, and a run of Quilt's grows, shrinks and joins others between the
+//! two (its viewer's "Allocator State History" failed on that).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,8 +24,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// One action, as an entry of PyTorch's `device_traces`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceEntry {
-    /// `alloc`, `free_requested`, `free_completed`, `oom`, `segment_alloc`,
-    /// `segment_free`, `segment_map` or `segment_unmap`.
+    /// `alloc`, `free_requested`, `free_completed`, `oom`, `segment_map` or
+    /// `segment_unmap` (no `segment_alloc` or `segment_free`: see the
+    /// module's text).
     pub action: &'static str,
     /// The block's or the range's address; for `oom` the bytes the device had
     /// free, which the snapshot writes as `device_free` (PyTorch's key).
@@ -35,6 +40,9 @@ pub struct TraceEntry {
     /// The C function that caused it (`quilt_malloc`, `quilt_empty_cache`,
     /// ...): the entry's one frame, since no Python stack is recorded.
     pub source: &'static str,
+    /// Its place in the history of every device, from 1 up, in recording
+    /// order ([`History::entries_since`]); 0 in an entry made by hand.
+    pub seq: u64,
 }
 
 /// A maximal range of mapped address space on one stream: a segment of the
@@ -87,33 +95,36 @@ fn uncovered(run: &Run, cover: &[&Run]) -> Vec<Run> {
 }
 
 /// The segment events that take the mapped memory from `old` to `new` (both
-/// sorted by address, disjoint): removals first (`segment_free` for a run
-/// that no new run overlaps, `segment_unmap` for each part of a run that
-/// stays but lost pages), then additions (`segment_alloc` for a run that
-/// overlaps no old run, `segment_map` for each part newly mapped onto one).
-/// Replayed backwards from `new`, as PyTorch's viewer does, they give `old`
-/// back exactly.
+/// sorted by address, disjoint): removals first, a `segment_unmap` for each
+/// part of an old run that no new run of its stream covers (the whole run
+/// where it vanished), then additions, a `segment_map` for each part of a
+/// new run that no old run of its stream covers (the whole run where it is
+/// new). Pages that went over to another stream are unmapped from the old
+/// run and mapped onto the new one, since a segment of PyTorch's has one
+/// stream. Each range lies in one run: the old one it left, the new one it
+/// joined. Replayed
+/// backwards from `new`, as PyTorch's viewer does (an undone unmap merges
+/// with the neighbours of its stream, an undone map is cut out of the run
+/// that holds it), they give `old` back exactly.
 pub fn segment_events(old: &[Run], new: &[Run]) -> Vec<(&'static str, Run)> {
     let mut out = Vec::new();
     for o in old {
-        let cover: Vec<&Run> = new.iter().filter(|n| n.overlaps(o)).collect();
-        if cover.is_empty() {
-            out.push(("segment_free", *o));
-        } else {
-            out.extend(
-                uncovered(o, &cover)
-                    .into_iter()
-                    .map(|r| ("segment_unmap", r)),
-            );
-        }
+        let cover: Vec<&Run> = new
+            .iter()
+            .filter(|n| n.stream == o.stream && n.overlaps(o))
+            .collect();
+        out.extend(
+            uncovered(o, &cover)
+                .into_iter()
+                .map(|r| ("segment_unmap", r)),
+        );
     }
     for n in new {
-        let cover: Vec<&Run> = old.iter().filter(|o| o.overlaps(n)).collect();
-        if cover.is_empty() {
-            out.push(("segment_alloc", *n));
-        } else {
-            out.extend(uncovered(n, &cover).into_iter().map(|r| ("segment_map", r)));
-        }
+        let cover: Vec<&Run> = old
+            .iter()
+            .filter(|o| o.stream == n.stream && o.overlaps(n))
+            .collect();
+        out.extend(uncovered(n, &cover).into_iter().map(|r| ("segment_map", r)));
     }
     out
 }
@@ -125,6 +136,8 @@ struct Book {
     /// Per device: the runs at the last sync, and the driver's map and
     /// unmap count then (the runs change only when it does).
     runs: BTreeMap<i32, (Vec<Run>, u64)>,
+    /// The last sequence number given ([`TraceEntry::seq`]).
+    last_seq: u64,
 }
 
 fn now_us() -> u64 {
@@ -135,16 +148,21 @@ fn now_us() -> u64 {
 }
 
 impl Book {
-    fn push(&mut self, device: i32, entry: TraceEntry) {
+    /// Keep `entry` with the next sequence number, which is returned (0
+    /// when nothing is kept).
+    fn push(&mut self, device: i32, mut entry: TraceEntry) -> u64 {
         let max = self.max_entries;
         if max == 0 {
-            return;
+            return 0;
         }
+        self.last_seq += 1;
+        entry.seq = self.last_seq;
         let q = self.per_device.entry(device).or_default();
         if q.len() == max {
             q.pop_front();
         }
         q.push_back(entry);
+        self.last_seq
     }
 }
 
@@ -179,7 +197,7 @@ impl History {
     }
 
     /// Record `action` on `device`, caused by the C function `source`, if
-    /// recording.
+    /// recording. Returns the entry's sequence number (0: not recorded).
     pub fn record(
         &self,
         device: i32,
@@ -188,13 +206,13 @@ impl History {
         size: u64,
         stream: u64,
         source: &'static str,
-    ) {
+    ) -> u64 {
         if !self.is_on() {
-            return;
+            return 0;
         }
         let time_us = now_us();
-        if let Ok(mut b) = self.book.lock() {
-            b.push(
+        match self.book.lock() {
+            Ok(mut b) => b.push(
                 device,
                 TraceEntry {
                     action,
@@ -203,9 +221,40 @@ impl History {
                     stream,
                     time_us,
                     source,
+                    seq: 0,
                 },
-            );
+            ),
+            Err(_) => 0,
         }
+    }
+
+    /// Forget every entry recorded so far (torch's `clearHistory`); the
+    /// sequence numbers go on from where they were.
+    pub fn clear(&self) {
+        if let Ok(mut b) = self.book.lock() {
+            b.per_device.clear();
+        }
+    }
+
+    /// The entries of every device with a sequence number above `seq`, in
+    /// recording order.
+    pub fn entries_since(&self, seq: u64) -> Vec<(i32, TraceEntry)> {
+        let mut out: Vec<(i32, TraceEntry)> = self
+            .book
+            .lock()
+            .map(|b| {
+                b.per_device
+                    .iter()
+                    .flat_map(|(&d, q)| {
+                        q.iter()
+                            .filter(|t| t.seq > seq)
+                            .map(move |t| (d, t.clone()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort_by_key(|(_, t)| t.seq);
+        out
     }
 
     /// Take `runs` as `device`'s mapped memory now, with no events (where
@@ -248,6 +297,7 @@ impl History {
                         stream: r.stream,
                         time_us,
                         source,
+                        seq: 0,
                     },
                 );
             }
@@ -292,6 +342,26 @@ mod tests {
         assert_eq!(h.entries()[&0].len(), 2);
     }
 
+    #[test]
+    fn sequence_numbers_rise_across_devices_and_survive_a_clear() {
+        let h = History::default();
+        assert_eq!(h.record(0, "alloc", 1, 8, 0, "quilt_malloc"), 0);
+        h.set(true, 10);
+        let a = h.record(0, "alloc", 1, 8, 0, "quilt_malloc");
+        let b = h.record(1, "alloc", 2, 8, 0, "quilt_malloc");
+        let c = h.record(0, "free_requested", 1, 8, 0, "quilt_free");
+        assert!(0 < a && a < b && b < c);
+        let since: Vec<(i32, u64)> = h
+            .entries_since(a)
+            .iter()
+            .map(|(d, t)| (*d, t.seq))
+            .collect();
+        assert_eq!(since, [(1, b), (0, c)]);
+        h.clear();
+        assert!(h.entries_since(0).is_empty());
+        assert!(h.record(0, "alloc", 3, 8, 0, "quilt_malloc") > c);
+    }
+
     fn run(addr: u64, size: u64) -> Run {
         Run {
             addr,
@@ -301,57 +371,50 @@ mod tests {
     }
 
     /// PyTorch's viewer's backward replay (`simulate_memory` in
-    /// MemoryViz.js), on segments only: from `new`, undo `events` last
-    /// first; None where it would fail (no segment to cut from or remove).
+    /// MemoryViz.js, its segment edits ported in
+    /// `pytorch_snapshot::viewer_replay`), on segments only, with streams
+    /// compared as the viewer does where some event is on another stream
+    /// than 0: from `new`, undo `events` last first; None where it would
+    /// fail (no segment to cut a mapped range from).
     fn replay_backwards(new: &[Run], events: &[(&str, Run)]) -> Option<Vec<Run>> {
-        let mut segs: Vec<Run> = new.to_vec();
+        use crate::pytorch_snapshot::viewer_replay::{start, Piece};
+        let mut v = start(new);
         for (action, r) in events.iter().rev() {
+            let seg = Piece {
+                addr: r.addr,
+                size: r.size,
+                stream: Some(r.stream),
+            };
             match *action {
-                "segment_free" => segs.push(*r),
-                "segment_unmap" => {
-                    segs.push(*r);
-                    segs.sort_by_key(|s| s.addr);
-                    let mut merged: Vec<Run> = Vec::new();
-                    for s in segs.drain(..) {
-                        match merged.last_mut() {
-                            Some(p) if p.end() == s.addr && p.stream == s.stream => {
-                                p.size += s.size
-                            }
-                            _ => merged.push(s),
-                        }
-                    }
-                    segs = merged;
-                }
-                "segment_alloc" => {
-                    let i = segs.iter().position(|s| s.addr == r.addr)?;
-                    segs.remove(i);
-                }
+                "segment_unmap" => v.insert(true, seg),
                 "segment_map" => {
-                    let i = segs
-                        .iter()
-                        .position(|s| s.addr <= r.addr && r.end() <= s.end())?;
-                    let s = segs.remove(i);
-                    if s.addr < r.addr {
-                        segs.push(run(s.addr, r.addr - s.addr));
-                    }
-                    if r.end() < s.end() {
-                        segs.push(run(r.end(), s.end() - r.end()));
+                    if !v.cut(true, seg) {
+                        return None;
                     }
                 }
                 _ => return None,
             }
         }
-        segs.sort_by_key(|s| s.addr);
-        Some(segs)
+        Some(
+            v.pieces
+                .iter()
+                .map(|p| Run {
+                    addr: p.addr,
+                    size: p.size,
+                    stream: p.stream.unwrap_or(u64::MAX),
+                })
+                .collect(),
+        )
     }
 
     #[test]
     fn segment_events_replay_back_to_the_old_runs() {
         let m = 1u64 << 20;
+        let on = |stream: u64, addr: u64, size: u64| Run { addr, size, stream };
         let cases: Vec<(Vec<Run>, Vec<Run>, Vec<&str>)> = vec![
-            // nothing, then a run: segment_alloc; and back
-            (vec![], vec![run(0, 2 * m)], vec!["segment_alloc"]),
-            (vec![run(0, 2 * m)], vec![], vec!["segment_free"]),
+            // nothing, then a run: mapped; and back: unmapped
+            (vec![], vec![run(0, 2 * m)], vec!["segment_map"]),
+            (vec![run(0, 2 * m)], vec![], vec!["segment_unmap"]),
             // grown at the end, shrunk at the front
             (
                 vec![run(0, 2 * m)],
@@ -378,7 +441,14 @@ mod tests {
             (
                 vec![run(0, 2 * m)],
                 vec![run(8 * m, 2 * m)],
-                vec!["segment_free", "segment_alloc"],
+                vec!["segment_unmap", "segment_map"],
+            ),
+            // a run of another stream takes the place of one that vanished,
+            // next to a run that stays
+            (
+                vec![run(0, 2 * m), on(5, 2 * m, 2 * m)],
+                vec![run(0, 2 * m), on(7, 2 * m, 4 * m)],
+                vec!["segment_unmap", "segment_map"],
             ),
             // unchanged
             (vec![run(0, 2 * m)], vec![run(0, 2 * m)], vec![]),
@@ -413,8 +483,8 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("segment_alloc", 2 * m, "quilt_malloc"),
-                ("segment_free", 2 * m, "quilt_empty_cache")
+                ("segment_map", 2 * m, "quilt_malloc"),
+                ("segment_unmap", 2 * m, "quilt_empty_cache")
             ]
         );
     }

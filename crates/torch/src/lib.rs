@@ -23,6 +23,31 @@
 //! int    quilt_is_asleep(const char* tag);   // 1, 0, or -1 on error
 //! ```
 //!
+//! and, for torch's allocator class (`python/quilt_torch/torch_allocator.cpp`,
+//! which `quilt_torch.enable()` installs as torch's CUDA allocator), plain C
+//! structs ([`device_stats`], [`listing`], [`ffi::QuiltAllocation`]):
+//!
+//! ```c
+//! int    quilt_torch_malloc(size_t size, int device, void* stream, int use_pool,
+//!                           uint64_t pool_first, uint64_t pool_second,
+//!                           QuiltAllocation* out);      // 0, 1 out of memory, 2 error
+//! int    quilt_torch_free(void* ptr, size_t size, int device, void* stream, uint64_t* seq);
+//! int    quilt_device_stats(int device, QuiltDeviceStats* out);
+//! int    quilt_reset_accumulated_stats(int device);
+//! int    quilt_pool_create_or_incref(int device, uint64_t first, uint64_t second);
+//! int    quilt_pool_release(int device, uint64_t first, uint64_t second);
+//! int    quilt_pool_use_count(int device, uint64_t first, uint64_t second);
+//! double quilt_get_memory_fraction(int device);
+//! size_t quilt_segments(int device, QuiltSegment* segs, size_t seg_len,
+//!                       QuiltBlock* blocks, size_t block_len, size_t* blocks_needed);
+//! size_t quilt_history_since(uint64_t seq, QuiltTraceEntry* out, size_t len);
+//! int    quilt_clear_history(void);
+//! int    quilt_try_set_memory_fraction(double fraction, int device); // 0, or 1 refused
+//! ```
+//!
+//! torch's private pools (CUDA graphs, `torch.cuda.MemPool`) are kept in
+//! front of Quilt ([`private_pools`]).
+//!
 //! Sleep and wake (`docs/serving.md`, "From PyTorch"): the allocations a
 //! thread makes between `quilt_set_tag` and `quilt_clear_tag` carry the tag
 //! (as torch_memory_saver's `region` and vLLM's `use_memory_pool(tag)`);
@@ -44,9 +69,12 @@
 #![deny(unsafe_code)]
 
 pub mod conf;
+pub mod device_stats;
 pub mod ffi;
 pub mod history;
 pub mod library;
+pub mod listing;
+pub mod private_pools;
 pub mod pytorch_snapshot;
 
 pub use ffi::{current_tag, last_error};

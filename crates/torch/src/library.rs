@@ -16,7 +16,10 @@ use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, DevicePtr, StreamId, Vmm};
 
 use crate::conf::{self, Backend, LibraryConf};
+use crate::device_stats::{self, Accumulated, QuiltDeviceStats};
 use crate::history::History;
+use crate::listing::{self, QuiltBlock, QuiltSegment, QuiltTraceEntry};
+use crate::private_pools::{Freed, PoolId, PrivatePools};
 use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
 
 /// The driver's map and unmap count of `alloc`: the mapped memory changes
@@ -34,6 +37,13 @@ pub struct Device {
     alloc: QuiltAllocator,
     /// The most segments a statistics call or a snapshot has shown.
     segment_peak: AtomicU64,
+    /// torch's private pools (CUDA graphs, `MemPool`) on this device.
+    pools: Mutex<PrivatePools>,
+    /// Requests larger than Quilt could ever map (torch counts them as out
+    /// of memory; Quilt refuses them as invalid sizes).
+    too_large: AtomicU64,
+    /// The accumulated figures at torch's last `resetAccumulatedStats`.
+    accumulated_base: Mutex<Accumulated>,
 }
 
 impl Device {
@@ -57,6 +67,35 @@ impl Device {
             None => StreamId(raw),
         }
     }
+}
+
+/// Why [`Library::torch_malloc`] failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MallocFailure {
+    /// An out of memory (torch raises `OutOfMemoryError`): the device could
+    /// not back it, or it is larger than Quilt could ever map.
+    pub out_of_memory: bool,
+    /// Quilt's message (for an out of memory: the report and its verdict).
+    pub message: String,
+}
+
+impl MallocFailure {
+    fn other(message: String) -> MallocFailure {
+        MallocFailure {
+            out_of_memory: false,
+            message,
+        }
+    }
+}
+
+/// The bytes Quilt may hold on `d` (its limit) and what of them it does not
+/// hold now: the device's total and free memory in torch's out-of-memory
+/// message and observers.
+fn device_memory(d: &Device) -> (u64, u64) {
+    let p = d.alloc.pool_stats();
+    let total = p.limit_pages * p.page_size;
+    let reserved = d.alloc.stats().reserved_bytes.current;
+    (total, total.saturating_sub(reserved))
 }
 
 /// The library: see the module documentation.
@@ -186,6 +225,9 @@ impl Library {
             cuda,
             alloc,
             segment_peak: AtomicU64::new(0),
+            pools: Mutex::new(PrivatePools::default()),
+            too_large: AtomicU64::new(0),
+            accumulated_base: Mutex::new(Accumulated::default()),
         });
         devices.insert(index, d.clone());
         Ok(d)
@@ -211,11 +253,40 @@ impl Library {
         stream: u64,
         tag: Option<&str>,
     ) -> Result<DevicePtr, String> {
+        self.torch_malloc(size, device, stream, tag, None)
+            .map(|(ptr, _)| ptr)
+            .map_err(|f| f.message)
+    }
+
+    /// The allocation of torch's allocator class: as
+    /// [`Library::malloc_tagged`], into the private pool `pool` when given
+    /// (a free block of the pool on the same stream if one fits, else a new
+    /// one from Quilt that the pool owns). Returns the pointer and the
+    /// sequence number of its `alloc` history entry (0 when history is off).
+    /// A request larger than Quilt could ever map is an out of memory here,
+    /// as in torch.
+    pub fn torch_malloc(
+        &self,
+        size: u64,
+        device: i32,
+        stream: u64,
+        tag: Option<&str>,
+        pool: Option<PoolId>,
+    ) -> Result<(DevicePtr, u64), MallocFailure> {
         if let Some(t) = tag {
-            check_tag(t)?;
+            check_tag(t).map_err(MallocFailure::other)?;
         }
-        let d = self.device(device)?;
+        let d = self.device(device).map_err(MallocFailure::other)?;
         let s = d.stream(stream);
+        let mut pools = pool.map(|_| lock(&d.pools));
+        if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
+            if let Some(ptr) = p.take(id, size, stream).map_err(MallocFailure::other)? {
+                let seq = self
+                    .history
+                    .record(device, "alloc", ptr, size, stream, "quilt_malloc");
+                return Ok((ptr, seq));
+            }
+        }
         let made = match tag {
             Some(t) => d.alloc.allocate_tagged(size, s, t),
             None => d.alloc.allocate(size, s),
@@ -223,22 +294,63 @@ impl Library {
         self.sync_segments(&d, "quilt_malloc");
         match made {
             Ok(a) => {
-                self.history
+                if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
+                    if let Err(e) = p.adopt(id, a.ptr, size, stream) {
+                        let _ = d.alloc.free(a.ptr);
+                        return Err(MallocFailure::other(e));
+                    }
+                }
+                let seq = self
+                    .history
                     .record(device, "alloc", a.ptr, size, stream, "quilt_malloc");
-                Ok(a.ptr)
+                Ok((a.ptr, seq))
             }
             Err(e) => {
-                if let AllocError::OutOfMemory(r) = &e {
-                    self.history
-                        .record(device, "oom", r.device_free, size, stream, "quilt_malloc");
-                }
-                Err(e.to_string())
+                let out_of_memory = match &e {
+                    AllocError::OutOfMemory(r) => {
+                        self.history.record(
+                            device,
+                            "oom",
+                            r.device_free,
+                            size,
+                            stream,
+                            "quilt_malloc",
+                        );
+                        true
+                    }
+                    AllocError::InvalidSize { size: n, .. } if *n > quilt_alloc::MAX_ALLOCATION => {
+                        d.too_large.fetch_add(1, Ordering::Relaxed);
+                        let (_, free) = device_memory(&d);
+                        self.history
+                            .record(device, "oom", free, size, stream, "quilt_malloc");
+                        true
+                    }
+                    _ => false,
+                };
+                Err(MallocFailure {
+                    out_of_memory,
+                    message: e.to_string(),
+                })
             }
         }
     }
 
     /// `quilt_free`: give back the block at `ptr` of `device`.
     pub fn free(&self, ptr: DevicePtr, size: u64, device: i32, stream: u64) -> Result<(), String> {
+        self.torch_free(ptr, size, device, stream).map(|_| ())
+    }
+
+    /// `quilt_free` and torch's allocator class's free: a block of a used
+    /// private pool stays the pool's (free, for the pool's later
+    /// allocations); any other goes back to Quilt. Returns the sequence
+    /// number of its `free_requested` history entry (0 when history is off).
+    pub fn torch_free(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        device: i32,
+        stream: u64,
+    ) -> Result<u64, String> {
         if ptr == 0 {
             return Err("free of a null pointer".into());
         }
@@ -249,13 +361,135 @@ impl Library {
                 "free of {ptr:#x} on device {device}, which has allocated nothing"
             ));
         };
-        d.alloc.free(ptr).map_err(|e| e.to_string())?;
-        self.history
+        let mut pools = lock(&d.pools);
+        let freed = pools.free(ptr)?;
+        if freed != Freed::KeptByPool {
+            d.alloc.free(ptr).map_err(|e| e.to_string())?;
+        }
+        drop(pools);
+        let seq = self
+            .history
             .record(device, "free_requested", ptr, size, stream, "quilt_free");
         self.history
             .record(device, "free_completed", ptr, size, stream, "quilt_free");
         self.sync_segments(&d, "quilt_free");
+        Ok(seq)
+    }
+
+    /// torch's `createOrIncrefPool` (and `beginAllocateToPool`, which uses
+    /// the pool once more): see [`PrivatePools::create_or_incref`].
+    pub fn pool_create_or_incref(&self, device: i32, id: PoolId) -> Result<(), String> {
+        let d = self.device(device)?;
+        lock(&d.pools).create_or_incref(id);
         Ok(())
+    }
+
+    /// torch's `releasePool`: one use fewer; at none, the pool's free
+    /// blocks go back to Quilt ([`PrivatePools::release`]).
+    pub fn pool_release(&self, device: i32, id: PoolId) -> Result<(), String> {
+        let d = self.device(device)?;
+        let back = lock(&d.pools).release(id)?;
+        let mut errors = Vec::new();
+        for ptr in back {
+            if let Err(e) = d.alloc.free(ptr) {
+                errors.push(format!("{ptr:#x}: {e}"));
+            }
+        }
+        self.sync_segments(&d, "quilt_pool_release");
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "releasePool of {id:?} on device {device}: {}",
+                errors.join("; ")
+            ))
+        }
+    }
+
+    /// torch's `getPoolUseCount`.
+    pub fn pool_use_count(&self, device: i32, id: PoolId) -> Result<u32, String> {
+        let d = self.device(device)?;
+        let n = lock(&d.pools).use_count(id);
+        Ok(n)
+    }
+
+    /// torch's `getDeviceStats`: Quilt's figures in torch's terms
+    /// ([`device_stats::torch_stats`]).
+    pub fn device_stats(&self, device: i32) -> Result<QuiltDeviceStats, String> {
+        let d = self.device(device)?;
+        let (_, segments, segment_peak) = d.memory();
+        let raw = d.alloc.stats();
+        let pools = lock(&d.pools).figures();
+        let (total, free) = device_memory(&d);
+        let base = *lock(&d.accumulated_base);
+        Ok(device_stats::torch_stats(
+            &raw,
+            &pools,
+            (segments, segment_peak),
+            (total, free),
+            d.too_large.load(Ordering::Relaxed),
+            &base,
+        ))
+    }
+
+    /// torch's `resetAccumulatedStats`: the totals (allocated, freed, out
+    /// of memory, retries, driver allocations) count from now.
+    pub fn reset_accumulated_stats(&self, device: i32) -> Result<(), String> {
+        let d = self.device(device)?;
+        let raw = d.alloc.stats();
+        let pools = lock(&d.pools).figures();
+        *lock(&d.accumulated_base) =
+            device_stats::accumulated(&raw, &pools, d.too_large.load(Ordering::Relaxed));
+        Ok(())
+    }
+
+    /// The memory fraction of `device` (the last set, else
+    /// `QUILT_ALLOC_CONF`'s `memory_fraction`, else 1).
+    pub fn memory_fraction(&self, device: i32) -> Result<f64, String> {
+        let conf = self.conf()?;
+        if let Some(&f) = lock(&self.fractions).get(&device) {
+            return Ok(f);
+        }
+        Ok(match conf.quilt.pool.limit {
+            MemoryLimit::Fraction(f) => f,
+            _ => 1.0,
+        })
+    }
+
+    /// The segments and blocks of `device` (every device created so far
+    /// when `None`) as a snapshot shows them ([`listing::segments`]; the
+    /// free blocks private pools keep are `inactive`).
+    pub fn segments(
+        &self,
+        device: Option<i32>,
+    ) -> Result<(Vec<QuiltSegment>, Vec<QuiltBlock>), String> {
+        self.conf()?;
+        let mut segs = Vec::new();
+        let mut blocks = Vec::new();
+        for d in self.existing() {
+            if device.is_some_and(|i| i != d.index) {
+                continue;
+            }
+            self.sync_segments(&d, "quilt_segments");
+            let (memory, _, _) = d.memory();
+            let pools = lock(&d.pools);
+            listing::segments(&memory, &pools, &mut segs, &mut blocks);
+        }
+        Ok((segs, blocks))
+    }
+
+    /// The history entries after sequence number `seq`, in recording order.
+    pub fn history_since(&self, seq: u64) -> Vec<QuiltTraceEntry> {
+        self.history
+            .entries_since(seq)
+            .iter()
+            .map(|(d, t)| listing::trace_entry(*d, t))
+            .collect()
+    }
+
+    /// Forget the history recorded so far (torch's `clearHistory`).
+    pub fn clear_history(&self) {
+        self.history.clear();
     }
 
     /// Record in the history how `d`'s mapped memory changed, if it did.
@@ -336,6 +570,9 @@ impl Library {
             Some(d) => {
                 let done = d.alloc.set_memory_limit(MemoryLimit::Fraction(f));
                 self.sync_segments(&d, "quilt_set_memory_fraction");
+                if done.is_ok() {
+                    lock(&self.fractions).insert(device, f);
+                }
                 done.map(|_| ())
                     .map_err(|e| format!("device {device}: {e}"))
             }

@@ -9,7 +9,11 @@
 //! mapped nowhere (the growth margin, pages reclaimed and not yet reused)
 //! make one more segment of their own at address 0, wholly `inactive`, so
 //! that the segments add up to the reserved bytes, as in PyTorch.
-//! `device_traces` holds the recorded history (`quilt_record_history`).
+//! `device_traces` holds the recorded history (`quilt_record_history`),
+//! with its `segment_map` entries split where PyTorch's viewer replays the
+//! segments in pieces ([`viewer_replay::for_viewer`]).
+
+pub mod viewer_replay;
 
 use std::collections::BTreeMap;
 
@@ -198,6 +202,31 @@ pub fn snapshot(
     traces: &BTreeMap<i32, Vec<TraceEntry>>,
     conf: &str,
 ) -> Value {
+    // The segments as the viewer starts its replay from them, per device.
+    let shown: BTreeMap<i32, Vec<Run>> = devices
+        .iter()
+        .map(|d| {
+            let mut runs: Vec<Run> = d
+                .segments
+                .segments
+                .iter()
+                .map(|s| Run {
+                    addr: s.address,
+                    size: s.total_size,
+                    stream: s.stream.0,
+                })
+                .collect();
+            if d.unmapped_pool_bytes > 0 {
+                runs.push(Run {
+                    addr: 0,
+                    size: d.unmapped_pool_bytes,
+                    stream: 0,
+                });
+            }
+            (d.device, runs)
+        })
+        .collect();
+    let traces = viewer_replay::for_viewer(traces, &shown);
     let mut segments = Vec::new();
     for d in devices {
         for s in &d.segments.segments {

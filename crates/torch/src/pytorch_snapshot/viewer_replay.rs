@@ -1,0 +1,348 @@
+//! How PyTorch's browser viewer (`torch/utils/viz/MemoryViz.js`) replays a
+//! snapshot's segments, and the history rewritten so that its replay holds.
+//!
+//! The viewer's "Allocator State History" draws the memory at an event by
+//! starting from the snapshot's segments and undoing the history backwards
+//! to that event (`simulate_memory`): an undone `segment_unmap` inserts the
+//! range and merges it with an adjacent segment of the same stream, an undone
+//! `segment_map` cuts the range out of the one segment that holds it (the
+//! page fails with `Cannot read properties of undefined (reading 'addr')`
+//! where none does), an undone `segment_free` inserts without merging and an
+//! undone `segment_alloc` removes the segment that starts at its address.
+//!
+//! Streams are compared after the viewer renames them (`annotate_snapshot`):
+//! 0 stays 0 and the others are numbered, except that where every event of
+//! every device is on stream 0 the events' streams become `null` while the
+//! segments' stay 0. A range put back by an undone unmap then never merges
+//! with what is left of a snapshot segment, so a segment of the snapshot
+//! ends up in pieces, and an undone map across two pieces fails.
+//! [`for_viewer`] follows the viewer's replay ([`ViewerSegments`], a port of
+//! its `map_segment` and `unmap_segment`) from the snapshot's segments back
+//! through a device's history and writes each `segment_map` as one entry per
+//! piece it spans, so that every undone map finds its segment. What is
+//! mapped stays what the history says: the pieces of one range, in address
+//! order, at the same time.
+
+use std::collections::BTreeMap;
+
+use crate::history::{Run, TraceEntry};
+
+/// A segment as the viewer holds it during its replay: `stream` is `None`
+/// for the viewer's `null` (an event's stream where every event is on
+/// stream 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Its first address.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its stream as the viewer compares it.
+    pub stream: Option<u64>,
+}
+
+impl Piece {
+    fn end(&self) -> u64 {
+        self.addr + self.size
+    }
+}
+
+/// The viewer's list of segments during its replay (`l_segments`), with its
+/// two edits ported as they are, quirks included.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ViewerSegments {
+    /// The segments in the viewer's order (by address, unless an undone
+    /// `segment_free` put one out of place).
+    pub pieces: Vec<Piece>,
+}
+
+impl ViewerSegments {
+    /// The snapshot's segments, sorted by address as the viewer sorts them.
+    pub fn new(mut pieces: Vec<Piece>) -> ViewerSegments {
+        pieces.sort_by_key(|p| p.addr);
+        ViewerSegments { pieces }
+    }
+
+    /// The viewer's `map_segment(merge, seg)`: the undo of `segment_unmap`
+    /// (`merge`) or `segment_free`. Without `merge` it inserts before the
+    /// first segment above `seg`, or where there is none, before the last
+    /// one (JavaScript's `splice(-1, 0, seg)`).
+    pub fn insert(&mut self, merge: bool, seg: Piece) {
+        let above = self.pieces.iter().position(|e| e.addr > seg.addr);
+        if !merge {
+            let at = above.unwrap_or(self.pieces.len().saturating_sub(1));
+            self.pieces.insert(at, seg);
+            return;
+        }
+        let idx = above.unwrap_or(self.pieces.len());
+        self.pieces.insert(idx, seg);
+        if idx + 1 < self.pieces.len() {
+            let next = self.pieces[idx + 1];
+            if seg.end() == next.addr && seg.stream == next.stream {
+                self.pieces[idx].size += next.size;
+                self.pieces.remove(idx + 1);
+            }
+        }
+        if idx > 0 {
+            let prev = self.pieces[idx - 1];
+            let this = self.pieces[idx];
+            if prev.end() == this.addr && prev.stream == this.stream {
+                self.pieces[idx - 1].size += this.size;
+                self.pieces.remove(idx);
+            }
+        }
+    }
+
+    /// The viewer's `unmap_segment(merge, seg)`: the undo of `segment_map`
+    /// (`merge`: cut `seg` out of the segment that holds it) or
+    /// `segment_alloc` (remove the first segment at `seg.addr`, or where
+    /// there is none, the last one: `splice(-1, 1)`). False where the viewer
+    /// would fail (no segment holds a mapped range) or remove the wrong
+    /// segment.
+    pub fn cut(&mut self, merge: bool, seg: Piece) -> bool {
+        if !merge {
+            return match self.pieces.iter().position(|e| e.addr == seg.addr) {
+                Some(i) => self.pieces.remove(i).size == seg.size,
+                None => {
+                    self.pieces.pop();
+                    false
+                }
+            };
+        }
+        let Some(idx) = self
+            .pieces
+            .iter()
+            .position(|e| e.addr <= seg.addr && seg.end() <= e.end())
+        else {
+            return false;
+        };
+        let existing = self.pieces[idx];
+        if existing.addr == seg.addr {
+            self.pieces[idx].addr += seg.size;
+            self.pieces[idx].size -= seg.size;
+            if self.pieces[idx].size == 0 {
+                self.pieces.remove(idx);
+            }
+        } else if existing.end() == seg.end() {
+            self.pieces[idx].size -= seg.size;
+        } else {
+            self.pieces[idx].size = seg.addr - existing.addr;
+            self.pieces.insert(
+                idx + 1,
+                Piece {
+                    addr: seg.end(),
+                    size: existing.end() - seg.end(),
+                    stream: seg.stream,
+                },
+            );
+        }
+        true
+    }
+
+    /// The parts of `[addr, addr + size)` that the segments hold, one per
+    /// segment, in address order (a part no segment holds is left out).
+    pub fn parts(&self, addr: u64, size: u64) -> Vec<(u64, u64)> {
+        let end = addr + size;
+        let mut out: Vec<(u64, u64)> = self
+            .pieces
+            .iter()
+            .filter(|p| p.addr < end && addr < p.end())
+            .map(|p| {
+                let a = p.addr.max(addr);
+                (a, p.end().min(end) - a)
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Undo `t` as the viewer does (`events` is `None` for the viewer's
+    /// `null` streams). False where the viewer would fail.
+    pub fn undo(&mut self, t: &TraceEntry, null_streams: bool) -> bool {
+        let seg = Piece {
+            addr: t.addr,
+            size: t.size,
+            stream: if null_streams { None } else { Some(t.stream) },
+        };
+        match t.action {
+            "segment_unmap" => {
+                self.insert(true, seg);
+                true
+            }
+            "segment_free" => {
+                self.insert(false, seg);
+                true
+            }
+            "segment_map" => self.cut(true, seg),
+            "segment_alloc" => self.cut(false, seg),
+            _ => true,
+        }
+    }
+}
+
+/// Whether the viewer makes every event's stream `null`: where every event
+/// of every device is on stream 0 (`annotate_snapshot`).
+pub fn null_streams(traces: &BTreeMap<i32, Vec<TraceEntry>>) -> bool {
+    traces.values().flatten().all(|t| t.stream == 0)
+}
+
+/// The snapshot's segments of one device as the viewer starts its replay
+/// from them (each `(address, size, stream)`; the viewer renames streams,
+/// but one to one, so equal stays equal).
+pub fn start(segments: &[Run]) -> ViewerSegments {
+    ViewerSegments::new(
+        segments
+            .iter()
+            .map(|r| Piece {
+                addr: r.addr,
+                size: r.size,
+                stream: Some(r.stream),
+            })
+            .collect(),
+    )
+}
+
+/// `traces` (every device's history, oldest first) rewritten for the
+/// viewer's replay from `segments` (every device's segments in the
+/// snapshot): each `segment_map` becomes one entry per viewer segment it
+/// spans when undone (see the module's text); a part that no segment holds
+/// (a history that does not end at the snapshot) is left out, since the
+/// viewer fails on it. Every other entry is kept as it is.
+pub fn for_viewer(
+    traces: &BTreeMap<i32, Vec<TraceEntry>>,
+    segments: &BTreeMap<i32, Vec<Run>>,
+) -> BTreeMap<i32, Vec<TraceEntry>> {
+    let null = null_streams(traces);
+    traces
+        .iter()
+        .map(|(&device, entries)| {
+            let mut viewer = start(segments.get(&device).map_or(&[][..], |s| s));
+            let mut backwards: Vec<TraceEntry> = Vec::with_capacity(entries.len());
+            for t in entries.iter().rev() {
+                if t.action != "segment_map" {
+                    viewer.undo(t, null);
+                    backwards.push(t.clone());
+                    continue;
+                }
+                // The viewer undoes the parts last first; each lies in a
+                // segment of its own, so each cut finds its segment.
+                for (addr, size) in viewer.parts(t.addr, t.size).into_iter().rev() {
+                    let part = TraceEntry {
+                        addr,
+                        size,
+                        ..t.clone()
+                    };
+                    viewer.undo(&part, null);
+                    backwards.push(part);
+                }
+            }
+            backwards.reverse();
+            (device, backwards)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+    use super::*;
+
+    const M: u64 = 1 << 20;
+
+    fn piece(addr: u64, size: u64, stream: Option<u64>) -> Piece {
+        Piece { addr, size, stream }
+    }
+
+    fn entry(action: &'static str, addr: u64, size: u64, stream: u64) -> TraceEntry {
+        let mut t = crate::history::History::default();
+        t.set(true, 10);
+        t.record(0, action, addr, size, stream, "test");
+        t.entries().remove(&0).unwrap().remove(0)
+    }
+
+    #[test]
+    fn merges_only_equal_streams_as_the_viewer_does() {
+        let mut v = ViewerSegments::new(vec![piece(0, 2 * M, Some(0))]);
+        // An undone unmap next to a snapshot segment, the event's stream
+        // null: no merge, two pieces.
+        v.insert(true, piece(2 * M, 2 * M, None));
+        assert_eq!(v.pieces.len(), 2);
+        // A map across both pieces cannot be undone.
+        assert!(!v.clone().cut(true, piece(M, 2 * M, None)));
+        // Its parts can.
+        let parts = v.parts(M, 2 * M);
+        assert_eq!(parts, [(M, M), (2 * M, M)]);
+        for (a, s) in parts.into_iter().rev() {
+            assert!(v.cut(true, piece(a, s, None)));
+        }
+        assert_eq!(
+            v.pieces,
+            [piece(0, M, Some(0)), piece(3 * M, M, None)],
+            "the middle cut out of two pieces"
+        );
+        // Equal streams merge on both sides.
+        let mut w = ViewerSegments::new(vec![piece(0, M, Some(7)), piece(2 * M, M, Some(7))]);
+        w.insert(true, piece(M, M, Some(7)));
+        assert_eq!(w.pieces, [piece(0, 3 * M, Some(7))]);
+    }
+
+    #[test]
+    fn segment_free_with_nothing_above_goes_before_the_last_as_in_javascript() {
+        let mut v = ViewerSegments::new(vec![piece(0, M, Some(0)), piece(4 * M, M, Some(0))]);
+        v.insert(false, piece(8 * M, M, Some(0)));
+        let addrs: Vec<u64> = v.pieces.iter().map(|p| p.addr).collect();
+        assert_eq!(addrs, [0, 8 * M, 4 * M]);
+    }
+
+    #[test]
+    fn maps_are_split_where_the_viewer_holds_pieces() {
+        // Forward, on stream 0 only: [0, 4M) mapped, then [2M, 4M)
+        // unmapped and mapped again; the snapshot holds [0, 4M). Backwards
+        // the viewer puts [2M, 4M) back unmerged (null against 0), so the
+        // first map, [0, 4M), spans two pieces.
+        let mut traces = BTreeMap::new();
+        traces.insert(
+            0,
+            vec![
+                entry("segment_map", 0, 4 * M, 0),
+                entry("segment_unmap", 2 * M, 2 * M, 0),
+                entry("segment_map", 2 * M, 2 * M, 0),
+            ],
+        );
+        let mut segments = BTreeMap::new();
+        segments.insert(
+            0,
+            vec![Run {
+                addr: 0,
+                size: 4 * M,
+                stream: 0,
+            }],
+        );
+        let mut v = start(&segments[&0]);
+        assert!(!traces[&0]
+            .iter()
+            .rev()
+            .all(|t| v.undo(t, null_streams(&traces))));
+        let fixed = for_viewer(&traces, &segments);
+        let got: Vec<(&str, u64, u64)> = fixed[&0]
+            .iter()
+            .map(|t| (t.action, t.addr, t.size))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("segment_map", 0, 2 * M),
+                ("segment_map", 2 * M, 2 * M),
+                ("segment_unmap", 2 * M, 2 * M),
+                ("segment_map", 2 * M, 2 * M),
+            ]
+        );
+        let mut v = start(&segments[&0]);
+        assert!(fixed[&0].iter().rev().all(|t| v.undo(t, true)));
+        assert!(v.pieces.is_empty());
+        // With another stream somewhere the viewer merges, and nothing is
+        // split.
+        traces.insert(1, vec![entry("alloc", 9 * M, M, 0x1111)]);
+        let fixed = for_viewer(&traces, &segments);
+        assert_eq!(fixed[&0], traces[&0]);
+    }
+}
