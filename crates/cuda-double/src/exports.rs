@@ -867,6 +867,38 @@ pub unsafe extern "C" fn cuMemsetD32Async(
     ))
 }
 
+/// `cuStreamWriteValue32`: a queued 4-byte write of `value` at `addr`
+/// (flags: default or `CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`, 1).
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWriteValue32(
+    stream: Opaque,
+    addr: CuDevicePtr,
+    value: c_uint,
+    flags: c_uint,
+) -> CuResult {
+    if flags & !1 != 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    code(queue_fill(
+        stream as usize as u64,
+        addr,
+        value.to_ne_bytes().to_vec(),
+        1,
+    ))
+}
+
+/// `cuStreamWriteValue32_v2` (what `cuStreamWriteValue32` means from CUDA 11.7 headers).
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWriteValue32_v2(
+    stream: Opaque,
+    addr: CuDevicePtr,
+    value: c_uint,
+    flags: c_uint,
+) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuStreamWriteValue32(stream, addr, value, flags) }
+}
+
 // --- Streams ---------------------------------------------------------------
 
 #[no_mangle]
@@ -1069,11 +1101,92 @@ pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphDestroy(graph: Opaque) -> CuResult {
     code(with_driver(|d| {
-        if d.graphs.remove(&(graph as usize as u64)) {
-            Ok(())
-        } else {
-            Err(CUDA_ERROR_INVALID_VALUE)
+        d.graphs
+            .remove(&(graph as usize as u64))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    }))
+}
+
+/// `cuGraphInstantiateWithFlags` (what `cuGraphInstantiate` means from
+/// CUDA 12 headers): an executable copy of the graph's recorded copies,
+/// fills and kernels. `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH` (1)
+/// and `CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY` (8) are accepted
+/// (the double's graphs allocate nothing and have no priorities); others are
+/// refused.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    exec: *mut Opaque,
+    graph: Opaque,
+    flags: u64,
+) -> CuResult {
+    let compute = |d: &mut Driver| {
+        // Auto-free on launch (1) and node priorities (8) change nothing
+        // here; upload (2) and device launch (4) are not modelled.
+        if flags & !(1 | 8) != 0 {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
+        let e = d.instantiate(graph as usize as u64)?;
+        Ok(e as usize as Opaque)
+    };
+    // SAFETY: `exec` is the client's out-pointer (the API's contract).
+    unsafe { answer(exec, compute) }
+}
+
+/// `cuGraphLaunch`: the graph's work queued on the stream, in the order it
+/// was captured.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphLaunch(exec: Opaque, stream: Opaque) -> CuResult {
+    code(with_driver(|d| {
+        d.launch_graph(exec as usize as u64, stream as usize as u64)
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphLaunch_ptsz(exec: Opaque, stream: Opaque) -> CuResult {
+    // SAFETY: the same contract.
+    unsafe { cuGraphLaunch(exec, per_thread(stream)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphExecDestroy(exec: Opaque) -> CuResult {
+    code(with_driver(|d| {
+        d.execs
+            .remove(&(exec as usize as u64))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    }))
+}
+
+/// `cuGraphGetNodes`: the number of recorded pieces of work. The double's
+/// nodes have no handles to inspect, so asking for them (non-null `nodes`)
+/// is `CUDA_ERROR_NOT_SUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphGetNodes(
+    graph: Opaque,
+    nodes: *mut Opaque,
+    count: *mut usize,
+) -> CuResult {
+    let compute = |d: &mut Driver| {
+        if !nodes.is_null() {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        d.graph_nodes(graph as usize as u64)
+    };
+    // SAFETY: `count` is the client's out-pointer (the API's contract).
+    unsafe { answer(count, compute) }
+}
+
+/// Not a driver call: how the CUDA runtime face (`quilt-cuda-runtime`)
+/// queues a kernel launch. The double cannot run kernels, so the launch is
+/// queued as work of unknown memory footprint that computes nothing: it
+/// keeps the stream busy until it runs (by the double's ordinary rules),
+/// and inside a capture it is recorded into the graph like other work.
+#[no_mangle]
+pub unsafe extern "C" fn quiltDoubleLaunchOpaqueWork(stream: Opaque) -> CuResult {
+    code(with_driver(|d| {
+        let s = d.stream(stream as usize as u64)?;
+        d.enqueue(s, Op::Kernel).map(|_| ())
     }))
 }
 

@@ -13,9 +13,15 @@
 //! allocator that unmaps or reuses memory under queued work is caught: the
 //! work faults when it runs and the context is poisoned with
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`. What it cannot check: kernels (module and
-//! launch calls answer `CUDA_ERROR_NOT_SUPPORTED`), timing, and the
+//! launch calls answer `CUDA_ERROR_NOT_SUPPORTED`; the CUDA runtime face,
+//! `quilt-cuda-runtime`, queues its launches as work of unknown footprint
+//! that computes nothing, `quiltDoubleLaunchOpaqueWork`), timing, and the
 //! driver's undocumented behaviour; its rules can be relaxed to mirror a
 //! real GPU's answers (`rules.rs`).
+//!
+//! Stream capture records the captured copies, fills and launches into the
+//! graph; `cuGraphInstantiate` and `cuGraphLaunch` replay them on a stream,
+//! where they compute (and fault) as any queued work does.
 //!
 //! It never shadows a real driver: a program reaches it only through a
 //! private directory holding `libcuda.so` and `libcuda.so.1` links, first

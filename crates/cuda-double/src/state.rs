@@ -8,7 +8,7 @@
 //! (`CUDA_ERROR_INVALID_HANDLE`), never confused with a newer object.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
@@ -16,7 +16,7 @@ use std::thread::ThreadId;
 use crate::abi::*;
 use crate::memory::Memory;
 use crate::rules::Rules;
-use crate::work::{Capture, Event, Stream};
+use crate::work::{Capture, Event, Op, Stream};
 
 /// The driver, once `cuInit` has run.
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
@@ -77,8 +77,11 @@ pub struct Driver {
     pub events: BTreeMap<u64, Event>,
     /// Capture sequences by id.
     pub captures: BTreeMap<u64, Capture>,
-    /// Graphs made by `cuStreamEndCapture`, not destroyed yet.
-    pub graphs: BTreeSet<u64>,
+    /// Graphs made by `cuStreamEndCapture`, not destroyed yet: their
+    /// recorded work.
+    pub graphs: BTreeMap<u64, Vec<Op>>,
+    /// Executable graphs (`cuGraphInstantiate`), not destroyed yet.
+    pub execs: BTreeMap<u64, Vec<Op>>,
     /// Pinned host allocations (`cuMemHostAlloc`): address to size.
     pub host: BTreeMap<u64, Vec<u8>>,
 }
@@ -157,7 +160,8 @@ impl Driver {
             per_thread: HashMap::new(),
             events: BTreeMap::new(),
             captures: BTreeMap::new(),
-            graphs: BTreeSet::new(),
+            graphs: BTreeMap::new(),
+            execs: BTreeMap::new(),
             host: BTreeMap::new(),
         }
     }

@@ -52,10 +52,15 @@ pub enum StreamKind {
 }
 
 /// One piece of queued work.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Op {
     /// Nothing (an event's record point, or implicit waits only).
     Marker,
+    /// A kernel launched through the runtime face: work whose memory
+    /// footprint the double cannot know. It computes nothing and touches
+    /// nothing when it runs, but it keeps its stream busy until it runs
+    /// (queries answer `CUDA_ERROR_NOT_READY`), as any queued work does.
+    Kernel,
     /// Writes bytes staged from pageable host memory when queued.
     Write {
         /// Device address.
@@ -166,12 +171,17 @@ pub struct Capture {
     pub origin: u64,
     /// Invalidated by a forbidden call.
     pub invalidated: bool,
+    /// The work queued on its streams so far, in the order it was queued
+    /// (an order that respects every dependency the capture recorded, since
+    /// a dependency is made by a call before the work that depends on it):
+    /// the graph `cuStreamEndCapture` makes.
+    pub ops: Vec<Op>,
 }
 
 /// A device address range a queued op touches: start, length, write.
 fn device_ranges(op: &Op) -> Vec<(u64, u64, bool)> {
     match op {
-        Op::Marker | Op::Wait { .. } => vec![],
+        Op::Marker | Op::Kernel | Op::Wait { .. } => vec![],
         Op::Write { dst, bytes } => vec![(*dst, bytes.len() as u64, true)],
         Op::Fill { dst, len, .. } => vec![(*dst, *len, true)],
         Op::Copy {
@@ -280,8 +290,17 @@ impl Driver {
             (st.context, st.kind, st.capture)
         };
         if let Some(id) = capture {
-            if self.captures.get(&id).is_some_and(|c| c.invalidated) {
+            let c = self
+                .captures
+                .get_mut(&id)
+                .ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
+            if c.invalidated {
                 return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            }
+            // Ordering between the capture's streams is kept by the order of
+            // the recorded work itself (see `Capture::ops`).
+            if !matches!(op, Op::Marker | Op::Wait { .. }) {
+                c.ops.push(op);
             }
             return Ok(self.streams[&s].submitted);
         }
@@ -397,7 +416,7 @@ impl Driver {
         // with the access it needs; host ranges are pinned buffers the client
         // gave for `len` bytes (the API's contract).
         match op {
-            Op::Marker | Op::Wait { .. } => {}
+            Op::Marker | Op::Kernel | Op::Wait { .. } => {}
             Op::Write { dst, bytes } => unsafe { os::write(*dst, bytes) },
             Op::Copy { dst, src, len, .. } => unsafe { os::copy(*dst, *src, *len) },
             Op::Fill { dst, pattern, len } => {
@@ -721,6 +740,7 @@ impl Driver {
                 thread: thread::current().id(),
                 origin: s,
                 invalidated: false,
+                ops: Vec::new(),
             },
         );
         if let Some(st) = self.streams.get_mut(&s) {
@@ -741,7 +761,7 @@ impl Driver {
             return Err(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD);
         }
         let invalidated = c.invalidated;
-        self.captures.remove(&id);
+        let ops = self.captures.remove(&id).map(|c| c.ops).unwrap_or_default();
         for st in self.streams.values_mut() {
             if st.capture == Some(id) {
                 st.capture = None;
@@ -751,8 +771,41 @@ impl Driver {
             return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
         }
         let g = self.new_handle();
-        self.graphs.insert(g);
+        self.graphs.insert(g, ops);
         Ok(g)
+    }
+
+    /// `cuGraphInstantiate`: an executable copy of graph `g`'s work.
+    pub fn instantiate(&mut self, g: u64) -> Call<u64> {
+        let ops = self.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.clone();
+        let e = self.new_handle();
+        self.execs.insert(e, ops);
+        Ok(e)
+    }
+
+    /// `cuGraphLaunch`: queues the executable graph's work on `stream`, in
+    /// its recorded order (recorded again where `stream` captures). Its
+    /// copies and fills compute on the memory their addresses name when
+    /// they run: a fault where it is not mapped then.
+    pub fn launch_graph(&mut self, exec: u64, stream: u64) -> Call<()> {
+        let ops = self
+            .execs
+            .get(&exec)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?
+            .clone();
+        let s = self.stream(stream)?;
+        for op in ops {
+            self.enqueue(s, op)?;
+        }
+        Ok(())
+    }
+
+    /// `cuGraphGetNodes`' count: the graph's recorded work.
+    pub fn graph_nodes(&self, g: u64) -> Call<usize> {
+        self.graphs
+            .get(&g)
+            .map(Vec::len)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
     /// `cuStreamIsCapturing` / `cuStreamGetCaptureInfo`: status and id. For

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs COMMAND on the project's simulated GPU: the CUDA runtime face
+# (crates/cuda-runtime, libcudart.so.13) over the strict driver double
+# (crates/cuda-double, libcuda.so.1), both from the workspace's release build
+# (`cargo build --release`). See docs/simulated-gpu.md.
+#
+#   scripts/simulated-gpu.sh python train.py
+#   QUILT_CUDA_DOUBLE_DEVICES=1 QUILT_CUDA_DOUBLE_MEMORY=8GiB scripts/simulated-gpu.sh python -c '...'
+#
+# Only COMMAND's environment changes: a private folder, target/release/simulated-gpu,
+# holding libcudart.so.13 and libnvidia-ml.so.1 (the face, which answers the
+# few NVML calls torch's expandable segments make) and libcuda.so.1 /
+# libcuda.so (the double),
+# goes first on its LD_LIBRARY_PATH, the face is preloaded (LD_PRELOAD), so a
+# program's own copy of NVIDIA's libcudart.so.13 (torch's wheel loads one)
+# never answers, and the double's QUILT_CUDA_DOUBLE_* settings pass through,
+# with 2 devices and driver version 13020 (CUDA 13.2, the face's runtime
+# version) unless set. Nothing outside COMMAND is shadowed.
+set -euo pipefail
+if [ $# -eq 0 ]; then
+    echo "usage: scripts/simulated-gpu.sh COMMAND [ARGS...]" >&2
+    exit 2
+fi
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+target="${CARGO_TARGET_DIR:-$repo/target}/release"
+face="$target/libquilt_cuda_runtime.so"
+double="$target/libquilt_cuda_double.so"
+for lib in "$face" "$double"; do
+    if [ ! -f "$lib" ]; then
+        echo "simulated-gpu: $lib is not built; run \`cargo build --release\` in $repo first" >&2
+        exit 2
+    fi
+done
+dir="$target/simulated-gpu"
+mkdir -p "$dir"
+link() { # link TARGET NAME: made under a temporary name and renamed over
+    local tmp="$dir/.$2.$$"
+    ln -sf "$1" "$tmp"
+    mv -f "$tmp" "$dir/$2"
+}
+link "$face" libcudart.so.13
+link "$face" libnvidia-ml.so.1
+link "$double" libcuda.so.1
+link "$double" libcuda.so
+export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_PRELOAD="$dir/libcudart.so.13${LD_PRELOAD:+:$LD_PRELOAD}"
+export QUILT_CUDA_DOUBLE_DEVICES="${QUILT_CUDA_DOUBLE_DEVICES:-2}"
+export QUILT_CUDA_DOUBLE_DRIVER_VERSION="${QUILT_CUDA_DOUBLE_DRIVER_VERSION:-13020}"
+exec "$@"
