@@ -6,6 +6,35 @@ use quilt_vmm::{DevicePtr, VmmError};
 
 /// Everything an allocator operation can fail with. After any of these the
 /// allocator is consistent and usable, and nothing has leaked.
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+/// use quilt_alloc::{AllocError, DeviceAllocator};
+/// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(64 << 20)?);
+/// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+/// let s = StreamId::DEFAULT;
+/// let block = alloc.allocate(1 << 20, s)?;
+/// for result in [
+///     alloc.allocate(0, s).map(|_| ()),         // InvalidSize
+///     alloc.allocate(100 << 20, s).map(|_| ()), // OutOfMemory, with its report
+///     alloc.free(block.ptr + 512),              // UnknownPointer: not a block's start
+/// ] {
+///     match result {
+///         Err(AllocError::InvalidSize { size, reason }) => println!("size {size}: {reason}"),
+///         Err(AllocError::OutOfMemory(report)) => println!("{:?}: {report}", report.verdict),
+///         Err(e @ AllocError::UnknownPointer { .. }) => println!("{e}"),
+///         other => return Err(format!("unexpected {other:?}").into()),
+///     }
+/// }
+/// // None of them changed anything: the block is still live, and freed once.
+/// assert_eq!(alloc.stats().allocation.current, 1);
+/// alloc.free(block.ptr)?;
+/// assert!(matches!(alloc.free(block.ptr), Err(AllocError::DoubleFree { .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocError {
     /// Zero, or larger than any allocation can be.
@@ -131,6 +160,44 @@ impl AllocError {
 }
 
 /// Why a request ran out of memory.
+///
+/// The same requests on two allocators of the same 100 MiB: PyTorch's classic
+/// caching allocator runs out of memory with about half the memory free, in
+/// holes (`Fragmentation`); Quilt maps scattered free pages behind one range
+/// and serves the request. Quilt runs out only where the pages are missing
+/// (`Capacity`).
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
+/// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+/// use quilt_alloc::{AllocError, Allocation, DeviceAllocator, OomVerdict};
+/// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+///
+/// // 25 blocks of 4 MiB fill the device; every other one is freed (52 MiB
+/// // free, in 4 MiB holes); then 40 MiB.
+/// fn fragment(alloc: &dyn DeviceAllocator) -> Result<Result<Allocation, AllocError>, AllocError> {
+///     let blocks = (0..25)
+///         .map(|_| alloc.allocate(4 << 20, StreamId::DEFAULT))
+///         .collect::<Result<Vec<_>, _>>()?;
+///     for b in blocks.iter().step_by(2) {
+///         alloc.free(b.ptr)?;
+///     }
+///     Ok(alloc.allocate(40 << 20, StreamId::DEFAULT))
+/// }
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(100 << 20)?);
+/// let classic = CachingAllocator::new(vmm, CachingConfig::classic())?;
+/// let err = fragment(&classic)?.unwrap_err();
+/// assert_eq!(err.oom_report().map(|r| r.verdict), Some(OomVerdict::Fragmentation));
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(100 << 20)?);
+/// let quilt = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+/// assert!(fragment(&quilt)?.is_ok());
+/// let err = quilt.allocate(100 << 20, StreamId::DEFAULT).unwrap_err();
+/// assert_eq!(err.oom_report().map(|r| r.verdict), Some(OomVerdict::Capacity));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]

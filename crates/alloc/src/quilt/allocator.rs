@@ -25,6 +25,38 @@ use crate::snapshot::MemorySnapshot;
 use crate::stats::AllocatorStats;
 
 /// The Quilt allocator for one device. `Send + Sync`: one lock guards its state.
+///
+/// Made from a driver backend and a [`QuiltConfig`]; used through
+/// [`DeviceAllocator`] (allocate, free, `record_stream`, statistics, the
+/// out-of-memory report) and its own methods (the pool's figures, the
+/// memory limit, growable buffers, tags that sleep and wake, export). On
+/// the host backend its memory is real memory of this process:
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+/// use quilt_alloc::DeviceAllocator;
+/// use quilt_vmm::host::{HostConfig, HostVmm};
+/// use quilt_vmm::{StreamId, Vmm};
+///
+/// // The host backend: memory of this process under CUDA's rules (Linux).
+/// let vmm: Arc<dyn Vmm> = Arc::new(HostVmm::new(HostConfig::default())?);
+/// let alloc = QuiltAllocator::new(vmm.clone(), QuiltConfig::default())?;
+/// let a = alloc.allocate(5 << 20, StreamId(1))?;
+/// let b = alloc.allocate(5 << 20, StreamId(2))?;
+/// // A block is one contiguous range, whichever pages back it.
+/// let data = vec![7u8; 5 << 20];
+/// vmm.copy_from_host(a.ptr, &data)?;
+/// let mut back = vec![0u8; 5 << 20];
+/// vmm.copy_to_host(a.ptr, &mut back)?;
+/// assert_eq!(back, data);
+/// alloc.free(a.ptr)?;
+/// alloc.free(b.ptr)?;
+/// assert!(alloc.cached_bytes() > 0, "freed pages stay mapped, cached");
+/// alloc.empty_cache()?; // and go back to the device
+/// assert_eq!(alloc.pool_stats().held_bytes, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct QuiltAllocator {
     pub(super) shared: Arc<Shared>,

@@ -148,6 +148,27 @@ pub enum ReclaimPolicy {
 /// policy. Presets are written whole: [`QuiltConfig::default`] (`quilt`) and
 /// [`QuiltConfig::gmlake`]; [`QuiltConfig::validate`] refuses a combination
 /// that would break a promise.
+///
+/// ```
+/// use std::sync::Arc;
+/// use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, QuiltConfig, ReclaimPolicy};
+/// use quilt_alloc::{settings, DeviceAllocator};
+/// use quilt_vmm::{sim::SimVmm, Vmm};
+///
+/// // A preset with one axis changed, a memory limit and a name of its own.
+/// let config = QuiltConfig { reclaim: ReclaimPolicy::Always, ..QuiltConfig::default() }
+///     .with_limit(MemoryLimit::Fraction(0.5))
+///     .named("quilt-lean");
+/// // The same from text, as `QUILT_ALLOC_CONF` gives it (`settings::from_env`).
+/// let parsed = settings::parse(QuiltConfig::default(), "reclaim:always,memory_fraction:0.5")?;
+/// assert_eq!(parsed.named("quilt-lean"), config);
+///
+/// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+/// let alloc = QuiltAllocator::new(vmm, config)?; // validated first
+/// assert_eq!(alloc.name(), "quilt-lean");
+/// assert_eq!(alloc.pool_stats().limit_pages * alloc.pool_stats().page_size, 512 << 20);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuiltConfig {
     /// The name the allocator reports (`DeviceAllocator::name`, snapshots,
