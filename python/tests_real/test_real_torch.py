@@ -220,10 +220,16 @@ def scenario_refuse(expect_type, *words):
 
 def viewer_replay(snap, device=0):
     """PyTorch's viewer's "Allocator State History" (simulate_memory in
-    torch/utils/viz/MemoryViz.js), ported: annotate (free_requested then
-    free_completed is one 'free'), then for every event index replay the
-    history backwards from the snapshot and find each live block's segment,
-    which the viewer dereferences. Returns the number of states checked."""
+    torch/utils/viz/MemoryViz.js), ported with its quirks: annotate (stream
+    names: where every event of every device is on stream 0 the events'
+    streams become null while the segments' stay 0, so that a range an
+    undone segment_unmap puts back never merges with a snapshot segment;
+    free_requested then free_completed is one 'free'), then for every event
+    index replay the history backwards from the snapshot (map_segment and
+    unmap_segment as written, JavaScript's splice(-1, ...) included) and find
+    each live block's segment, which the viewer dereferences. Returns the
+    number of states checked. scripts/viewer-check runs the viewer itself."""
+    null_streams = all(t["stream"] == 0 for trace in snap["device_traces"] for t in trace)
     events = []
     for t in snap["device_traces"][device]:
         if t["action"] == "free_completed" and events:
@@ -231,7 +237,7 @@ def viewer_replay(snap, device=0):
             if prev["action"] == "free_requested" and prev["addr"] == t["addr"]:
                 prev["action"] = "free"
                 continue
-        events.append(dict(t))
+        events.append(dict(t, stream=None if null_streams else t["stream"]))
     segments = []
     blocks = {}
     for seg in snap["segments"]:
@@ -243,7 +249,68 @@ def viewer_replay(snap, device=0):
             if b["state"] in ("active_allocated", "active_pending_free"):
                 blocks[addr] = (addr, b["size"])
             addr += b["size"]
-    segments.sort()
+    segments.sort(key=lambda s: s[0])
+
+    def map_segment(segs, merge, seg):
+        idx = next((k for k, s in enumerate(segs) if s[0] > seg[0]), -1)
+        if not merge:
+            segs.insert(idx, seg)  # -1: before the last, as splice(-1, 0, seg)
+            return
+        if idx == -1:
+            idx = len(segs)
+        segs.insert(idx, seg)
+        if idx + 1 < len(segs):
+            n = segs[idx + 1]
+            if seg[0] + seg[1] == n[0] and seg[2] == n[2]:
+                seg[1] += n[1]
+                del segs[idx + 1]
+        if idx > 0:
+            p = segs[idx - 1]
+            if p[0] + p[1] == seg[0] and p[2] == seg[2]:
+                p[1] += seg[1]
+                del segs[idx]
+
+    def unmap_segment(segs, merge, seg, i):
+        if not merge:
+            j = next((k for k, s in enumerate(segs) if s[0] == seg[0]), -1)
+            if segs:
+                del segs[j]  # -1: the last, as splice(-1, 1)
+            return
+        end = seg[0] + seg[1]
+        j = next((k for k, s in enumerate(segs) if s[0] <= seg[0] and end <= s[0] + s[1]), None)
+        check(
+            j is not None,
+            "event {}: {} {:#x}+{}: no segment holds it (the viewer fails: "
+            "'Cannot read properties of undefined (reading 'addr')')",
+            i,
+            events[i]["action"],
+            seg[0],
+            seg[1],
+        )
+        s = segs[j]
+        s_end = s[0] + s[1]
+        if s[0] == seg[0]:
+            s[0] += seg[1]
+            s[1] -= seg[1]
+            if s[1] == 0:
+                del segs[j]
+        elif s_end == end:
+            s[1] -= seg[1]
+        else:
+            s[1] = seg[0] - s[0]
+            segs.insert(j + 1, [end, s_end - end, seg[2]])
+
+    def find_segment(by_addr, addr):
+        left, right = 0, len(by_addr) - 1
+        while left <= right:
+            mid = (left + right) // 2
+            if addr < by_addr[mid][0]:
+                right = mid - 1
+            elif addr >= by_addr[mid][0] + by_addr[mid][1]:
+                left = mid + 1
+            else:
+                return by_addr[mid]
+        return None
 
     def simulate(idx):
         segs = [list(s) for s in segments]
@@ -251,48 +318,21 @@ def viewer_replay(snap, device=0):
         for i in range(len(events) - 1, idx, -1):
             e = events[i]
             a = e["action"]
+            seg = [e["addr"], e["size"], e["stream"]] if a.startswith("segment_") else None
             if a in ("free", "free_completed"):
                 live[e["addr"]] = (e["addr"], e["size"])
+            elif a == "free_requested":
+                check(e["addr"] in live, "event {}: free_requested of {:#x}, no such block", i, e["addr"])
             elif a == "alloc":
                 live.pop(e["addr"], None)
             elif a in ("segment_free", "segment_unmap"):
-                seg = [e["addr"], e["size"], e["stream"]]
-                j = next((k for k, s in enumerate(segs) if s[0] > seg[0]), len(segs))
-                segs.insert(j, seg)
-                if a == "segment_unmap":
-                    if j + 1 < len(segs):
-                        n = segs[j + 1]
-                        if seg[0] + seg[1] == n[0] and seg[2] == n[2]:
-                            seg[1] += n[1]
-                            del segs[j + 1]
-                    if j > 0:
-                        p = segs[j - 1]
-                        if p[0] + p[1] == seg[0] and p[2] == seg[2]:
-                            p[1] += seg[1]
-                            del segs[j]
-            elif a == "segment_alloc":
-                j = next((k for k, s in enumerate(segs) if s[0] == e["addr"]), None)
-                check(j is not None, "event {}: segment_alloc of {:#x}: no such segment", i, e["addr"])
-                del segs[j]
-            elif a == "segment_map":
-                end = e["addr"] + e["size"]
-                j = next((k for k, s in enumerate(segs) if s[0] <= e["addr"] and end <= s[0] + s[1]), None)
-                check(j is not None, "event {}: segment_map {:#x}+{}: no segment holds it", i, e["addr"], e["size"])
-                s = segs[j]
-                s_end = s[0] + s[1]
-                if s[0] == e["addr"]:
-                    s[0] += e["size"]
-                    s[1] -= e["size"]
-                    if s[1] == 0:
-                        del segs[j]
-                elif s_end == end:
-                    s[1] -= e["size"]
-                else:
-                    s[1] = e["addr"] - s[0]
-                    segs.insert(j + 1, [end, s_end - end, e["stream"]])
+                map_segment(segs, a == "segment_unmap", seg)
+            elif a in ("segment_alloc", "segment_map"):
+                unmap_segment(segs, a == "segment_map", seg, i)
+        by_addr = sorted(sorted(segs, key=lambda s: (s[1], s[0])), key=lambda s: s[0])
         for addr, size in live.values():
             check(
-                any(s[0] <= addr < s[0] + s[1] for s in segs),
+                find_segment(by_addr, addr) is not None,
                 "viewer state at event {} of {}: block {:#x}+{} is in no segment "
                 "(the viewer fails: 'Cannot read properties of null')",
                 idx,
@@ -379,10 +419,17 @@ def scenario_viz(kind):
         check(len(ooms) == 1 and "device_free" in ooms[0] and "addr" not in ooms[0], "oom entries: {}", ooms)
         check(ooms[0]["size"] == 300 * MiB, "the oom entry's size {}", ooms[0]["size"])
     if kind in ("empty_cache", "reclaim_always", "streams", "oom"):
-        check("segment_alloc" in actions, "no segment_alloc in {}", sorted(set(actions)))
+        check("segment_map" in actions, "no segment_map in {}", sorted(set(actions)))
+    # PyTorch pairs segment_free with a segment_alloc of the same range only;
+    # Quilt's runs change between the two, so it writes map and unmap only.
+    check(
+        not {"segment_alloc", "segment_free"} & set(actions),
+        "segment_alloc or segment_free in {}",
+        sorted(set(actions)),
+    )
     if kind in ("empty_cache", "reclaim_always"):
         check(
-            "segment_unmap" in actions or "segment_free" in actions,
+            "segment_unmap" in actions,
             "memory was unmapped but the history says nothing: {}",
             sorted(set(actions)),
         )
@@ -426,8 +473,8 @@ def scenario_viz(kind):
     check("segments: {}".format(len(snap["segments"])) in outputs["stats"], "stats: {}", outputs["stats"])
     if kind == "oom":
         check("raise OutOfMemoryError # 300.0MiB requested" in outputs["trace"], "trace: {}", outputs["trace"])
-    if "segment_alloc" in actions:
-        check("cudaMalloc(" in outputs["trace"], "trace shows no segment: {}", outputs["trace"])
+    if "segment_map" in actions:
+        check("'segment_map'" in outputs["trace"], "trace shows no segment: {}", outputs["trace"])
     for command in ("trace_plot", "segment_plot"):
         check("snapshot.pickle" in outputs[command], "{} holds no snapshot", command)
     for command in ("segments", "memory"):
