@@ -81,7 +81,7 @@ __all__ = [
     "BridgeError",
     "check_configuration",
     "registered_hooks",
-    "HOOKS",
+    "TorchAllocator",
     "tag",
     "current_tag",
     "sleep",
@@ -269,17 +269,18 @@ def _load_pluggable(torch, path, malloc_name, free_name):
         ) from exc
 
 
-# -- the out-of-memory bridge (enable()'s route) ----------------------------
+# -- torch's allocator class (enable()'s route) -----------------------------
 
-# The environment variable naming the folder where the bridge is compiled
-# and cached (default: ~/.cache/quilt/torch-bridge).
+# The environment variable naming the folder where the allocator class is
+# compiled and cached (default: ~/.cache/quilt/torch-bridge).
 BRIDGE_CACHE_ENV = "QUILT_TORCH_BRIDGE_CACHE"
-_BRIDGE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "oom_bridge.cpp")
-_bridge = None  # the bridge's path, once built and bound
+_ALLOCATOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_allocator.cpp")
+_allocator = None  # the compiled allocator class's ctypes handle, once built
 
 
 class BridgeError(RuntimeError):
-    """The out-of-memory bridge cannot be built or loaded (the message says why)."""
+    """Quilt's allocator class for torch cannot be built or installed (the
+    message says why, and names the torch version)."""
 
 
 def _bridge_cache_dir():
@@ -290,7 +291,8 @@ def _bridge_cache_dir():
 
 
 def _compiler():
-    """The C++ compiler to build the bridge with: $CXX, else c++ or g++."""
+    """The C++ compiler to build the allocator class with: $CXX, else c++,
+    g++ or clang++."""
     import shutil
 
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
@@ -299,102 +301,179 @@ def _compiler():
     return None
 
 
-def _bridge_library(torch):
-    """Build (once, cached) and bind the out-of-memory bridge; return its path.
+def _has(folder, *parts):
+    return bool(folder) and os.path.isfile(os.path.join(folder, *parts))
 
-    ``oom_bridge.cpp`` is compiled against the installed torch's headers and
-    ``libc10.so`` into a folder named after a hash of the source and the
-    torch version, location and C++ ABI, so one build serves every later
-    process with the same torch (a compiler is needed only to build it). It throws ``c10::OutOfMemoryError`` where
-    ``quilt_malloc`` returns null for an out of memory: torch turns that into
-    ``torch.OutOfMemoryError``.
+
+def _cuda_include_dirs(torch_dir):
+    """The folders with the CUDA runtime's headers that torch's headers
+    include: ``cuda_runtime_api.h`` (from ``$CUDA_HOME``, or the NVIDIA
+    wheels torch was installed with) and the compiler's ``crt/`` headers it
+    needs (from the same place, or the copy in the triton wheel that comes
+    with torch). Returns (folders, what is missing)."""
+    site = os.path.dirname(torch_dir)
+    candidates = []
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(os.path.join(os.environ[env], "include"))
+    nvidia = os.path.join(site, "nvidia")
+    if os.path.isdir(nvidia):
+        for name in sorted(os.listdir(nvidia)):
+            candidates.append(os.path.join(nvidia, name, "include"))
+    candidates.append("/usr/local/cuda/include")
+    crt_candidates = candidates + [os.path.join(site, "triton", "backends", "nvidia", "include")]
+    runtime = next((c for c in candidates if _has(c, "cuda_runtime_api.h")), None)
+    crt = next((c for c in crt_candidates if _has(c, "crt", "host_defines.h")), None)
+    missing = []
+    if runtime is None:
+        missing.append("cuda_runtime_api.h (set CUDA_HOME, or install torch's nvidia-cuda-runtime wheel)")
+    if crt is None:
+        missing.append("crt/host_defines.h (set CUDA_HOME to a CUDA toolkit, or pip install nvidia-cuda-crt)")
+    folders = [f for f in (runtime, crt) if f]
+    return list(dict.fromkeys(folders)), missing
+
+
+def _allocator_library(torch):
+    """Build (once, cached) and load Quilt's allocator class for torch;
+    return its ctypes handle.
+
+    ``torch_allocator.cpp`` is compiled against the installed torch's
+    headers (C++20) and the CUDA runtime's headers, linked with torch's
+    ``libc10`` and ``libc10_cuda``, into a folder named after a hash of the
+    source and the torch version, location and C++ ABI, so one build (about
+    15 s with g++) serves every later process with the same torch (a
+    compiler is needed only to build it).
 
     Raises:
-        BridgeError: no C++ compiler, torch without its headers, or the
-            compiler failed (its output is in the message).
+        BridgeError: no C++ compiler, torch without its headers or the CUDA
+            headers, or the compiler failed (its output is in the message,
+            with the torch version: another torch than the ones the file is
+            written for fails here).
     """
-    global _bridge
-    if _bridge is not None:
-        return _bridge
+    global _allocator
+    if _allocator is not None:
+        return _allocator
     import hashlib
     import subprocess
     import tempfile
 
+    version = getattr(torch, "__version__", "unknown version")
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     include = os.path.join(torch_dir, "include")
     lib_dir = os.path.join(torch_dir, "lib")
-    if not os.path.isfile(os.path.join(include, "c10", "util", "Exception.h")):
+    if not _has(include, "c10", "cuda", "CUDACachingAllocator.h"):
         raise BridgeError(
-            "quilt_torch.enable(): this torch ({}, {}) has no C++ headers, which "
-            "the out-of-memory bridge is compiled against".format(torch.__version__, torch_dir)
+            "quilt_torch.enable(): this torch ({}, {}) has no C++ headers for its CUDA "
+            "allocator (c10/cuda/CUDACachingAllocator.h), which Quilt's allocator class "
+            "is compiled against; a CUDA build of torch has them".format(version, torch_dir)
         )
-    with open(_BRIDGE_SOURCE, "rb") as f:
+    with open(_ALLOCATOR_SOURCE, "rb") as f:
         source = f.read()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     key = hashlib.sha256(
-        b"\0".join([source, torch.__version__.encode(), torch_dir.encode(), str(abi).encode()])
+        b"\0".join([source, version.encode(), torch_dir.encode(), str(abi).encode()])
     ).hexdigest()[:16]
     folder = os.path.join(_bridge_cache_dir(), key)
-    target = os.path.join(folder, "libquilt_torch_bridge.so")
+    target = os.path.join(folder, "libquilt_torch_allocator.so")
     if not os.path.isfile(target):
         cxx = _compiler()
         if cxx is None:
             raise BridgeError(
                 "quilt_torch.enable() needs a C++ compiler (g++ or clang++, or $CXX) "
-                "once, to build the bridge that turns Quilt's out of memory into "
-                "torch.OutOfMemoryError (torch does not check a pluggable "
-                "allocator's null pointer; it is cached in {} afterwards); install "
-                "one, e.g. `apt-get install g++`".format(folder)
+                "once, to build Quilt's allocator class against this torch ({}); it is "
+                "cached in {} afterwards; install one, e.g. `apt-get install g++`".format(
+                    version, folder
+                )
+            )
+        cuda_dirs, missing = _cuda_include_dirs(torch_dir)
+        if missing:
+            raise BridgeError(
+                "quilt_torch.enable(): building Quilt's allocator class against torch {} "
+                "needs the CUDA runtime's headers, not found: {}".format(version, "; ".join(missing))
             )
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
-        command = [
-            cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
-            "-D_GLIBCXX_USE_CXX11_ABI={}".format(abi),
-            "-I", include, _BRIDGE_SOURCE,
-            "-L", lib_dir, "-lc10", "-Wl,-rpath," + lib_dir, "-ldl",
+        command = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC",
+                   "-D_GLIBCXX_USE_CXX11_ABI={}".format(abi), "-I", include]
+        for d in cuda_dirs:
+            command += ["-idirafter", d]
+        command += [
+            _ALLOCATOR_SOURCE,
+            "-L", lib_dir, "-lc10", "-lc10_cuda", "-Wl,-rpath," + lib_dir, "-ldl",
             "-o", tmp,
         ]
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             os.unlink(tmp)
             raise BridgeError(
-                "quilt_torch.enable(): building the out-of-memory bridge failed "
-                "({}):\n{}".format(" ".join(command), done.stdout.decode("utf-8", "replace"))
+                "quilt_torch.enable(): building Quilt's allocator class against torch {} "
+                "failed (it is written for torch 2.6 and later, tested with 2.15; nothing "
+                "was installed) ({}):\n{}".format(
+                    version, " ".join(command), done.stdout.decode("utf-8", "replace")[-8000:]
+                )
             )
         os.replace(tmp, target)  # atomic: a concurrent build wins or loses whole
-    bridge = ctypes.CDLL(target)
-    bridge.quilt_bridge_bind.argtypes = [ctypes.c_char_p]
-    bridge.quilt_bridge_bind.restype = ctypes.c_int
-    rc = bridge.quilt_bridge_bind(os.fsencode(library_path()))
-    if rc != 0:
+    try:
+        lib = ctypes.PyDLL(target)  # holds the GIL: torch's context recorder runs Python
+    except OSError as exc:
         raise BridgeError(
-            "quilt_torch.enable(): the out-of-memory bridge {} cannot bind to {} "
-            "({})".format(target, library_path(), "dlopen failed" if rc == 1 else "a function is missing")
-        )
-    _bridge = target
-    return target
+            "quilt_torch.enable(): Quilt's allocator class {} (torch {}) cannot be "
+            "loaded: {}".format(target, version, exc)
+        ) from exc
+    lib.quilt_allocator_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.quilt_allocator_install.restype = ctypes.c_int
+    lib.quilt_allocator_installed.argtypes = []
+    lib.quilt_allocator_installed.restype = ctypes.c_int
+    lib.quilt_allocator_try_malloc.argtypes = [
+        ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t,
+    ]
+    lib.quilt_allocator_try_malloc.restype = ctypes.c_int
+    lib.quilt_allocator_free.argtypes = [ctypes.c_void_p]
+    lib.quilt_allocator_free.restype = None
+    lib.quilt_allocator_route_count.argtypes = []
+    lib.quilt_allocator_route_count.restype = ctypes.c_int
+    lib.quilt_allocator_record_history.argtypes = [ctypes.c_int, ctypes.c_size_t]
+    lib.quilt_allocator_record_history.restype = ctypes.c_int
+    lib.quilt_allocator_torch_version.argtypes = []
+    lib.quilt_allocator_torch_version.restype = ctypes.c_char_p
+    lib.path = target
+    _allocator = lib
+    return lib
 
 
-# The hooks enable() registers: torch's setter, and Quilt's C function.
-HOOKS = (
-    ("set_reset_fn", "quilt_empty_cache"),  # torch.cuda.empty_cache()
-    ("set_memory_fraction_fn", "quilt_set_memory_fraction"),  # set_per_process_memory_fraction
-    ("set_record_stream_fn", "quilt_record_stream"),  # Tensor.record_stream
-)
+# Kept for scripts written against the bridge: the allocator class's path.
+def _bridge_library(torch):
+    return _allocator_library(torch).path
 
-_registered = {}  # setter name -> address of the C function registered with it
+
+class TorchAllocator(object):
+    """What :func:`enable` installed: Quilt's allocator class in torch.
+
+    Attributes:
+        library: the path of the compiled allocator class.
+        torch_version: the torch it was compiled against.
+    """
+
+    def __init__(self, lib, torch_version):
+        self._lib = lib
+        self.library = lib.path
+        self.torch_version = torch_version
+
+    def installed(self):
+        """Whether Quilt is torch's CUDA allocator now."""
+        return self._lib.quilt_allocator_installed() == 1
+
+    def __repr__(self):
+        return "<quilt_torch.TorchAllocator {} (torch {})>".format(self.library, self.torch_version)
 
 
 def registered_hooks():
-    """The hooks :func:`enable` registered: {torch's setter: C function address}.
-
-    Empty before :func:`enable`. The setters torch offers that Quilt has no
-    function for (``set_init_fn``, ``set_base_alloc_fn`` and the CUDA graph
-    pool ones) are not registered: torch then does nothing for them.
-    """
-    return dict(_registered)
+    """Empty: :func:`enable` installs an allocator class that torch calls for
+    every allocator function (no pluggable-allocator hooks). Kept for
+    programs written against earlier versions."""
+    return {}
 
 
 def _function_address(name):
@@ -435,27 +514,31 @@ def enable():
     1. ``QUILT_ALLOC_CONF`` and the backend are checked
        (:func:`check_configuration`): a bad key or value, ``backend:sim`` or
        an unavailable driver raises, and PyTorch keeps its own allocator.
-    2. The out-of-memory bridge is built once and cached (a C++ compiler is
-       needed the first time; see :func:`_bridge_library`): torch does not
-       check a pluggable allocator's null pointer, so the bridge throws
-       ``torch.OutOfMemoryError`` with Quilt's message (request, figures,
-       verdict) instead, and other failures as ``RuntimeError``.
-    3. A ``CUDAPluggableAllocator`` on the bridge is created and Quilt's hooks
-       registered (:data:`HOOKS`): ``torch.cuda.empty_cache()``,
-       ``torch.cuda.set_per_process_memory_fraction()`` and
-       ``Tensor.record_stream()`` reach Quilt.
-    4. ``change_current_allocator``.
+    2. Quilt's allocator class for torch (``torch_allocator.cpp``, a
+       ``c10::cuda::CUDACachingAllocator::CUDAAllocator``) is built once
+       against the installed torch and cached (a C++ compiler is needed the
+       first time; see :func:`_allocator_library`).
+    3. It is installed as torch's CUDA allocator, as torch's own
+       ``changeCurrentAllocator`` does; refused if torch's allocator is
+       already initialized (CUDA used before).
 
-    PyTorch can swap its allocator only before it has allocated, so call this
-    first thing, before any CUDA tensor is created. Calling it again (also
-    after ``importlib.reload(quilt_torch)``) returns the same allocator.
+    From then on torch's own APIs answer with Quilt's figures
+    (``torch.cuda.memory_stats``, ``memory_allocated``, ``memory_summary``,
+    ``_record_memory_history``/``_snapshot``, ...), out of memory is
+    ``torch.OutOfMemoryError`` (torch's observers called first), and CUDA
+    graphs and ``torch.cuda.MemPool`` get private pools.
+
+    Call this first thing, before any CUDA tensor is created. Calling it
+    again (also after ``importlib.reload(quilt_torch)``) returns the same
+    :class:`TorchAllocator`.
 
     Raises:
         ConfigurationError: a bad ``QUILT_ALLOC_CONF``, or ``backend:sim``.
         QuiltError: the backend is unavailable.
-        BridgeError: the bridge cannot be built (no compiler, say).
-        RuntimeError: if torch is missing, or CUDA already allocated through
-            another allocator, or PyTorch refuses the swap.
+        BridgeError: the allocator class cannot be built (no compiler,
+            another torch) or installed (torch's allocator already
+            initialized).
+        RuntimeError: if torch is missing.
         FileNotFoundError: if the library does not exist.
     """
     global _enabled
@@ -466,36 +549,19 @@ def enable():
             _enabled = getattr(torch.cuda.memory, _ENABLED_ATTR, None)
         if _enabled is not None:
             return _enabled
-    if torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
-        raise RuntimeError(
-            "quilt_torch.enable() must run before CUDA allocates: PyTorch's "
-            "allocator already holds {} bytes; call it at the start of the "
-            "program, before any CUDA tensor exists".format(
-                torch.cuda.memory_allocated()
+    check_configuration()
+    lib = _allocator_library(torch)
+    buf = ctypes.create_string_buffer(4096)
+    rc = lib.quilt_allocator_install(os.fsencode(library_path()), buf, len(buf))
+    if rc != 0:
+        raise BridgeError(
+            "quilt_torch.enable(): Quilt's allocator class was not installed in torch {} "
+            "({}): {}; call enable() first thing, before any CUDA tensor exists".format(
+                torch.__version__, rc, buf.value.decode("utf-8", "replace")
             )
         )
-    check_configuration()
-    bridge = _bridge_library(torch)
-    allocator = _load_pluggable(torch, bridge, "quilt_bridge_malloc", "quilt_bridge_free")
-    raw = allocator.allocator()
-    hooks = {}
-    for setter, function in HOOKS:
-        if not hasattr(raw, setter):
-            continue  # an older torch without this hook
-        address = _function_address(function)
-        getattr(raw, setter)(address)
-        hooks[setter] = address
-    try:
-        torch.cuda.memory.change_current_allocator(allocator)
-    except Exception as exc:
-        raise RuntimeError(
-            "quilt_torch.enable(): PyTorch refused to swap its CUDA allocator "
-            "for Quilt ({}); the allocator can only be changed before CUDA "
-            "is first used".format(exc)
-        ) from exc
+    allocator = TorchAllocator(lib, torch.__version__)
     with _lock:
-        _registered.clear()
-        _registered.update(hooks)
         _enabled = allocator
         setattr(torch.cuda.memory, _ENABLED_ATTR, allocator)
     return allocator

@@ -1,0 +1,840 @@
+// quilt_torch's allocator class: Quilt as torch's CUDA allocator.
+//
+// quilt_torch.enable() compiles this file against the installed torch's
+// headers (c10/cuda/CUDACachingAllocator.h) and CUDA runtime headers, links
+// it with libc10, libc10_cuda and libcudart, caches the result (see
+// _allocator_library in __init__.py), and calls quilt_allocator_install(),
+// which installs one QuiltCudaAllocator the way torch's own
+// changeCurrentAllocator does (the exported global
+// c10::cuda::CUDACachingAllocator::allocator, and c10::SetAllocator for
+// DeviceType::CUDA), refusing when torch's allocator is already initialized.
+// From then on torch's own APIs reach Quilt: memory_stats and its kin,
+// memory_summary, reset_peak/accumulated_memory_stats,
+// _record_memory_history with _snapshot and memory_snapshot (torch's
+// contexts with Python stacks on alloc/free entries and on blocks),
+// caching_allocator_alloc/delete, empty_cache, the memory fraction,
+// record_stream, MemPool/use_mem_pool and CUDA graphs (private pools, kept
+// by libquilt_torch.so), and the out-of-memory observers, called before
+// torch.OutOfMemoryError is thrown.
+//
+// Every allocator function is a call into libquilt_torch.so's C functions
+// (resolved once with dlsym from the instance ctypes loaded). This file
+// keeps only what needs C++: torch's contexts (GatheredContext), the
+// allocation routing filters of beginAllocateToPool, the observers, and
+// each live pointer's size, device and stream (torch's deleter passes only
+// the pointer).
+//
+// Built against torch 2.6 and later (the CUDAAllocator interface of that
+// release on: snapshot(mempool_id), createOrIncrefPool, recordHistory with
+// clearHistory and skip_actions); virtuals that exist only in some releases
+// are guarded by TORCH_VERSION_MAJOR/MINOR below.
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <torch/headeronly/version.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+namespace cda = c10::CachingDeviceAllocator;
+
+// The C structs of libquilt_torch.so (crates/torch/src/device_stats.rs,
+// listing.rs, ffi.rs): keep field for field in step.
+struct QuiltStat {
+  int64_t current, peak, allocated, freed;
+};
+struct QuiltDeviceStats {
+  QuiltStat allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes,
+      active_bytes, inactive_split_bytes, requested_bytes;
+  int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free;
+  int64_t device_total, device_free, pool_kept_bytes;
+};
+struct QuiltAllocation {
+  void* ptr;
+  uint64_t seq;
+};
+struct QuiltSegment {
+  int32_t device;
+  uint32_t first_block, block_count;
+  uint64_t address, total_size, stream;
+};
+struct QuiltBlock {
+  uint64_t address, size, requested;
+  int32_t state;  // 0 allocated, 1 pending free, 2 free
+};
+struct QuiltTraceEntry {
+  uint64_t seq;
+  int32_t device, action;
+  uint64_t addr, size, stream, time_us;
+};
+
+// libquilt_torch.so's functions.
+struct Api {
+  int (*torch_malloc)(size_t, int, void*, int, uint64_t, uint64_t, QuiltAllocation*);
+  int (*torch_free)(void*, size_t, int, void*, uint64_t*);
+  int (*device_stats)(int, QuiltDeviceStats*);
+  int (*reset_accumulated)(int);
+  int (*reset_peak)(int);
+  int (*pool_incref)(int, uint64_t, uint64_t);
+  int (*pool_release)(int, uint64_t, uint64_t);
+  int (*pool_use_count)(int, uint64_t, uint64_t);
+  double (*get_fraction)(int);
+  int (*try_set_fraction)(double, int);
+  size_t (*segments)(int, QuiltSegment*, size_t, QuiltBlock*, size_t, size_t*);
+  size_t (*history_since)(uint64_t, QuiltTraceEntry*, size_t);
+  int (*clear_history)();
+  int (*record_history)(int, size_t);
+  void (*empty_cache)();
+  void (*record_stream)(void*, void*);
+  size_t (*last_error)(char*, size_t);
+};
+Api api{};
+bool bound = false;
+
+std::string last_error() {
+  if (api.last_error == nullptr) {
+    return "(quilt_last_error unavailable)";
+  }
+  size_t needed = api.last_error(nullptr, 0);
+  std::string text(needed + 1, '\0');
+  size_t got = api.last_error(&text[0], text.size());
+  text.resize(std::min(got, needed));
+  return text;
+}
+
+// torch's own size format ("300.00 MiB").
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", size / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", size / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", size / 1073741824.0);
+  }
+  return buf;
+}
+
+void fill(c10::CachingAllocator::StatArray& out, const QuiltStat& s) {
+  // Quilt has no small and large pools: all is large.
+  for (auto type : {c10::CachingAllocator::StatType::AGGREGATE,
+                    c10::CachingAllocator::StatType::LARGE_POOL}) {
+    auto& d = out[static_cast<size_t>(type)];
+    d.current = s.current;
+    d.peak = s.peak;
+    d.allocated = s.allocated;
+    d.freed = s.freed;
+  }
+}
+
+struct Live {
+  size_t size;
+  c10::DeviceIndex device;
+  cudaStream_t stream;
+};
+
+void quilt_raw_delete(void* ptr);
+
+class QuiltCudaAllocator final : public cca::CUDAAllocator {
+ public:
+  // -- allocation -----------------------------------------------------------
+
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    void* p = malloc_on(size, device, stream);
+    return {p, p, &quilt_raw_delete, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &quilt_raw_delete;
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc_on(nbytes, device, stream);
+  }
+
+  // A block of `size` bytes on `device` ordered on `stream`, into the
+  // private pool whose filter accepts the stream if one does; throws
+  // c10::OutOfMemoryError (after calling the observers) or c10::Error.
+  void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    if (size == 0) {
+      return nullptr;  // an empty tensor: no memory
+    }
+    TORCH_CHECK(bound, "quilt_torch: the allocator is not bound to libquilt_torch.so");
+    bool use_pool = false;
+    c10::MempoolId_t pool{0, 0};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& c : routes_) {
+        if (c.device == device && c.filter(stream)) {
+          use_pool = true;
+          pool = c.id;
+          break;
+        }
+      }
+    }
+    std::shared_ptr<c10::GatheredContext> context;
+    auto recorder = recorder_.load();
+    if (history_on_.load() && recorder != nullptr && when_ != cda::RecordContext::NEVER) {
+      context = recorder();
+    }
+    QuiltAllocation a{nullptr, 0};
+    int rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
+    if (rc == 1) {
+      out_of_memory(size, device, last_error());
+    }
+    TORCH_CHECK(rc == 0 && a.ptr != nullptr, "Quilt could not allocate ", format_size(size), " (",
+                size, " bytes) on device ", static_cast<int>(device), ": ", last_error());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_[a.ptr] = Live{size, device, stream};
+      if (context) {
+        block_context_[a.ptr] = context;
+        if (a.seq != 0 && when_ >= cda::RecordContext::ALLOC) {
+          remember(a.seq, context);
+        }
+      }
+    }
+    track(cda::TraceEntry::ALLOC, device, a.ptr, size, stream, pool, context);
+    return a.ptr;
+  }
+
+  [[noreturn]] void out_of_memory(size_t size, c10::DeviceIndex device, const std::string& why) {
+    QuiltDeviceStats s{};
+    api.device_stats(device, &s);
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      observers = observers_;
+    }
+    for (auto& o : observers) {
+      o(device, static_cast<size_t>(s.allocated_bytes.current),
+        static_cast<size_t>(s.device_total), static_cast<size_t>(s.device_free));
+    }
+    int64_t unallocated = std::max<int64_t>(0, s.reserved_bytes.current - s.allocated_bytes.current);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                     format_size(size), ". GPU ", static_cast<int>(device),
+                     " has a total capacity of ", format_size(s.device_total), " of which ",
+                     format_size(s.device_free), " is free. Of the allocated memory ",
+                     format_size(s.allocated_bytes.current),
+                     " is allocated by PyTorch (Quilt), and ", format_size(unallocated),
+                     " is reserved by PyTorch (Quilt) but unallocated. Quilt: ", why);
+  }
+
+  void raw_delete(void* ptr) override {
+    if (ptr == nullptr) {
+      return;
+    }
+    Live l{};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) {
+        TORCH_WARN("quilt_torch: free of ", ptr, ", which Quilt's allocator did not hand out");
+        return;
+      }
+      l = it->second;
+      live_.erase(it);
+      block_context_.erase(ptr);
+    }
+    std::shared_ptr<c10::GatheredContext> context;
+    auto recorder = recorder_.load();
+    if (history_on_.load() && recorder != nullptr && when_ == cda::RecordContext::ALL) {
+      context = recorder();
+    }
+    uint64_t seq = 0;
+    if (api.torch_free(ptr, l.size, l.device, l.stream, &seq) != 0) {
+      // A deleter must not throw (it runs in destructors).
+      TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
+      return;
+    }
+    if (context && seq != 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      remember(seq, context);
+    }
+    track(cda::TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, {0, 0}, context);
+    track(cda::TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, {0, 0}, context);
+  }
+
+  // -- lifecycle and settings -----------------------------------------------
+
+  void init(int /*device_count*/) override {
+    initialized_ = true;
+  }
+  bool initialized() override {
+    return initialized_;
+  }
+  void enable(bool value) override {
+    enabled_ = value;
+  }
+  bool isEnabled() const override {
+    return enabled_;
+  }
+  std::string name() override {
+    return "quilt";
+  }
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    double f = api.get_fraction(device);
+    TORCH_CHECK(f >= 0, "Quilt: ", last_error());
+    return f;
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    TORCH_CHECK(api.try_set_fraction(fraction, device) == 0, "Quilt refused the memory fraction ",
+                fraction, " on device ", static_cast<int>(device), ": ", last_error());
+  }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    return {};
+  }
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    // A private pool's memory goes back when the pool is released
+    // (releasePool); Quilt's cache is one for every pool.
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      api.empty_cache();
+    }
+  }
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    // Quilt can serve any request up to what is not allocated (pages need
+    // not be contiguous).
+    QuiltDeviceStats s{};
+    if (api.device_stats(device, &s) == 0 && largest != nullptr) {
+      *largest = static_cast<size_t>(std::max<int64_t>(0, s.device_total - s.allocated_bytes.current));
+    }
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.find(ptr);
+    if (it != live_.end() && size != nullptr) {
+      *size = it->second.size;
+    }
+    return ptr;
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get() != nullptr) {
+      api.record_stream(ptr.get(), stream.stream());
+    }
+  }
+
+  // -- statistics -----------------------------------------------------------
+
+  cda::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    QuiltDeviceStats s{};
+    TORCH_CHECK(api.device_stats(device, &s) == 0, "Quilt has no statistics for device ",
+                static_cast<int>(device), ": ", last_error());
+    cda::DeviceStats d;
+    fill(d.allocation, s.allocation);
+    fill(d.segment, s.segment);
+    fill(d.active, s.active);
+    fill(d.inactive_split, s.inactive_split);
+    fill(d.allocated_bytes, s.allocated_bytes);
+    fill(d.reserved_bytes, s.reserved_bytes);
+    fill(d.active_bytes, s.active_bytes);
+    fill(d.inactive_split_bytes, s.inactive_split_bytes);
+    fill(d.requested_bytes, s.requested_bytes);
+    d.num_alloc_retries = s.num_alloc_retries;
+    d.num_ooms = s.num_ooms;
+    d.num_sync_all_streams = s.num_sync_all_streams;
+    d.num_device_alloc = s.num_device_alloc;
+    d.num_device_free = s.num_device_free;
+    return d;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(api.reset_accumulated(device) == 0, "Quilt: ", last_error());
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(api.reset_peak(device) == 0, "Quilt: ", last_error());
+  }
+
+  // -- history and snapshots ------------------------------------------------
+
+  bool isHistoryEnabled() override {
+    return history_on_.load();
+  }
+  void recordHistory(bool enabled, cda::CreateContextFn context_recorder, size_t max_entries,
+                     cda::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    TORCH_CHECK(when == cda::RecordContext::NEVER || context_recorder,
+                "recordHistory: a context recorder is needed");
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      skip_.clear();
+      for (const auto& a : skip_actions) {
+        skip_.insert(static_cast<int>(cda::parseTraceEntryAction(a)));
+      }
+      when_ = when;
+      max_entries_ = max_entries;
+      if (clear_history) {
+        trace_context_.clear();
+      }
+    }
+    recorder_.store(context_recorder);
+    if (clear_history) {
+      api.clear_history();
+    }
+    TORCH_CHECK(api.record_history(enabled ? 1 : 0, max_entries) == 0, "Quilt: ", last_error());
+    history_on_.store(enabled);
+  }
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = block_context_.find(const_cast<void*>(ptr));
+    return it == block_context_.end() ? nullptr : it->second;
+  }
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (!history_on_.load()) {
+      return;
+    }
+    c10::DeviceIndex device = 0;
+    (void)c10::cuda::GetDevice(&device);
+    cda::AnnotationEntry a(device, 0);
+    a.time_.t_ = static_cast<time_t>(now_us());
+    for (const auto& [k, v] : md) {
+      a.recordUserMetadata(k, v);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    annotations_.push_back(std::move(a));
+  }
+
+  cca::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool include_traces) override {
+    cca::SnapshotInfo info;
+    std::vector<QuiltSegment> segs(64);
+    std::vector<QuiltBlock> blocks(256);
+    for (;;) {
+      size_t need_blocks = 0;
+      size_t n = api.segments(-1, segs.data(), segs.size(), blocks.data(), blocks.size(),
+                              &need_blocks);
+      if (n <= segs.size() && need_blocks <= blocks.size()) {
+        segs.resize(n);
+        blocks.resize(need_blocks);
+        break;
+      }
+      segs.resize(n * 2 + 1);
+      blocks.resize(need_blocks * 2 + 1);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& s : segs) {
+      cda::SegmentInfo si;
+      si.device = static_cast<c10::DeviceIndex>(s.device);
+      si.address = s.address;
+      si.total_size = s.total_size;
+      si.stream = reinterpret_cast<void*>(s.stream);
+      si.is_large = true;
+      si.is_expandable = true;
+      for (uint32_t k = 0; k < s.block_count; ++k) {
+        const auto& b = blocks[s.first_block + k];
+        cda::BlockInfo bi;
+        bi.size = b.size;
+        bi.requested_size = b.requested;
+        bi.allocated = b.state == 0;
+        bi.active = b.state != 2;
+        if (bi.allocated) {
+          si.allocated_size += b.size;
+          si.requested_size += b.requested;
+          auto c = block_context_.find(reinterpret_cast<void*>(b.address));
+          if (c != block_context_.end()) {
+            bi.context_when_allocated = c->second;
+          }
+        }
+        if (bi.active) {
+          si.active_size += b.size;
+        }
+        si.blocks.push_back(std::move(bi));
+      }
+      info.segments.push_back(std::move(si));
+    }
+    if (include_traces) {
+      std::vector<QuiltTraceEntry> entries(1024);
+      for (;;) {
+        size_t n = api.history_since(0, entries.data(), entries.size());
+        if (n <= entries.size()) {
+          entries.resize(n);
+          break;
+        }
+        entries.resize(n + 1024);
+      }
+      int top = 0;
+      for (const auto& s : segs) top = std::max(top, s.device);
+      for (const auto& e : entries) top = std::max(top, e.device);
+      int count = std::max<int>(top + 1, c10::cuda::device_count());
+      info.device_traces.resize(static_cast<size_t>(count));
+      std::unordered_map<uint64_t, std::shared_ptr<c10::GatheredContext>> freeing;
+      for (const auto& e : entries) {
+        if (e.action < 0 || e.device < 0 || skip_.count(e.action) != 0) {
+          continue;
+        }
+        auto action = static_cast<cda::TraceEntry::Action>(e.action);
+        std::shared_ptr<c10::GatheredContext> context;
+        auto c = trace_context_.find(e.seq);
+        if (c != trace_context_.end()) {
+          context = c->second;
+        }
+        if (action == cda::TraceEntry::FREE_REQUESTED) {
+          freeing[e.addr] = context;
+        } else if (action == cda::TraceEntry::FREE_COMPLETED) {
+          context = freeing[e.addr];
+        }
+        cda::TraceEntry te(action, static_cast<c10::DeviceIndex>(e.device), e.addr, e.size,
+                           reinterpret_cast<void*>(e.stream), {0, 0}, 0, context);
+        te.time_.t_ = static_cast<time_t>(e.time_us);
+        info.device_traces[static_cast<size_t>(e.device)].push_back(std::move(te));
+      }
+      info.external_annotations = annotations_;
+    }
+    const char* conf = std::getenv("QUILT_ALLOC_CONF");
+    info.config_metadata.last_allocator_settings =
+        std::string("QUILT_ALLOC_CONF=") + (conf != nullptr ? conf : "");
+    info.config_metadata.expandable_segments = true;
+    return info;
+  }
+
+  // -- private pools (CUDA graphs, MemPool) ---------------------------------
+
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& r : routes_) {
+        TORCH_CHECK(!(r.device == device && r.id == id),
+                    "beginAllocateToPool: already allocating to pool (", id.first, ", ",
+                    id.second, ")");
+      }
+    }
+    TORCH_CHECK(api.pool_incref(device, id.first, id.second) == 0, "Quilt: ", last_error());
+    std::lock_guard<std::mutex> lock(mutex_);
+    routes_.push_back(Route{device, id, std::move(filter)});
+  }
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    routes_.erase(std::remove_if(routes_.begin(), routes_.end(),
+                                 [&](const Route& r) { return r.device == device && r.id == id; }),
+                  routes_.end());
+  }
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    // Called from destructors (CUDAGraph::reset, ~MemPool): never throws.
+    if (api.pool_release(device, id.first, id.second) != 0) {
+      TORCH_WARN("quilt_torch: releasePool(", id.first, ", ", id.second, "): ", last_error());
+    }
+  }
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    int n = api.pool_use_count(device, id.first, id.second);
+    TORCH_CHECK(n >= 0, "Quilt: ", last_error());
+    return n;
+  }
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                "Quilt (quilt_torch.enable()) does not support a MemPool with an allocator of "
+                "its own (",
+                allocator ? allocator->name() : "", "): its pools are Quilt's");
+    TORCH_CHECK(api.pool_incref(device, id.first, id.second) == 0, "Quilt: ", last_error());
+  }
+  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool) override {
+    // Quilt serves an out of memory from its own pages only: a pool's free
+    // blocks stay the pool's. (Called from ~MemPool: never throws.)
+  }
+  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
+    // Quilt hands a pool's blocks out whole: none is ever split.
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
+                                                          c10::MempoolId_t) override {
+    TORCH_CHECK(false,
+                "Quilt (quilt_torch.enable()) does not support torch.compile's CUDA graph trees "
+                "(mode=\"reduce-overhead\"): they checkpoint and restore a private pool's state "
+                "(getCheckpointState/setCheckpointPoolState), which Quilt does not implement. "
+                "Use torch.cuda.graph / make_graphed_callables, or "
+                "torch._inductor.config.triton.cudagraph_trees = False.");
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
+                                              std::shared_ptr<cca::AllocatorState>) override {
+    TORCH_CHECK(false,
+                "Quilt (quilt_torch.enable()) does not support setCheckpointPoolState (CUDA graph "
+                "trees of torch.compile(mode=\"reduce-overhead\"))");
+  }
+
+  // -- observers, IPC, copies -----------------------------------------------
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    observers_.push_back(std::move(observer));
+  }
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    // Quilt rejects nothing pre-emptively: never called.
+    std::lock_guard<std::mutex> lock(mutex_);
+    rejection_observers_.push_back(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trackers_.push_back(std::move(tracker));
+  }
+  cca::ShareableHandle shareIpcHandle(void*) override {
+    TORCH_CHECK(false,
+                "Quilt (quilt_torch.enable()) does not support sharing CUDA tensors between "
+                "processes (IPC handles)");
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    TORCH_CHECK(false,
+                "Quilt (quilt_torch.enable()) does not support opening CUDA IPC handles");
+  }
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+  cudaError_t memcpyAsync(void* dst, int, const void* src, int, size_t count,
+                          cudaStream_t stream, bool) override {
+    return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // For tests: the routes in force.
+  size_t route_count() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return routes_.size();
+  }
+
+ private:
+  struct Route {
+    c10::DeviceIndex device;
+    c10::MempoolId_t id;
+    std::function<bool(cudaStream_t)> filter;
+  };
+
+  static uint64_t now_us() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+  }
+
+  // Keep `context` for history entry `seq` (mutex_ held); the oldest go
+  // when there are more than the history keeps.
+  void remember(uint64_t seq, std::shared_ptr<c10::GatheredContext> context) {
+    trace_context_[seq] = std::move(context);
+    size_t keep = max_entries_ > SIZE_MAX / 2 ? SIZE_MAX : std::max<size_t>(max_entries_, 1) * 2;
+    while (trace_context_.size() > keep) {
+      trace_context_.erase(trace_context_.begin());
+    }
+  }
+
+  // Call torch's trace trackers, if any.
+  void track(cda::TraceEntry::Action action, c10::DeviceIndex device, void* ptr, size_t size,
+             cudaStream_t stream, c10::MempoolId_t pool,
+             const std::shared_ptr<c10::GatheredContext>& context) {
+    std::vector<cca::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (trackers_.empty()) {
+        return;
+      }
+      trackers = trackers_;
+    }
+    cda::TraceEntry te(action, device, reinterpret_cast<size_t>(ptr), size, stream, pool,
+                       c10::getApproximateTime(), context);
+    for (auto& t : trackers) {
+      t(te);
+    }
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<void*, Live> live_;
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> block_context_;
+  std::map<uint64_t, std::shared_ptr<c10::GatheredContext>> trace_context_;
+  std::vector<Route> routes_;
+  std::vector<cca::OutOfMemoryObserver> observers_;
+  std::vector<cca::OomRejectionObserver> rejection_observers_;
+  std::vector<cca::AllocatorTraceTracker> trackers_;
+  std::vector<cda::AnnotationEntry> annotations_;
+  std::set<int> skip_;
+  std::atomic<bool> initialized_{false};
+  bool enabled_ = true;
+  std::atomic<bool> history_on_{false};
+  std::atomic<cda::CreateContextFn> recorder_{nullptr};
+  cda::RecordContext when_ = cda::RecordContext::NEVER;
+  size_t max_entries_ = 0;
+};
+
+QuiltCudaAllocator* instance = nullptr;
+
+void quilt_raw_delete(void* ptr) {
+  if (instance != nullptr) {
+    instance->raw_delete(ptr);
+  }
+}
+
+template <typename F>
+bool resolve(void* handle, const char* name, F& out) {
+  out = reinterpret_cast<F>(dlsym(handle, name));
+  return out != nullptr;
+}
+
+void write(char* buf, size_t len, const std::string& text) {
+  if (buf != nullptr && len > 0) {
+    std::snprintf(buf, len, "%s", text.c_str());
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bind to libquilt_torch.so at `path` and install Quilt as torch's CUDA
+// allocator. 0 on success (also when it is installed already); 1 the
+// library cannot be opened, 2 a function is missing, 3 torch's allocator is
+// already initialized (nothing installed), 4 torch did not take it. The
+// reason goes into buf (snprintf style).
+int quilt_allocator_install(const char* path, char* buf, size_t len) {
+  if (instance != nullptr && cca::allocator.load() == instance) {
+    return 0;
+  }
+  void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) {
+    write(buf, len, std::string("dlopen failed: ") + dlerror());
+    return 1;
+  }
+  Api a{};
+  bool ok = resolve(h, "quilt_torch_malloc", a.torch_malloc) &&
+            resolve(h, "quilt_torch_free", a.torch_free) &&
+            resolve(h, "quilt_device_stats", a.device_stats) &&
+            resolve(h, "quilt_reset_accumulated_stats", a.reset_accumulated) &&
+            resolve(h, "quilt_reset_peak_stats", a.reset_peak) &&
+            resolve(h, "quilt_pool_create_or_incref", a.pool_incref) &&
+            resolve(h, "quilt_pool_release", a.pool_release) &&
+            resolve(h, "quilt_pool_use_count", a.pool_use_count) &&
+            resolve(h, "quilt_get_memory_fraction", a.get_fraction) &&
+            resolve(h, "quilt_try_set_memory_fraction", a.try_set_fraction) &&
+            resolve(h, "quilt_segments", a.segments) &&
+            resolve(h, "quilt_history_since", a.history_since) &&
+            resolve(h, "quilt_clear_history", a.clear_history) &&
+            resolve(h, "quilt_record_history", a.record_history) &&
+            resolve(h, "quilt_empty_cache", a.empty_cache) &&
+            resolve(h, "quilt_record_stream", a.record_stream) &&
+            resolve(h, "quilt_last_error", a.last_error);
+  if (!ok) {
+    write(buf, len, std::string("a function is missing from ") + path);
+    return 2;
+  }
+  cca::CUDAAllocator* current = cca::allocator.load();
+  if (current != nullptr && current != instance && current->initialized()) {
+    write(buf, len,
+          "torch's CUDA allocator (" + current->name() +
+              ") is already initialized (CUDA was used before quilt_torch.enable())");
+    return 3;
+  }
+  api = a;
+  bound = true;
+  if (instance == nullptr) {
+    instance = new QuiltCudaAllocator();  // static lifetime, as torch's own
+  }
+  cca::allocator.store(instance);
+  // torch registers its own CUDA allocator with c10::SetAllocator at a
+  // priority it does not export: take the lowest priority that replaces it
+  // (a lower one leaves the registration as it was).
+  for (int priority = 0; priority <= 255; ++priority) {
+    c10::SetAllocator(c10::DeviceType::CUDA, instance, static_cast<uint8_t>(priority));
+    if (c10::GetAllocator(c10::DeviceType::CUDA) == instance) {
+      return 0;
+    }
+  }
+  cca::allocator.store(current);
+  write(buf, len, "c10::SetAllocator(CUDA) kept another allocator");
+  return 4;
+}
+
+// 1 when Quilt is torch's CUDA allocator (as installed above), else 0.
+int quilt_allocator_installed() {
+  return instance != nullptr && cca::allocator.load() == instance &&
+                 c10::GetAllocator(c10::DeviceType::CUDA) == instance
+             ? 1
+             : 0;
+}
+
+// For tests without a GPU (torch's allocate() needs a device): allocates as
+// torch would on `device` and `stream`, through the same routing, history
+// and out-of-memory path, and says what came of it: 0 a pointer (in *out),
+// 1 c10::OutOfMemoryError, 2 another c10::Error, 3 another exception; the
+// exception's message (without C++ backtrace) goes into buf.
+int quilt_allocator_try_malloc(size_t size, int device, void* stream, void** out, char* buf,
+                               size_t len) {
+  std::string what;
+  int kind = 0;
+  try {
+    TORCH_CHECK(instance != nullptr, "quilt_torch: the allocator is not installed");
+    *out = instance->malloc_on(size, static_cast<c10::DeviceIndex>(device),
+                               static_cast<cudaStream_t>(stream));
+  } catch (const c10::OutOfMemoryError& e) {
+    kind = 1;
+    what = e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    kind = 2;
+    what = e.what_without_backtrace();
+  } catch (...) {
+    kind = 3;
+  }
+  write(buf, len, what);
+  return kind;
+}
+
+// For tests: torch's deleter of a pointer (raw_delete).
+void quilt_allocator_free(void* ptr) {
+  quilt_raw_delete(ptr);
+}
+
+// For tests: the number of allocation routes (beginAllocateToPool) in force.
+int quilt_allocator_route_count() {
+  return instance == nullptr ? -1 : static_cast<int>(instance->route_count());
+}
+
+// For tests without a GPU (torch's _record_memory_history initializes
+// CUDA): recordHistory with no context recorder. 0, or 1 on a c10::Error.
+int quilt_allocator_record_history(int enabled, size_t max_entries) {
+  try {
+    TORCH_CHECK(instance != nullptr, "quilt_torch: the allocator is not installed");
+    instance->recordHistory(enabled != 0, nullptr, max_entries, cda::RecordContext::NEVER, false,
+                            {});
+    return 0;
+  } catch (const c10::Error&) {
+    return 1;
+  }
+}
+
+// For tests: torch's version this file was compiled against.
+const char* quilt_allocator_torch_version() {
+  return TORCH_VERSION;
+}
+
+}  // extern "C"
