@@ -131,6 +131,52 @@ impl RaceTracker {
         true
     }
 
+    /// For each stream other than `stream` whose freed memory's work may
+    /// still run, the lowest position of that work `stream` is not ordered
+    /// after now ([`SimVmm::ordered_after`], which is monotone in the
+    /// position: ordered after a position, ordered after every earlier one).
+    /// A stream absent from the answer orders nothing. Read before an
+    /// allocation, it tells which streams a wait made by the allocation
+    /// could be needed for (see [`RaceTracker::users_under`]).
+    pub fn unordered_from(&self, sim: &SimVmm, stream: u64) -> Vec<(StreamId, u64)> {
+        let t = StreamId(stream);
+        let mut positions: BTreeMap<StreamId, Vec<u64>> = BTreeMap::new();
+        for (_, users) in self.freed.values() {
+            for &(s, pos) in users {
+                if s != t {
+                    positions.entry(s).or_default().push(pos);
+                }
+            }
+        }
+        let mut lowest = Vec::new();
+        for (s, mut pos) in positions {
+            pos.sort_unstable();
+            pos.dedup();
+            // The first position not ordered after (binary search).
+            let first = pos.partition_point(|&p| sim.ordered_after(t, s, p));
+            if let Some(&p) = pos.get(first) {
+                lowest.push((s, p));
+            }
+        }
+        lowest
+    }
+
+    /// The users of the freed memory under the block of `len` bytes at
+    /// `ptr` (each stream that used it, with its position at the free),
+    /// without forgetting them: call after the allocation, before
+    /// [`RaceTracker::allocated`].
+    pub fn users_under(&self, sim: &SimVmm, ptr: DevicePtr, len: u64) -> Vec<(StreamId, u64)> {
+        let mut users = Vec::new();
+        for p in sim.memory_pieces(ptr, len) {
+            for key in self.overlapping(p.memory, p.offset, p.offset + p.len) {
+                if let Some((_, u)) = self.freed.get(&key) {
+                    users.extend(u.iter().copied());
+                }
+            }
+        }
+        users
+    }
+
     /// The keys of the freed pieces of `memory` that overlap `start .. end`.
     fn overlapping(&self, memory: u64, start: u64, end: u64) -> Vec<(u64, u64)> {
         let before = self

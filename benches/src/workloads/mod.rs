@@ -15,6 +15,7 @@ use crate::trace::{Event, Trace};
 
 pub mod llm_serving;
 pub mod llm_serving_growable;
+pub mod many_streams;
 pub mod mixed_vision_language;
 pub mod model_switch;
 pub mod offload_pipeline;
@@ -32,7 +33,7 @@ pub struct Workload {
 }
 
 /// Every built-in workload, in report order.
-pub const WORKLOADS: [Workload; 9] = [
+pub const WORKLOADS: [Workload; 15] = [
     Workload {
         name: "train-varlen",
         description: "transformer training steps whose sequence length changes from step to step",
@@ -77,6 +78,36 @@ pub const WORKLOADS: [Workload; 9] = [
         name: "offload-pipeline-32",
         description: "offload-pipeline-4 with 31 copy streams (32 streams)",
         generate: offload_pipeline::generate_32,
+    },
+    Workload {
+        name: "many-streams-4",
+        description: "4 streams that keep to themselves: each prefetches, uses and frees its own layers, activations and small buffers, no record_stream",
+        generate: many_streams::generate_4,
+    },
+    Workload {
+        name: "many-streams-10",
+        description: "many-streams-4 on 10 streams",
+        generate: many_streams::generate_10,
+    },
+    Workload {
+        name: "many-streams-32",
+        description: "many-streams-4 on 32 streams",
+        generate: many_streams::generate_32,
+    },
+    Workload {
+        name: "many-streams-handoff-4",
+        description: "many-streams-4 with one cross-stream hand-off per stream and pass (record_stream, freed by its maker)",
+        generate: many_streams::generate_handoff_4,
+    },
+    Workload {
+        name: "many-streams-handoff-10",
+        description: "many-streams-handoff-4 on 10 streams",
+        generate: many_streams::generate_handoff_10,
+    },
+    Workload {
+        name: "many-streams-handoff-32",
+        description: "many-streams-handoff-4 on 32 streams",
+        generate: many_streams::generate_handoff_32,
     },
 ];
 
