@@ -16,7 +16,7 @@
 //!   drawn per stream and pass): per layer, the next layer's weights are
 //!   prefetched on the stream ([`PREFETCH`] layers ahead: two norms, QKV,
 //!   output, MLP up and down), the layer's activations are made and freed
-//!   as in [`inference_layer`], a few small buffers (masks, indices,
+//!   as in `inference_layer`, a few small buffers (masks, indices,
 //!   scalars: 8 B to 64 KiB) live for the layer, and the layer's weights
 //!   are freed after its kernels are queued. Logits and sampled ids end a
 //!   pass.
