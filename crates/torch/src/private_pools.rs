@@ -139,7 +139,7 @@ impl PrivatePools {
     }
 
     /// A free block of pool `id` on `stream` for a request of `size` bytes
-    /// (the smallest that [fits]), now live; None when there is none (the
+    /// (the smallest that `fits`), now live; None when there is none (the
     /// caller allocates from Quilt and [`PrivatePools::adopt`]s it). An error
     /// for a pool not in use.
     pub fn take(&mut self, id: PoolId, size: u64, stream: u64) -> Result<Option<u64>, String> {
