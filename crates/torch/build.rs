@@ -21,10 +21,71 @@ fn torch_venv() -> Option<PathBuf> {
     })
 }
 
+/// Sets `cfg(quilt_no_viewer)` unless everything `tests/viewer.rs` needs is
+/// here: PyTorch's viewer (`third_party/viz/MemoryViz.js`, git-ignored, or
+/// `$QUILT_MEMORY_VIZ`), `npm ci` done in `scripts/viewer-check`, `node`,
+/// `python3` and Chromium (`/usr/bin/chromium` or `$QUILT_CHROMIUM`); the
+/// test is then ignored, the reason a build warning. Those present are
+/// watched; after adding one that was missing, `touch crates/torch/build.rs`.
+fn viewer_check() {
+    println!("cargo::rustc-check-cfg=cfg(quilt_no_viewer)");
+    println!("cargo::rerun-if-env-changed=QUILT_MEMORY_VIZ");
+    println!("cargo::rerun-if-env-changed=QUILT_CHROMIUM");
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let repo = manifest.join("..").join("..");
+    let check = repo.join("scripts").join("viewer-check");
+    let viewer = std::env::var_os("QUILT_MEMORY_VIZ")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo.join("third_party").join("viz").join("MemoryViz.js"));
+    let chromium = std::env::var_os("QUILT_CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    let files = [
+        ("PyTorch's viewer", viewer),
+        ("Chromium", chromium),
+        (
+            "d3 (npm ci in scripts/viewer-check)",
+            check.join("node_modules").join("d3").join("package.json"),
+        ),
+        (
+            "playwright-core (npm ci in scripts/viewer-check)",
+            check
+                .join("node_modules")
+                .join("playwright-core")
+                .join("package.json"),
+        ),
+    ];
+    let mut missing: Vec<String> = Vec::new();
+    for (what, path) in &files {
+        if path.is_file() {
+            println!("cargo::rerun-if-changed={}", path.display());
+        } else {
+            missing.push(format!("{what} ({})", path.display()));
+        }
+    }
+    for program in ["node", "python3"] {
+        let runs = Command::new(program)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !runs {
+            missing.push(format!("{program} on PATH"));
+        }
+    }
+    if !missing.is_empty() {
+        println!("cargo::rustc-cfg=quilt_no_viewer");
+        println!(
+            "cargo::warning=viewer test ignored: no {}",
+            missing.join(", no ")
+        );
+    }
+}
+
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(quilt_no_python3)");
     println!("cargo::rustc-check-cfg=cfg(quilt_no_torch)");
     println!("cargo::rerun-if-changed=build.rs");
+    viewer_check();
     println!("cargo::rerun-if-env-changed=QUILT_TORCH_VENV");
     println!("cargo::rerun-if-env-changed=HOME");
     let runs = Command::new("python3")
