@@ -149,6 +149,29 @@ void fill(c10::CachingAllocator::StatArray& out, const QuiltStat& s) {
   }
 }
 
+// The calling thread in CUDA's relaxed stream-capture mode while it lives,
+// as torch's own allocator puts it around its cudaMalloc: Quilt may create
+// and map memory for an allocation made during a capture (a graph's private
+// pool is filled then), which the global mode forbids and which would
+// invalidate the capture.
+struct RelaxedCapture {
+  cudaStreamCaptureMode prior = cudaStreamCaptureModeRelaxed;
+  bool exchanged = false;
+  RelaxedCapture() {
+    exchanged = cudaThreadExchangeStreamCaptureMode(&prior) == cudaSuccess;
+    if (!exchanged) {
+      (void)cudaGetLastError();
+    }
+  }
+  ~RelaxedCapture() {
+    if (exchanged) {
+      (void)cudaThreadExchangeStreamCaptureMode(&prior);
+    }
+  }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+};
+
 struct Live {
   size_t size;
   c10::DeviceIndex device;
@@ -211,7 +234,11 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       context = recorder();
     }
     QuiltAllocation a{nullptr, 0};
-    int rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
+    int rc;
+    {
+      RelaxedCapture relaxed;
+      rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
+    }
     if (rc == 1) {
       out_of_memory(size, device, last_error());
     }
@@ -275,7 +302,12 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       context = recorder();
     }
     uint64_t seq = 0;
-    if (api.torch_free(ptr, l.size, l.device, l.stream, &seq) != 0) {
+    int rc;
+    {
+      RelaxedCapture relaxed;
+      rc = api.torch_free(ptr, l.size, l.device, l.stream, &seq);
+    }
+    if (rc != 0) {
       // A deleter must not throw (it runs in destructors).
       TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
       return;
