@@ -634,6 +634,89 @@ pub fn summary(outcomes: &[Outcome]) -> String {
     out
 }
 
+/// A workload named `FAMILY-N` (`many-streams-10`): its family and `N`.
+fn family_and_streams(workload: &str) -> Option<(&str, u64)> {
+    let (family, n) = workload.rsplit_once('-')?;
+    Some((family, n.parse().ok()?))
+}
+
+/// Host time and event calls per operation against the number of streams,
+/// for every allocator, on each family of workloads that the run measured
+/// at two stream counts or more (`many-streams-4`, `-10`, `-32`): a line per
+/// allocator and stream count, with the host time over classic's on the
+/// same workload. Empty when the run has no such family.
+pub fn streams_table(outcomes: &[Outcome]) -> String {
+    let names = workloads(outcomes);
+    let mut families: Vec<&str> = Vec::new();
+    for w in &names {
+        if let Some((f, _)) = family_and_streams(w) {
+            let counts = names
+                .iter()
+                .filter(|o| family_and_streams(o).is_some_and(|(g, _)| g == f))
+                .count();
+            if counts >= 2 && !families.contains(&f) {
+                families.push(f);
+            }
+        }
+    }
+    let mut out = String::new();
+    for family in families {
+        let mut rows = vec![[
+            "allocator",
+            "streams",
+            "CPU ns/op",
+            "/classic",
+            "event records/op",
+            "event queries/op",
+            "waits",
+        ]
+        .map(String::from)
+        .to_vec()];
+        let allocators = distinct(
+            outcomes
+                .iter()
+                .filter_map(|o| o.as_ref().ok())
+                .map(|m| m.row.allocator.as_str()),
+        );
+        for a in allocators {
+            let mut points: Vec<(u64, &ReportRow)> = outcomes
+                .iter()
+                .filter_map(|o| o.as_ref().ok())
+                .filter(|m| m.row.allocator == a)
+                .filter_map(|m| {
+                    let (f, n) = family_and_streams(&m.row.workload)?;
+                    (f == family).then_some((n, &m.row))
+                })
+                .collect();
+            points.sort_by_key(|(n, _)| *n);
+            for (n, r) in points {
+                let classic = classic_row(outcomes, &r.workload)
+                    .map(|c| c.cpu_ns_per_op as f64)
+                    .filter(|&c| c > 0.0);
+                rows.push(vec![
+                    a.to_string(),
+                    n.to_string(),
+                    r.cpu_ns_per_op.to_string(),
+                    classic.map_or("-".into(), |c| {
+                        format!("{:.2}x", r.cpu_ns_per_op as f64 / c)
+                    }),
+                    format!("{:.3}", r.event_records_per_op),
+                    format!("{:.3}", r.event_queries_per_op),
+                    r.stream_calls.wait_event.to_string(),
+                ]);
+            }
+        }
+        out.push_str(&format!(
+            "{family}-N: host time and event calls per operation against streams\n"
+        ));
+        for line in aligned(&rows, 1, "  ") {
+            out.push_str(&line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// The whole text report: the run line, the table, the legend, the notes
 /// and the summary.
 pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String {
@@ -641,6 +724,11 @@ pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String 
     out.push_str("\n\n");
     out.push_str(&table(outcomes, layout));
     out.push('\n');
+    let streams = streams_table(outcomes);
+    if !streams.is_empty() {
+        out.push_str(&streams);
+        out.push('\n');
+    }
     out.push_str(&legend(layout));
     let notes = notes(outcomes);
     if !notes.is_empty() {
