@@ -7,12 +7,15 @@ installs (crates/torch/tests/real_torch.rs does, from `cargo test`)::
     ~/.cache/quilt/torch-venv/bin/python -m unittest discover -s python/tests_real -v
 
 Without a GPU torch cannot create a CUDA tensor, so what is checked is what
-torch does reach without one: its CUDAPluggableAllocator loading Quilt's
-library and the bridge under the names quilt_torch uses; enable() checking
-the configuration and installing the allocator and its hooks into torch;
-torch's own C entry points for empty_cache and the memory fraction reaching
-Quilt through those hooks; the out-of-memory bridge throwing torch's
-c10::OutOfMemoryError with Quilt's message; and torch's
+torch does reach without one: Quilt's allocator class (torch_allocator.cpp)
+compiling against this torch and loading; enable() checking the
+configuration and installing it as torch's CUDA allocator (or refusing,
+installing nothing); torch's own C entry points that need no device
+(statistics, peak and accumulated resets, empty_cache, the memory fraction,
+snapshots, the private pools' begin/end/release, the graph-tree checkpoint)
+reaching Quilt; the class's allocation path (called as torch's allocate()
+would) throwing torch's c10::OutOfMemoryError with torch's message and
+Quilt's verdict; and torch's
 ``python -m torch.cuda._memory_viz`` (stats, trace, segments, memory,
 trace_plot, segment_plot) on every kind of snapshot Quilt writes, with the
 backward replay of PyTorch's browser viewer (MemoryViz.js) checked on each.
@@ -73,127 +76,203 @@ def reserved():
 # -- scenarios (each in its own process) ------------------------------------
 
 
+def allocator_lib():
+    """The installed allocator class's ctypes handle (enable() first)."""
+    return quilt().enable()._lib
+
+
+def try_malloc(size, device=0, stream=None):
+    """Allocate through torch's allocator class as torch would; (kind, ptr,
+    message): kind 0 a pointer, 1 c10::OutOfMemoryError, 2 c10::Error."""
+    out = ctypes.c_void_p(0)
+    buf = ctypes.create_string_buffer(4096)
+    kind = allocator_lib().quilt_allocator_try_malloc(size, device, stream, ctypes.byref(out), buf, len(buf))
+    return kind, out.value, buf.value.decode()
+
+
+def torch_stats(torch, device=0):
+    """torch's own memory_stats() of `device`, flattened as torch.cuda.memory_stats does."""
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(prefix + "." + k if prefix else k, v)
+        else:
+            flat[prefix] = value
+
+    walk("", torch._C._cuda_memoryStats(device))
+    return flat
+
+
 def scenario_loads():
-    """torch's CUDAPluggableAllocator loads the library and the bridge under
-    the names quilt_torch uses; the hooks' setters and functions exist."""
+    """Quilt's allocator class compiles against this torch and loads, with
+    its entry points; torch's CUDAPluggableAllocator still loads the
+    library (the mempool() route)."""
     import torch
 
     qt = quilt()
-    mod = torch.cuda.memory
-    plain = mod.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc", "quilt_free")
-    raw = plain.allocator()
-    for setter, function in qt.HOOKS:
-        check(hasattr(raw, setter), "torch {} has no {}", torch.__version__, setter)
-        check(qt._function_address(function), "the library lacks {}", function)
-    bridge = qt._bridge_library(torch)
-    mod.CUDAPluggableAllocator(bridge, "quilt_bridge_malloc", "quilt_bridge_free")
-    try:
-        mod.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc_nope", "quilt_free")
-    except AttributeError:
-        pass
-    else:
-        raise AssertionError("a missing symbol was accepted: the check above proves nothing")
-    # The hooks torch offers that Quilt leaves unregistered are the ones
-    # registered_hooks() documents; a new one in a later torch fails here.
-    offered = {m for m in dir(raw) if m.startswith("set_")}
-    known = {s for s, _ in qt.HOOKS} | {
-        "set_init_fn",
-        "set_base_alloc_fn",
-        "set_begin_allocate_to_pool",
-        "set_end_allocate_to_pool_fn",
-        "set_release_pool",
-    }
-    check(offered <= known, "torch offers hooks quilt_torch does not know: {}", offered - known)
+    lib = qt._allocator_library(torch)
+    version = lib.quilt_allocator_torch_version().decode()
+    check(torch.__version__.startswith(version), "compiled against {}, running {}", version, torch.__version__)
+    for name in ("quilt_allocator_install", "quilt_allocator_try_malloc", "quilt_allocator_free"):
+        check(hasattr(lib, name), "the allocator class lacks {}", name)
+    for name in ("quilt_torch_malloc", "quilt_torch_free", "quilt_device_stats", "quilt_segments",
+                 "quilt_history_since", "quilt_pool_create_or_incref", "quilt_pool_release"):
+        check(qt._function_address(name), "the library lacks {}", name)
+    check(lib.quilt_allocator_installed() == 0, "installed before enable()")
+    torch.cuda.memory.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc", "quilt_free")
 
 
 def scenario_enable():
-    """enable() installs the bridge with every hook; torch's own entry points
-    for empty_cache and the memory fraction reach Quilt; it is idempotent,
-    also after a reload."""
+    """enable() installs the allocator class as torch's CUDA allocator;
+    torch's own C entry points for statistics, resets, empty_cache, the
+    memory fraction and snapshots reach Quilt and agree with what is
+    allocated; it is idempotent, also after a reload."""
     import torch
 
     qt = quilt()
     allocator = qt.enable()
-    check(torch._C._cuda_getAllocator() is allocator.allocator(), "torch's allocator is not Quilt's")
-    hooks = qt.registered_hooks()
-    expected = {s: qt._function_address(f) for s, f in qt.HOOKS}
-    check(hooks == expected, "registered hooks {} != {}", hooks, expected)
-    # Quilt's statistics under torch's names.
-    q = malloc(10 * MiB)
-    flat = qt.memory_stats()
-    check(
-        qt.memory_allocated() == flat["allocated_bytes.all.current"] >= 10 * MiB,
-        "memory_allocated {} vs {}",
-        qt.memory_allocated(),
-        flat,
-    )
-    check(qt.memory_reserved(torch.device("cuda", 0)) >= qt.memory_allocated("cuda:0"), "reserved < allocated")
-    check(qt.max_memory_allocated(0) >= 10 * MiB, "peak {}", qt.max_memory_allocated(0))
-    check(flat["segment.all.current"] == flat["segment"]["current"] >= 1, "segments {}", flat)
-    free(q, 10 * MiB)
-    qt.reset_peak_memory_stats()
-    check(
-        qt.max_memory_allocated(0) == qt.memory_allocated(0),
-        "the peak after a reset {} is not the current {}",
-        qt.max_memory_allocated(0),
-        qt.memory_allocated(0),
-    )
-    # torch.cuda.empty_cache() calls torch._C._cuda_emptyCache() once CUDA
-    # is initialised; without a GPU it is called directly.
-    p = malloc(64 * MiB)
-    free(p, 64 * MiB)
+    check(allocator.installed(), "Quilt is not torch's CUDA allocator")
+    check(qt.registered_hooks() == {}, "hooks registered")
+    before = torch_stats(torch)
+    check(before["allocated_bytes.all.current"] == 0, "allocated before: {}", before)
+    kind, p, msg = try_malloc(10 * MiB)
+    check(kind == 0 and p, "10 MiB: kind {} ({})", kind, msg)
+    stats = torch_stats(torch)
+    check(stats["allocated_bytes.all.current"] == 10 * MiB, "torch's allocated {}", stats["allocated_bytes.all.current"])
+    check(stats["allocated_bytes.large_pool.current"] == 10 * MiB, "large pool {}", stats)
+    check(stats["reserved_bytes.all.current"] >= 10 * MiB, "reserved {}", stats["reserved_bytes.all.current"])
+    check(stats["allocation.all.current"] == 1 and stats["segment.all.current"] >= 1, "counts {}", stats)
+    check(stats["allocated_bytes.all.current"] == qt.memory_allocated(), "torch's and Quilt's figures differ")
+    ctypes.memset(p, 0x5A, MiB)
+    check(ctypes.string_at(p, MiB) == b"\x5a" * MiB, "the bytes did not stay")
+    allocator_lib().quilt_allocator_free(p)
+    stats = torch_stats(torch)
+    check(stats["allocated_bytes.all.current"] == 0, "allocated after the free {}", stats["allocated_bytes.all.current"])
+    check(stats["allocated_bytes.all.peak"] == 10 * MiB, "peak {}", stats["allocated_bytes.all.peak"])
+    torch._C._cuda_resetPeakMemoryStats(0)
+    check(torch_stats(torch)["allocated_bytes.all.peak"] == 0, "the peak after a reset")
+    check(torch_stats(torch)["allocated_bytes.all.allocated"] == 10 * MiB, "allocated total")
+    torch._C._cuda_resetAccumulatedMemoryStats(0)
+    check(torch_stats(torch)["allocated_bytes.all.allocated"] == 0, "the total after a reset")
+    # A snapshot through torch: segments tile Quilt's reserved memory.
+    kind, p, msg = try_malloc(3 * MiB)
+    snap = torch._C._cuda_memorySnapshot(None)
+    segments = snap["segments"]
+    check(sum(x["total_size"] for x in segments) == torch_stats(torch)["reserved_bytes.all.current"], "segments {}", segments)
+    live = [b for x in segments for b in x["blocks"] if b["state"] == "active_allocated"]
+    check([b["size"] for b in live] == [3 * MiB], "live blocks {}", live)
+    allocator_lib().quilt_allocator_free(p)
+    # torch.cuda.empty_cache() -> torch._C._cuda_emptyCache.
     check(reserved() > 0, "nothing cached to empty")
     torch._C._cuda_emptyCache()
     check(reserved() == 0, "empty_cache did not reach Quilt: {} reserved", reserved())
-    # set_per_process_memory_fraction -> torch._C._cuda_setMemoryFraction.
+    # set/get_per_process_memory_fraction -> torch._C._cuda_set/getMemoryFraction.
     torch._C._cuda_setMemoryFraction(0.25, 0)
-    cap = qt.memory_stats(0)["capacity_bytes"]
-    check(cap == 64 * MiB, "the fraction did not reach Quilt: capacity {}", cap)
-    check(not lib().quilt_malloc(100 * MiB, 0, 0), "100 MiB served under a 64 MiB cap")
+    check(qt.memory_stats(0)["capacity_bytes"] == 64 * MiB, "the fraction did not reach Quilt")
+    check(torch._C._cuda_getMemoryFraction(0) == 0.25, "get fraction {}", torch._C._cuda_getMemoryFraction(0))
+    kind, _, msg = try_malloc(100 * MiB)
+    check(kind == 1, "100 MiB served under a 64 MiB cap: {} {}", kind, msg)
+    kind, p, msg = try_malloc(40 * MiB)
+    try:
+        torch._C._cuda_setMemoryFraction(0.05, 0)
+        refused = False
+    except RuntimeError as exc:
+        refused = "Quilt refused the memory fraction" in str(exc)
+    check(refused, "a fraction below what is live was accepted")
+    allocator_lib().quilt_allocator_free(p)
     # Idempotent, also across a reload.
     check(qt.enable() is allocator, "a second enable() made another allocator")
     reloaded = importlib.reload(qt)
     check(reloaded.enable() is allocator, "enable() after a reload made another allocator")
 
 
-def scenario_oom():
-    """The bridge turns Quilt's out of memory into c10::OutOfMemoryError
-    (torch.OutOfMemoryError) naming the request; the next allocation works
-    and keeps its bytes; other failures are c10::Error; size 0 is no error."""
+def scenario_pools():
+    """torch's private pools (CUDA graphs, MemPool) through torch's own
+    entry points: memory allocated while a pool's route is on is the pool's;
+    freed, it is reserved, not allocated, and serves only that pool; given
+    back when the pool is released."""
     import torch
 
     qt = quilt()
     qt.enable()
-    bridge = ctypes.CDLL(qt._bridge_library(torch))
-    try_malloc = bridge.quilt_bridge_try_malloc
-    try_malloc.argtypes = [
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-    ]
-    try_malloc.restype = ctypes.c_int
+    lib = allocator_lib()
+    pool = (0, 77)
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    check(lib.quilt_allocator_route_count() == 1, "no route")
+    check(qt._library().quilt_pool_use_count(0, 0, 77) == 1, "use count")
+    kind, a, msg = try_malloc(4 * MiB)
+    check(kind == 0, "in the pool: {}", msg)
+    allocator_lib().quilt_allocator_free(a)
+    stats = torch_stats(torch)
+    check(stats["allocated_bytes.all.current"] == 0, "a pool's freed block counts as allocated: {}", stats["allocated_bytes.all.current"])
+    check(stats["reserved_bytes.all.current"] >= 4 * MiB, "a pool's freed block is not reserved")
+    kind, b, msg = try_malloc(4 * MiB)
+    check(b == a, "the pool did not reuse its block ({:#x} then {:#x})", a, b or 0)
+    torch._C._cuda_endAllocateToPool(0, pool)
+    check(lib.quilt_allocator_route_count() == 0, "the route stayed")
+    allocator_lib().quilt_allocator_free(b)
+    kind, c, msg = try_malloc(4 * MiB)
+    check(c != a, "a block kept by a pool in use was handed out outside it")
+    allocator_lib().quilt_allocator_free(c)
+    torch._C._cuda_releasePool(0, pool)
+    check(qt._library().quilt_pool_use_count(0, 0, 77) == 0, "use count after release")
+    torch._C._cuda_emptyCache()
+    check(reserved() == 0, "the pool's memory did not come back: {} reserved", reserved())
+    try:
+        torch._C._cuda_getCheckpointState(0, pool)
+        raise AssertionError("getCheckpointState answered")
+    except RuntimeError as exc:
+        check("reduce-overhead" in str(exc) and "getCheckpointState" in str(exc), "{}", exc)
 
-    def attempt(size, device=0):
-        out = ctypes.c_void_p(0)
-        buf = ctypes.create_string_buffer(4096)
-        kind = try_malloc(size, device, ctypes.byref(out), buf, len(buf))
-        return kind, out.value, buf.value.decode()
 
-    kind, _, msg = attempt(300 * MiB)
+def scenario_oom():
+    """An out of memory, and a request larger than Quilt could ever map,
+    are c10::OutOfMemoryError (torch.OutOfMemoryError) whose message begins
+    as torch's and ends with Quilt's verdict; num_ooms counts both; the next
+    allocation works and keeps its bytes; other failures are c10::Error;
+    size 0 is no error."""
+    import torch
+
+    quilt().enable()
+    kind, _, msg = try_malloc(300 * MiB)
     check(kind == 1, "300 MiB of 256: kind {} ({})", kind, msg)
-    for word in ("CUDA out of memory", "Tried to allocate 300.00 MiB", "314572800 bytes", "verdict"):
+    check(msg.startswith("CUDA out of memory. Tried to allocate 300.00 MiB. GPU 0 has a total capacity of 256.00 MiB"), "the message: {}", msg)
+    for word in ("Quilt:", "verdict"):
         check(word in msg, "the OutOfMemoryError lacks {!r}: {}", word, msg)
-    kind, p, msg = attempt(1 * MiB)
+    kind, _, msg = try_malloc(4 << 40)
+    check(kind == 1 and msg.startswith("CUDA out of memory. Tried to allocate 4096.00 GiB"), "4 TiB: kind {} ({})", kind, msg)
+    kind, p, msg = try_malloc(1 * MiB)
     check(kind == 0 and p, "allocation after the OOM: kind {} ({})", kind, msg)
     ctypes.memset(p, 0x5A, MiB)
     check(ctypes.string_at(p, MiB) == b"\x5a" * MiB, "the bytes did not stay")
-    kind, _, msg = attempt(MiB, device=-1)
+    kind, _, msg = try_malloc(MiB, device=-1)
     check(kind == 2 and "device -1" in msg, "a bad device: kind {} ({})", kind, msg)
-    kind, p0, msg = attempt(0)
+    kind, p0, msg = try_malloc(0)
     check(kind == 0 and not p0, "size 0: kind {} ptr {} ({})", kind, p0, msg)
-    check(qt.memory_stats(0)["num_ooms"] == 1, "num_ooms {}", qt.memory_stats(0)["num_ooms"])
+    check(torch_stats(torch)["num_ooms"] == 2, "num_ooms {}", torch_stats(torch)["num_ooms"])
+
+
+def scenario_broken_source():
+    """Where the allocator class does not compile against this torch (a
+    torch it is not written for), enable() raises BridgeError naming the
+    torch version and the compiler's error, and installs nothing."""
+    import torch
+
+    qt = quilt()
+    broken = os.path.join(tempfile.mkdtemp(prefix="quilt-broken-"), "torch_allocator.cpp")
+    with open(qt._ALLOCATOR_SOURCE) as f, open(broken, "w") as g:
+        g.write(f.read().replace("void init(int /*device_count*/) override", "void init(int, int) override"))
+    qt._ALLOCATOR_SOURCE = broken
+    try:
+        qt.enable()
+        raise AssertionError("enable() installed a class that does not compile")
+    except qt.BridgeError as exc:
+        message = str(exc)
+    for word in ("torch " + torch.__version__, "failed", "nothing was installed", "error"):
+        check(word in message, "the message lacks {!r}: {}", word, message[:600])
+    check(getattr(torch.cuda.memory, qt._ENABLED_ATTR, None) is None, "marked as enabled")
 
 
 def scenario_refuse(expect_type, *words):
@@ -201,7 +280,6 @@ def scenario_refuse(expect_type, *words):
     import torch
 
     qt = quilt()
-    before = torch._C._cuda_getAllocator()
     try:
         qt.enable()
     except getattr(qt, expect_type) as exc:
@@ -210,8 +288,8 @@ def scenario_refuse(expect_type, *words):
         raise AssertionError("enable() accepted QUILT_ALLOC_CONF={}".format(os.environ["QUILT_ALLOC_CONF"]))
     for word in words:
         check(word in message, "the message lacks {!r}: {}", word, message)
-    check(torch._C._cuda_getAllocator() is before, "a refused enable() changed torch's allocator")
-    check(qt.registered_hooks() == {}, "a refused enable() registered hooks")
+    lib = qt._allocator if qt._allocator is not None else None
+    check(lib is None or lib.quilt_allocator_installed() == 0, "a refused enable() installed the allocator")
     check(getattr(torch.cuda.memory, qt._ENABLED_ATTR, None) is None, "marked as enabled")
 
 
@@ -485,7 +563,9 @@ def scenario_viz(kind):
 SCENARIOS = {
     "loads": scenario_loads,
     "enable": scenario_enable,
+    "pools": scenario_pools,
     "oom": scenario_oom,
+    "broken_source": scenario_broken_source,
     "refuse": scenario_refuse,
     "viz": scenario_viz,
 }
@@ -512,11 +592,17 @@ def run(test, scenario, conf, *args, env=None):
 
 
 class RealTorchTest(unittest.TestCase):
-    def test_torch_loads_the_library_and_the_bridge(self):
+    def test_the_allocator_class_builds_and_loads(self):
         run(self, "loads", HOST)
 
-    def test_enable_installs_the_hooks_and_they_reach_quilt(self):
+    def test_enable_installs_quilt_as_torchs_allocator_and_torchs_apis_reach_it(self):
         run(self, "enable", HOST)
+
+    def test_private_pools_keep_their_memory_until_released(self):
+        run(self, "pools", HOST)
+
+    def test_a_torch_the_class_does_not_compile_against_is_a_bridge_error(self):
+        run(self, "broken_source", HOST, env={"QUILT_TORCH_BRIDGE_CACHE": tempfile.mkdtemp(prefix="quilt-broken-cache-")})
 
     def test_out_of_memory_is_torchs_out_of_memory_error(self):
         run(self, "oom", HOST)
@@ -537,7 +623,7 @@ class RealTorchTest(unittest.TestCase):
             "PATH": os.path.dirname(sys.executable),
             "QUILT_TORCH_BRIDGE_CACHE": tempfile.mkdtemp(prefix="quilt-no-bridge-"),
         }
-        run(self, "refuse", HOST, "BridgeError", "needs a C++ compiler", env=env)
+        run(self, "refuse", HOST, "BridgeError", "needs a C++ compiler", "2.", env=env)
 
     def test_enable_refuses_cuda_without_a_driver(self):
         import torch
