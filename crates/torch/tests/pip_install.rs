@@ -190,7 +190,12 @@ fn pip_install_puts_the_library_inside_the_package() {
         .args(["-c", PROBE, env!("CARGO_PKG_VERSION")])
         .current_dir(&scratch)
         .env("QUILT_ALLOC_CONF", "backend:host,capacity:256MiB")
-        .env("QUILT_TORCH_BRIDGE_CACHE", scratch.join("bridge"))
+        // real_torch.rs's cache (keyed by the C++ sources and torch): what
+        // enable() compiles at its first call is compiled once for both.
+        .env(
+            "QUILT_TORCH_BRIDGE_CACHE",
+            exe.parent().unwrap().join("quilt-torch-bridge"),
+        )
         .env_remove("QUILT_TORCH_LIBRARY")
         .env_remove("PYTHONPATH")
         .output()
