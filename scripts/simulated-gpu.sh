@@ -7,7 +7,8 @@
 #   scripts/simulated-gpu.sh python train.py
 #   QUILT_CUDA_DOUBLE_DEVICES=1 QUILT_CUDA_DOUBLE_MEMORY=8GiB scripts/simulated-gpu.sh python -c '...'
 #
-# Only COMMAND's environment changes: a private folder, target/release/simulated-gpu,
+# Only COMMAND's environment changes: a private folder beside the face
+# (target/release/simulated-gpu),
 # holding libcudart.so.13 and libnvidia-ml.so.1 (the face, which answers the
 # few NVML calls torch's expandable segments make) and libcuda.so.1 /
 # libcuda.so (the double),
@@ -23,15 +24,18 @@ if [ $# -eq 0 ]; then
 fi
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 target="${CARGO_TARGET_DIR:-$repo/target}/release"
-face="$target/libquilt_cuda_runtime.so"
-double="$target/libquilt_cuda_double.so"
+# The two libraries; a test names the ones cargo built for it.
+face="${QUILT_SIMULATED_GPU_FACE:-$target/libquilt_cuda_runtime.so}"
+double="${QUILT_SIMULATED_GPU_DOUBLE:-$target/libquilt_cuda_double.so}"
 for lib in "$face" "$double"; do
     if [ ! -f "$lib" ]; then
         echo "simulated-gpu: $lib is not built; run \`cargo build --release\` in $repo first" >&2
         exit 2
     fi
 done
-dir="$target/simulated-gpu"
+face="$(cd "$(dirname "$face")" && pwd)/$(basename "$face")"
+double="$(cd "$(dirname "$double")" && pwd)/$(basename "$double")"
+dir="$(dirname "$face")/simulated-gpu"
 mkdir -p "$dir"
 link() { # link TARGET NAME: made under a temporary name and renamed over
     local tmp="$dir/.$2.$$"

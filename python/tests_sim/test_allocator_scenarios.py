@@ -1,0 +1,86 @@
+"""torch's own allocator against Quilt's allocator class, on the simulated
+GPU: every scenario of ``scripts/torch_allocator_check.py`` (torch's memory
+APIs, out of memory, CUDA graphs and their private pools, MemPool, the graph
+trees' checkpoint, a training loop), each in a process of its own under
+torch's allocator and under ``quilt_torch.enable()``, and what they report
+compared.
+
+It runs both allocators itself, so it runs once: in the process of the
+``quilt`` allocator (``QUILT_SIM_ALLOCATOR=quilt``, as the simulated-GPU
+runner sets it), and is skipped under the others. The workers inherit the
+simulated GPU's environment (``scripts/simulated-gpu.sh``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+ALLOCATOR = os.environ.get("QUILT_SIM_ALLOCATOR", "classic")
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CHECK = os.path.join(REPO, "scripts", "torch_allocator_check.py")
+
+# What may differ between torch's allocator and Quilt, and why.
+MAY_DIFFER = {
+    "quilt_verdict": "Quilt's out-of-memory message ends with its verdict",
+    "checkpoint": "Quilt refuses the CUDA graph trees' checkpoint (torch.compile reduce-overhead)",
+}
+
+
+def worker(name, allocator):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.setdefault("QUILT_ALLOC_CONF", "backend:cuda")
+    done = subprocess.run(
+        [sys.executable, CHECK, "--worker", name, allocator],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        universal_newlines=True,
+        timeout=600,
+    )
+    result = None
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    return done.returncode, result, done.stdout[-4000:]
+
+
+@unittest.skipIf(ALLOCATOR != "quilt", "runs torch's allocator and Quilt itself, under the quilt run only")
+class AllocatorScenarios(unittest.TestCase):
+    def compare(self, name):
+        results = {}
+        for allocator in ("native", "quilt"):
+            rc, result, out = worker(name, allocator)
+            self.assertTrue(rc == 0 and result is not None, "{} under {} failed ({}):\n{}".format(name, allocator, rc, out))
+            results[allocator] = result
+        for key in set(results["native"]) | set(results["quilt"]):
+            if key not in MAY_DIFFER:
+                self.assertEqual(results["native"].get(key), results["quilt"].get(key), "{}: {}".format(name, key))
+        return results
+
+    def test_torchs_memory_apis(self):
+        self.compare("apis")
+
+    def test_out_of_memory(self):
+        self.compare("oom")
+
+    def test_cuda_graphs_keep_their_memory_until_deleted(self):
+        r = self.compare("graphs")
+        self.assertEqual(r["quilt"]["overlaps"], 0)
+
+    def test_mempool(self):
+        self.compare("mempool")
+
+    def test_graph_trees_checkpoint_is_refused_by_name(self):
+        r = self.compare("compile_trees")
+        self.assertEqual(r["quilt"]["checkpoint"], "refused naming getCheckpointState")
+
+    def test_training_loop_leaks_nothing(self):
+        r = self.compare("train")
+        self.assertEqual(r["quilt"]["left"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
