@@ -5,8 +5,8 @@
 //! folder and with no `sys.path` edit, `import quilt_torch`: the library is
 //! the one inside the installed package, the C library answers
 //! (`quilt_malloc`/`quilt_free` on `backend:host`, through ctypes),
-//! `check_configuration()` and `enable()` work, and the version is the
-//! workspace's.
+//! `check_configuration()` and `enable()` work, the C++ sources that
+//! `enable()` compiles are there, and the version is the workspace's.
 //!
 //! Ignored, with the reason, where the torch environment was not there when
 //! quilt-torch was built (`build.rs`'s `cfg(quilt_no_torch)`). pip's isolated
@@ -58,7 +58,7 @@ fn site_packages(python: &Path) -> PathBuf {
 }
 
 /// What the installed package must do, run from a folder outside the
-/// checkout. argv: the workspace's version.
+/// checkout. argv: the workspace's version, the checkout's package folder.
 const PROBE: &str = r#"
 import ctypes, importlib.metadata, os, sys, sysconfig
 import quilt_torch
@@ -68,7 +68,11 @@ package = os.path.dirname(os.path.abspath(quilt_torch.__file__))
 assert package == os.path.join(site, "quilt_torch"), (package, site)
 library = quilt_torch.library_path()
 assert os.path.dirname(library) == package, library
-assert os.path.isfile(os.path.join(package, "oom_bridge.cpp")), os.listdir(package)
+# The C++ sources enable() compiles against the installed torch: package data.
+sources = [f for f in os.listdir(sys.argv[2]) if f.endswith(".cpp")]
+assert sources, sys.argv[2]
+for source in sources:
+    assert os.path.isfile(os.path.join(package, source)), (source, os.listdir(package))
 version = importlib.metadata.version("quilt-torch")
 assert version == sys.argv[1], (version, sys.argv[1])
 print("library", library)
@@ -188,6 +192,7 @@ fn pip_install_puts_the_library_inside_the_package() {
 
     let out = Command::new(&python)
         .args(["-c", PROBE, env!("CARGO_PKG_VERSION")])
+        .arg(repo.join("python").join("quilt_torch"))
         .current_dir(&scratch)
         .env("QUILT_ALLOC_CONF", "backend:host,capacity:256MiB")
         // real_torch.rs's cache (keyed by the C++ sources and torch): what
