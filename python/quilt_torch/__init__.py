@@ -8,12 +8,13 @@ library, ``target/release/libquilt_torch.so``, with the C entry points that
 ``quilt_free``) plus a few of Quilt's own (statistics, last error, history,
 snapshot). This package wraps both sides:
 
-* :func:`enable` swaps PyTorch's allocator for Quilt, for the whole process;
+* :func:`enable` makes Quilt PyTorch's CUDA allocator, for the whole process;
   it must run before CUDA allocates anything. It checks ``QUILT_ALLOC_CONF``
-  first, builds (once, cached) the small C++ bridge that turns Quilt's out of
-  memory into ``torch.OutOfMemoryError``, and registers the hooks that make
-  ``torch.cuda.empty_cache()``, ``set_per_process_memory_fraction()`` and
-  ``Tensor.record_stream()`` reach Quilt.
+  first, builds (once, cached) Quilt's allocator class for torch
+  (``torch_allocator.cpp``, a ``c10::cuda::CUDACachingAllocator::CUDAAllocator``)
+  and installs it as torch's allocator: torch's own statistics, snapshots
+  and history, out-of-memory observers, ``empty_cache``, the memory fraction,
+  ``record_stream``, CUDA graphs and ``MemPool`` reach Quilt.
 * :func:`mempool` gives a ``torch.cuda.MemPool`` served by Quilt, for use with
   ``torch.cuda.use_mem_pool(...)`` while PyTorch's own allocator stays the
   default.
@@ -22,8 +23,8 @@ snapshot). This package wraps both sides:
   :func:`memory_summary`, :func:`dump_snapshot`, :func:`last_error`,
   :func:`record_history`, :func:`empty_cache` and :func:`set_memory_fraction`
   talk to the library directly through :mod:`ctypes`. They do not need torch;
-  under :func:`enable` they stand in for torch's own statistics, which raise
-  under a pluggable allocator.
+  under :func:`enable` torch's own functions answer too, and these add
+  Quilt's own figures (driver calls, stream waits, capacity).
 * :func:`tag` (a context manager), :func:`sleep`, :func:`wake` and
   :func:`is_asleep`: the tensors allocated inside ``with tag("weights"):``
   carry the tag; ``sleep("weights")`` frees their device memory (contents to
@@ -640,9 +641,10 @@ _FLAT_STATS = (
 def memory_stats(device=None):
     """Return Quilt's statistics for ``device`` as a dict.
 
-    Where ``torch.cuda.memory_stats()`` raises under :func:`enable` (a
-    pluggable allocator has none of torch's statistics), call this instead.
-    The dict has torch's flat keys (``"allocated_bytes.all.current"``,
+    Under :func:`enable` ``torch.cuda.memory_stats()`` answers with Quilt's
+    figures in torch's terms (a private pool's free blocks reserved, not
+    allocated); this dict is Quilt's own view (those blocks allocated, as
+    Quilt sees them) with its extra figures. The dict has torch's flat keys (``"allocated_bytes.all.current"``,
     ``"reserved_bytes.all.peak"``, ``"segment.all.current"``, ``"num_ooms"``,
     ...; Quilt has no small and large pools, so only ``all``), and Quilt's
     own: ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
