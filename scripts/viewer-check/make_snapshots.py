@@ -37,6 +37,10 @@ SCENARIOS = {
     "two-devices": (HOST, (0, 0x1111), {"devices": (0, 1), "empty_cache": True}),
     "two-devices-one-stream": (HOST + ",reclaim:always", (0,), {"devices": (0, 1)}),
     "history-trimmed": (HOST, STREAMS, {"max_entries": 60, "empty_cache": True}),
+    "recording-starts-late": (HOST, STREAMS, {"before": 12, "empty_cache": True}),
+    "one-stream-recording-starts-late": (HOST + ",reclaim:always", (0,), {"before": 12}),
+    "sleep-wake": (HOST, (0,), {"sleep": True}),
+    "streams-sleep-wake": (HOST, STREAMS, {"sleep": True, "empty_cache": True}),
 }
 
 
@@ -63,8 +67,24 @@ def scenario(name, path):
         p, size, device, stream = live.pop(rng.randrange(len(live)))
         lib.quilt_free(p, size, device, stream)
 
+    for step in range(opts.get("before", 0)):
+        # Allocated before recording starts: live in the snapshot, absent
+        # from the history.
+        malloc((step % 4 + 1) * MiB, devices[0], streams[step % len(streams)])
+        if step % 3 == 2:
+            free_one()
+    if opts.get("sleep"):
+        with qt.tag("weights"):
+            for i in range(6):
+                malloc((i + 2) * MiB, devices[0], streams[0])
+        weights = live[:]
+        del live[:]
     qt.record_history(True, opts.get("max_entries", 100000))
     for step in range(opts.get("churn", 160)):
+        if opts.get("sleep") and step == 50:
+            qt.sleep("weights")
+        if opts.get("sleep") and step == 110:
+            qt.wake("weights")
         device = devices[step % len(devices)]
         stream = streams[rng.randrange(len(streams))]
         size = rng.choice((1, 2, 3, 5, 8, 13, 30)) * MiB + rng.randrange(4) * 4096

@@ -202,28 +202,32 @@ pub fn snapshot(
     traces: &BTreeMap<i32, Vec<TraceEntry>>,
     conf: &str,
 ) -> Value {
-    // The segments as the viewer starts its replay from them, per device.
-    let shown: BTreeMap<i32, Vec<Run>> = devices
+    // The segments and live blocks the viewer starts its replay from.
+    let shown: BTreeMap<i32, viewer_replay::ViewerStart> = devices
         .iter()
         .map(|d| {
-            let mut runs: Vec<Run> = d
-                .segments
-                .segments
-                .iter()
-                .map(|s| Run {
+            let mut start = viewer_replay::ViewerStart::default();
+            for s in &d.segments.segments {
+                start.segments.push(Run {
                     addr: s.address,
                     size: s.total_size,
                     stream: s.stream.0,
-                })
-                .collect();
+                });
+                start.blocks.extend(
+                    s.blocks
+                        .iter()
+                        .filter(|b| matches!(b.state, BlockState::Active | BlockState::PendingFree))
+                        .map(|b| (b.address, b.requested)),
+                );
+            }
             if d.unmapped_pool_bytes > 0 {
-                runs.push(Run {
+                start.segments.push(Run {
                     addr: 0,
                     size: d.unmapped_pool_bytes,
                     stream: 0,
                 });
             }
-            (d.device, runs)
+            (d.device, start)
         })
         .collect();
     let traces = viewer_replay::for_viewer(traces, &shown);

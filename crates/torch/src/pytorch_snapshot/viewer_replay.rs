@@ -22,6 +22,17 @@
 //! piece it spans, so that every undone map finds its segment. What is
 //! mapped stays what the history says: the pieces of one range, in address
 //! order, at the same time.
+//!
+//! The viewer also looks up the segment of every live block at every event
+//! (`Cannot read properties of null (reading 'occupied')` where there is
+//! none). A tag put to sleep keeps its blocks, unmapped, until it wakes:
+//! the history then has the sleep's `segment_unmap` and the wake's
+//! `segment_map` under blocks that stay allocated. For the viewer a block
+//! lives in device memory, so [`for_viewer`] writes such a block as freed
+//! just before the unmap that took its pages and allocated again just after
+//! the map that brought them back (`free_requested`, `free_completed` and
+//! `alloc` entries with the unmap's or map's frame, `quilt_sleep` and
+//! `quilt_wake`).
 
 use std::collections::BTreeMap;
 
@@ -155,8 +166,8 @@ impl ViewerSegments {
         out
     }
 
-    /// Undo `t` as the viewer does (`events` is `None` for the viewer's
-    /// `null` streams). False where the viewer would fail.
+    /// Undo `t` as the viewer does (`null_streams`: the viewer made every
+    /// event's stream `null`). False where the viewer would fail.
     pub fn undo(&mut self, t: &TraceEntry, null_streams: bool) -> bool {
         let seg = Piece {
             addr: t.addr,
@@ -201,38 +212,109 @@ pub fn start(segments: &[Run]) -> ViewerSegments {
     )
 }
 
+/// Where the viewer's replay of one device starts: the snapshot's segments
+/// and its live blocks.
+#[derive(Clone, Debug, Default)]
+pub struct ViewerStart {
+    /// The segments (`(address, size, stream)`; the viewer renames streams,
+    /// but one to one, so equal stays equal).
+    pub segments: Vec<Run>,
+    /// The live blocks (`active_allocated` and `active_pending_free`): each
+    /// address and requested size.
+    pub blocks: Vec<(u64, u64)>,
+}
+
+/// `t` as another action on another range (the other fields, `t`'s).
+fn like(t: &TraceEntry, action: &'static str, addr: u64, size: u64) -> TraceEntry {
+    TraceEntry {
+        action,
+        addr,
+        size,
+        ..t.clone()
+    }
+}
+
+/// The blocks of `blocks` whose address lies in `[addr, addr + size)`,
+/// taken out of it.
+fn take_within(blocks: &mut BTreeMap<u64, u64>, addr: u64, size: u64) -> Vec<(u64, u64)> {
+    let inside: Vec<(u64, u64)> = blocks
+        .range(addr..addr + size)
+        .map(|(&a, &s)| (a, s))
+        .collect();
+    for (a, _) in &inside {
+        blocks.remove(a);
+    }
+    inside
+}
+
 /// `traces` (every device's history, oldest first) rewritten for the
-/// viewer's replay from `segments` (every device's segments in the
-/// snapshot): each `segment_map` becomes one entry per viewer segment it
-/// spans when undone (see the module's text); a part that no segment holds
-/// (a history that does not end at the snapshot) is left out, since the
-/// viewer fails on it. Every other entry is kept as it is.
+/// viewer's replay from `starts` (every device's segments and live blocks
+/// in the snapshot): each `segment_map` becomes one entry per viewer segment
+/// it spans when undone, and a block that the history keeps alive while its
+/// pages are unmapped is freed before the unmap and allocated after the map
+/// (see the module's text); a part of a map that no segment holds (a
+/// history that does not end at the snapshot) is left out, since the viewer
+/// fails on it. Every other entry is kept as it is.
 pub fn for_viewer(
     traces: &BTreeMap<i32, Vec<TraceEntry>>,
-    segments: &BTreeMap<i32, Vec<Run>>,
+    starts: &BTreeMap<i32, ViewerStart>,
 ) -> BTreeMap<i32, Vec<TraceEntry>> {
     let null = null_streams(traces);
+    let none = ViewerStart::default();
     traces
         .iter()
         .map(|(&device, entries)| {
-            let mut viewer = start(segments.get(&device).map_or(&[][..], |s| s));
+            let start_at = starts.get(&device).unwrap_or(&none);
+            let mut viewer = start(&start_at.segments);
+            // The viewer's live blocks (address: size) as it replays, and
+            // those taken out because their pages were mapped again.
+            let mut live: BTreeMap<u64, u64> = start_at.blocks.iter().copied().collect();
+            let mut unmapped: BTreeMap<u64, u64> = BTreeMap::new();
+            // Built last entry first, as the viewer undoes them.
             let mut backwards: Vec<TraceEntry> = Vec::with_capacity(entries.len());
             for t in entries.iter().rev() {
-                if t.action != "segment_map" {
-                    viewer.undo(t, null);
-                    backwards.push(t.clone());
-                    continue;
-                }
-                // The viewer undoes the parts last first; each lies in a
-                // segment of its own, so each cut finds its segment.
-                for (addr, size) in viewer.parts(t.addr, t.size).into_iter().rev() {
-                    let part = TraceEntry {
-                        addr,
-                        size,
-                        ..t.clone()
-                    };
-                    viewer.undo(&part, null);
-                    backwards.push(part);
+                match t.action {
+                    "segment_map" => {
+                        // The viewer undoes the parts last first; each lies
+                        // in a segment of its own, so each cut finds its
+                        // segment.
+                        for (addr, size) in viewer.parts(t.addr, t.size).into_iter().rev() {
+                            // A block alive in memory just mapped came back
+                            // with it: allocated right after the map.
+                            for (a, s) in take_within(&mut live, addr, size).into_iter().rev() {
+                                backwards.push(like(t, "alloc", a, s));
+                                unmapped.insert(a, s);
+                            }
+                            let part = like(t, "segment_map", addr, size);
+                            viewer.undo(&part, null);
+                            backwards.push(part);
+                        }
+                    }
+                    "segment_unmap" | "segment_free" => {
+                        viewer.undo(t, null);
+                        backwards.push(t.clone());
+                        // A block that came back with a later map was
+                        // alive here, on these pages: freed right before.
+                        for (a, s) in take_within(&mut unmapped, t.addr, t.size).into_iter().rev() {
+                            backwards.push(like(t, "free_completed", a, s));
+                            backwards.push(like(t, "free_requested", a, s));
+                            live.insert(a, s);
+                        }
+                    }
+                    action => {
+                        match action {
+                            "alloc" => {
+                                live.remove(&t.addr);
+                                unmapped.remove(&t.addr);
+                            }
+                            "free_completed" => {
+                                live.insert(t.addr, t.size);
+                            }
+                            _ => {}
+                        }
+                        viewer.undo(t, null);
+                        backwards.push(t.clone());
+                    }
                 }
             }
             backwards.reverse();
@@ -311,13 +393,16 @@ mod tests {
         let mut segments = BTreeMap::new();
         segments.insert(
             0,
-            vec![Run {
-                addr: 0,
-                size: 4 * M,
-                stream: 0,
-            }],
+            ViewerStart {
+                segments: vec![Run {
+                    addr: 0,
+                    size: 4 * M,
+                    stream: 0,
+                }],
+                blocks: vec![],
+            },
         );
-        let mut v = start(&segments[&0]);
+        let mut v = start(&segments[&0].segments);
         assert!(!traces[&0]
             .iter()
             .rev()
@@ -336,7 +421,7 @@ mod tests {
                 ("segment_map", 2 * M, 2 * M),
             ]
         );
-        let mut v = start(&segments[&0]);
+        let mut v = start(&segments[&0].segments);
         assert!(fixed[&0].iter().rev().all(|t| v.undo(t, true)));
         assert!(v.pieces.is_empty());
         // With another stream somewhere the viewer merges, and nothing is
@@ -344,5 +429,75 @@ mod tests {
         traces.insert(1, vec![entry("alloc", 9 * M, M, 0x1111)]);
         let fixed = for_viewer(&traces, &segments);
         assert_eq!(fixed[&0], traces[&0]);
+    }
+
+    /// Undo `entries` from `start` as the viewer does, checking at every
+    /// event that each live block lies in a segment; the segments at the
+    /// first event.
+    fn replay_with_blocks(start_at: &ViewerStart, entries: &[TraceEntry]) -> Vec<Piece> {
+        let mut v = start(&start_at.segments);
+        let mut live: BTreeMap<u64, u64> = start_at.blocks.iter().copied().collect();
+        for (i, t) in entries.iter().enumerate().rev() {
+            assert!(v.undo(t, true), "event {i}: {t:?}");
+            match t.action {
+                "alloc" => {
+                    live.remove(&t.addr);
+                }
+                "free_completed" => {
+                    live.insert(t.addr, t.size);
+                }
+                _ => {}
+            }
+            for a in live.keys() {
+                assert!(
+                    v.pieces.iter().any(|p| p.addr <= *a && *a < p.end()),
+                    "before event {i}: block {a:#x} in no segment: {:?}",
+                    v.pieces
+                );
+            }
+        }
+        v.pieces
+    }
+
+    #[test]
+    fn blocks_asleep_are_freed_before_the_unmap_and_allocated_after_the_map() {
+        let mut e = vec![
+            entry("segment_map", 0, 4 * M, 0),
+            entry("alloc", 0, 2 * M, 0),
+            entry("segment_unmap", 0, 4 * M, 0),
+            entry("segment_map", 0, 4 * M, 0),
+        ];
+        e[2].source = "quilt_sleep";
+        e[3].source = "quilt_wake";
+        let mut traces = BTreeMap::new();
+        traces.insert(0, e);
+        let at_end = ViewerStart {
+            segments: vec![Run {
+                addr: 0,
+                size: 4 * M,
+                stream: 0,
+            }],
+            blocks: vec![(0, 2 * M)],
+        };
+        let mut starts = BTreeMap::new();
+        starts.insert(0, at_end.clone());
+        let fixed = for_viewer(&traces, &starts);
+        let got: Vec<(&str, u64, u64, &str)> = fixed[&0]
+            .iter()
+            .map(|t| (t.action, t.addr, t.size, t.source))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("segment_map", 0, 4 * M, "test"),
+                ("alloc", 0, 2 * M, "test"),
+                ("free_requested", 0, 2 * M, "quilt_sleep"),
+                ("free_completed", 0, 2 * M, "quilt_sleep"),
+                ("segment_unmap", 0, 4 * M, "quilt_sleep"),
+                ("segment_map", 0, 4 * M, "quilt_wake"),
+                ("alloc", 0, 2 * M, "quilt_wake"),
+            ]
+        );
+        assert!(replay_with_blocks(&at_end, &fixed[&0]).is_empty());
     }
 }
