@@ -7,7 +7,16 @@ each workload against the baselines of the same run:
 - sync:         no stream synchronisation beyond the fewest any baseline
                 made (a workload that puts a model to sleep synchronises
                 for every allocator);
-- waits:        at most 0.05 cross-stream waits per allocation;
+- waits:        at most 0.05 cross-stream waits per allocation on every real
+                trace (issue 38). On synthetic workloads (the built-in
+                generators and the traces of scripts/multistream-traces.py:
+                SYNTHETIC below) the waits are printed, not judged: a
+                producer-consumer pipeline at the live peak must order each
+                reused layer after two streams' work (offload-pipeline-4's
+                floor is 0.095). That each wait is needed (by the race
+                finder) is checked per allocation by the bench test
+                `quilt_waits_only_where_needed` (benches/tests/waits.rs),
+                which the JSON rows cannot tell;
 - calls-after:  driver calls after the first iteration at most 0.2 % of the
                 events (not checked on rows with growable buffers, which Quilt
                 serves natively by mapping pages as they grow);
@@ -36,9 +45,19 @@ are listed as such, not counted as kept.
 
 import argparse
 import json
+import re
 import sys
 
 MIB = 1 << 20
+
+# Workloads that are not real traces: the built-in generators of quilt-bench
+# and the traces scripts/multistream-traces.py writes (with their -idle,
+# -side and -one variants).
+SYNTHETIC = re.compile(
+    r"^(train-varlen|llm-serving(-growable(-switch)?)?|model-switch|mixed-vision-language"
+    r"|offload-pipeline-\d+|many-streams(-handoff)?-\d+"
+    r"|(pipeline|staging)(-wide)?-\d+|small-streams-\d+|family-\d+(-one)?)(-idle|-side)?$"
+)
 
 
 def bad_input(message):
@@ -51,9 +70,10 @@ def calls_after(row):
     return sum(row["vmm_calls_after_first_iteration"].values())
 
 
-def check(quilt, baselines):
+def check(quilt, baselines, real=True):
     """The promises `quilt` breaks against `baselines` (name -> row), as
-    (promise, detail) pairs, and what could not be checked."""
+    (promise, detail) pairs, and what could not be checked (`real`: the
+    row is a real trace's, whose waits are judged)."""
     broken, unchecked = [], []
     if not quilt["completed"]:
         return broken, ["did not complete at the run's capacity"]
@@ -70,7 +90,10 @@ def check(quilt, baselines):
         broken.append(("sync", f"{syncs} synchronisations (fewest of the baselines: {fewest})"))
     waits = quilt["stream_calls"]["wait_event"] / allocations
     if waits > 0.05:
-        broken.append(("waits", f"{waits:.3f} waits per allocation"))
+        if real:
+            broken.append(("waits", f"{waits:.3f} waits per allocation"))
+        else:
+            unchecked.append(f"waits {waits:.3f} per allocation (a synthetic workload: not judged)")
     if not quilt.get("grows"):
         share = calls_after(quilt) / max(1, quilt["events"])
         if share > 0.002:
@@ -123,7 +146,7 @@ def main():
             continue
         baselines = {n: r for n, r in by_allocator.items() if n in baseline_names and r["completed"]}
         try:
-            broken, unchecked = check(quilt, baselines)
+            broken, unchecked = check(quilt, baselines, real=not SYNTHETIC.match(workload))
         except (KeyError, TypeError) as e:
             bad_input(f"{workload}: a field is missing or malformed: {e}")
         checked += 1
