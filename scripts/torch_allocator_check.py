@@ -23,7 +23,10 @@ pool never overlap a tensor allocated while they live, and come back after
 they are deleted; make_graphed_callables), ``mempool`` (MemPool and
 use_mem_pool), ``compile_trees`` (what torch.compile's CUDA graph trees call
 first: refused under Quilt with a message naming it), ``train`` (a small
-training loop leaks nothing). Exits 0 when every scenario passed under both,
+training loop leaks nothing), ``churn_snapshot`` (torch's own _dump_snapshot
+after churn on two streams with empty_cache, into
+$QUILT_CHECK_SNAPSHOT_DIR, for PyTorch's viewer: node
+scripts/viewer-check/check.mjs FILE...). Exits 0 when every scenario passed under both,
 1 when one failed, 77 when no simulated GPU is at hand.
 """
 
@@ -40,7 +43,7 @@ GiB = 1 << 30
 # The simulated device's memory (the driver double's, or Quilt's host capacity on FakeGPU).
 DEVICE_MEMORY = 2 * GiB  # where the environment does not set it
 
-SCENARIOS = ("apis", "oom", "graphs", "mempool", "compile_trees", "train")
+SCENARIOS = ("apis", "oom", "graphs", "mempool", "compile_trees", "train", "churn_snapshot")
 
 
 def check(cond, message, *args):
@@ -129,6 +132,15 @@ def scenario_apis(torch, quilt):
     # history, snapshots, Python stacks
     torch.cuda.memory._record_memory_history(max_entries=100000)
     marker = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+    live_snap = torch.cuda.memory._snapshot()
+    block_files = set()
+    for seg in live_snap["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if addr == marker.data_ptr():
+                block_files = {f["filename"] for f in b.get("frames", [])}
+            addr += b["size"]
+    check(any(f.endswith("torch_allocator_check.py") for f in block_files), "the live block has no Python frame of this script: {}", sorted(block_files)[:5])
     del marker
     snap = torch.cuda.memory._snapshot()
     path = os.path.join(tempfile.mkdtemp(prefix="quilt-alloc-check-"), "snap.pickle")
@@ -342,6 +354,38 @@ def scenario_train(torch, quilt):
     left = torch.cuda.memory_allocated() - base
     check(left == 0, "{} bytes left after the loop", left)
     emit({"left": left, "steady": steady, "allocated_per_step": peaks[-1] - base})
+
+
+def scenario_churn_snapshot(torch, quilt):
+    # Churn on two streams with empty_cache, history recorded, then torch's
+    # own _dump_snapshot into $QUILT_CHECK_SNAPSHOT_DIR (for PyTorch's viewer:
+    # node scripts/viewer-check/check.mjs FILE...).
+    folder = os.environ.get("QUILT_CHECK_SNAPSHOT_DIR") or tempfile.mkdtemp(prefix="quilt-churn-")
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    live = []
+    for step in range(40):
+        with torch.cuda.stream(streams[step % 2]):
+            live.append(torch.empty((step % 7 + 1) * MiB + 512 * (step % 5), dtype=torch.uint8, device="cuda"))
+        if step % 3 == 2:
+            del live[step % len(live)]
+        if step % 10 == 9:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    del live[::2]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    conf = os.environ.get("QUILT_ALLOC_CONF", "") if quilt else "native"
+    tag = "reclaim_always" if "reclaim:always" in conf else "default"
+    path = os.path.join(folder, "{}-{}.pickle".format("quilt" if quilt else "native", tag))
+    torch.cuda.memory._dump_snapshot(path)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    actions = sorted({t["action"] for t in snap["device_traces"][0]})
+    check("alloc" in actions and "free_completed" in actions, "actions {}", actions)
+    after_off = torch.cuda.memory._snapshot()["device_traces"]
+    print("snapshot written:", path, flush=True)
+    emit({"written": True, "traces_after_history_off": sum(len(t) for t in after_off), "two_streams": len({t["stream"] for t in snap["device_traces"][0] if t["action"] == "alloc"}) == 2})
 
 
 def worker(name, allocator):

@@ -230,7 +230,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     std::shared_ptr<c10::GatheredContext> context;
     auto recorder = recorder_.load();
-    if (history_on_.load() && recorder != nullptr && when_ != cda::RecordContext::NEVER) {
+    if (history_on_.load() && recorder != nullptr && when_.load() != cda::RecordContext::NEVER) {
       context = recorder();
     }
     QuiltAllocation a{nullptr, 0};
@@ -249,7 +249,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       live_[a.ptr] = Live{size, device, stream};
       if (context) {
         block_context_[a.ptr] = context;
-        if (a.seq != 0 && when_ >= cda::RecordContext::ALLOC) {
+        if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
           remember(a.seq, context);
         }
       }
@@ -298,7 +298,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     std::shared_ptr<c10::GatheredContext> context;
     auto recorder = recorder_.load();
-    if (history_on_.load() && recorder != nullptr && when_ == cda::RecordContext::ALL) {
+    if (history_on_.load() && recorder != nullptr && when_.load() == cda::RecordContext::ALL) {
       context = recorder();
     }
     uint64_t seq = 0;
@@ -424,7 +424,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       for (const auto& a : skip_actions) {
         skip_.insert(static_cast<int>(cda::parseTraceEntryAction(a)));
       }
-      when_ = when;
+      when_.store(when);
       max_entries_ = max_entries;
       if (clear_history) {
         trace_context_.clear();
@@ -504,7 +504,8 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       }
       info.segments.push_back(std::move(si));
     }
-    if (include_traces) {
+    // As torch's own: no history once recording is off.
+    if (include_traces && history_on_.load()) {
       std::vector<QuiltTraceEntry> entries(1024);
       for (;;) {
         size_t n = api.history_since(0, entries.data(), entries.size());
@@ -716,7 +717,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   bool enabled_ = true;
   std::atomic<bool> history_on_{false};
   std::atomic<cda::CreateContextFn> recorder_{nullptr};
-  cda::RecordContext when_ = cda::RecordContext::NEVER;
+  std::atomic<cda::RecordContext> when_{cda::RecordContext::NEVER};
   size_t max_entries_ = 0;
 };
 
