@@ -335,7 +335,7 @@ mod tests {
     }
 
     fn entry(action: &'static str, addr: u64, size: u64, stream: u64) -> TraceEntry {
-        let mut t = crate::history::History::default();
+        let t = crate::history::History::default();
         t.set(true, 10);
         t.record(0, action, addr, size, stream, "test");
         t.entries().remove(&0).unwrap().remove(0)
