@@ -60,7 +60,10 @@ fn answers_to_libcudart_so_13_with_versioned_exports() {
     ignore = "needs the real torch in the venv of scripts/torch-venv.sh (none when quilt-cuda-runtime was built)"
 )]
 fn exports_every_runtime_function_torch_imports() {
-    let venv = std::path::PathBuf::from(option_env!("QUILT_TORCH_VENV_FOUND").unwrap());
+    let Some(venv) = option_env!("QUILT_TORCH_VENV_FOUND") else {
+        panic!("build.rs found the torch venv but did not say where");
+    };
+    let venv = std::path::PathBuf::from(venv);
     let site = std::fs::read_dir(venv.join("lib"))
         .unwrap()
         .map(|e| e.unwrap().path().join("site-packages/torch/lib"))

@@ -1,6 +1,7 @@
 //! Shared by the face's tests: where cargo built the libraries.
 
 #![allow(dead_code)] // each test file uses a part
+#![allow(clippy::unwrap_used, clippy::panic)] // test code
 
 use std::path::PathBuf;
 
