@@ -43,7 +43,7 @@ GiB = 1 << 30
 # The simulated device's memory (the driver double's, or Quilt's host capacity on FakeGPU).
 DEVICE_MEMORY = 2 * GiB  # where the environment does not set it
 
-SCENARIOS = ("apis", "oom", "graphs", "mempool", "compile_trees", "train", "churn_snapshot")
+SCENARIOS = ("apis", "oom", "graphs", "mempool", "compile_trees", "train", "churn_snapshot", "quilt_extras")
 
 
 def check(cond, message, *args):
@@ -386,6 +386,37 @@ def scenario_churn_snapshot(torch, quilt):
     after_off = torch.cuda.memory._snapshot()["device_traces"]
     print("snapshot written:", path, flush=True)
     emit({"written": True, "traces_after_history_off": sum(len(t) for t in after_off), "two_streams": len({t["stream"] for t in snap["device_traces"][0] if t["action"] == "alloc"}) == 2})
+
+
+def scenario_quilt_extras(torch, quilt):
+    # quilt_torch's own functions under enable(): tags, sleep and wake,
+    # forget_stream, the verdict in last_error (nothing to do under torch's).
+    if not quilt:
+        emit({"extras": "n/a"})
+        return
+    import quilt_torch as qt
+
+    src = torch.arange(4 * MiB, dtype=torch.uint8)
+    with qt.tag("weights"):
+        w = src.to("cuda")
+    ptr = w.data_ptr()
+    qt.sleep("weights")
+    check(qt.is_asleep("weights"), "not asleep")
+    qt.wake("weights")
+    check(w.data_ptr() == ptr and torch.equal(w.cpu(), src), "wake lost the address or the bytes")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = src.to("cuda")
+    del x
+    torch.cuda.synchronize()
+    qt.forget_stream(s)
+    try:
+        torch.empty(4 << 40, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        pass
+    check(qt.last_error(), "no last error after an out of memory")
+    check(qt.memory_stats()["allocated_bytes"]["current"] == torch.cuda.memory_allocated(), "quilt_torch and torch disagree")
+    emit({"extras": "ok"})
 
 
 def worker(name, allocator):

@@ -25,6 +25,7 @@ CHECK = os.path.join(REPO, "scripts", "torch_allocator_check.py")
 MAY_DIFFER = {
     "quilt_verdict": "Quilt's out-of-memory message ends with its verdict",
     "checkpoint": "Quilt refuses the CUDA graph trees' checkpoint (torch.compile reduce-overhead)",
+    "extras": "quilt_torch's own functions run under Quilt only",
 }
 
 
@@ -76,6 +77,14 @@ class AllocatorScenarios(unittest.TestCase):
     def test_graph_trees_checkpoint_is_refused_by_name(self):
         r = self.compare("compile_trees")
         self.assertEqual(r["quilt"]["checkpoint"], "refused naming getCheckpointState")
+
+    def test_torch_snapshot_after_churn_on_two_streams(self):
+        r = self.compare("churn_snapshot")
+        self.assertTrue(r["quilt"]["two_streams"])
+
+    def test_quilt_torchs_extras_under_enable(self):
+        r = self.compare("quilt_extras")
+        self.assertEqual(r["quilt"]["extras"], "ok")
 
     def test_training_loop_leaks_nothing(self):
         r = self.compare("train")
