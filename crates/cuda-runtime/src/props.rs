@@ -105,3 +105,174 @@ pub struct DeviceProp {
     pub hostNumaMultinodeIpcSupported: c_int,
     pub reserved: [c_int; 56],
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+    use super::DeviceProp;
+    use std::mem::offset_of;
+
+    macro_rules! offsets {
+        ($($f:ident),* $(,)?) => {
+            vec![$((stringify!($f), offset_of!(DeviceProp, $f))),*]
+        };
+    }
+
+    /// Every field's offset and the size, as the CUDA 13 header of the
+    /// torch venv lays them out, compiled by the C compiler (where the venv
+    /// was there when this package was built; else this test only checks
+    /// the size the header had when the face was written).
+    #[test]
+    fn device_prop_has_the_headers_layout() {
+        let ours = offsets!(
+            name,
+            uuid,
+            luid,
+            luidDeviceNodeMask,
+            totalGlobalMem,
+            sharedMemPerBlock,
+            regsPerBlock,
+            warpSize,
+            memPitch,
+            maxThreadsPerBlock,
+            maxThreadsDim,
+            maxGridSize,
+            totalConstMem,
+            major,
+            minor,
+            textureAlignment,
+            texturePitchAlignment,
+            multiProcessorCount,
+            integrated,
+            canMapHostMemory,
+            maxTexture1D,
+            maxTexture1DMipmap,
+            maxTexture2D,
+            maxTexture2DMipmap,
+            maxTexture2DLinear,
+            maxTexture2DGather,
+            maxTexture3D,
+            maxTexture3DAlt,
+            maxTextureCubemap,
+            maxTexture1DLayered,
+            maxTexture2DLayered,
+            maxTextureCubemapLayered,
+            maxSurface1D,
+            maxSurface2D,
+            maxSurface3D,
+            maxSurface1DLayered,
+            maxSurface2DLayered,
+            maxSurfaceCubemap,
+            maxSurfaceCubemapLayered,
+            surfaceAlignment,
+            concurrentKernels,
+            ECCEnabled,
+            pciBusID,
+            pciDeviceID,
+            pciDomainID,
+            tccDriver,
+            asyncEngineCount,
+            unifiedAddressing,
+            memoryBusWidth,
+            l2CacheSize,
+            persistingL2CacheMaxSize,
+            maxThreadsPerMultiProcessor,
+            streamPrioritiesSupported,
+            globalL1CacheSupported,
+            localL1CacheSupported,
+            sharedMemPerMultiprocessor,
+            regsPerMultiprocessor,
+            managedMemory,
+            isMultiGpuBoard,
+            multiGpuBoardGroupID,
+            hostNativeAtomicSupported,
+            pageableMemoryAccess,
+            concurrentManagedAccess,
+            computePreemptionSupported,
+            canUseHostPointerForRegisteredMem,
+            cooperativeLaunch,
+            sharedMemPerBlockOptin,
+            pageableMemoryAccessUsesHostPageTables,
+            directManagedMemAccessFromHost,
+            maxBlocksPerMultiProcessor,
+            accessPolicyMaxWindowSize,
+            reservedSharedMemPerBlock,
+            hostRegisterSupported,
+            sparseCudaArraySupported,
+            hostRegisterReadOnlySupported,
+            timelineSemaphoreInteropSupported,
+            memoryPoolsSupported,
+            gpuDirectRDMASupported,
+            gpuDirectRDMAFlushWritesOptions,
+            gpuDirectRDMAWritesOrdering,
+            memoryPoolSupportedHandleTypes,
+            deferredMappingCudaArraySupported,
+            ipcEventSupported,
+            clusterLaunch,
+            unifiedFunctionPointers,
+            deviceNumaConfig,
+            deviceNumaId,
+            mpsEnabled,
+            hostNumaId,
+            gpuPciDeviceID,
+            gpuPciSubsystemID,
+            hostNumaMultinodeIpcSupported,
+            reserved
+        );
+        assert_eq!(std::mem::size_of::<DeviceProp>(), 1008);
+        let Some(venv) = option_env!("QUILT_TORCH_VENV_FOUND") else {
+            return;
+        };
+        let include = std::fs::read_dir(std::path::Path::new(venv).join("lib"))
+            .unwrap()
+            .map(|e| e.unwrap().path().join("site-packages/nvidia/cu13/include"))
+            .find(|p| p.join("driver_types.h").exists())
+            .expect("the CUDA 13 headers in the venv");
+        let dir =
+            std::env::temp_dir().join(format!("quilt-cuda-runtime-layout-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("crt")).unwrap();
+        // driver_types.h includes crt/host_defines.h, which the wheel lacks:
+        // the few attribute macros it defines, as a C compiler needs them.
+        std::fs::write(
+            dir.join("crt/host_defines.h"),
+            "#define __device_builtin__\n#define __host__\n#define __device__\n#define __cudart_builtin__\n#define CUDARTAPI\n#define __dv(v)\n#define __builtin_align__(a) __attribute__((aligned(a)))\n#define __align__(a) __attribute__((aligned(a)))\n#define CUDART_CB\n",
+        )
+        .unwrap();
+        let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include <driver_types.h>\nint main(void) {\n");
+        c.push_str("printf(\"size %zu\\n\", sizeof(struct cudaDeviceProp));\n");
+        for (name, _) in &ours {
+            c.push_str(&format!(
+                "printf(\"{name} %zu\\n\", offsetof(struct cudaDeviceProp, {name}));\n"
+            ));
+        }
+        c.push_str("return 0; }\n");
+        std::fs::write(dir.join("layout.c"), c).unwrap();
+        let exe = dir.join("layout");
+        let cc = std::process::Command::new("cc")
+            .arg(format!("-I{}", dir.display()))
+            .arg(format!("-I{}", include.display()))
+            .arg(dir.join("layout.c"))
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .expect("a C compiler (cc)");
+        assert!(
+            cc.status.success(),
+            "{}",
+            String::from_utf8_lossy(&cc.stderr)
+        );
+        let out = std::process::Command::new(&exe).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut lines = text.lines();
+        assert_eq!(lines.next(), Some("size 1008"), "{text}");
+        for ((name, offset), line) in ours.iter().zip(lines) {
+            assert_eq!(
+                line,
+                format!("{name} {offset}"),
+                "the header's offset of {name}"
+            );
+        }
+    }
+}
