@@ -8,15 +8,15 @@
 #   QUILT_CUDA_DOUBLE_DEVICES=1 QUILT_CUDA_DOUBLE_MEMORY=8GiB scripts/simulated-gpu.sh python -c '...'
 #
 # Only COMMAND's environment changes: a private folder beside the face
-# (target/release/simulated-gpu),
-# holding libcudart.so.13 and libnvidia-ml.so.1 (the face, which answers the
-# few NVML calls torch's expandable segments make) and libcuda.so.1 /
-# libcuda.so (the double),
-# goes first on its LD_LIBRARY_PATH, the face is preloaded (LD_PRELOAD), so a
-# program's own copy of NVIDIA's libcudart.so.13 (torch's wheel loads one)
-# never answers, and the double's QUILT_CUDA_DOUBLE_* settings pass through,
-# with 2 devices and driver version 13020 (CUDA 13.2, the face's runtime
-# version) unless set. Nothing outside COMMAND is shadowed.
+# (target/release/simulated-gpu) holding libcudart.so.13 and libnvidia-ml.so.1
+# (the face, which also answers the few NVML calls torch's expandable segments
+# make) and libcuda.so.1 / libcuda.so (the double) goes first on its
+# LD_LIBRARY_PATH; the face is preloaded (LD_PRELOAD), so a program's own copy
+# of NVIDIA's libcudart.so.13 (torch's wheel loads one) never answers; the
+# double's QUILT_CUDA_DOUBLE_* settings pass through, with 2 devices and
+# driver version 13020 (CUDA 13.2, the face's runtime version) unless set.
+# QUILT_SIMULATED_GPU_FACE and QUILT_SIMULATED_GPU_DOUBLE name other builds of
+# the two libraries. Nothing outside COMMAND is shadowed.
 set -euo pipefail
 if [ $# -eq 0 ]; then
     echo "usage: scripts/simulated-gpu.sh COMMAND [ARGS...]" >&2
@@ -24,7 +24,6 @@ if [ $# -eq 0 ]; then
 fi
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 target="${CARGO_TARGET_DIR:-$repo/target}/release"
-# The two libraries; a test names the ones cargo built for it.
 face="${QUILT_SIMULATED_GPU_FACE:-$target/libquilt_cuda_runtime.so}"
 double="${QUILT_SIMULATED_GPU_DOUBLE:-$target/libquilt_cuda_double.so}"
 for lib in "$face" "$double"; do
