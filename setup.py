@@ -52,9 +52,10 @@ setup(
         )
     ],
     # The library calls no Python C API (it is loaded with ctypes), so the
-    # wheel holds for every CPython 3 from 3.8: a stable-ABI (abi3) wheel.
+    # wheel holds for every CPython 3 from 3.9 (setuptools 77's least): a
+    # stable-ABI (abi3) wheel, hence the file's .abi3.so suffix.
     options={
-        "bdist_wheel": {"py_limited_api": "cp38"},
+        "bdist_wheel": {"py_limited_api": "cp39"},
         "build": {"build_base": SCRATCH},
         "egg_info": {"egg_base": SCRATCH},
     },
