@@ -479,10 +479,42 @@ impl Library {
     }
 
     /// The history entries after sequence number `seq`, in recording order.
+    /// From 0 (a snapshot's whole history), as PyTorch's viewer must read
+    /// them against the segments shown now
+    /// ([`snapshot::viewer_replay::for_viewer`]).
     pub fn history_since(&self, seq: u64) -> Vec<QuiltTraceEntry> {
+        if seq == 0 {
+            return self.history_for_viewer();
+        }
         self.history
             .entries_since(seq)
             .iter()
+            .map(|(d, t)| listing::trace_entry(*d, t))
+            .collect()
+    }
+
+    /// The whole history, rewritten for PyTorch's viewer from the segments
+    /// and live blocks of every device now, in recording order.
+    fn history_for_viewer(&self) -> Vec<QuiltTraceEntry> {
+        let mut starts = BTreeMap::new();
+        for d in self.existing() {
+            self.sync_segments(&d, "quilt_segments");
+            let (memory, _, _) = d.memory();
+            let pools = lock(&d.pools);
+            starts.insert(
+                d.index,
+                snapshot::viewer_start(&memory, |a| pools.is_kept_free(a)),
+            );
+        }
+        let traces = snapshot::viewer_replay::for_viewer(&self.history.entries(), &starts);
+        let mut all: Vec<(i32, &crate::history::TraceEntry)> = traces
+            .iter()
+            .flat_map(|(&d, es)| es.iter().map(move |t| (d, t)))
+            .collect();
+        // Stable: a map's parts and the entries written beside them keep
+        // their place.
+        all.sort_by_key(|(_, t)| t.seq);
+        all.iter()
             .map(|(d, t)| listing::trace_entry(*d, t))
             .collect()
     }

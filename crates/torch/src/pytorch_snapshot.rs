@@ -195,6 +195,42 @@ fn trace_entry(t: &TraceEntry) -> Value {
     ])
 }
 
+/// What PyTorch's viewer starts its replay of `memory`'s device from: the
+/// segments a snapshot shows (the pool's unmapped pages as the segment at
+/// address 0 included) and the live blocks, less those `kept_free` says
+/// are shown `inactive` (free blocks a private pool keeps).
+pub fn viewer_start(
+    memory: &DeviceMemory,
+    kept_free: impl Fn(u64) -> bool,
+) -> viewer_replay::ViewerStart {
+    let mut start = viewer_replay::ViewerStart::default();
+    for s in &memory.segments.segments {
+        start.segments.push(Run {
+            addr: s.address,
+            size: s.total_size,
+            stream: s.stream.0,
+        });
+        start.blocks.extend(
+            s.blocks
+                .iter()
+                .filter(|b| match b.state {
+                    BlockState::Active => !kept_free(b.address),
+                    BlockState::PendingFree => true,
+                    BlockState::Inactive | BlockState::Unmapped => false,
+                })
+                .map(|b| (b.address, b.requested)),
+        );
+    }
+    if memory.unmapped_pool_bytes > 0 {
+        start.segments.push(Run {
+            addr: 0,
+            size: memory.unmapped_pool_bytes,
+            stream: 0,
+        });
+    }
+    start
+}
+
 /// The snapshot of `devices` with the history `traces`, as a pickle value;
 /// `conf` is `QUILT_ALLOC_CONF`'s text, for `allocator_settings`.
 pub fn snapshot(
@@ -202,33 +238,9 @@ pub fn snapshot(
     traces: &BTreeMap<i32, Vec<TraceEntry>>,
     conf: &str,
 ) -> Value {
-    // The segments and live blocks the viewer starts its replay from.
     let shown: BTreeMap<i32, viewer_replay::ViewerStart> = devices
         .iter()
-        .map(|d| {
-            let mut start = viewer_replay::ViewerStart::default();
-            for s in &d.segments.segments {
-                start.segments.push(Run {
-                    addr: s.address,
-                    size: s.total_size,
-                    stream: s.stream.0,
-                });
-                start.blocks.extend(
-                    s.blocks
-                        .iter()
-                        .filter(|b| matches!(b.state, BlockState::Active | BlockState::PendingFree))
-                        .map(|b| (b.address, b.requested)),
-                );
-            }
-            if d.unmapped_pool_bytes > 0 {
-                start.segments.push(Run {
-                    addr: 0,
-                    size: d.unmapped_pool_bytes,
-                    stream: 0,
-                });
-            }
-            (d.device, start)
-        })
+        .map(|d| (d.device, viewer_start(d, |_| false)))
         .collect();
     let traces = viewer_replay::for_viewer(traces, &shown);
     let mut segments = Vec::new();
