@@ -15,7 +15,8 @@ Run by ``crates/cuda-runtime/tests/simulated_torch.rs`` through
 Kernels compute nothing on the double, so every byte checked here is moved
 by copies (``.to``, ``.cpu``, ``clone``, ``copy_``) or memsets; ops that are
 kernels only shape the allocation pattern. Only torch's public API and
-``quilt_torch.enable()`` are used.
+``quilt_torch.enable()`` are used; ``test_allocator_scenarios.py`` (beside
+this file) compares torch's allocator and Quilt on more scenarios.
 """
 
 import gc
@@ -199,6 +200,29 @@ class SimulatedGpu(unittest.TestCase):
         gc.collect()
         torch.cuda.empty_cache()
         self.assertGreaterEqual(device_free(), base)
+
+    def test_snapshot_shows_live_tensors_and_their_history(self):
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        try:
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                y = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        live = set()
+        for seg in snap["segments"]:
+            at = seg["address"]
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated":
+                    live.add(at)
+                at += block["size"]
+        self.assertIn(x.data_ptr(), live)
+        self.assertIn(y.data_ptr(), live)
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        self.assertTrue(any(e["addr"] == y.data_ptr() for e in allocs))
+        del x, y
 
     def test_out_of_memory_raises_and_recovers(self):
         total = torch.cuda.get_device_properties(0).total_memory
