@@ -176,6 +176,8 @@ struct Live {
   size_t size;
   c10::DeviceIndex device;
   cudaStream_t stream;
+  // Other streams it was recorded on (record_stream).
+  std::vector<cudaStream_t> used_on;
 };
 
 void quilt_raw_delete(void* ptr);
@@ -246,7 +248,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
                 size, " bytes) on device ", static_cast<int>(device), ": ", last_error());
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      live_[a.ptr] = Live{size, device, stream};
+      live_[a.ptr] = Live{size, device, stream, {}};
       if (context) {
         block_context_[a.ptr] = context;
         if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
@@ -307,10 +309,26 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       RelaxedCapture relaxed;
       rc = api.torch_free(ptr, l.size, l.device, l.stream, &seq);
     }
-    if (rc != 0) {
+    if (rc == 1) {
       // A deleter must not throw (it runs in destructors).
       TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
       return;
+    }
+    if (rc == 3 && !l.used_on.empty()) {
+      // A private pool kept the block, to hand it out again on its own
+      // stream: order that stream after the work queued on the streams it
+      // was recorded on (Quilt does this for the blocks it gets back).
+      for (cudaStream_t other : l.used_on) {
+        cudaEvent_t done = nullptr;
+        if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess) {
+          if (cudaEventRecord(done, other) != cudaSuccess ||
+              cudaStreamWaitEvent(l.stream, done, 0) != cudaSuccess) {
+            TORCH_WARN("quilt_torch: ordering the reuse of ", ptr, " after stream ", other,
+                       " failed: ", cudaGetErrorString(cudaGetLastError()));
+          }
+          (void)cudaEventDestroy(done);
+        }
+      }
     }
     if (context && seq != 0) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -373,8 +391,16 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     return ptr;
   }
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    if (ptr.get() != nullptr) {
-      api.record_stream(ptr.get(), stream.stream());
+    if (ptr.get() == nullptr) {
+      return;
+    }
+    api.record_stream(ptr.get(), stream.stream());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.find(ptr.get());
+    if (it != live_.end() && it->second.stream != stream.stream() &&
+        std::find(it->second.used_on.begin(), it->second.used_on.end(), stream.stream()) ==
+            it->second.used_on.end()) {
+      it->second.used_on.push_back(stream.stream());
     }
   }
 
@@ -598,20 +624,29 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
     // Quilt hands a pool's blocks out whole: none is ever split.
   }
+  // torch.compile's CUDA graph trees check (checkPoolLiveAllocations, at
+  // their first call), checkpoint and restore a private pool's state; Quilt
+  // does none of it and refuses at the first.
+  static std::string graph_trees_refused(const char* piece) {
+    return std::string("Quilt (quilt_torch.enable()) does not support torch.compile's CUDA graph "
+                       "trees (mode=\"reduce-overhead\", backend=\"cudagraphs\"): they need ") +
+           piece +
+           " (the check, checkpoint and restore of a private pool: "
+           "checkPoolLiveAllocations, getCheckpointState, setCheckpointPoolState), which Quilt "
+           "does not implement. Use torch.cuda.graph / make_graphed_callables, or "
+           "torch._inductor.config.triton.cudagraph_trees = False.";
+  }
+  bool checkPoolLiveAllocations(c10::DeviceIndex, c10::MempoolId_t,
+                                const std::unordered_set<void*>&) override {
+    TORCH_CHECK(false, graph_trees_refused("checkPoolLiveAllocations"));
+  }
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
                                                           c10::MempoolId_t) override {
-    TORCH_CHECK(false,
-                "Quilt (quilt_torch.enable()) does not support torch.compile's CUDA graph trees "
-                "(mode=\"reduce-overhead\"): they checkpoint and restore a private pool's state "
-                "(getCheckpointState/setCheckpointPoolState), which Quilt does not implement. "
-                "Use torch.cuda.graph / make_graphed_callables, or "
-                "torch._inductor.config.triton.cudagraph_trees = False.");
+    TORCH_CHECK(false, graph_trees_refused("getCheckpointState"));
   }
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
                                               std::shared_ptr<cca::AllocatorState>) override {
-    TORCH_CHECK(false,
-                "Quilt (quilt_torch.enable()) does not support setCheckpointPoolState (CUDA graph "
-                "trees of torch.compile(mode=\"reduce-overhead\"))");
+    TORCH_CHECK(false, graph_trees_refused("setCheckpointPoolState"));
   }
 
   // -- observers, IPC, copies -----------------------------------------------

@@ -76,7 +76,7 @@ class AllocatorScenarios(unittest.TestCase):
 
     def test_graph_trees_checkpoint_is_refused_by_name(self):
         r = self.compare("compile_trees")
-        self.assertEqual(r["quilt"]["checkpoint"], "refused naming getCheckpointState")
+        self.assertEqual(r["quilt"]["checkpoint"], "refused at the first call, naming checkPoolLiveAllocations")
 
     def test_torch_snapshot_after_churn_on_two_streams(self):
         r = self.compare("churn_snapshot")

@@ -422,9 +422,10 @@ pub unsafe extern "C" fn quilt_torch_malloc(
 }
 
 /// Give back the block at `ptr` (of `size` bytes, on `device`, allocated on
-/// `stream`): a block of a private pool in use stays the pool's. 0 on
-/// success, with the sequence number of its `free_requested` history entry
-/// in `*seq` (0: none recorded); 1 on error.
+/// `stream`): a block of a private pool in use stays the pool's. 0 when it
+/// went back to Quilt, 3 when a private pool kept it (both: the sequence
+/// number of its `free_requested` history entry in `*seq`, 0 when none was
+/// recorded); 1 on error.
 ///
 /// # Safety
 ///
@@ -438,7 +439,7 @@ pub unsafe extern "C" fn quilt_torch_free(
     seq: *mut u64,
 ) -> c_int {
     guard(1, || {
-        let s = library().torch_free(
+        let (s, kept) = library().torch_free(
             ptr as usize as u64,
             size as u64,
             device,
@@ -446,7 +447,7 @@ pub unsafe extern "C" fn quilt_torch_free(
         )?;
         // SAFETY: `seq` as this function's contract says.
         unsafe { write_out(seq, s) };
-        Ok(0)
+        Ok(if kept { 3 } else { 0 })
     })
 }
 
@@ -572,8 +573,6 @@ pub extern "C" fn quilt_clear_history() -> c_int {
 #[no_mangle]
 pub extern "C" fn quilt_try_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
     guard(1, || {
-        library()
-            .set_memory_fraction(fraction, device)
-            .map(|()| 0)
+        library().set_memory_fraction(fraction, device).map(|()| 0)
     })
 }

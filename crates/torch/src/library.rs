@@ -343,14 +343,15 @@ impl Library {
     /// `quilt_free` and torch's allocator class's free: a block of a used
     /// private pool stays the pool's (free, for the pool's later
     /// allocations); any other goes back to Quilt. Returns the sequence
-    /// number of its `free_requested` history entry (0 when history is off).
+    /// number of its `free_requested` history entry (0 when history is off)
+    /// and whether a pool kept it.
     pub fn torch_free(
         &self,
         ptr: DevicePtr,
         size: u64,
         device: i32,
         stream: u64,
-    ) -> Result<u64, String> {
+    ) -> Result<(u64, bool), String> {
         if ptr == 0 {
             return Err("free of a null pointer".into());
         }
@@ -373,7 +374,7 @@ impl Library {
         self.history
             .record(device, "free_completed", ptr, size, stream, "quilt_free");
         self.sync_segments(&d, "quilt_free");
-        Ok(seq)
+        Ok((seq, freed == Freed::KeptByPool))
     }
 
     /// torch's `createOrIncrefPool` (and `beginAllocateToPool`, which uses
