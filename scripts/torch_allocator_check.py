@@ -44,7 +44,17 @@ GiB = 1 << 30
 # The simulated device's memory (the driver double's, or Quilt's host capacity on FakeGPU).
 DEVICE_MEMORY = 2 * GiB  # where the environment does not set it
 
-SCENARIOS = ("apis", "oom", "graphs", "mempool", "compile_trees", "train", "churn_snapshot", "quilt_extras")
+SCENARIOS = (
+    "apis",
+    "oom",
+    "graphs",
+    "mempool",
+    "compile_trees",
+    "train",
+    "churn_snapshot",
+    "quilt_extras",
+    "late_enable",
+)
 
 
 def check(cond, message, *args):
@@ -438,17 +448,39 @@ def scenario_quilt_extras(torch, quilt):
     emit({"extras": "ok"})
 
 
+def scenario_late_enable(torch, quilt):
+    # enable() after torch's allocator served a tensor: refused, nothing
+    # installed, torch's allocator goes on.
+    if not quilt:
+        emit({"late_enable": "n/a"})
+        return
+    import quilt_torch
+
+    src = torch.arange(MiB, dtype=torch.uint8)
+    t = src.to("cuda")
+    try:
+        quilt_torch.enable()
+        outcome = "installed"
+    except quilt_torch.BridgeError as e:
+        outcome = "refused" if "already initialized" in str(e) else "refused: " + str(e)
+    check(outcome == "refused", "late enable(): {}", outcome)
+    check(torch.cuda.get_allocator_backend() == "native", "backend {}", torch.cuda.get_allocator_backend())
+    u = src.to("cuda")
+    check(torch.equal(t.cpu(), src) and torch.equal(u.cpu(), src), "bytes lost")
+    emit({"late_enable": outcome})
+
+
 def worker(name, allocator):
     sys.path.insert(0, os.path.join(REPO, "python"))
     quilt = allocator == "quilt"
-    if quilt:
+    if quilt and name != "late_enable":
         import quilt_torch
 
         quilt_torch.enable()
     import torch
 
     check(torch.cuda.is_available(), "no (simulated) CUDA device")
-    if quilt:
+    if quilt and name != "late_enable":
         check(torch.cuda.memory.get_allocator_backend() == "quilt", "backend {}", torch.cuda.memory.get_allocator_backend())
     globals()["scenario_" + name](torch, quilt)
 

@@ -26,6 +26,7 @@ MAY_DIFFER = {
     "quilt_verdict": "Quilt's out-of-memory message ends with its verdict",
     "checkpoint": "Quilt refuses the CUDA graph trees' checkpoint (torch.compile reduce-overhead)",
     "extras": "quilt_torch's own functions run under Quilt only",
+    "late_enable": "enable() after CUDA was used is tried under Quilt only",
 }
 
 
@@ -85,6 +86,10 @@ class AllocatorScenarios(unittest.TestCase):
     def test_quilt_torchs_extras_under_enable(self):
         r = self.compare("quilt_extras")
         self.assertEqual(r["quilt"]["extras"], "ok")
+
+    def test_enable_after_cuda_was_used_is_refused(self):
+        r = self.compare("late_enable")
+        self.assertEqual(r["quilt"]["late_enable"], "refused")
 
     def test_training_loop_leaks_nothing(self):
         r = self.compare("train")
