@@ -634,9 +634,15 @@ pub fn summary(outcomes: &[Outcome]) -> String {
     out
 }
 
-/// A workload named `FAMILY-N` (`many-streams-10`): its family and `N`.
+/// A workload named `FAMILY-N` whose `N` is its number of streams
+/// (`many-streams-10`, `offload-pipeline-4`, `multistream-traces.py`'s
+/// `pipeline-10`): its family and `N`. The drawn traces
+/// (`family-SEED`) are numbered by seed, not streams: none.
 fn family_and_streams(workload: &str) -> Option<(&str, u64)> {
     let (family, n) = workload.rsplit_once('-')?;
+    if family == "family" {
+        return None;
+    }
     Some((family, n.parse().ok()?))
 }
 
@@ -918,6 +924,47 @@ mod tests {
         text.lines()
             .find(|l| l.trim_start().starts_with(start))
             .unwrap_or_else(|| panic!("no `{start}` in {text}"))
+    }
+
+    #[test]
+    fn the_streams_table_lines_up_each_family_by_streams_against_classic() {
+        let mut outcomes = Vec::new();
+        for (n, quilt_ns) in [(32, 300), (4, 150)] {
+            for (a, ns) in [("quilt", quilt_ns), ("classic", 100)] {
+                let mut o = row(&format!("many-streams-{n}"), a, true, 0.9, 1 << 30);
+                if let Ok(m) = &mut o {
+                    m.row.cpu_ns_per_op = ns;
+                    m.row.stream_calls.wait_event = n;
+                }
+                outcomes.push(o);
+            }
+        }
+        // One stream count only, and drawn traces (numbered by seed): no table.
+        outcomes.push(row("offload-pipeline-4", "quilt", true, 0.9, 1 << 30));
+        outcomes.push(row("family-003", "quilt", true, 0.9, 1 << 30));
+        outcomes.push(row("family-057", "quilt", true, 0.9, 1 << 30));
+        let t = streams_table(&outcomes);
+        assert!(
+            t.starts_with("many-streams-N: host time and event calls per operation"),
+            "{t}"
+        );
+        assert!(!t.contains("offload") && !t.contains("family"), "{t}");
+        let quilt: Vec<&str> = t
+            .lines()
+            .filter(|l| l.trim_start().starts_with("quilt"))
+            .collect();
+        assert_eq!(quilt.len(), 2, "{t}");
+        // Fewest streams first, the ratio to classic beside the time.
+        assert!(
+            quilt[0].contains(" 4 ") && quilt[0].contains("1.50x"),
+            "{t}"
+        );
+        assert!(
+            quilt[1].contains(" 32 ") && quilt[1].contains("3.00x"),
+            "{t}"
+        );
+        assert!(quilt[1].trim_end().ends_with("32"), "{t}");
+        assert!(streams_table(&outcomes[4..]).is_empty());
     }
 
     #[test]
