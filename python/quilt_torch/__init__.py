@@ -409,7 +409,7 @@ def _allocator_library(torch):
             os.unlink(tmp)
             raise BridgeError(
                 "quilt_torch.enable(): building Quilt's allocator class against torch {} "
-                "failed (it is written for torch 2.6 and later, tested with 2.15; nothing "
+                "failed (it is written for torch 2.15's allocator interface; nothing "
                 "was installed) ({}):\n{}".format(
                     version, " ".join(command), done.stdout.decode("utf-8", "replace")[-8000:]
                 )

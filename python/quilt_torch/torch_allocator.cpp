@@ -24,10 +24,13 @@
 // each live pointer's size, device and stream (torch's deleter passes only
 // the pointer).
 //
-// Built against torch 2.6 and later (the CUDAAllocator interface of that
-// release on: snapshot(mempool_id), createOrIncrefPool, recordHistory with
-// clearHistory and skip_actions); virtuals that exist only in some releases
-// are guarded by TORCH_VERSION_MAJOR/MINOR below.
+// Written for the CUDAAllocator interface of torch 2.15 (the only torch it
+// was built and tested against). That interface changes between releases
+// (snapshot()'s and recordHistory()'s parameters, the pool functions, the
+// observers): an older torch is refused below with a message naming its
+// version; a newer one is tried, and a compile error is reported by
+// quilt_torch.enable() as a BridgeError naming the torch version, with
+// nothing installed.
 
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -38,6 +41,10 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <torch/headeronly/version.h>
+
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 15)
+#error "Quilt's allocator class is written for torch 2.15's CUDAAllocator interface; this torch is older (see TORCH_VERSION)"
+#endif
 
 #include <algorithm>
 #include <atomic>
