@@ -41,6 +41,8 @@ SCENARIOS = {
     "one-stream-recording-starts-late": (HOST + ",reclaim:always", (0,), {"before": 12}),
     "sleep-wake": (HOST, (0,), {"sleep": True}),
     "streams-sleep-wake": (HOST, STREAMS, {"sleep": True, "empty_cache": True}),
+    "recording-stopped": (HOST, STREAMS, {"stop": 100, "empty_cache": True}),
+    "one-stream-recording-stopped": (HOST + ",reclaim:always", (0,), {"stop": 100}),
 }
 
 
@@ -81,6 +83,9 @@ def scenario(name, path):
         del live[:]
     qt.record_history(True, opts.get("max_entries", 100000))
     for step in range(opts.get("churn", 160)):
+        if opts.get("stop") == step:
+            # Recording stops; what was recorded is kept (and dumped).
+            qt.record_history(False, 0)
         if opts.get("sleep") and step == 50:
             qt.sleep("weights")
         if opts.get("sleep") and step == 110:

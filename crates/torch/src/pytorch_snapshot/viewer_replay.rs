@@ -34,7 +34,7 @@
 //! `alloc` entries with the unmap's or map's frame, `quilt_sleep` and
 //! `quilt_wake`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::history::{Run, TraceEntry};
 
@@ -149,6 +149,15 @@ impl ViewerSegments {
         true
     }
 
+    /// The segments as the viewer searches them for a block's segment:
+    /// sorted by size then address, then (stably) by address.
+    pub fn finder(&self) -> Vec<Piece> {
+        let mut by = self.pieces.clone();
+        by.sort_by_key(|p| (p.size, p.addr));
+        by.sort_by_key(|p| p.addr);
+        by
+    }
+
     /// The parts of `[addr, addr + size)` that the segments hold, one per
     /// segment, in address order (a part no segment holds is left out).
     pub fn parts(&self, addr: u64, size: u64) -> Vec<(u64, u64)> {
@@ -234,17 +243,23 @@ fn like(t: &TraceEntry, action: &'static str, addr: u64, size: u64) -> TraceEntr
     }
 }
 
-/// The blocks of `blocks` whose address lies in `[addr, addr + size)`,
-/// taken out of it.
-fn take_within(blocks: &mut BTreeMap<u64, u64>, addr: u64, size: u64) -> Vec<(u64, u64)> {
-    let inside: Vec<(u64, u64)> = blocks
-        .range(addr..addr + size)
-        .map(|(&a, &s)| (a, s))
-        .collect();
-    for (a, _) in &inside {
-        blocks.remove(a);
+/// Whether the viewer finds a segment for a block at `addr` among
+/// `finder` ([`ViewerSegments::finder`]): its `find_segment`, a binary
+/// search.
+pub fn found(finder: &[Piece], addr: u64) -> bool {
+    let (mut left, mut right) = (0i64, finder.len() as i64 - 1);
+    while left <= right {
+        let mid = (left + right) / 2;
+        let p = finder[mid as usize];
+        if addr < p.addr {
+            right = mid - 1;
+        } else if addr >= p.end() {
+            left = mid + 1;
+        } else {
+            return true;
+        }
     }
-    inside
+    false
 }
 
 /// `traces` (every device's history, oldest first) rewritten for the
@@ -252,9 +267,11 @@ fn take_within(blocks: &mut BTreeMap<u64, u64>, addr: u64, size: u64) -> Vec<(u6
 /// in the snapshot): each `segment_map` becomes one entry per viewer segment
 /// it spans when undone, and a block that the history keeps alive while its
 /// pages are unmapped is freed before the unmap and allocated after the map
-/// (see the module's text); a part of a map that no segment holds (a
-/// history that does not end at the snapshot) is left out, since the viewer
-/// fails on it. Every other entry is kept as it is.
+/// (see the module's text). Where the history does not end at the snapshot
+/// (memory changed after recording stopped), a part of a map that no
+/// segment holds and the free of a block in memory no segment holds are
+/// left out, since the viewer fails on them. Every other entry is kept as
+/// it is.
 pub fn for_viewer(
     traces: &BTreeMap<i32, Vec<TraceEntry>>,
     starts: &BTreeMap<i32, ViewerStart>,
@@ -270,37 +287,71 @@ pub fn for_viewer(
             // those taken out because their pages were mapped again.
             let mut live: BTreeMap<u64, u64> = start_at.blocks.iter().copied().collect();
             let mut unmapped: BTreeMap<u64, u64> = BTreeMap::new();
+            // Blocks whose free was left out, until their request is met.
+            let mut unknown: BTreeSet<u64> = BTreeSet::new();
             // Built last entry first, as the viewer undoes them.
             let mut backwards: Vec<TraceEntry> = Vec::with_capacity(entries.len());
             for t in entries.iter().rev() {
                 match t.action {
-                    "segment_map" => {
-                        // The viewer undoes the parts last first; each lies
-                        // in a segment of its own, so each cut finds its
+                    "segment_map" | "segment_alloc" | "segment_unmap" | "segment_free" => {
+                        // A map is undone in parts, last first; each lies in
+                        // a segment of its own, so each cut finds its
                         // segment.
-                        for (addr, size) in viewer.parts(t.addr, t.size).into_iter().rev() {
-                            // A block alive in memory just mapped came back
-                            // with it: allocated right after the map.
-                            for (a, s) in take_within(&mut live, addr, size).into_iter().rev() {
-                                backwards.push(like(t, "alloc", a, s));
-                                unmapped.insert(a, s);
+                        let parts = if t.action == "segment_map" {
+                            viewer.parts(t.addr, t.size)
+                        } else {
+                            vec![(t.addr, t.size)]
+                        };
+                        for (addr, size) in parts.into_iter().rev() {
+                            let e = like(t, t.action, addr, size);
+                            let mut next = viewer.clone();
+                            if !next.undo(&e, null) {
+                                // No segment holds it: left out.
+                                continue;
                             }
-                            let part = like(t, "segment_map", addr, size);
-                            viewer.undo(&part, null);
-                            backwards.push(part);
+                            // A block the viewer would now find in no
+                            // segment came back with this map (a tag woke):
+                            // allocated right after it.
+                            let finder = next.finder();
+                            let lost: Vec<(u64, u64)> = live
+                                .iter()
+                                .filter(|(a, _)| !found(&finder, **a))
+                                .map(|(&a, &s)| (a, s))
+                                .collect();
+                            for (a, s) in lost.into_iter().rev() {
+                                live.remove(&a);
+                                unmapped.insert(a, s);
+                                backwards.push(like(t, "alloc", a, s));
+                            }
+                            viewer = next;
+                            backwards.push(e);
+                            if matches!(t.action, "segment_unmap" | "segment_free") {
+                                // A block that came back with a later map
+                                // was alive here, on these pages: freed
+                                // right before the unmap.
+                                let finder = viewer.finder();
+                                let back: Vec<(u64, u64)> = unmapped
+                                    .range(addr..addr + size)
+                                    .filter(|(a, _)| found(&finder, **a))
+                                    .map(|(&a, &s)| (a, s))
+                                    .collect();
+                                for (a, s) in back.into_iter().rev() {
+                                    unmapped.remove(&a);
+                                    live.insert(a, s);
+                                    backwards.push(like(t, "free_completed", a, s));
+                                    backwards.push(like(t, "free_requested", a, s));
+                                }
+                            }
                         }
                     }
-                    "segment_unmap" | "segment_free" => {
-                        viewer.undo(t, null);
-                        backwards.push(t.clone());
-                        // A block that came back with a later map was
-                        // alive here, on these pages: freed right before.
-                        for (a, s) in take_within(&mut unmapped, t.addr, t.size).into_iter().rev() {
-                            backwards.push(like(t, "free_completed", a, s));
-                            backwards.push(like(t, "free_requested", a, s));
-                            live.insert(a, s);
-                        }
+                    "free_completed" if !found(&viewer.finder(), t.addr) => {
+                        // Freed where the snapshot's segments, replayed,
+                        // hold nothing (memory unmapped after recording
+                        // stopped): the viewer would draw the block in no
+                        // segment. The free is left out, with its request.
+                        unknown.insert(t.addr);
                     }
+                    "free_requested" if unknown.remove(&t.addr) => {}
                     action => {
                         match action {
                             "alloc" => {
@@ -497,6 +548,40 @@ mod tests {
                 ("segment_map", 0, 4 * M, "quilt_wake"),
                 ("alloc", 0, 2 * M, "quilt_wake"),
             ]
+        );
+        assert!(replay_with_blocks(&at_end, &fixed[&0]).is_empty());
+    }
+
+    #[test]
+    fn what_changed_after_recording_stopped_is_left_out_where_the_viewer_fails() {
+        // Recorded: [4M, 6M) mapped, a block there allocated and freed;
+        // after recording stopped the range was unmapped: the snapshot
+        // holds [0, 2M) only.
+        let traces = BTreeMap::from([(
+            0,
+            vec![
+                entry("segment_map", 0, 2 * M, 0),
+                entry("alloc", 0, M, 0),
+                entry("segment_map", 4 * M, 2 * M, 0),
+                entry("alloc", 4 * M, M, 0),
+                entry("free_requested", 4 * M, M, 0),
+                entry("free_completed", 4 * M, M, 0),
+            ],
+        )]);
+        let at_end = ViewerStart {
+            segments: vec![Run {
+                addr: 0,
+                size: 2 * M,
+                stream: 0,
+            }],
+            blocks: vec![(0, M)],
+        };
+        let fixed = for_viewer(&traces, &BTreeMap::from([(0, at_end.clone())]));
+        let got: Vec<(&str, u64)> = fixed[&0].iter().map(|t| (t.action, t.addr)).collect();
+        assert_eq!(
+            got,
+            [("segment_map", 0), ("alloc", 0), ("alloc", 4 * M)],
+            "the map and the free of memory the snapshot lacks are left out"
         );
         assert!(replay_with_blocks(&at_end, &fixed[&0]).is_empty());
     }
