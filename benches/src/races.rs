@@ -280,6 +280,29 @@ mod tests {
     }
 
     #[test]
+    fn unordered_from_names_the_streams_a_wait_may_be_needed_for_and_users_under_keeps_them() {
+        let (sim, va, g) = device();
+        let (a, b) = (0, 1);
+        let mut races = RaceTracker::new();
+        sim.queue_work(StreamId(a));
+        races.freeing(&sim, va, g, &[a]);
+        let pos = sim.stream_position(StreamId(a));
+        // b is not ordered after a's work up to the free; a orders itself.
+        assert_eq!(races.unordered_from(&sim, b), [(StreamId(a), pos)]);
+        assert!(races.unordered_from(&sim, a).is_empty());
+        // The users under a range, not forgotten by asking.
+        assert_eq!(races.users_under(&sim, va + 512, 512), [(StreamId(a), pos)]);
+        assert_eq!(races.users_under(&sim, va, g).len(), 1);
+        // After b waits for an event of a recorded past the free: nothing.
+        let e = sim.event_record(StreamId(a)).unwrap();
+        sim.stream_wait_event(StreamId(b), e).unwrap();
+        assert!(races.unordered_from(&sim, b).is_empty());
+        assert!(!races.allocated(&sim, va, g, b, 1));
+        assert!(races.users_under(&sim, va, g).is_empty());
+        sim.event_destroy(e).unwrap();
+    }
+
+    #[test]
     fn take_keeps_the_parts_outside() {
         let mut races = RaceTracker::new();
         let users = vec![(StreamId(1), 5)];
