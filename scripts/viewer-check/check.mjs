@@ -132,7 +132,9 @@ const server = createServer((req, res) => {
 await new Promise(r => server.listen(0, '127.0.0.1', r));
 const origin = `http://127.0.0.1:${server.address().port}`;
 
-const browser = await chromium.launch({
+let browser;
+try {
+  browser = await chromium.launch({
   executablePath: chromiumPath,
   headless: true,
   args: [
@@ -144,7 +146,11 @@ const browser = await chromium.launch({
     '--disable-sync',
     '--no-first-run',
   ],
-});
+  });
+} catch (e) {
+  server.close();
+  usage(`${chromiumPath} does not start: ${e.message}`);
+}
 
 // Loads `snapshot` in a fresh page in `view` on `device` (null: the one the
 // viewer picks first); in the state history selects every event, last to
