@@ -11,6 +11,10 @@ of a FakeGPU build; Quilt's ``backend:host``)::
 
     ~/.cache/quilt/torch-venv/bin/python scripts/torch_allocator_check.py [SCENARIO...]
 
+With ``QUILT_CHECK_INSTALLED=1`` the workers (which run in a temporary
+folder) import the ``quilt_torch`` that ``pip install .`` put into that
+python's environment, and fail if it is the checkout's.
+
 Scenarios: ``apis`` (tensors of many sizes keep their bytes; torch's
 memory_allocated/reserved/max_*, memory_stats, memory_summary,
 reset_peak/accumulated, caching_allocator_alloc/delete, empty_cache, the
@@ -471,11 +475,18 @@ def scenario_late_enable(torch, quilt):
 
 
 def worker(name, allocator):
-    sys.path.insert(0, os.path.join(REPO, "python"))
+    # QUILT_CHECK_INSTALLED=1: the quilt_torch that `pip install .` put in
+    # this python's environment, not the checkout's python/ folder.
+    installed = os.environ.get("QUILT_CHECK_INSTALLED") == "1"
+    if not installed:
+        sys.path.insert(0, os.path.join(REPO, "python"))
     quilt = allocator == "quilt"
     if quilt and name != "late_enable":
         import quilt_torch
 
+        if installed:
+            where = os.path.abspath(quilt_torch.__file__)
+            check(not where.startswith(REPO + os.sep), "quilt_torch from the checkout: {}", where)
         quilt_torch.enable()
     import torch
 
