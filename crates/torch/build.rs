@@ -8,18 +8,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// Where `scripts/torch-venv.sh` installs torch (keep the two in step).
-fn torch_venv() -> Option<PathBuf> {
-    if let Some(v) = std::env::var_os("QUILT_TORCH_VENV") {
-        return Some(PathBuf::from(v));
-    }
-    std::env::var_os("HOME").map(|h| {
-        PathBuf::from(h)
-            .join(".cache")
-            .join("quilt")
-            .join("torch-venv")
-    })
-}
+include!("build/torch_venv.rs");
 
 /// Sets `cfg(quilt_no_viewer)` unless everything `tests/viewer.rs` needs is
 /// here: PyTorch's viewer (`third_party/viz/MemoryViz.js`, git-ignored, or
@@ -83,11 +72,9 @@ fn viewer_check() {
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(quilt_no_python3)");
-    println!("cargo::rustc-check-cfg=cfg(quilt_no_torch)");
     println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-changed=build/torch_venv.rs");
     viewer_check();
-    println!("cargo::rerun-if-env-changed=QUILT_TORCH_VENV");
-    println!("cargo::rerun-if-env-changed=HOME");
     let runs = Command::new("python3")
         .arg("--version")
         .output()
@@ -101,28 +88,5 @@ fn main() {
         // everything above it, at each install and at the next `cargo test`.
         println!("cargo::rerun-if-env-changed=PATH");
     }
-    // The install script writes `<venv>.status`: "ok torch ..." once the
-    // venv's python imports torch, else "skipped: <why>".
-    let Some(venv) = torch_venv() else {
-        println!("cargo::rustc-cfg=quilt_no_torch");
-        println!("cargo::warning=real-torch tests skipped: no HOME or QUILT_TORCH_VENV");
-        return;
-    };
-    let status_file = PathBuf::from(format!("{}.status", venv.display()));
-    println!("cargo::rerun-if-changed={}", status_file.display());
-    let status = std::fs::read_to_string(&status_file).unwrap_or_else(|_| {
-        format!(
-            "skipped: {} does not exist (run scripts/torch-venv.sh)",
-            status_file.display()
-        )
-    });
-    if !status.starts_with("ok") || !venv.join("bin").join("python").exists() {
-        println!("cargo::rustc-cfg=quilt_no_torch");
-        println!(
-            "cargo::warning=real-torch tests {}",
-            status.lines().next().unwrap_or("no status")
-        );
-    } else {
-        println!("cargo::rustc-env=QUILT_TORCH_VENV_FOUND={}", venv.display());
-    }
+    torch_venv_cfg("real-torch tests");
 }
