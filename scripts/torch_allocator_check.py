@@ -515,8 +515,10 @@ def environment(allocator):
     return [os.path.join(REPO, "scripts", "simulated-gpu.sh")], env
 
 
-def run(name, allocator):
-    prefix, env = environment(allocator)
+def run_worker(name, allocator, prefix, env):
+    """Run scenario ``name`` under ``allocator`` in a fresh process (``prefix``
+    before the python, e.g. scripts/simulated-gpu.sh), in a temporary folder;
+    returns (exit status, its ``RESULT`` json or None, its output)."""
     done = subprocess.run(
         prefix + [sys.executable, os.path.abspath(__file__), "--worker", name, allocator],
         env=env,
@@ -530,8 +532,13 @@ def run(name, allocator):
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-    tail = [l for l in done.stdout.splitlines() if "NumPy" not in l and "_conversion_method" not in l]
-    return done.returncode == 0 and result is not None, result, tail[-12:]
+    return done.returncode, result, done.stdout
+
+
+def run(name, allocator):
+    rc, result, out = run_worker(name, allocator, *environment(allocator))
+    tail = [l for l in out.splitlines() if "NumPy" not in l and "_conversion_method" not in l]
+    return rc == 0 and result is not None, result, tail[-12:]
 
 
 def main(argv):

@@ -11,15 +11,14 @@ runner sets it), and is skipped under the others. The workers inherit the
 simulated GPU's environment (``scripts/simulated-gpu.sh``).
 """
 
-import json
 import os
-import subprocess
 import sys
 import unittest
 
 ALLOCATOR = os.environ.get("QUILT_SIM_ALLOCATOR", "classic")
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-CHECK = os.path.join(REPO, "scripts", "torch_allocator_check.py")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import torch_allocator_check  # noqa: E402  (the scenarios and their runner)
 
 # What may differ between torch's allocator and Quilt, and why.
 MAY_DIFFER = {
@@ -31,22 +30,13 @@ MAY_DIFFER = {
 
 
 def worker(name, allocator):
+    """The scenario in a fresh process, on the simulated GPU this process
+    runs on (its environment is inherited, so no simulated-gpu.sh prefix)."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.setdefault("QUILT_ALLOC_CONF", "backend:cuda")
-    done = subprocess.run(
-        [sys.executable, CHECK, "--worker", name, allocator],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        universal_newlines=True,
-        timeout=600,
-    )
-    result = None
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-    return done.returncode, result, done.stdout[-4000:]
+    rc, result, out = torch_allocator_check.run_worker(name, allocator, [], env)
+    return rc, result, out[-4000:]
 
 
 @unittest.skipIf(ALLOCATOR != "quilt", "runs torch's allocator and Quilt itself, under the quilt run only")
