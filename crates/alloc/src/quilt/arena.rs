@@ -60,7 +60,12 @@ impl Arena {
 
     /// Pages `first ..= last` that a range `off .. off + len` overlaps.
     pub(crate) fn page_span(&self, off: u64, len: u64) -> (u64, u64) {
-        (off / self.page, (off + len - 1) / self.page)
+        let shift = self.page.trailing_zeros();
+        if self.page == 1 << shift {
+            (off >> shift, (off + len - 1) >> shift)
+        } else {
+            (off / self.page, (off + len - 1) / self.page)
+        }
     }
 
     /// The blocks in address order, as (start, end).

@@ -244,6 +244,20 @@ pub(crate) fn check(
             pool.total_pages() * page,
         ),
         ("segment", s.segment.current, pool.total_pages()),
+        (
+            "inactive_split",
+            s.inactive_split.current,
+            st.arenas
+                .iter()
+                .map(|a| (a.tiling.gap_count() as u64).saturating_sub(1))
+                .sum(),
+        ),
+        (
+            "inactive_split_bytes",
+            s.inactive_split_bytes.current,
+            (st.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * page)
+                .saturating_sub(s.active_bytes.current),
+        ),
     ];
     for (name, have, want) in checks {
         if have != want {

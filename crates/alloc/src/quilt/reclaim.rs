@@ -298,6 +298,9 @@ impl Core {
     /// Drop stale entries from the reclaim queue once they outnumber the
     /// valid ones (amortised O(1) per entry pushed).
     pub(super) fn compact_reclaim_queue(&mut self) {
+        if self.reclaim_queue.len() <= 1024 {
+            return; // below any bound: no sum over the arenas
+        }
         let cached = self.cached_pages() as usize;
         if self.reclaim_queue.len() > 2 * cached + 1024 {
             let arenas = &self.arenas;

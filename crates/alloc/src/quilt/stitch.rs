@@ -113,6 +113,9 @@ pub(crate) struct Core {
     /// The stream of each arena (`None`: shared by every stream) and its class.
     pub(crate) arena_meta: Vec<(Option<StreamId>, Kind)>,
     arena_index: HashMap<(Option<StreamId>, Kind), usize>,
+    /// The shared small and large arenas (`arena_index`'s entries for
+    /// `(None, Small)` and `(None, Large)`), found without hashing.
+    shared_arenas: [Option<usize>; 2],
     pub(crate) streams: Streams,
     pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
     /// The last [`FREED_MEMORY`] pointers freed, oldest first (read only
@@ -158,6 +161,49 @@ pub(crate) struct Core {
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
+    /// Each arena's touched pages and holes, summed, behind the
+    /// inactive-split statistics.
+    arena_figures: ArenaFigures,
+}
+
+/// Each arena's figures behind the inactive-split statistics (touched
+/// pages; holes: gaps less one) as last looked at, and their sums: an
+/// operation that changed one arena updates the sums from that arena
+/// alone rather than summing over every arena.
+#[derive(Debug, Default)]
+struct ArenaFigures {
+    each: Vec<(u64, u64)>,
+    total: (u64, u64),
+}
+
+impl ArenaFigures {
+    fn of(a: &Arena) -> (u64, u64) {
+        (
+            a.touched_pages,
+            (a.tiling.gap_count() as u64).saturating_sub(1),
+        )
+    }
+
+    /// Look at every arena again.
+    fn sync_all(&mut self, arenas: &[Arena]) {
+        self.each.clear();
+        self.each.extend(arenas.iter().map(ArenaFigures::of));
+        self.total = self
+            .each
+            .iter()
+            .fold((0, 0), |(t, h), &(at, ah)| (t + at, h + ah));
+    }
+
+    /// Look at arena `ai` again, the others being as last looked at.
+    fn sync_one(&mut self, arenas: &[Arena], ai: usize) {
+        let (Some(a), Some(old)) = (arenas.get(ai), self.each.get_mut(ai)) else {
+            return self.sync_all(arenas);
+        };
+        let new = ArenaFigures::of(a);
+        self.total.0 = self.total.0 - old.0 + new.0;
+        self.total.1 = self.total.1 - old.1 + new.1;
+        *old = new;
+    }
 }
 
 fn set_stat(stat: &mut Stat, value: u64) {
@@ -218,6 +264,14 @@ impl Core {
             ArenaSharing::Shared => None,
             ArenaSharing::PerStream => Some(stream),
         };
+        let shared_slot = match (owner, kind) {
+            (None, Kind::Small) => Some(0),
+            (None, Kind::Large) => Some(1),
+            _ => None,
+        };
+        if let Some(i) = shared_slot.and_then(|s| self.shared_arenas[s]) {
+            return Ok(i);
+        }
         if let Some(&i) = self.arena_index.get(&(owner, kind)) {
             return Ok(i);
         }
@@ -236,6 +290,9 @@ impl Core {
         self.arenas.push(Arena::new(base, ctx.arena_va, ctx.page));
         self.arena_meta.push((owner, kind));
         self.arena_index.insert((owner, kind), i);
+        if let Some(s) = shared_slot {
+            self.shared_arenas[s] = Some(i);
+        }
         Ok(i)
     }
 
@@ -337,16 +394,25 @@ impl Core {
     }
 
     /// Refresh the statistics derived from the arenas and the streams (the
-    /// pool's change only where the pool grows or is trimmed).
+    /// pool's change only where the pool grows or is trimmed), every arena
+    /// looked at again.
     pub(super) fn sync_arena_stats(&mut self, ctx: &Ctx<'_>) {
-        let touched: u64 = self.arenas.iter().map(|a| a.touched_pages).sum();
+        self.arena_figures.sync_all(&self.arenas);
+        self.publish_arena_stats(ctx);
+    }
+
+    /// [`Core::sync_arena_stats`] after an operation that changed arena
+    /// `ai` alone (an allocation served from its mapped pages, a free):
+    /// only that arena is looked at again.
+    fn sync_one_arena_stats(&mut self, ctx: &Ctx<'_>, ai: usize) {
+        self.arena_figures.sync_one(&self.arenas, ai);
+        self.publish_arena_stats(ctx);
+    }
+
+    fn publish_arena_stats(&mut self, ctx: &Ctx<'_>) {
+        let (touched, holes) = self.arena_figures.total;
         let split = (touched * ctx.page).saturating_sub(self.stats.active_bytes.current);
         set_stat(&mut self.stats.inactive_split_bytes, split);
-        let holes: u64 = self
-            .arenas
-            .iter()
-            .map(|a| (a.tiling.gap_count() as u64).saturating_sub(1))
-            .sum();
         set_stat(&mut self.stats.inactive_split, holes);
         self.stats.num_stream_waits = self.streams.waits;
     }
@@ -488,7 +554,7 @@ impl Core {
         self.stats.active_bytes.increase(rounded);
         self.stats.active.increase(1);
         self.stats.requested_bytes.increase(size);
-        self.sync_arena_stats(ctx);
+        self.sync_one_arena_stats(ctx, ai);
         Ok(Allocation { ptr, size: rounded })
     }
 
@@ -571,7 +637,7 @@ impl Core {
         self.stats.requested_bytes.decrease(b.requested);
         self.remember_freed(ptr);
         self.compact_reclaim_queue();
-        self.sync_arena_stats(ctx);
+        self.sync_one_arena_stats(ctx, ai);
         Ok(())
     }
 

@@ -476,23 +476,27 @@ impl Tiling {
         if len == 0 || off < g.start || end > g.end {
             return None;
         }
-        self.by_size.remove(&(g.end - g.start, g.start));
         // The block takes the gap's slot; what is left of the gap becomes
-        // new pieces beside it.
+        // new pieces beside it, the first of them taking the gap's entry
+        // in the size index.
         let b = &mut self.pieces[gap as usize];
         b.start = off;
         b.end = end;
         b.free = false;
+        let mut old_key = Some((g.end - g.start, g.start));
         let (mut left, mut right) = (NIL, NIL);
         if off > g.start {
             left = self.new_piece(g.start, off, true);
             self.link_after(g.prev, left);
-            self.by_size.insert((off - g.start, g.start), left);
+            self.index_gap(&mut old_key, (off - g.start, g.start), left);
         }
         if end < g.end {
             right = self.new_piece(end, g.end, true);
             self.link_after(gap, right);
-            self.by_size.insert((g.end - end, end), right);
+            self.index_gap(&mut old_key, (g.end - end, end), right);
+        }
+        if let Some(key) = old_key {
+            self.by_size.remove(&key);
         }
         if !self.hazards[gap as usize].is_empty() {
             self.split_hazards(gap, left, right, off, end);
@@ -508,7 +512,9 @@ impl Tiling {
 
     /// Hand the hazards of the gap whose slot `block` now holds
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
-    /// none), cut at the block; drop those under it.
+    /// none), cut at the block; drop those under it. (Out of line: with one
+    /// stream no gap has hazards, and occupy's code stays short.)
+    #[inline(never)]
     fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
         // Parts of a pruned list are pruned as it was.
         let pruned = self.pruned[block as usize];
@@ -555,52 +561,89 @@ impl Tiling {
         self.spare(list);
     }
 
+    /// Index gap `id` under `key`: in place of the entry `old` (taken,
+    /// one move in the index instead of a remove and an insert) if there
+    /// is one, else a new entry.
+    fn index_gap(&mut self, old: &mut Option<(u64, u64)>, key: (u64, u64), id: PieceId) {
+        match old.take() {
+            Some(old) => self.by_size.rekey(&old, key, id),
+            None => self.by_size.insert(key, id),
+        }
+    }
+
     /// Vacate block `id`: it becomes a gap, coalesced with the gaps beside
     /// it. Returns the block's range, or `None` (changing nothing) when `id`
     /// is no block.
     pub(crate) fn vacate(&mut self, id: PieceId) -> Option<(u64, u64)> {
         let b = *self.get(id).filter(|p| !p.free)?;
+        let prev = Some(b.prev).filter(|&p| self.get(p).is_some_and(|p| p.free));
+        let next = Some(b.next).filter(|&n| self.get(n).is_some_and(|n| n.free));
+        let holds = |t: &Tiling, side: Option<PieceId>| {
+            side.is_some_and(|s| !t.hazards[s as usize].is_empty())
+        };
+        if holds(self, prev) || holds(self, next) {
+            self.join_hazards(id, prev, next);
+        } else {
+            // None beside it (always so with one stream): the joined gap
+            // holds none either.
+            self.pruned[id as usize] = NEVER;
+        }
         let (mut start, mut end) = (b.start, b.end);
-        // The joined gap's hazards, in address order: the gap before's, the
-        // block's (none), the gap after's.
+        // The joined gap takes the size index entry of a gap it swallows.
+        let mut old_key = None;
+        if let Some(p) = prev.map(|p| self.pieces[p as usize]) {
+            old_key = Some((p.end - p.start, p.start));
+            self.remove_piece(b.prev);
+            start = p.start;
+        }
+        if let Some(n) = next.map(|n| self.pieces[n as usize]) {
+            let key = (n.end - n.start, n.start);
+            match old_key {
+                None => old_key = Some(key),
+                Some(_) => {
+                    self.by_size.remove(&key);
+                }
+            }
+            self.remove_piece(b.next);
+            end = n.end;
+        }
+        let g = &mut self.pieces[id as usize];
+        g.start = start;
+        g.end = end;
+        g.free = true;
+        self.index_gap(&mut old_key, (end - start, start), id);
+        self.blocks -= 1;
+        Some((b.start, b.end))
+    }
+
+    /// Give block `id`, being vacated, the hazards of the gaps `prev` and
+    /// `next` beside it that it joins, in address order (the gap before's,
+    /// the block's: none, the gap after's), pruned at a progress only if
+    /// every non-empty part was pruned at that one. (Out of line: with one
+    /// stream no gap has hazards, and vacate's code stays short.)
+    #[inline(never)]
+    fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
         let mut list = std::mem::take(&mut self.hazards[id as usize]);
-        // The joined list is pruned at a progress only if every non-empty
-        // part was pruned at that one.
         let mut pruned = None;
-        let mut join_pruned = |part: &[Hazard], at: u64| {
+        for (side, before) in [(prev, true), (next, false)] {
+            let Some(side) = side else { continue };
+            let part = std::mem::take(&mut self.hazards[side as usize]);
             if !part.is_empty() {
+                let at = self.pruned[side as usize];
                 pruned = match pruned {
                     None => Some(at),
                     Some(p) if p == at => Some(p),
                     Some(_) => Some(NEVER),
                 };
             }
-        };
-        if let Some(&p) = self.get(b.prev).filter(|p| p.free) {
-            join_pruned(&self.hazards[b.prev as usize], self.pruned[b.prev as usize]);
-            self.by_size.remove(&(p.end - p.start, p.start));
-            self.remove_piece(b.prev);
-            start = p.start;
-            let before = std::mem::take(&mut self.hazards[b.prev as usize]);
-            list = self.joined(before, list);
-        }
-        if let Some(&n) = self.get(b.next).filter(|n| n.free) {
-            join_pruned(&self.hazards[b.next as usize], self.pruned[b.next as usize]);
-            self.by_size.remove(&(n.end - n.start, n.start));
-            self.remove_piece(b.next);
-            end = n.end;
-            let after = std::mem::take(&mut self.hazards[b.next as usize]);
-            list = self.joined(list, after);
+            list = if before {
+                self.joined(part, list)
+            } else {
+                self.joined(list, part)
+            };
         }
         self.hazards[id as usize] = list;
         self.pruned[id as usize] = pruned.unwrap_or(NEVER);
-        let g = &mut self.pieces[id as usize];
-        g.start = start;
-        g.end = end;
-        g.free = true;
-        self.by_size.insert((end - start, start), id);
-        self.blocks -= 1;
-        Some((b.start, b.end))
     }
 
     /// Every piece in address order, as (start, end, is a gap).
