@@ -93,6 +93,17 @@ impl Arena {
             .map(|(_, start, id)| (start, id))
     }
 
+    /// The best-fitting gap for `len` bytes if a block at its start would
+    /// lie on mapped pages only and over no hazard (one stream's gaps have
+    /// none), as (start, gap): the first of [`Arena::fitting_gaps`] scored
+    /// perfect without scoring (placement's common case, found with the
+    /// least code).
+    pub(crate) fn best_fit_if_ready(&self, len: u64) -> Option<(u64, PieceId)> {
+        let ((_, start), gap) = self.tiling.by_size_first(len)?;
+        let ready = self.unmapped_pages(start, len) == 0 && self.tiling.gap_hazards(gap).is_empty();
+        ready.then_some((start, gap))
+    }
+
     /// The best-fitting gap of at most `max_len` bytes whose first `len` bytes
     /// lie on mapped pages only (a cached free range), looking at no more than
     /// `tries` candidates, as (start, gap).

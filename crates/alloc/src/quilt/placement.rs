@@ -106,6 +106,15 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
+            // The best fit, mapped and over no hazard, is what scoring
+            // would take first: taken without it.
+            if let Some((off, gap)) = core.arenas[ai].best_fit_if_ready(rounded) {
+                return Some(Placed {
+                    off,
+                    gap,
+                    wait_free: true,
+                });
+            }
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
