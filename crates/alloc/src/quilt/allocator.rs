@@ -76,19 +76,26 @@ pub(crate) struct Shared {
     state: Mutex<Locked>,
 }
 
-/// Everything the one lock guards: the policy in force, the stitching
-/// core, and each feature's own state.
+/// Everything the one lock guards: the policy in force and the state the
+/// operations work on.
 #[derive(Debug)]
 pub(crate) struct Locked {
     /// The policy in force: validated whole at every change.
     pub(crate) policy: QuiltConfig,
+    pub(crate) state: State,
+}
+
+/// The stitching core and each feature's own state: what an operation
+/// under the lock changes, the policy in force beside it read-only.
+#[derive(Debug)]
+pub(crate) struct State {
     pub(crate) core: Core,
     pub(crate) growables: Growables,
     pub(crate) tags: Tags,
     pub(crate) exports: Exports,
 }
 
-impl Locked {
+impl State {
     /// The core and the features the offload tier works on.
     pub(crate) fn tier(&mut self) -> Tier<'_> {
         Tier {
@@ -116,18 +123,16 @@ impl Shared {
         }
     }
 
-    /// Run `op` under the lock with the policy in force.
+    /// Run `op` under the lock with the policy in force (read where it
+    /// lies: `op` changes the state, never the policy).
     pub(super) fn with<T>(
         &self,
-        op: impl FnOnce(&mut Locked, &Ctx<'_>) -> Result<T, AllocError>,
+        op: impl FnOnce(&mut State, &Ctx<'_>) -> Result<T, AllocError>,
     ) -> Result<T, AllocError> {
         let mut guard = self.lock()?;
-        let locked = &mut *guard;
-        // A copy (the policy is a small `Copy` value), so that `op` may change the policy in
-        // force (`set_memory_limit`) while its context reads this one.
-        let policy = locked.policy;
-        let ctx = self.ctx(&policy);
-        op(locked, &ctx)
+        let Locked { policy, state } = &mut *guard;
+        let ctx = self.ctx(policy);
+        op(state, &ctx)
     }
 }
 
@@ -175,10 +180,12 @@ impl QuiltAllocator {
             name: config.name,
             state: Mutex::new(Locked {
                 policy: config,
-                core: Core::default(),
-                growables: Growables::default(),
-                tags: Tags::default(),
-                exports: Exports::default(),
+                state: State {
+                    core: Core::default(),
+                    growables: Growables::default(),
+                    tags: Tags::default(),
+                    exports: Exports::default(),
+                },
             }),
         });
         Ok(QuiltAllocator {
@@ -189,7 +196,7 @@ impl QuiltAllocator {
 
     pub(super) fn with<T>(
         &self,
-        op: impl FnOnce(&mut Locked, &Ctx<'_>) -> Result<T, AllocError>,
+        op: impl FnOnce(&mut State, &Ctx<'_>) -> Result<T, AllocError>,
     ) -> Result<T, AllocError> {
         self.shared.with(op)
     }
@@ -254,18 +261,20 @@ impl QuiltAllocator {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn set_memory_limit(&self, limit: MemoryLimit) -> Result<u64, AllocError> {
-        self.with(|l, ctx| {
-            let bytes = l.core.set_memory_limit(ctx, limit)?;
-            l.policy.pool.limit = limit;
-            Ok(bytes)
-        })
+        let mut guard = self.shared.lock()?;
+        let Locked { policy, state } = &mut *guard;
+        let bytes = state
+            .core
+            .set_memory_limit(&self.shared.ctx(policy), limit)?;
+        policy.pool.limit = limit;
+        Ok(bytes)
     }
 
     /// Pages that are mapped but back no block (the cache), over all arenas.
     pub fn cached_bytes(&self) -> u64 {
         self.shared
             .lock()
-            .map(|l| l.core.cached_pages() * self.shared.page)
+            .map(|l| l.state.core.cached_pages() * self.shared.page)
             .unwrap_or(0)
     }
 
@@ -295,7 +304,7 @@ impl QuiltAllocator {
     /// ```
     pub fn mapped_segments(&self) -> MemorySnapshot {
         match self.shared.lock() {
-            Ok(l) => segments::mapped_segments(&l.core, self.shared.name, self.shared.page),
+            Ok(l) => segments::mapped_segments(&l.state.core, self.shared.name, self.shared.page),
             Err(_) => MemorySnapshot {
                 allocator: self.shared.name.to_string(),
                 segments: Vec::new(),
@@ -352,7 +361,15 @@ impl QuiltAllocator {
     pub fn touched_bytes(&self) -> u64 {
         self.shared
             .lock()
-            .map(|l| l.core.arenas.iter().map(|a| a.touched_pages).sum::<u64>() * self.shared.page)
+            .map(|l| {
+                l.state
+                    .core
+                    .arenas
+                    .iter()
+                    .map(|a| a.touched_pages)
+                    .sum::<u64>()
+                    * self.shared.page
+            })
             .unwrap_or(0)
     }
 
@@ -394,7 +411,7 @@ impl QuiltAllocator {
     pub fn exports_outstanding(&self) -> u64 {
         self.shared
             .lock()
-            .map(|l| l.exports.outstanding())
+            .map(|l| l.state.exports.outstanding())
             .unwrap_or(0)
     }
 }
@@ -461,7 +478,7 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn snapshot(&self) -> MemorySnapshot {
         match self.shared.lock() {
-            Ok(l) => segments::snapshot(&l.core, self.shared.name, self.shared.page),
+            Ok(l) => segments::snapshot(&l.state.core, self.shared.name, self.shared.page),
             Err(_) => MemorySnapshot {
                 allocator: self.shared.name.to_string(),
                 segments: Vec::new(),
@@ -477,7 +494,7 @@ impl DeviceAllocator for QuiltAllocator {
         self.shared
             .lock()
             .ok()
-            .and_then(|l| l.core.last_oom.clone())
+            .and_then(|l| l.state.core.last_oom.clone())
     }
 
     #[cfg(feature = "invariants")]
@@ -487,10 +504,10 @@ impl DeviceAllocator for QuiltAllocator {
             .lock()
             .map_err(|e| InvariantViolation(e.to_string()))?;
         invariants::check(
-            &l.core,
-            &l.growables,
-            &l.tags,
-            &l.exports,
+            &l.state.core,
+            &l.state.growables,
+            &l.state.tags,
+            &l.state.exports,
             &self.shared.pool,
             self.shared.page,
         )
@@ -509,7 +526,7 @@ impl Drop for QuiltAllocator {
             Ok(s) => s,
             Err(p) => p.into_inner(),
         };
-        let state = &mut guard.core;
+        let state = &mut guard.state.core;
         if !state.blocks.is_empty() {
             tracing::warn!(
                 live = state.blocks.len(),

@@ -48,7 +48,7 @@ impl QuiltAllocator {
             let id = l
                 .growables
                 .create(&mut l.core, ctx, max_bytes, stream, None)?;
-            Ok((id, l.policy.map_ahead))
+            Ok((id, ctx.cfg.map_ahead))
         })?;
         self.ahead.after_growth(&self.shared, id, ahead);
         Ok(id)
@@ -69,7 +69,7 @@ impl QuiltAllocator {
             let id = l
                 .growables
                 .create(&mut l.core, ctx, max_bytes, stream, Some(t))?;
-            Ok((id, l.policy.map_ahead))
+            Ok((id, ctx.cfg.map_ahead))
         })?;
         self.ahead.after_growth(&self.shared, id, ahead);
         Ok(id)
@@ -89,7 +89,7 @@ impl QuiltAllocator {
             with_offload_tier(l.tier(), ctx, tag, |t, ctx| {
                 t.growables.grow(t.core, ctx, id, bytes)
             })?;
-            Ok(l.policy.map_ahead)
+            Ok(ctx.cfg.map_ahead)
         })?;
         self.ahead.after_growth(&self.shared, id, ahead);
         Ok(())
