@@ -40,8 +40,20 @@ impl Core {
             Kind::Own => PagesFor::Mapping,
             _ => PagesFor::Block,
         };
+        let held_before = ctx.pool.total_pages();
         self.obtain_free_pages(ctx, size, n, pages_for)?;
-        let pages = ctx.pool.take(n).map_err(pool_err)?;
+        let margin = ctx.pool.total_pages().saturating_sub(held_before + n);
+        let ahead = self.pages_ahead(ai, need, margin);
+        let mut at = need.to_vec();
+        at.extend_from_slice(&ahead);
+        let pages = match ctx.pool.take(at.len() as u64) {
+            Ok(pages) => pages,
+            Err(_) if !ahead.is_empty() => {
+                at.truncate(need.len());
+                ctx.pool.take(n).map_err(pool_err)?
+            }
+            Err(e) => return Err(pool_err(e)),
+        };
         let hazards: Vec<(PageId, (u64, u64))> = pages
             .iter()
             .filter_map(|pg| self.page_hazards.get(&pg.id).map(|&h| (pg.id, h)))
@@ -59,7 +71,20 @@ impl Core {
             ctx.pool.give_back(&pages).map_err(pool_err)?;
             return Err(e);
         }
-        let result = self.map_pages(ctx, ai, need, &pages);
+        let mut result = self.map_pages(ctx, ai, &at, &pages);
+        if result.is_err() && at.len() > need.len() {
+            // Mapping ahead only spares later calls: the block's own pages
+            // alone, as without it.
+            at.truncate(need.len());
+            let pages = ctx.pool.take(n).map_err(pool_err)?;
+            result = self.map_pages(ctx, ai, &at, &pages);
+            return result;
+        }
+        if result.is_ok() && self.reclaim_queue_kept {
+            let tick = self.tick;
+            self.reclaim_queue
+                .extend(at[need.len()..].iter().map(|&p| (ai, p, tick)));
+        }
         // A page now mapped here (the block's, or left mapped by a failed
         // undo) carries its hazard in its slot from now on; the pages given
         // back keep theirs.
@@ -73,6 +98,38 @@ impl Core {
             }
         }
         result
+    }
+
+    /// The virtual pages of arena `ai` to map ahead of a block whose new
+    /// pages are `need`, with up to `margin` pool pages that the pool just
+    /// created past the block's need (its growth margin, see
+    /// [`quilt_pool::GrowthPolicy`]): the unmapped pages right after the
+    /// block's last one, where the arena's top goes next. They are mapped
+    /// in the block's calls, under its one set-access, as expandable
+    /// segments map a whole segment at a time: the next blocks at the top
+    /// find them mapped and make no driver call. Memory held is unchanged
+    /// (the pool holds the margin either way). None for an arena of its own
+    /// or a tag's (their pages are moved or put to sleep whole), where an
+    /// arena belongs to one stream (another stream's arena would grow the
+    /// pool anew), while pool pages carry hazards, or when the block's
+    /// last page was mapped already (it ends below the top).
+    fn pages_ahead(&self, ai: usize, need: &[u64], margin: u64) -> Vec<u64> {
+        let ordinary = matches!(self.arena_meta[ai], (None, Kind::Large | Kind::Small));
+        let Some(&last) = need.last() else {
+            return Vec::new();
+        };
+        if margin == 0 || !ordinary || !self.page_hazards.is_empty() {
+            return Vec::new();
+        }
+        let a = &self.arenas[ai];
+        let end = a.size / a.page;
+        (last + 1..end)
+            .take(margin as usize)
+            .take_while(|&p| {
+                let slot = a.slot(p);
+                slot.phys.is_none() && !slot.retired
+            })
+            .collect()
     }
 
     /// Map `pages` (each one whole handle, at offset 0) at the virtual pages
