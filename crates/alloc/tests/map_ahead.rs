@@ -1,0 +1,96 @@
+//! A block that makes the pool grow maps the growth's margin pages right
+//! after it, under its one set-access: the next blocks at the arena's top
+//! find them mapped and make no driver call, and the memory held is what
+//! the pool created either way.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
+
+use std::sync::Arc;
+
+use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
+use quilt_alloc::DeviceAllocator;
+use quilt_vmm::sim::SimVmm;
+use quilt_vmm::{CallKind, StreamId, Vmm};
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 2 * MIB;
+const S0: StreamId = StreamId(0);
+
+fn count(sim: &SimVmm, kind: CallKind) -> u64 {
+    sim.driver_stats().count(kind)
+}
+
+#[test]
+fn the_growth_margin_is_mapped_after_the_block_that_grew_the_pool() {
+    let sim = Arc::new(SimVmm::with_capacity(4096 * MIB).unwrap());
+    let vmm: Arc<dyn Vmm> = sim.clone();
+    let a = QuiltAllocator::new(vmm, QuiltConfig::default()).unwrap();
+    // 512 pages: the pool held nothing, so no margin.
+    let x = a.allocate(512 * PAGE, S0).unwrap();
+    assert_eq!(count(&sim, CallKind::Create), 512);
+    assert_eq!(count(&sim, CallKind::Map), 512);
+    assert_eq!(count(&sim, CallKind::SetAccess), 1);
+
+    // One more page: the pool grows by it and by a margin of 512 / 256 = 2
+    // pages, which are mapped after the block in the same calls.
+    let y = a.allocate(PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(y.ptr, x.ptr + 512 * PAGE, "at the arena's top");
+    assert_eq!(count(&sim, CallKind::Create), 515);
+    assert_eq!(count(&sim, CallKind::Map), 515, "the margin is mapped too");
+    assert_eq!(
+        count(&sim, CallKind::SetAccess),
+        2,
+        "under the block's one set-access"
+    );
+    assert_eq!(
+        a.stats().reserved_bytes.current,
+        515 * PAGE,
+        "memory held unchanged"
+    );
+
+    // The next blocks at the top land on the margin: no driver call.
+    let calls = sim.driver_stats().vmm_calls();
+    let z = a.allocate(PAGE + MIB, S0).unwrap();
+    let w = a.allocate(MIB, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(z.ptr, y.ptr + PAGE);
+    assert_eq!(w.ptr, z.ptr + PAGE + MIB);
+    assert_eq!(
+        sim.driver_stats().vmm_calls(),
+        calls,
+        "no VMM call on the margin"
+    );
+
+    // Past the margin the top needs new pages again.
+    let v = a.allocate(PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(v.ptr, w.ptr + MIB);
+    assert!(sim.driver_stats().vmm_calls() > calls);
+    for b in [x, y, z, w, v] {
+        a.free(b.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn without_a_growth_margin_only_the_block_is_mapped() {
+    let sim = Arc::new(SimVmm::with_capacity(4096 * MIB).unwrap());
+    let vmm: Arc<dyn Vmm> = sim.clone();
+    let mut cfg = QuiltConfig::default();
+    cfg.pool.growth = GrowthPolicy::exact();
+    let a = QuiltAllocator::new(vmm, cfg).unwrap();
+    let x = a.allocate(512 * PAGE, S0).unwrap();
+    let y = a.allocate(PAGE, S0).unwrap();
+    assert_eq!(count(&sim, CallKind::Create), 513);
+    assert_eq!(count(&sim, CallKind::Map), 513, "nothing mapped ahead");
+    let calls = sim.driver_stats().vmm_calls();
+    let z = a.allocate(PAGE, S0).unwrap();
+    assert!(
+        sim.driver_stats().vmm_calls() > calls,
+        "the next page is new"
+    );
+    for b in [x, y, z] {
+        a.free(b.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
