@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig};
+use quilt_alloc::quilt::{GrowthPolicy, QuiltAllocator, QuiltConfig, SmallBlocks};
 use quilt_alloc::DeviceAllocator;
 use quilt_vmm::sim::SimVmm;
 use quilt_vmm::{CallKind, StreamId, Vmm};
@@ -90,6 +90,29 @@ fn without_a_growth_margin_only_the_block_is_mapped() {
         "the next page is new"
     );
     for b in [x, y, z] {
+        a.free(b.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn beside_another_arena_the_margin_stays_in_the_pool() {
+    let sim = Arc::new(SimVmm::with_capacity(4096 * MIB).unwrap());
+    let vmm: Arc<dyn Vmm> = sim.clone();
+    let mut cfg = QuiltConfig::default();
+    cfg.layout.small = SmallBlocks::PYTORCH;
+    let a = QuiltAllocator::new(vmm, cfg).unwrap();
+    // A small block: an arena of its own for small blocks, one page.
+    let s = a.allocate(4096, S0).unwrap();
+    let x = a.allocate(512 * PAGE, S0).unwrap();
+    let maps = sim.driver_stats().count(CallKind::Map);
+    // The pool grows by the page and a margin of 2 pages, which the small
+    // blocks' arena may want: they stay free in the pool, unmapped.
+    let y = a.allocate(PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(sim.driver_stats().count(CallKind::Map), maps + 1);
+    assert_eq!(a.stats().reserved_bytes.current, 516 * PAGE);
+    for b in [s, x, y] {
         a.free(b.ptr).unwrap();
     }
     a.check_invariants().unwrap();

@@ -108,17 +108,27 @@ impl Core {
     /// in the block's calls, under its one set-access, as expandable
     /// segments map a whole segment at a time: the next blocks at the top
     /// find them mapped and make no driver call. Memory held is unchanged
-    /// (the pool holds the margin either way). None for an arena of its own
-    /// or a tag's (their pages are moved or put to sleep whole), where an
-    /// arena belongs to one stream (another stream's arena would grow the
-    /// pool anew), while pool pages carry hazards, or when the block's
-    /// last page was mapped already (it ends below the top).
+    /// (the pool holds the margin either way). A free pool page serves any
+    /// arena, a page mapped ahead only this one's top: so only where this
+    /// is the one arena that takes pages (an ordinary arena shared by every
+    /// stream, no other arena holding a reservation: not beside a small
+    /// blocks' arena, a tag's or a growable buffer's, which would move it
+    /// or grow the pool anew), while no pool page carries a hazard, and
+    /// when the block's last page is new (it ends at the top).
     fn pages_ahead(&self, ai: usize, need: &[u64], margin: u64) -> Vec<u64> {
-        let ordinary = matches!(self.arena_meta[ai], (None, Kind::Large | Kind::Small));
         let Some(&last) = need.last() else {
             return Vec::new();
         };
-        if margin == 0 || !ordinary || !self.page_hazards.is_empty() {
+        let shared = matches!(self.arena_meta[ai], (None, Kind::Large | Kind::Small));
+        if margin == 0 || !shared || !self.page_hazards.is_empty() {
+            return Vec::new();
+        }
+        let alone = self
+            .arenas
+            .iter()
+            .enumerate()
+            .all(|(i, a)| i == ai || a.size == 0);
+        if !alone {
             return Vec::new();
         }
         let a = &self.arenas[ai];
