@@ -1,6 +1,8 @@
 //! Backing a placed block with pool pages: retired pages under it unmapped
-//! first, page hazards ordered, one map per page, one set-access per
-//! contiguous range, all undone on failure.
+//! first, page hazards ordered, one map per page (one handle each), one
+//! set-access per contiguous range, all undone on failure; the pool's
+//! spare pages mapped ahead of the arena's top in the same calls
+//! ([`MappedAhead`]).
 
 use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
@@ -40,10 +42,9 @@ impl Core {
             Kind::Own => PagesFor::Mapping,
             _ => PagesFor::Block,
         };
-        let held_before = ctx.pool.total_pages();
         self.obtain_free_pages(ctx, size, n, pages_for)?;
-        let margin = ctx.pool.total_pages().saturating_sub(held_before + n);
-        let ahead = self.pages_ahead(ai, need, margin);
+        let spare = ctx.pool.free_pages().saturating_sub(n);
+        let ahead = self.pages_ahead(ai, need, spare);
         let mut at = need.to_vec();
         at.extend_from_slice(&ahead);
         let pages = match ctx.pool.take(at.len() as u64) {
@@ -80,10 +81,20 @@ impl Core {
             result = self.map_pages(ctx, ai, &at, &pages);
             return result;
         }
-        if result.is_ok() && self.reclaim_queue_kept {
-            let tick = self.tick;
-            self.reclaim_queue
-                .extend(at[need.len()..].iter().map(|&p| (ai, p, tick)));
+        if result.is_ok() && at.len() > need.len() {
+            let ahead = &at[need.len()..];
+            if self.reclaim_queue_kept {
+                let tick = self.tick;
+                self.reclaim_queue
+                    .extend(ahead.iter().map(|&p| (ai, p, tick)));
+            }
+            if self.mapped_ahead.len() <= ai {
+                self.mapped_ahead.resize(ai + 1, MappedAhead::default());
+            }
+            self.mapped_ahead[ai] = MappedAhead {
+                from: ahead[0],
+                to: ahead[ahead.len() - 1] + 1,
+            };
         }
         // A page now mapped here (the block's, or left mapped by a failed
         // undo) carries its hazard in its slot from now on; the pages given
@@ -101,26 +112,27 @@ impl Core {
     }
 
     /// The virtual pages of arena `ai` to map ahead of a block whose new
-    /// pages are `need`, with up to `margin` pool pages that the pool just
-    /// created past the block's need (its growth margin, see
+    /// pages are `need`, with up to `spare` pool pages left free once the
+    /// block has its own (the pool's growth margin, see
     /// [`quilt_pool::GrowthPolicy`]): the unmapped pages right after the
     /// block's last one, where the arena's top goes next. They are mapped
     /// in the block's calls, under its one set-access, as expandable
     /// segments map a whole segment at a time: the next blocks at the top
     /// find them mapped and make no driver call. Memory held is unchanged
-    /// (the pool holds the margin either way). A free pool page serves any
-    /// arena, a page mapped ahead only this one's top: so only where this
-    /// is the one arena that takes pages (an ordinary arena shared by every
-    /// stream, no other arena holding a reservation: not beside a small
-    /// blocks' arena, a tag's or a growable buffer's, which would move it
-    /// or grow the pool anew), while no pool page carries a hazard, and
-    /// when the block's last page is new (it ends at the top).
-    fn pages_ahead(&self, ai: usize, need: &[u64], margin: u64) -> Vec<u64> {
+    /// (the pool holds those pages either way), and so is every placement
+    /// ([`MappedAhead`]). A free pool page serves any arena, a page mapped
+    /// ahead only this one's top: so only where this is the one arena that
+    /// takes pages (an ordinary arena shared by every stream, no other
+    /// arena holding a reservation: not beside a small blocks' arena, a
+    /// tag's or a growable buffer's, which would move it or grow the pool
+    /// anew), while no pool page carries a hazard, and when the block's
+    /// last page is new (it ends at the top).
+    fn pages_ahead(&self, ai: usize, need: &[u64], spare: u64) -> Vec<u64> {
         let Some(&last) = need.last() else {
             return Vec::new();
         };
         let shared = matches!(self.arena_meta[ai], (None, Kind::Large | Kind::Small));
-        if margin == 0 || !shared || !self.page_hazards.is_empty() {
+        if spare == 0 || !shared || !self.page_hazards.is_empty() {
             return Vec::new();
         }
         let alone = self
@@ -134,7 +146,7 @@ impl Core {
         let a = &self.arenas[ai];
         let end = a.size / a.page;
         (last + 1..end)
-            .take(margin as usize)
+            .take(spare as usize)
             .take_while(|&p| {
                 let slot = a.slot(p);
                 slot.phys.is_none() && !slot.retired
@@ -209,6 +221,34 @@ impl Core {
                 Err(e.into())
             }
         }
+    }
+}
+
+/// The pages an arena last mapped ahead of its top ([`Core::back_pages`])
+/// that no block has reached yet: `from .. to`. Placement counts them as
+/// the new pages they would be without mapping ahead, so that mapping
+/// ahead changes no placement, only the calls a block at the top makes
+/// (none: its pages are mapped).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MappedAhead {
+    pub(crate) from: u64,
+    pub(crate) to: u64,
+}
+
+impl MappedAhead {
+    /// A block now covers pages `first ..= last`: the pages ahead it
+    /// reached are pages of the layout from now on.
+    pub(crate) fn reached(&mut self, last: u64) {
+        if last >= self.from && self.from < self.to {
+            self.from = (last + 1).min(self.to);
+        }
+    }
+
+    /// How many of pages `first ..= last` are still ahead and mapped in
+    /// `arena` (mapped, as a reclaim may have moved some).
+    pub(crate) fn pages_in(&self, arena: &super::arena::Arena, first: u64, last: u64) -> u64 {
+        let (lo, hi) = (first.max(self.from), (last + 1).min(self.to));
+        (lo..hi).filter(|&p| arena.slot(p).phys.is_some()).count() as u64
     }
 }
 

@@ -14,6 +14,7 @@
 use std::ops::ControlFlow;
 
 use super::arena::{Arena, PageSlot};
+use super::backing::MappedAhead;
 use super::config::Placement;
 use super::stitch::{Core, Ctx, Kind};
 use super::streams::Streams;
@@ -170,8 +171,9 @@ impl Core {
         candidates: Candidates<'_>,
     ) -> Option<Placed> {
         let mut skipped: Vec<(u64, PieceId)> = Vec::new();
+        let ahead = self.mapped_ahead.get(ai).copied().unwrap_or_default();
         loop {
-            let req = (rounded, t, self.tick);
+            let req = (rounded, t, self.tick, ahead);
             let (arena, streams) = (&self.arenas[ai], &mut self.streams);
             let best = match candidates {
                 Candidates::Fitting(n) => {
@@ -274,7 +276,8 @@ impl Core {
     /// Where a block of `rounded` bytes (asked for as `size`) of class
     /// `kind` on stream `t` goes in arena `ai`: GMLake's limits govern the
     /// large blocks of a [`Placement::GmlakeLimits`] policy, best fit every
-    /// other.
+    /// other. The pages mapped ahead of the top that the block reaches are
+    /// the layout's from now on ([`MappedAhead`]).
     pub(super) fn place(
         &mut self,
         ctx: &Ctx<'_>,
@@ -285,7 +288,7 @@ impl Core {
         t: u32,
     ) -> Option<Placed> {
         let req = Request { size, rounded, t };
-        match (ctx.cfg.placement, kind) {
+        let placed = match (ctx.cfg.placement, kind) {
             (
                 Placement::GmlakeLimits {
                     frag_limit,
@@ -301,7 +304,11 @@ impl Core {
                 candidates: policy.candidates().max(1),
             }
             .place(self, ctx, ai, req),
+        };
+        if let (Some(p), Some(ahead)) = (placed, self.mapped_ahead.get_mut(ai)) {
+            ahead.reached((p.off + rounded - 1) / ctx.page);
         }
+        placed
     }
 
     /// The last retired page under `off .. off + len` of arena `ai` whose
@@ -369,7 +376,7 @@ fn best_of(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
-    (len, t, tick): (u64, u32, u64),
+    (len, t, tick, ahead): (u64, u32, u64, MappedAhead),
     candidates: impl Iterator<Item = (u64, PieceId)>,
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
@@ -382,7 +389,7 @@ fn best_of(
     }
     let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
     for c in std::iter::once(first).chain(candidates) {
-        let score = score(arena, streams, ctx, len, t, c, tick);
+        let score = score(arena, streams, ctx, (len, t, ahead), c, tick);
         if score == PlaceScore::PERFECT {
             return Some(Placed {
                 off: c.0,
@@ -411,12 +418,17 @@ fn score(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
-    len: u64,
-    t: u32,
+    (len, t, ahead): (u64, u32, MappedAhead),
     (start, gap): (u64, PieceId),
     tick: u64,
 ) -> PlaceScore {
-    let unmapped = arena.unmapped_pages(start, len);
+    // Pages mapped ahead of the top count as the new pages they would be
+    // without mapping ahead (see `MappedAhead`).
+    let mut unmapped = arena.unmapped_pages(start, len);
+    if ahead.from < ahead.to {
+        let (first, last) = arena.page_span(start, len);
+        unmapped += ahead.pages_in(arena, first, last);
+    }
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {

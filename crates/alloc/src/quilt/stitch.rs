@@ -15,6 +15,7 @@ use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
+use super::backing::MappedAhead;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
 use super::tiling::{Hazard, PieceId};
@@ -140,6 +141,8 @@ pub(crate) struct Core {
     pub(crate) alloc_run: (u32, u64),
     /// The solo run, if one stream allocates alone (see `solo.rs`).
     pub(crate) solo: Option<Solo>,
+    /// Each arena's pages mapped ahead of its top (see `backing.rs`).
+    pub(crate) mapped_ahead: Vec<MappedAhead>,
     pub(crate) stats: AllocatorStats,
     /// Arenas of their own (a growable buffer's) released while they still
     /// hold mappings (retired pages whose work may still run): their
