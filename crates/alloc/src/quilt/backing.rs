@@ -8,7 +8,7 @@ use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
-use super::stitch::{pool_err, Core, Ctx, Kind, PagesFor};
+use super::stitch::{pool_err, Core, Ctx, Kind, MappedAhead, PagesFor};
 use crate::error::AllocError;
 
 impl Core {
@@ -88,12 +88,12 @@ impl Core {
                 self.reclaim_queue
                     .extend(ahead.iter().map(|&p| (ai, p, tick)));
             }
-            if self.mapped_ahead.len() <= ai {
-                self.mapped_ahead.resize(ai + 1, MappedAhead::default());
-            }
-            self.mapped_ahead[ai] = MappedAhead {
-                from: ahead[0],
-                to: ahead[ahead.len() - 1] + 1,
+            let page = ctx.page;
+            self.mapped_ahead = MappedAhead {
+                arena: ai,
+                start: ahead[0] * page,
+                end: (ahead[ahead.len() - 1] + 1) * page,
+                at: self.tick,
             };
         }
         // A page now mapped here (the block's, or left mapped by a failed
@@ -224,31 +224,48 @@ impl Core {
     }
 }
 
-/// The pages an arena last mapped ahead of its top ([`Core::back_pages`])
-/// that no block has reached yet: `from .. to`. Placement counts them as
-/// the new pages they would be without mapping ahead, so that mapping
-/// ahead changes no placement, only the calls a block at the top makes
-/// (none: its pages are mapped).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct MappedAhead {
-    pub(crate) from: u64,
-    pub(crate) to: u64,
-}
-
+/// The pages last mapped ahead of an arena's top ([`Core::back_pages`];
+/// only where that arena is the only one, so one range for the allocator)
+/// that no block has reached since are the ones still cached since they
+/// were mapped (a block that reaches one touches it, and frees it at a
+/// later tick). Placement counts these as the new pages they would be
+/// without mapping ahead, so that mapping ahead changes no placement, only
+/// the calls a block at the top makes (none: its pages are mapped).
 impl MappedAhead {
-    /// A block now covers pages `first ..= last`: the pages ahead it
-    /// reached are pages of the layout from now on.
-    pub(crate) fn reached(&mut self, last: u64) {
-        if last >= self.from && self.from < self.to {
-            self.from = (last + 1).min(self.to);
+    /// How many pages of `off .. off + len` of arena `ai` (as `arena`) are
+    /// pages mapped ahead that no block has reached; 0 at once for a range
+    /// that ends below them, as every candidate but the arena's top does.
+    #[inline]
+    pub(crate) fn pages_in(
+        &self,
+        arena: &super::arena::Arena,
+        ai: usize,
+        off: u64,
+        len: u64,
+    ) -> u64 {
+        if off + len <= self.start || self.end <= off {
+            return 0;
         }
+        self.count_in(arena, ai, off, len)
     }
 
-    /// How many of pages `first ..= last` are still ahead and mapped in
-    /// `arena` (mapped, as a reclaim may have moved some).
-    pub(crate) fn pages_in(&self, arena: &super::arena::Arena, first: u64, last: u64) -> u64 {
-        let (lo, hi) = (first.max(self.from), (last + 1).min(self.to));
-        (lo..hi).filter(|&p| arena.slot(p).phys.is_some()).count() as u64
+    /// [`MappedAhead::pages_in`] for a range that reaches them (the top's
+    /// candidate only: out of the hot path's line).
+    #[cold]
+    #[inline(never)]
+    fn count_in(&self, arena: &super::arena::Arena, ai: usize, off: u64, len: u64) -> u64 {
+        if ai != self.arena {
+            return 0;
+        }
+        let (lo, hi) = (off.max(self.start), (off + len).min(self.end));
+        if lo >= hi {
+            return 0;
+        }
+        let (first, last) = arena.page_span(lo, hi - lo);
+        (first..=last)
+            .map(|p| arena.slot(p))
+            .filter(|s| s.phys.is_some() && s.touch == 0 && s.cached_at == self.at)
+            .count() as u64
     }
 }
 

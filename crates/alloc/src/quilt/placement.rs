@@ -14,9 +14,8 @@
 use std::ops::ControlFlow;
 
 use super::arena::{Arena, PageSlot};
-use super::backing::MappedAhead;
 use super::config::Placement;
-use super::stitch::{Core, Ctx, Kind};
+use super::stitch::{Core, Ctx, Kind, MappedAhead};
 use super::streams::Streams;
 use super::tiling::PieceId;
 use crate::error::AllocError;
@@ -171,18 +170,24 @@ impl Core {
         candidates: Candidates<'_>,
     ) -> Option<Placed> {
         let mut skipped: Vec<(u64, PieceId)> = Vec::new();
-        let ahead = self.mapped_ahead.get(ai).copied().unwrap_or_default();
         loop {
-            let req = (rounded, t, self.tick, ahead);
+            let req = (rounded, t, self.tick);
             let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+            let ahead = (&self.mapped_ahead, ai);
             let best = match candidates {
                 Candidates::Fitting(n) => {
                     let fitting = arena.fitting_gaps(rounded, n);
-                    best_of(arena, streams, ctx, req, fitting, &skipped)
+                    best_of(arena, streams, ctx, req, ahead, fitting, &skipped)
                 }
-                Candidates::Listed(list) => {
-                    best_of(arena, streams, ctx, req, list.iter().copied(), &skipped)
-                }
+                Candidates::Listed(list) => best_of(
+                    arena,
+                    streams,
+                    ctx,
+                    req,
+                    ahead,
+                    list.iter().copied(),
+                    &skipped,
+                ),
             };
             let Some(placed) = best else {
                 if skipped.is_empty() {
@@ -276,8 +281,7 @@ impl Core {
     /// Where a block of `rounded` bytes (asked for as `size`) of class
     /// `kind` on stream `t` goes in arena `ai`: GMLake's limits govern the
     /// large blocks of a [`Placement::GmlakeLimits`] policy, best fit every
-    /// other. The pages mapped ahead of the top that the block reaches are
-    /// the layout's from now on ([`MappedAhead`]).
+    /// other.
     pub(super) fn place(
         &mut self,
         ctx: &Ctx<'_>,
@@ -288,7 +292,7 @@ impl Core {
         t: u32,
     ) -> Option<Placed> {
         let req = Request { size, rounded, t };
-        let placed = match (ctx.cfg.placement, kind) {
+        match (ctx.cfg.placement, kind) {
             (
                 Placement::GmlakeLimits {
                     frag_limit,
@@ -304,11 +308,7 @@ impl Core {
                 candidates: policy.candidates().max(1),
             }
             .place(self, ctx, ai, req),
-        };
-        if let (Some(p), Some(ahead)) = (placed, self.mapped_ahead.get_mut(ai)) {
-            ahead.reached((p.off + rounded - 1) / ctx.page);
         }
-        placed
     }
 
     /// The last retired page under `off .. off + len` of arena `ai` whose
@@ -376,7 +376,8 @@ fn best_of(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
-    (len, t, tick, ahead): (u64, u32, u64, MappedAhead),
+    (len, t, tick): (u64, u32, u64),
+    ahead: (&MappedAhead, usize),
     candidates: impl Iterator<Item = (u64, PieceId)>,
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
@@ -389,7 +390,7 @@ fn best_of(
     }
     let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
     for c in std::iter::once(first).chain(candidates) {
-        let score = score(arena, streams, ctx, (len, t, ahead), c, tick);
+        let score = score(arena, streams, ctx, (len, t), ahead, c, tick);
         if score == PlaceScore::PERFECT {
             return Some(Placed {
                 off: c.0,
@@ -418,17 +419,14 @@ fn score(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
-    (len, t, ahead): (u64, u32, MappedAhead),
+    (len, t): (u64, u32),
+    (ahead, ai): (&MappedAhead, usize),
     (start, gap): (u64, PieceId),
     tick: u64,
 ) -> PlaceScore {
     // Pages mapped ahead of the top count as the new pages they would be
     // without mapping ahead (see `MappedAhead`).
-    let mut unmapped = arena.unmapped_pages(start, len);
-    if ahead.from < ahead.to {
-        let (first, last) = arena.page_span(start, len);
-        unmapped += ahead.pages_in(arena, first, last);
-    }
+    let unmapped = arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len);
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {
