@@ -1,12 +1,14 @@
 //! Backing a placed block with pool pages: retired pages under it unmapped
-//! first, page hazards ordered, one map per page, one set-access per
-//! contiguous range, all undone on failure.
+//! first, page hazards ordered, one map per page (one handle each), one
+//! set-access per contiguous range, all undone on failure; the pool's
+//! spare pages mapped ahead of the arena's top in the same calls
+//! ([`MappedAhead`]).
 
 use quilt_pool::{Page, PageId};
 use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
-use super::stitch::{pool_err, Core, Ctx, Kind, PagesFor};
+use super::stitch::{pool_err, Core, Ctx, Kind, MappedAhead, PagesFor};
 use crate::error::AllocError;
 
 impl Core {
@@ -41,7 +43,18 @@ impl Core {
             _ => PagesFor::Block,
         };
         self.obtain_free_pages(ctx, size, n, pages_for)?;
-        let pages = ctx.pool.take(n).map_err(pool_err)?;
+        let spare = ctx.pool.free_pages().saturating_sub(n);
+        let ahead = self.pages_ahead(ai, need, spare);
+        let mut at = need.to_vec();
+        at.extend_from_slice(&ahead);
+        let pages = match ctx.pool.take(at.len() as u64) {
+            Ok(pages) => pages,
+            Err(_) if !ahead.is_empty() => {
+                at.truncate(need.len());
+                ctx.pool.take(n).map_err(pool_err)?
+            }
+            Err(e) => return Err(pool_err(e)),
+        };
         let hazards: Vec<(PageId, (u64, u64))> = pages
             .iter()
             .filter_map(|pg| self.page_hazards.get(&pg.id).map(|&h| (pg.id, h)))
@@ -59,7 +72,30 @@ impl Core {
             ctx.pool.give_back(&pages).map_err(pool_err)?;
             return Err(e);
         }
-        let result = self.map_pages(ctx, ai, need, &pages);
+        let mut result = self.map_pages(ctx, ai, &at, &pages);
+        if result.is_err() && at.len() > need.len() {
+            // Mapping ahead only spares later calls: the block's own pages
+            // alone, as without it.
+            at.truncate(need.len());
+            let pages = ctx.pool.take(n).map_err(pool_err)?;
+            result = self.map_pages(ctx, ai, &at, &pages);
+            return result;
+        }
+        if result.is_ok() && at.len() > need.len() {
+            let ahead = &at[need.len()..];
+            if self.reclaim_queue_kept {
+                let tick = self.tick;
+                self.reclaim_queue
+                    .extend(ahead.iter().map(|&p| (ai, p, tick)));
+            }
+            let page = ctx.page;
+            self.mapped_ahead = MappedAhead {
+                arena: ai,
+                start: ahead[0] * page,
+                end: (ahead[ahead.len() - 1] + 1) * page,
+                at: self.tick,
+            };
+        }
         // A page now mapped here (the block's, or left mapped by a failed
         // undo) carries its hazard in its slot from now on; the pages given
         // back keep theirs.
@@ -73,6 +109,49 @@ impl Core {
             }
         }
         result
+    }
+
+    /// The virtual pages of arena `ai` to map ahead of a block whose new
+    /// pages are `need`, with up to `spare` pool pages left free once the
+    /// block has its own (the pool's growth margin, see
+    /// [`quilt_pool::GrowthPolicy`]): the unmapped pages right after the
+    /// block's last one, where the arena's top goes next. They are mapped
+    /// in the block's calls, under its one set-access, as expandable
+    /// segments map a whole segment at a time: the next blocks at the top
+    /// find them mapped and make no driver call. Memory held is unchanged
+    /// (the pool holds those pages either way), and so is every placement
+    /// ([`MappedAhead`]). A free pool page serves any arena, a page mapped
+    /// ahead only this one's top: so only where this is the one arena that
+    /// takes pages (an ordinary arena shared by every stream, no other
+    /// arena holding a reservation: not beside a small blocks' arena, a
+    /// tag's or a growable buffer's, which would move it or grow the pool
+    /// anew), while no pool page carries a hazard, and when the block's
+    /// last page is new (it ends at the top).
+    fn pages_ahead(&self, ai: usize, need: &[u64], spare: u64) -> Vec<u64> {
+        let Some(&last) = need.last() else {
+            return Vec::new();
+        };
+        let shared = matches!(self.arena_meta[ai], (None, Kind::Large | Kind::Small));
+        if spare == 0 || !shared || !self.page_hazards.is_empty() {
+            return Vec::new();
+        }
+        let alone = self
+            .arenas
+            .iter()
+            .enumerate()
+            .all(|(i, a)| i == ai || a.size == 0);
+        if !alone {
+            return Vec::new();
+        }
+        let a = &self.arenas[ai];
+        let end = a.size / a.page;
+        (last + 1..end)
+            .take(spare as usize)
+            .take_while(|&p| {
+                let slot = a.slot(p);
+                slot.phys.is_none() && !slot.retired
+            })
+            .collect()
     }
 
     /// Map `pages` (each one whole handle, at offset 0) at the virtual pages
@@ -142,6 +221,51 @@ impl Core {
                 Err(e.into())
             }
         }
+    }
+}
+
+/// The pages last mapped ahead of an arena's top ([`Core::back_pages`];
+/// only where that arena is the only one, so one range for the allocator)
+/// that no block has reached since are the ones still cached since they
+/// were mapped (a block that reaches one touches it, and frees it at a
+/// later tick). Placement counts these as the new pages they would be
+/// without mapping ahead, so that mapping ahead changes no placement, only
+/// the calls a block at the top makes (none: its pages are mapped).
+impl MappedAhead {
+    /// How many pages of `off .. off + len` of arena `ai` (as `arena`) are
+    /// pages mapped ahead that no block has reached; 0 at once for a range
+    /// that ends below them, as every candidate but the arena's top does.
+    #[inline]
+    pub(crate) fn pages_in(
+        &self,
+        arena: &super::arena::Arena,
+        ai: usize,
+        off: u64,
+        len: u64,
+    ) -> u64 {
+        if off + len <= self.start || self.end <= off {
+            return 0;
+        }
+        self.count_in(arena, ai, off, len)
+    }
+
+    /// [`MappedAhead::pages_in`] for a range that reaches them (the top's
+    /// candidate only: out of the hot path's line).
+    #[cold]
+    #[inline(never)]
+    fn count_in(&self, arena: &super::arena::Arena, ai: usize, off: u64, len: u64) -> u64 {
+        if ai != self.arena {
+            return 0;
+        }
+        let (lo, hi) = (off.max(self.start), (off + len).min(self.end));
+        if lo >= hi {
+            return 0;
+        }
+        let (first, last) = arena.page_span(lo, hi - lo);
+        (first..=last)
+            .map(|p| arena.slot(p))
+            .filter(|s| s.phys.is_some() && s.touch == 0 && s.cached_at == self.at)
+            .count() as u64
     }
 }
 

@@ -15,7 +15,7 @@ use std::ops::ControlFlow;
 
 use super::arena::{Arena, PageSlot};
 use super::config::Placement;
-use super::stitch::{Core, Ctx, Kind};
+use super::stitch::{Core, Ctx, Kind, MappedAhead};
 use super::streams::Streams;
 use super::tiling::PieceId;
 use crate::error::AllocError;
@@ -182,14 +182,21 @@ impl Core {
         loop {
             let req = (rounded, t, self.tick);
             let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+            let ahead = (&self.mapped_ahead, ai);
             let best = match candidates {
                 Candidates::Fitting(n) => {
                     let fitting = arena.fitting_gaps(rounded, n);
-                    best_of(arena, streams, ctx, req, fitting, &skipped)
+                    best_of(arena, streams, ctx, req, ahead, fitting, &skipped)
                 }
-                Candidates::Listed(list) => {
-                    best_of(arena, streams, ctx, req, list.iter().copied(), &skipped)
-                }
+                Candidates::Listed(list) => best_of(
+                    arena,
+                    streams,
+                    ctx,
+                    req,
+                    ahead,
+                    list.iter().copied(),
+                    &skipped,
+                ),
             };
             let Some(placed) = best else {
                 if skipped.is_empty() {
@@ -379,6 +386,7 @@ fn best_of(
     streams: &mut Streams,
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
+    ahead: (&MappedAhead, usize),
     candidates: impl Iterator<Item = (u64, PieceId)>,
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
@@ -391,7 +399,7 @@ fn best_of(
     }
     let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
     for c in std::iter::once(first).chain(candidates) {
-        let score = score(arena, streams, ctx, len, t, c, tick);
+        let score = score(arena, streams, ctx, (len, t), ahead, c, tick);
         if score == PlaceScore::PERFECT {
             return Some(Placed {
                 off: c.0,
@@ -420,12 +428,14 @@ fn score(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
-    len: u64,
-    t: u32,
+    (len, t): (u64, u32),
+    (ahead, ai): (&MappedAhead, usize),
     (start, gap): (u64, PieceId),
     tick: u64,
 ) -> PlaceScore {
-    let unmapped = arena.unmapped_pages(start, len);
+    // Pages mapped ahead of the top count as the new pages they would be
+    // without mapping ahead (see `MappedAhead`).
+    let unmapped = arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len);
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {

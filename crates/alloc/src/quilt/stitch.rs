@@ -103,6 +103,16 @@ pub(crate) struct Solo {
     pub(crate) since: u64,
 }
 
+/// The pool pages last mapped ahead of arena `arena`'s top, at tick `at`:
+/// the byte range `start .. end` (see `backing.rs`; none by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MappedAhead {
+    pub(crate) arena: usize,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) at: u64,
+}
+
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
 const FREED_MEMORY: usize = 1 << 16;
 
@@ -143,6 +153,8 @@ pub(crate) struct Core {
     pub(crate) alloc_run: (u32, u64),
     /// The solo run, if one stream allocates alone (see `solo.rs`).
     pub(crate) solo: Option<Solo>,
+    /// The pages mapped ahead of an arena's top (see `backing.rs`).
+    pub(crate) mapped_ahead: MappedAhead,
     pub(crate) stats: AllocatorStats,
     /// Arenas of their own (a growable buffer's) released while they still
     /// hold mappings (retired pages whose work may still run): their
