@@ -108,7 +108,12 @@ impl Placer for BestFit {
         if core.arenas[ai].retired_pages == 0 {
             // The best fit, mapped and over no hazard, is what scoring
             // would take first: taken without it.
-            if let Some((off, gap)) = core.arenas[ai].best_fit_if_ready(rounded) {
+            // (Pages mapped ahead count as new pages, as in `score`.)
+            let arena = &core.arenas[ai];
+            if let Some((off, gap)) = arena
+                .best_fit_if_ready(rounded)
+                .filter(|&(off, _)| core.mapped_ahead.pages_in(arena, ai, off, rounded) == 0)
+            {
                 return Some(Placed {
                     off,
                     gap,
