@@ -548,7 +548,7 @@ impl Core {
         self.untouch(ai, b.off, b.size, Some(b.streams));
         self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
-            self.streams.note_free(ctx.vmm, s, tick);
+            self.streams.note_free(ctx.vmm, s, tick, track);
         }
         if track {
             // The block's piece is now the gap that holds it. Its hazard,
