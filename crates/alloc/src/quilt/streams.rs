@@ -763,6 +763,111 @@ impl Streams {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use quilt_vmm::sim::{SimConfig, SimVmm};
+    use quilt_vmm::CallKind;
+
+    /// A simulated device whose work completes `lag` operations after it
+    /// was queued, and `n` streams registered (indices 0.., ids 100..).
+    fn device(lag: u64, n: u64) -> (SimVmm, Streams) {
+        let sim = SimVmm::new(SimConfig {
+            gpu_lag_ops: lag,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let mut st = Streams::default();
+        for id in 0..n {
+            st.index(StreamId(100 + id));
+        }
+        (sim, st)
+    }
+
+    /// Stream `i` (registered by [`device`]) queues work and frees a block
+    /// at `tick`, leaving a hazard.
+    fn work_and_free(sim: &SimVmm, st: &mut Streams, i: u32, tick: u64) {
+        sim.queue_work(StreamId(100 + u64::from(i)));
+        st.note_free(sim, i, tick, true);
+    }
+
+    #[test]
+    fn a_frees_event_tells_its_work_complete_while_later_work_still_runs() {
+        let (sim, mut st) = device(4, 2);
+        let (a, b) = (0, 1);
+        work_and_free(&sim, &mut st, a, 1);
+        sim.advance(4); // the work before the first free completes
+        work_and_free(&sim, &mut st, a, 2);
+        assert_eq!(st.recorded, 2, "one event at each free");
+        // b reuses what a freed first: no wait (its event is complete, the
+        // stream's later work is not); what a freed second: one wait.
+        assert!(!st.order_after(&sim, b, a, 1, 3).unwrap());
+        assert!(st.freed_done(a, 1) && !st.freed_done(a, 2));
+        assert!(st.order_after(&sim, b, a, 2, 3).unwrap());
+        assert_eq!(st.waits, 1);
+        assert_eq!(st.recorded, 2, "decisions recorded nothing");
+        assert!(st.orders_nothing(b, a, 2));
+    }
+
+    #[test]
+    fn one_query_retires_every_older_event_and_a_running_one_answers_for_later_ones() {
+        let (sim, mut st) = device(4, 2);
+        let a = 0;
+        for tick in 1..=3 {
+            work_and_free(&sim, &mut st, a, tick);
+        }
+        sim.advance(4);
+        let queries = |sim: &SimVmm| sim.driver_stats().count(CallKind::EventQuery);
+        st.learn(&sim, a, 3, 4);
+        assert_eq!(queries(&sim), 1);
+        assert!(st.freed_done(a, 3));
+        assert_eq!(st.spare.len(), 3, "all three events retired, for reuse");
+        // Two more frees reuse them; nothing completes; the earliest event
+        // found running answers for the later one in the same operation.
+        work_and_free(&sim, &mut st, a, 5);
+        work_and_free(&sim, &mut st, a, 6);
+        assert_eq!(st.spare.len(), 1);
+        assert_eq!(sim.driver_stats().count(CallKind::EventRecord), 5);
+        st.learn(&sim, a, 5, 7);
+        st.learn(&sim, a, 6, 7);
+        assert_eq!(queries(&sim), 2);
+        assert!(!st.freed_done(a, 5));
+    }
+
+    #[test]
+    fn a_free_without_hazard_or_on_a_capturing_stream_records_nothing() {
+        let (sim, mut st) = device(4, 2);
+        let a = 0;
+        sim.queue_work(StreamId(100));
+        st.note_free(&sim, a, 1, false);
+        assert_eq!(st.recorded, 0);
+        sim.begin_capture(StreamId(100)).unwrap();
+        st.note_free(&sim, a, 2, true);
+        assert_eq!(st.recorded, 0);
+        sim.end_capture(StreamId(100)).unwrap();
+        assert_eq!(sim.capture_violations(), 0);
+        // A decision after the capture records the event it needs then.
+        st.learn(&sim, a, 2, 3);
+        assert_eq!(st.recorded, 1);
+    }
+
+    #[test]
+    fn a_wait_orders_after_what_the_waited_on_stream_was_ordered_after_at_the_record() {
+        // Nothing completes: only waits order anything.
+        let (sim, mut st) = device(1 << 20, 3);
+        let (a, b, c) = (0, 1, 2);
+        let (sa, sc) = (StreamId(100), StreamId(102));
+        work_and_free(&sim, &mut st, c, 1);
+        let c1 = sim.stream_position(sc) - 1; // c's work before its event
+        assert!(st.order_after(&sim, b, c, 1, 2).unwrap());
+        work_and_free(&sim, &mut st, b, 3); // b's event comes after its wait
+        work_and_free(&sim, &mut st, c, 4);
+        let c4 = sim.stream_position(sc) - 1;
+        assert!(st.order_after(&sim, b, c, 4, 5).unwrap()); // after b's event
+        assert!(st.order_after(&sim, a, b, 3, 6).unwrap());
+        assert_eq!(st.waits, 3);
+        // a is ordered after c's first free through b, not after its second.
+        assert!(st.orders_nothing(a, c, 1) && sim.ordered_after(sa, sc, c1));
+        assert!(!st.orders_nothing(a, c, 4) && !sim.ordered_after(sa, sc, c4));
+        assert!(st.order_after(&sim, a, c, 4, 7).unwrap());
+    }
 
     #[test]
     fn a_mask_names_the_streams_seen_and_bit_63_every_stream_past_the_62nd() {
