@@ -30,11 +30,13 @@
 //! tells that every later one is running too, which later questions of the
 //! same operation use without a query. So a stream is queried once per
 //! operation unless two questions fall on either side of what the first
-//! answer told. A free keeps its stream's list short
-//! ([`POLL_AT_FREE`]): once the oldest events are due (the queried event's
-//! age at its last query, which found it running, doubled), it queries the
-//! event halfway down the list, so that one query retires half of it; the
-//! growth path ([`Streams::refresh`]) queries a due stream's newest event,
+//! answer told. A free keeps its stream's list short: once the list is
+//! twice as long as the last such query left it (and at least
+//! [`POLL_AT_FREE`]), it queries the event halfway down, which retires
+//! half the list when found complete; so a list stays within about twice
+//! the events the device has not reached, at one query per that many
+//! frees. The growth path ([`Streams::refresh`]) queries a stream's newest
+//! event once due (the age of the event it last found running, doubled),
 //! which retires all of them on a stream that has caught up.
 //!
 //! **Waits.** A reuse by stream `t` of memory `s` freed at `k`, with that
@@ -188,10 +190,12 @@ struct StreamState {
     /// `(at, from)`: a query at tick `at` found this stream's event of tick
     /// `from` running, so every event from `from` on was running then.
     running: (u64, u64),
-    /// A free's query (see [`POLL_AT_FREE`]) or the growth path's waits for
-    /// this tick: the queried event's age at its last query, which found
-    /// it running, doubled.
+    /// The growth path's query waits for this tick: the queried event's
+    /// age at its last query, which found it running, doubled.
     due_at: u64,
+    /// A free queries the stream's list once it is this long (at least
+    /// [`POLL_AT_FREE`]): twice what it kept after the last such query.
+    poll_len: usize,
     /// `waited[s]`: this stream is ordered after stream `s`'s work up to
     /// this tick (by its own waits and the waits those waited-on events
     /// came after). Shared with the events recorded since it last changed.
@@ -254,6 +258,7 @@ impl Streams {
             last_free: 0,
             running: (u64::MAX, 0),
             due_at: 0,
+            poll_len: POLL_AT_FREE,
             waited: Arc::new(Vec::new()),
             capture_asked_at: u64::MAX,
             capturing: false,
@@ -522,10 +527,12 @@ impl Streams {
     /// Stream `i` freed a block at `tick`. When the free leaves a hazard
     /// (`hazard`), an event is recorded on the stream now, covering its
     /// work up to the free (none where its newest event is of this tick,
-    /// its work is known complete up to here, or it is capturing); once
-    /// [`POLL_AT_FREE`] of its events wait to be known complete and they
-    /// are due, the one halfway down its list is queried, to keep the list
-    /// short.
+    /// its work is known complete up to here, or it is capturing). Once
+    /// the stream's list is twice as long as the last such query left it
+    /// (and at least [`POLL_AT_FREE`]), the event halfway down is queried:
+    /// found complete, it retires half the list; so the list stays within
+    /// twice the events the device has not reached, at one query per that
+    /// many frees.
     pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, hazard: bool) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
@@ -540,8 +547,12 @@ impl Streams {
         let Some(s) = self.states.get(i as usize) else {
             return;
         };
-        if s.events.len() >= POLL_AT_FREE && tick >= s.due_at {
-            self.query(vmm, i, s.events.len() / 2, tick);
+        let len = s.events.len();
+        if len >= s.poll_len {
+            self.query(vmm, i, len / 2, tick);
+            if let Some(s) = self.states.get_mut(i as usize) {
+                s.poll_len = (2 * s.events.len()).max(POLL_AT_FREE);
+            }
         }
     }
 
