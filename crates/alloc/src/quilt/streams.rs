@@ -209,6 +209,64 @@ struct StreamState {
     forgotten: bool,
 }
 
+impl StreamState {
+    /// Whether the stream is capturing a CUDA graph now: asked of the
+    /// driver at most once per operation `tick` (see [`Streams::capturing`]).
+    fn capturing(&mut self, vmm: &dyn Vmm, tick: u64) -> bool {
+        if self.forgotten {
+            return false;
+        }
+        if self.capture_asked_at != tick {
+            self.capturing = match vmm.stream_is_capturing(self.id) {
+                Ok(c) => c,
+                Err(err) => {
+                    event_call_failed("asking whether a stream is capturing", &err);
+                    true
+                }
+            };
+            self.capture_asked_at = tick;
+        }
+        self.capturing
+    }
+
+    /// Record an event on the stream at `tick` and add it to its list (see
+    /// [`Streams::record`]): a spare from `spare` recorded again if there is
+    /// one, else a new one.
+    fn record(
+        &mut self,
+        vmm: &dyn Vmm,
+        spare: &mut Vec<EventId>,
+        tick: u64,
+    ) -> Result<EventId, VmmError> {
+        if self.forgotten || self.capturing(vmm, tick) {
+            // Never reached for a forgotten stream (its work is all done),
+            // and a record on a capturing stream would be a graph node.
+            return Err(capturing(quilt_vmm::CallKind::EventRecord, self.id));
+        }
+        let e = match spare.pop() {
+            Some(e) => match vmm.event_record_on(e, self.id) {
+                Ok(()) => e,
+                Err(err) => {
+                    event_call_failed("recording a spare event again", &err);
+                    if let Err(err) = vmm.event_destroy(e) {
+                        event_call_failed("destroying a spare event", &err);
+                    }
+                    vmm.event_record(self.id)?
+                }
+            },
+            None => vmm.event_record(self.id)?,
+        };
+        let waited = (!self.waited.is_empty()).then(|| Arc::clone(&self.waited));
+        self.events.push_back(Marker {
+            tick,
+            event: e,
+            waited,
+        });
+        self.marked = tick;
+        Ok(e)
+    }
+}
+
 /// Every stream seen, by dense index. See the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct Streams {
@@ -277,23 +335,9 @@ impl Streams {
     /// answered yes: nothing is recorded on, waited by or synchronised on a
     /// stream that may be capturing). A forgotten stream never captures.
     pub(crate) fn capturing(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> bool {
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return false;
-        };
-        if s.forgotten {
-            return false;
-        }
-        if s.capture_asked_at != tick {
-            s.capturing = match vmm.stream_is_capturing(s.id) {
-                Ok(c) => c,
-                Err(err) => {
-                    event_call_failed("asking whether a stream is capturing", &err);
-                    true
-                }
-            };
-            s.capture_asked_at = tick;
-        }
-        s.capturing
+        self.states
+            .get_mut(i as usize)
+            .is_some_and(|s| s.capturing(vmm, tick))
     }
 
     /// Forget stream `i` (its owner is destroying it): synchronise it once
@@ -485,7 +529,13 @@ impl Streams {
     /// decision that depends on it: [`Streams::cover`] it, then query the
     /// earliest event that covers it (see [`Streams::query`]).
     fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        if self.is_done(i, k) {
+        let Some(s) = self.states.get(i as usize) else {
+            return;
+        };
+        let (asked_at, running_from) = s.running;
+        if s.done >= k || (asked_at == tick && k > running_from) {
+            // Known complete, or its covering event (at `k` or later) is
+            // known running this operation.
             return;
         }
         self.cover(vmm, i, k, tick);
@@ -539,14 +589,12 @@ impl Streams {
         };
         s.last_free = tick;
         let covered = s.events.back().map_or(s.done, |m| m.tick);
-        if hazard && covered < tick && !s.forgotten && !self.capturing(vmm, i, tick) {
-            if let Err(err) = self.record(vmm, i, tick) {
-                event_call_failed("recording an event at a free", &err);
+        if hazard && covered < tick && !s.forgotten && !s.capturing(vmm, tick) {
+            match s.record(vmm, &mut self.spare, tick) {
+                Ok(_) => self.recorded += 1,
+                Err(err) => event_call_failed("recording an event at a free", &err),
             }
         }
-        let Some(s) = self.states.get(i as usize) else {
-            return;
-        };
         let len = s.events.len();
         if len >= s.poll_len {
             self.query(vmm, i, len / 2, tick);
@@ -562,34 +610,13 @@ impl Streams {
     /// any more; at worst the destroy fails too and is logged), and a new
     /// event is recorded instead.
     fn record(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> Result<EventId, VmmError> {
-        let stream = self.id(i);
-        if self.is_forgotten(i) || self.capturing(vmm, i, tick) {
-            // Never reached for a forgotten stream (its work is all done),
-            // and a record on a capturing stream would be a graph node.
-            return Err(capturing(quilt_vmm::CallKind::EventRecord, stream));
-        }
-        let e = match self.spare.pop() {
-            Some(e) => match vmm.event_record_on(e, stream) {
-                Ok(()) => e,
-                Err(err) => {
-                    event_call_failed("recording a spare event again", &err);
-                    if let Err(err) = vmm.event_destroy(e) {
-                        event_call_failed("destroying a spare event", &err);
-                    }
-                    vmm.event_record(stream)?
-                }
-            },
-            None => vmm.event_record(stream)?,
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return Err(capturing(
+                quilt_vmm::CallKind::EventRecord,
+                StreamId::default(),
+            ));
         };
-        if let Some(s) = self.states.get_mut(i as usize) {
-            let waited = (!s.waited.is_empty()).then(|| Arc::clone(&s.waited));
-            s.events.push_back(Marker {
-                tick,
-                event: e,
-                waited,
-            });
-            s.marked = tick;
-        }
+        let e = s.record(vmm, &mut self.spare, tick)?;
         self.recorded += 1;
         Ok(e)
     }
