@@ -1380,9 +1380,8 @@ fn pressure_makes_no_sync_when_several_frees_completed() {
 fn empty_cache_syncs_only_streams_whose_frees_may_be_running() {
     let (sim, spy, a) = spy_setup(1 << 30, QuiltConfig::default());
     // The program's work is declared on both streams (an event then
-    // completes once the work queued before it has): frees record nothing,
-    // and the event empty_cache records on demand on stream 1, caught up,
-    // completes at once.
+    // completes once the work queued before it has): each free records an
+    // event on its stream, and stream 1's, caught up, is found complete.
     sim.queue_work(S0);
     let x = a.allocate(8 * MIB, S0).unwrap();
     sim.queue_work(S1);

@@ -492,7 +492,9 @@ impl Core {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Free the block at `ptr`: no driver call. A block freed while its
+    /// Free the block at `ptr`: no driver call but, where the free leaves a
+    /// hazard, an event on each of the block's streams (`Streams::note_free`:
+    /// asked whether it captures first). A block freed while its
     /// stream captures a CUDA graph is reused in the capture by that stream
     /// only (in stream order, as the graph orders it); another stream finds
     /// its range under a hazard of the capturing stream and places nothing

@@ -36,8 +36,8 @@
 //! half the list when found complete; so a list stays within about twice
 //! the events the device has not reached, at one query per that many
 //! frees. The growth path ([`Streams::refresh`]) queries a stream's newest
-//! event once due (the age of the event it last found running, doubled),
-//! which retires all of them on a stream that has caught up.
+//! event once due (twice the age of the event a query last found running
+//! there), which retires all of them on a stream that has caught up.
 //!
 //! **Waits.** A reuse by stream `t` of memory `s` freed at `k`, with that
 //! work not known complete (after a query) and `t` not ordered after it,
