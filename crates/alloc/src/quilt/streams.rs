@@ -229,6 +229,47 @@ impl StreamState {
         self.capturing
     }
 
+    /// Query the event at `at` in the list, unless a query this operation
+    /// `tick` found it or an earlier one running already. Found complete:
+    /// it and every older event are retired to `spare` (events of a stream
+    /// complete in order), and the stream's work is known complete up to
+    /// its tick (returns true when that is further than known). Found
+    /// running: every later event is known running this operation, and the
+    /// growth path's query waits for twice its age.
+    fn query(&mut self, vmm: &dyn Vmm, at: usize, tick: u64, spare: &mut Vec<EventId>) -> bool {
+        let Some(m) = self.events.get(at) else {
+            return false;
+        };
+        let (asked_at, running_from) = self.running;
+        if asked_at == tick && m.tick >= running_from {
+            return false;
+        }
+        match vmm.event_query(m.event) {
+            Ok(true) => {
+                let done = m.tick;
+                for _ in 0..=at {
+                    if let Some(m) = self.events.pop_front() {
+                        retire(spare, m.event);
+                    }
+                }
+                self.due_at = 0;
+                if done > self.done {
+                    self.done = done;
+                    return true;
+                }
+            }
+            Ok(false) => {
+                if asked_at != tick || m.tick < running_from {
+                    self.running = (tick, m.tick);
+                }
+                // Running at age `tick - m.tick`: due again at twice that age.
+                self.due_at = tick.saturating_add(tick - m.tick.min(tick)).max(tick + 1);
+            }
+            Err(err) => event_call_failed("querying an event", &err),
+        }
+        false
+    }
+
     /// Record an event on the stream at `tick` and add it to its list (see
     /// [`Streams::record`]): a spare from `spare` recorded again if there is
     /// one, else a new one.
@@ -477,43 +518,13 @@ impl Streams {
         s == t || self.freed_done(s, k) || self.has_waited(t, s, k)
     }
 
-    /// Query stream `i`'s event at `at` in its list, unless a query this
-    /// operation `tick` found it or an earlier one running already. Found
-    /// complete: it and every older event are retired (events of a stream
-    /// complete in order), and the stream's work is known complete up to
-    /// its tick. Found running: every later event is known running this
-    /// operation, and a free's query waits for twice its age.
+    /// Query stream `i`'s event at `at` in its list (see
+    /// [`StreamState::query`]).
     fn query(&mut self, vmm: &dyn Vmm, i: u32, at: usize, tick: u64) {
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return;
-        };
-        let Some(m) = s.events.get(at) else {
-            return;
-        };
-        let (asked_at, running_from) = s.running;
-        if asked_at == tick && m.tick >= running_from {
-            return;
-        }
-        match vmm.event_query(m.event) {
-            Ok(true) => {
-                let done = m.tick;
-                for m in s.events.drain(..=at) {
-                    retire(&mut self.spare, m.event);
-                }
-                if done > s.done {
-                    s.done = done;
-                    self.progress += 1;
-                }
-                s.due_at = 0;
+        if let Some(s) = self.states.get_mut(i as usize) {
+            if s.query(vmm, at, tick, &mut self.spare) {
+                self.progress += 1;
             }
-            Ok(false) => {
-                if asked_at != tick || m.tick < running_from {
-                    s.running = (tick, m.tick);
-                }
-                // Running at age `tick - m.tick`: due again at twice that age.
-                s.due_at = tick.saturating_add(tick - m.tick.min(tick)).max(tick + 1);
-            }
-            Err(err) => event_call_failed("querying an event", &err),
         }
     }
 
@@ -526,21 +537,33 @@ impl Streams {
     }
 
     /// Learn whether stream `i`'s work up to tick `k` is complete, for a
-    /// decision that depends on it: [`Streams::cover`] it, then query the
-    /// earliest event that covers it (see [`Streams::query`]).
+    /// decision that depends on it: unless that is known (complete, or
+    /// its covering event running this operation), query the earliest
+    /// event that covers it, recorded now, on demand, if none does (see
+    /// [`Streams::cover`] and [`StreamState::query`]).
     fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        let Some(s) = self.states.get(i as usize) else {
+        let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
         let (asked_at, running_from) = s.running;
         if s.done >= k || (asked_at == tick && k > running_from) {
-            // Known complete, or its covering event (at `k` or later) is
-            // known running this operation.
             return;
         }
-        self.cover(vmm, i, k, tick);
-        if let Some(at) = self.covering(i, k) {
-            self.query(vmm, i, at, tick);
+        if s.events.back().is_none_or(|m| m.tick < k) {
+            if s.forgotten || s.capturing(vmm, tick) {
+                return;
+            }
+            match s.record(vmm, &mut self.spare, tick) {
+                Ok(_) => self.recorded += 1,
+                Err(err) => {
+                    event_call_failed("recording an event on demand", &err);
+                    return;
+                }
+            }
+        }
+        let at = s.events.partition_point(|m| m.tick < k);
+        if s.query(vmm, at, tick, &mut self.spare) {
+            self.progress += 1;
         }
     }
 
@@ -549,10 +572,14 @@ impl Streams {
     /// on it (placement, a wait, a reclaim). A stream that has caught up
     /// then needs no wait.
     pub(crate) fn learn(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        if self.freed_done(i, k) {
+        let Some(s) = self.states.get(i as usize) else {
             return;
+        };
+        // As far as freed memory can depend on it (see `relevant`).
+        let k = k.min(s.last_free);
+        if s.done < k {
+            self.know(vmm, i, k, tick);
         }
-        self.know(vmm, i, self.relevant(i, k), tick);
     }
 
     /// Make sure an event of stream `i` covers its work up to tick `k`:
