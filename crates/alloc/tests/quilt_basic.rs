@@ -1019,19 +1019,27 @@ fn a_hundred_pending_frees_cost_no_query_storm() {
 }
 
 #[test]
-fn frees_record_no_event_and_a_decision_records_one_on_demand() {
+fn frees_of_a_solo_stream_record_no_event_and_a_decision_records_one_on_demand() {
     // The device never catches up: every event stays running. Stream 2
-    // exists, yet frees on stream 1 record nothing, and stream 1 reusing
-    // its own memory needs no event either.
+    // exists; stream 1's frees record an event each while they leave a
+    // hazard, and none once stream 1 runs solo (its frees leave none);
+    // stream 1 reusing its own memory needs no event either.
     let (sim, a) = setup(1 << 30);
     let w = a.allocate(MIB, S2).unwrap();
+    let churn = |n: u64| {
+        for i in 0..n {
+            let x = a.allocate(64 * KIB + (i % 5) * 4 * KIB, S1).unwrap();
+            ok(&a);
+            a.free(x.ptr).unwrap();
+            ok(&a);
+        }
+    };
+    let start = sim.driver_stats();
+    churn(200);
+    let d = sim.driver_stats().since(&start);
+    assert!((1..200).contains(&d.count(CallKind::EventRecord)), "{d:?}");
     let before = sim.driver_stats();
-    for i in 0..2000u64 {
-        let x = a.allocate(64 * KIB + (i % 5) * 4 * KIB, S1).unwrap();
-        ok(&a);
-        a.free(x.ptr).unwrap();
-        ok(&a);
-    }
+    churn(1800);
     let d = sim.driver_stats().since(&before);
     assert_eq!(d.count(CallKind::EventRecord), 0, "{d:?}");
     assert_eq!(d.count(CallKind::EventQuery), 0, "{d:?}");
@@ -1372,9 +1380,8 @@ fn pressure_makes_no_sync_when_several_frees_completed() {
 fn empty_cache_syncs_only_streams_whose_frees_may_be_running() {
     let (sim, spy, a) = spy_setup(1 << 30, QuiltConfig::default());
     // The program's work is declared on both streams (an event then
-    // completes once the work queued before it has): frees record nothing,
-    // and the event empty_cache records on demand on stream 1, caught up,
-    // completes at once.
+    // completes once the work queued before it has): each free records an
+    // event on its stream, and stream 1's, caught up, is found complete.
     sim.queue_work(S0);
     let x = a.allocate(8 * MIB, S0).unwrap();
     sim.queue_work(S1);

@@ -1,51 +1,71 @@
 //! What the allocator knows of each stream's progress on the device: the
 //! events it recorded there, how far the stream's work is known complete, and
-//! how far every other stream has been made to wait for it.
+//! how far every other stream has been ordered after it.
 //!
 //! A tick is one allocator operation. An event recorded on a stream at tick
 //! `t` covers all work enqueued there up to that operation; a block freed at
 //! tick `k` is safe for another stream once an event of its stream with
-//! `t >= k` has completed, or once that other stream waited on such an event.
+//! `t >= k` has completed, or once that other stream is ordered after such
+//! an event.
 //!
-//! Events are recorded on demand, never at a free: a free only notes its
-//! stream's tick. When a decision needs to know whether a stream's frees
-//! are complete (placement scoring a range another stream freed, a wait, a
-//! reclaim, a synchronisation) and no event of that stream covers them, one
-//! event is recorded there and then ([`Streams::learn`]); it covers every
-//! free the stream has made so far. Reuse on the freeing stream itself never
-//! records. The trade-off: an event recorded on demand covers all of the
-//! stream's work up to the demand, not up to the free, so on a busy stream
-//! it completes later than an event recorded at the free would have (a range
-//! stays pending longer, and may be waited for where an earlier event would
-//! have been found complete); on an idle stream it is complete at once.
-//! Measured on the built-in multi-stream workloads: 10 to 15 times fewer
-//! events recorded, and at most 1 point of efficiency (see
-//! `docs/benchmarks.md`).
+//! **Events at frees.** As `cudaMallocAsync` does for its stream-ordered
+//! frees, a free that leaves a hazard (several streams exist, and the free
+//! is not a solo stream's own, see `solo.rs`) records an event on each of
+//! the block's streams at the free's tick ([`Streams::note_free`]), so that
+//! the event covers the work up to the free and nothing enqueued after it:
+//! it completes when that work does, and a decision about the freed range
+//! learns exactly whether that work is complete. No event is recorded where
+//! the stream's newest event is of the same tick, where its work is known
+//! complete up to the free, or on a capturing stream; a decision that finds
+//! no event covering the work it asks about records one then, on demand
+//! ([`Streams::learn`], covering the stream's work up to the decision).
+//! Reuse on the freeing stream itself never asks. A single stream records
+//! nothing.
 //!
-//! Costs: events of a stream complete in order, so only the oldest one is
-//! ever queried, and at most once per operation. A wait is made at most
-//! once per pair of streams for any span of frees; the growth path polls at
-//! most `REFRESH_STREAMS` streams, round robin.
+//! **Learning.** A decision about stream `s`'s work up to tick `k`
+//! (placement scoring a range `s` freed, a wait, a reclaim, a
+//! synchronisation) queries the earliest event of `s` recorded at or after
+//! `k`: events of a stream complete in order, so an event found complete
+//! retires every older one without querying them, and one found running
+//! tells that every later one is running too, which later questions of the
+//! same operation use without a query. So a stream is queried once per
+//! operation unless two questions fall on either side of what the first
+//! answer told. A free keeps its stream's list short: once the list is
+//! twice as long as the last such query left it (and at least
+//! [`POLL_AT_FREE`]), it queries the event halfway down, which retires
+//! half the list when found complete; so a list stays within about twice
+//! the events the device has not reached, at one query per that many
+//! frees. The growth path ([`Streams::refresh`]) queries a stream's newest
+//! event once due (twice the age of the event a query last found running
+//! there), which retires all of them on a stream that has caught up.
 //!
-//! A poll that only keeps the lists short (the housekeeping poll of a free,
-//! the growth path's refresh: [`Poll::IfDue`]) queries nothing until the
-//! oldest event's age is twice its age at the last query that found it
-//! running, so a running event costs about `log2` of its age in such queries
-//! instead of one per free. A poll whose answer a decision uses (placement
-//! scoring its candidates, a wait, a synchronisation, an unmap:
-//! [`Poll::Now`]) always queries, so every decision is the one an eager poll
-//! would give. (Placement polling only when due learns completions later:
-//! measured, it cost mixed-vision-language 2 points of efficiency.)
+//! **Waits.** A reuse by stream `t` of memory `s` freed at `k`, with that
+//! work not known complete (after a query) and `t` not ordered after it,
+//! makes one `cuStreamWaitEvent` on the earliest event of `s` that covers
+//! every free `s` has made so far (the one recorded at its latest free,
+//! unless that free recorded none). One wait thus makes all of `s`'s freed
+//! memory safe for `t`, not only the range asked for: the next block `t`
+//! places over any of it needs no wait, so a reuse waits at most once per
+//! stream and later reuses rarely. (Waiting on the earliest event at or
+//! after `k` instead holds `t` back for less work, but the next reuse of
+//! memory `s` freed later waits again: measured, 896 waits against 352 on
+//! `offload-pipeline-4`, 325 against 192 on `offload-pipeline-10`.)
+//! Orderings through chains of waits are known: each event keeps its
+//! stream's `waited` as of its record (shared, copied only when a wait of
+//! that stream changes it), and a stream that waits on it becomes ordered
+//! after everything that stream had been ordered after *at the record*, not
+//! at the wait: work a stream waited for after the event was recorded does
+//! not precede the event.
 //!
 //! Events are reused, as CUDA's and PyTorch's event pools do: an event known
-//! complete (by a poll, or by a stream synchronisation) goes to a spare list
-//! of at most [`SPARE_EVENTS`] events shared by every stream (beyond it, it
-//! is destroyed), and the next record takes a spare and records it again
-//! ([`Vmm::event_record_on`]) before creating one. A steady state thus
-//! creates and destroys no events. Re-recording is safe: nothing else holds
-//! the id once it left its stream's list, and a wait made on its earlier
-//! record keeps waiting for that one. Spares are destroyed at the
-//! allocator's drop ([`Streams::destroy_events`]).
+//! complete (by a query, or by a stream synchronisation) goes to a spare
+//! list shared by every stream, and the next record takes a spare and
+//! records it again ([`Vmm::event_record_on`]) before creating one. The
+//! spare list thus holds at most as many events as were outstanding at once,
+//! and a steady state creates and destroys none. Re-recording is safe:
+//! nothing else holds the id once it left its stream's list, and a wait made
+//! on its earlier record keeps waiting for that one. Spares are destroyed at
+//! the allocator's drop ([`Streams::destroy_events`]).
 //!
 //! Stream capture (CUDA graphs): before it records an event on a stream,
 //! synchronises one or makes one wait, the allocator asks whether the
@@ -56,9 +76,10 @@
 //! stream is never synchronised and never waits for an event (its ordering
 //! after another stream's work is a synchronisation of that other stream,
 //! on the host, instead). Where only such a call would do, the operation
-//! fails with [`capturing`]'s typed error. A free asks nothing; placement
-//! asks about the streams whose pending frees lie under the block it chose,
-//! and passes over a range a capturing stream freed (`Core::under_capture`).
+//! fails with [`capturing`]'s typed error. A free that records an event
+//! asks first; placement asks about the streams whose pending frees lie
+//! under the block it chose, and passes over a range a capturing stream
+//! freed (`Core::under_capture`).
 //!
 //! A forgotten stream ([`Streams::forget`]: its owner destroys it) keeps its
 //! index, as a tombstone whose work is all complete: its handle is never
@@ -66,6 +87,7 @@
 //! new stream.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -126,44 +148,37 @@ pub(crate) fn capturing(call: quilt_vmm::CallKind, stream: StreamId) -> VmmError
 /// Streams polled on each growth path, round robin.
 const REFRESH_STREAMS: usize = 4;
 
-/// A free polls its stream only once this many of the stream's events wait
-/// to be known complete: what a free needs to know is learnt by whoever asks
-/// (placement, a wait, a reclaim, each polling first), so the free's poll
-/// only keeps the list short, and one poll learns of several events.
+/// A free queries its stream only once this many of the stream's events
+/// wait to be known complete: what a decision needs to know it learns
+/// itself (placement, a wait, a reclaim, each querying first), so the
+/// free's query only keeps the list short, and one query retires half of
+/// it.
 const POLL_AT_FREE: usize = 4;
 
-/// Most completed events kept for reuse (see the module documentation);
-/// beyond it a completed event is destroyed.
-const SPARE_EVENTS: usize = 64;
-
-/// Keep the completed event `e` for reuse, or destroy it when
-/// [`SPARE_EVENTS`] are kept already.
-fn retire(spare: &mut Vec<EventId>, vmm: &dyn Vmm, e: EventId) {
-    if spare.len() < SPARE_EVENTS {
-        spare.push(e);
-    } else if let Err(err) = vmm.event_destroy(e) {
-        event_call_failed("destroying a completed event", &err);
-    }
+/// Keep the completed event `e` for reuse (see the module documentation).
+fn retire(spare: &mut Vec<EventId>, e: EventId) {
+    spare.push(e);
 }
 
-/// Whether [`Streams::poll`] queries now or only when due (see the module
-/// documentation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Poll {
-    /// Query now (at most once per operation): a decision depends on the
-    /// answer (placement, a wait, a synchronisation, an unmap).
-    Now,
-    /// Query only once the oldest event's age has doubled since a query
-    /// found it running: the poll only keeps the lists short.
-    IfDue,
+/// An event recorded on a stream and not yet known complete.
+#[derive(Debug)]
+struct Marker {
+    /// The tick it was recorded at: it covers the stream's work up to that
+    /// operation.
+    tick: u64,
+    event: EventId,
+    /// The stream's `waited` when it was recorded (`None`: it had waited for
+    /// no stream then): a stream that waits on this event is ordered after
+    /// that work too.
+    waited: Option<Arc<Vec<u64>>>,
 }
 
 /// One stream's progress.
 #[derive(Debug)]
 struct StreamState {
     id: StreamId,
-    /// Events recorded and not yet known complete, oldest first: (tick, event).
-    events: VecDeque<(u64, EventId)>,
+    /// Events recorded and not yet known complete, oldest first.
+    events: VecDeque<Marker>,
     /// Work enqueued up to this tick is known complete.
     done: u64,
     /// The tick of the latest event recorded here or synchronisation of
@@ -172,13 +187,19 @@ struct StreamState {
     marked: u64,
     /// Tick of the latest free on this stream.
     last_free: u64,
-    /// Tick of the last query of the oldest event (at most one per operation).
-    polled_at: u64,
-    /// A [`Poll::IfDue`] poll before this tick queries nothing: the oldest
-    /// event's age at its last query, which found it running, doubled.
+    /// `(at, from)`: a query at tick `at` found this stream's event of tick
+    /// `from` running, so every event from `from` on was running then.
+    running: (u64, u64),
+    /// The growth path's query waits for this tick: the queried event's
+    /// age at its last query, which found it running, doubled.
     due_at: u64,
-    /// `waited[s]`: this stream has waited for stream `s`'s work up to this tick.
-    waited: Vec<u64>,
+    /// A free queries the stream's list once it is this long (at least
+    /// [`POLL_AT_FREE`]): twice what it kept after the last such query.
+    poll_len: usize,
+    /// `waited[s]`: this stream is ordered after stream `s`'s work up to
+    /// this tick (by its own waits and the waits those waited-on events
+    /// came after). Shared with the events recorded since it last changed.
+    waited: Arc<Vec<u64>>,
     /// The tick at which [`Streams::capturing`] last asked the driver
     /// (`u64::MAX`: never), and its answer.
     capture_asked_at: u64,
@@ -188,6 +209,105 @@ struct StreamState {
     forgotten: bool,
 }
 
+impl StreamState {
+    /// Whether the stream is capturing a CUDA graph now: asked of the
+    /// driver at most once per operation `tick` (see [`Streams::capturing`]).
+    fn capturing(&mut self, vmm: &dyn Vmm, tick: u64) -> bool {
+        if self.forgotten {
+            return false;
+        }
+        if self.capture_asked_at != tick {
+            self.capturing = match vmm.stream_is_capturing(self.id) {
+                Ok(c) => c,
+                Err(err) => {
+                    event_call_failed("asking whether a stream is capturing", &err);
+                    true
+                }
+            };
+            self.capture_asked_at = tick;
+        }
+        self.capturing
+    }
+
+    /// Query the event at `at` in the list, unless a query this operation
+    /// `tick` found it or an earlier one running already. Found complete:
+    /// it and every older event are retired to `spare` (events of a stream
+    /// complete in order), and the stream's work is known complete up to
+    /// its tick (returns true when that is further than known). Found
+    /// running: every later event is known running this operation, and the
+    /// growth path's query waits for twice its age.
+    fn query(&mut self, vmm: &dyn Vmm, at: usize, tick: u64, spare: &mut Vec<EventId>) -> bool {
+        let Some(m) = self.events.get(at) else {
+            return false;
+        };
+        let (asked_at, running_from) = self.running;
+        if asked_at == tick && m.tick >= running_from {
+            return false;
+        }
+        match vmm.event_query(m.event) {
+            Ok(true) => {
+                let done = m.tick;
+                for _ in 0..=at {
+                    if let Some(m) = self.events.pop_front() {
+                        retire(spare, m.event);
+                    }
+                }
+                self.due_at = 0;
+                if done > self.done {
+                    self.done = done;
+                    return true;
+                }
+            }
+            Ok(false) => {
+                if asked_at != tick || m.tick < running_from {
+                    self.running = (tick, m.tick);
+                }
+                // Running at age `tick - m.tick`: due again at twice that age.
+                self.due_at = tick.saturating_add(tick - m.tick.min(tick)).max(tick + 1);
+            }
+            Err(err) => event_call_failed("querying an event", &err),
+        }
+        false
+    }
+
+    /// Record an event on the stream at `tick` and add it to its list (see
+    /// [`Streams::record`]): a spare from `spare` recorded again if there is
+    /// one, else a new one.
+    fn record(
+        &mut self,
+        vmm: &dyn Vmm,
+        spare: &mut Vec<EventId>,
+        tick: u64,
+    ) -> Result<EventId, VmmError> {
+        if self.forgotten || self.capturing(vmm, tick) {
+            // Never reached for a forgotten stream (its work is all done),
+            // and a record on a capturing stream would be a graph node.
+            return Err(capturing(quilt_vmm::CallKind::EventRecord, self.id));
+        }
+        let e = match spare.pop() {
+            Some(e) => match vmm.event_record_on(e, self.id) {
+                Ok(()) => e,
+                Err(err) => {
+                    event_call_failed("recording a spare event again", &err);
+                    if let Err(err) = vmm.event_destroy(e) {
+                        event_call_failed("destroying a spare event", &err);
+                    }
+                    vmm.event_record(self.id)?
+                }
+            },
+            None => vmm.event_record(self.id)?,
+        };
+        let waited = (!self.waited.is_empty()).then(|| Arc::clone(&self.waited));
+        self.events.push_back(Marker {
+            tick,
+            event: e,
+            waited,
+        });
+        self.marked = tick;
+        Ok(e)
+    }
+}
+
 /// Every stream seen, by dense index. See the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct Streams {
@@ -195,8 +315,7 @@ pub(crate) struct Streams {
     states: Vec<StreamState>,
     /// Events recorded over the allocator's life (for tests and reports).
     pub(crate) recorded: u64,
-    /// Completed events kept for reuse, at most [`SPARE_EVENTS`] (see the
-    /// module documentation).
+    /// Completed events kept for reuse (see the module documentation).
     spare: Vec<EventId>,
     /// Cross-stream waits made.
     pub(crate) waits: u64,
@@ -236,9 +355,10 @@ impl Streams {
             done: 0,
             marked: 0,
             last_free: 0,
-            polled_at: 0,
+            running: (u64::MAX, 0),
             due_at: 0,
-            waited: Vec::new(),
+            poll_len: POLL_AT_FREE,
+            waited: Arc::new(Vec::new()),
             capture_asked_at: u64::MAX,
             capturing: false,
             forgotten: false,
@@ -256,23 +376,9 @@ impl Streams {
     /// answered yes: nothing is recorded on, waited by or synchronised on a
     /// stream that may be capturing). A forgotten stream never captures.
     pub(crate) fn capturing(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> bool {
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return false;
-        };
-        if s.forgotten {
-            return false;
-        }
-        if s.capture_asked_at != tick {
-            s.capturing = match vmm.stream_is_capturing(s.id) {
-                Ok(c) => c,
-                Err(err) => {
-                    event_call_failed("asking whether a stream is capturing", &err);
-                    true
-                }
-            };
-            s.capture_asked_at = tick;
-        }
-        s.capturing
+        self.states
+            .get_mut(i as usize)
+            .is_some_and(|s| s.capturing(vmm, tick))
     }
 
     /// Forget stream `i` (its owner is destroying it): synchronise it once
@@ -298,9 +404,8 @@ impl Streams {
         s.marked = tick;
         self.progress += 1;
         s.due_at = 0;
-        let events: Vec<EventId> = s.events.drain(..).map(|(_, e)| e).collect();
-        for e in events {
-            retire(&mut self.spare, vmm, e);
+        for m in s.events.drain(..) {
+            retire(&mut self.spare, m.event);
         }
         self.index.remove(&id);
         if self.recent.is_some_and(|(r, _)| r == id) {
@@ -399,80 +504,95 @@ impl Streams {
         self.in_mask(mask).all(|s| self.freed_done(s, k))
     }
 
-    /// True when stream `t` already waited for stream `s`'s work up to `k`
-    /// (as far as freed memory can depend on it).
+    /// True when stream `t` is already ordered after stream `s`'s work up
+    /// to `k` (as far as freed memory can depend on it).
     fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
         self.waited(t, s) >= self.relevant(s, k)
     }
 
     /// True when stream `t` needs nothing of stream `s`'s work up to `k` (as
     /// far as freed memory can depend on it): `s` is `t`, or that work is
-    /// known complete, or `t` already waited for it. Known without a call.
+    /// known complete, or `t` is already ordered after it. Known without a
+    /// call.
     pub(crate) fn orders_nothing(&self, t: u32, s: u32, k: u64) -> bool {
         s == t || self.freed_done(s, k) || self.has_waited(t, s, k)
     }
 
-    /// Learn whether stream `i`'s oldest events completed (one query at most
-    /// per operation `tick`; with [`Poll::IfDue`], none before the oldest
-    /// event is due). Completed events are kept for reuse (or destroyed
-    /// past [`SPARE_EVENTS`]).
-    pub(crate) fn poll(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, when: Poll) {
+    /// Query stream `i`'s event at `at` in its list (see
+    /// [`StreamState::query`]).
+    fn query(&mut self, vmm: &dyn Vmm, i: u32, at: usize, tick: u64) {
+        if let Some(s) = self.states.get_mut(i as usize) {
+            if s.query(vmm, at, tick, &mut self.spare) {
+                self.progress += 1;
+            }
+        }
+    }
+
+    /// The position in stream `i`'s list of its earliest event that covers
+    /// its work up to tick `k` (recorded at `k` or later), if any.
+    fn covering(&self, i: u32, k: u64) -> Option<usize> {
+        let s = self.states.get(i as usize)?;
+        let at = s.events.partition_point(|m| m.tick < k);
+        (at < s.events.len()).then_some(at)
+    }
+
+    /// Learn whether stream `i`'s work up to tick `k` is complete, for a
+    /// decision that depends on it: unless that is known (complete, or
+    /// its covering event running this operation), query the earliest
+    /// event that covers it, recorded now, on demand, if none does (see
+    /// [`Streams::cover`] and [`StreamState::query`]).
+    fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
-        if s.polled_at == tick || (when == Poll::IfDue && tick < s.due_at) {
+        let (asked_at, running_from) = s.running;
+        if s.done >= k || (asked_at == tick && k > running_from) {
             return;
         }
-        s.polled_at = tick;
-        while let Some(&(t, e)) = s.events.front() {
-            match vmm.event_query(e) {
-                Ok(true) => {
-                    s.events.pop_front();
-                    if t > s.done {
-                        s.done = t;
-                        self.progress += 1;
-                    }
-                    // The next event was never found running.
-                    s.due_at = 0;
-                    retire(&mut self.spare, vmm, e);
-                }
-                Ok(false) => {
-                    // Running at age `tick - t`: due again at twice that age.
-                    s.due_at = tick.saturating_add(tick - t.min(tick)).max(tick + 1);
-                    break;
-                }
+        if s.events.back().is_none_or(|m| m.tick < k) {
+            if s.forgotten || s.capturing(vmm, tick) {
+                return;
+            }
+            match s.record(vmm, &mut self.spare, tick) {
+                Ok(_) => self.recorded += 1,
                 Err(err) => {
-                    event_call_failed("querying an event", &err);
-                    break;
+                    event_call_failed("recording an event on demand", &err);
+                    return;
                 }
             }
+        }
+        let at = s.events.partition_point(|m| m.tick < k);
+        if s.query(vmm, at, tick, &mut self.spare) {
+            self.progress += 1;
         }
     }
 
     /// Learn whether the part of stream `i`'s work up to tick `k` that
     /// freed memory can depend on is complete, for a decision that depends
-    /// on it (placement, a wait, a reclaim): [`Streams::cover`] it, then
-    /// poll the stream. A stream that has caught up then needs no wait.
+    /// on it (placement, a wait, a reclaim). A stream that has caught up
+    /// then needs no wait.
     pub(crate) fn learn(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        if self.freed_done(i, k) {
+        let Some(s) = self.states.get(i as usize) else {
             return;
+        };
+        // As far as freed memory can depend on it (see `relevant`).
+        let k = k.min(s.last_free);
+        if s.done < k {
+            self.know(vmm, i, k, tick);
         }
-        self.cover(vmm, i, self.relevant(i, k), tick);
-        self.poll(vmm, i, tick, Poll::Now);
     }
 
     /// Make sure an event of stream `i` covers its work up to tick `k`:
-    /// when none does (frees record nothing), one is recorded now, on demand
-    /// (it covers all of the stream's work so far, and may complete later
-    /// than an event recorded at the free would have; on an idle stream it
-    /// is complete at once). Nothing on a forgotten or capturing stream. A
-    /// failed record is only logged: waits and synchronisations do without
-    /// events.
+    /// when none does (a free on a capturing stream, or work not freed),
+    /// one is recorded now, on demand (it covers all of the stream's work
+    /// so far; on an idle stream it is complete at once). Nothing on a
+    /// forgotten or capturing stream. A failed record is only logged: waits
+    /// and synchronisations do without events.
     fn cover(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
         let Some(s) = self.states.get(i as usize) else {
             return;
         };
-        let covered = s.events.back().map_or(s.done, |&(t, _)| t);
+        let covered = s.events.back().map_or(s.done, |m| m.tick);
         if covered >= k || s.forgotten || self.capturing(vmm, i, tick) {
             return;
         }
@@ -481,17 +601,33 @@ impl Streams {
         }
     }
 
-    /// Stream `i` freed a block at `tick`: noted, nothing recorded (events
-    /// are recorded on demand, see [`Streams::learn`]); the stream is polled
-    /// once [`POLL_AT_FREE`] of its events wait to be known complete, to
-    /// keep its list short.
-    pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
+    /// Stream `i` freed a block at `tick`. When the free leaves a hazard
+    /// (`hazard`), an event is recorded on the stream now, covering its
+    /// work up to the free (none where its newest event is of this tick,
+    /// its work is known complete up to here, or it is capturing). Once
+    /// the stream's list is twice as long as the last such query left it
+    /// (and at least [`POLL_AT_FREE`]), the event halfway down is queried:
+    /// found complete, it retires half the list; so the list stays within
+    /// twice the events the device has not reached, at one query per that
+    /// many frees.
+    pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, hazard: bool) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
         s.last_free = tick;
-        if s.events.len() >= POLL_AT_FREE {
-            self.poll(vmm, i, tick, Poll::IfDue);
+        let covered = s.events.back().map_or(s.done, |m| m.tick);
+        if hazard && covered < tick && !s.forgotten && !s.capturing(vmm, tick) {
+            match s.record(vmm, &mut self.spare, tick) {
+                Ok(_) => self.recorded += 1,
+                Err(err) => event_call_failed("recording an event at a free", &err),
+            }
+        }
+        let len = s.events.len();
+        if len >= s.poll_len {
+            self.query(vmm, i, len / 2, tick);
+            if let Some(s) = self.states.get_mut(i as usize) {
+                s.poll_len = (2 * s.events.len()).max(POLL_AT_FREE);
+            }
         }
     }
 
@@ -501,57 +637,48 @@ impl Streams {
     /// any more; at worst the destroy fails too and is logged), and a new
     /// event is recorded instead.
     fn record(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> Result<EventId, VmmError> {
-        let stream = self.id(i);
-        if self.is_forgotten(i) || self.capturing(vmm, i, tick) {
-            // Never reached for a forgotten stream (its work is all done),
-            // and a record on a capturing stream would be a graph node.
-            return Err(capturing(quilt_vmm::CallKind::EventRecord, stream));
-        }
-        let e = match self.spare.pop() {
-            Some(e) => match vmm.event_record_on(e, stream) {
-                Ok(()) => e,
-                Err(err) => {
-                    event_call_failed("recording a spare event again", &err);
-                    if let Err(err) = vmm.event_destroy(e) {
-                        event_call_failed("destroying a spare event", &err);
-                    }
-                    vmm.event_record(stream)?
-                }
-            },
-            None => vmm.event_record(stream)?,
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return Err(capturing(
+                quilt_vmm::CallKind::EventRecord,
+                StreamId::default(),
+            ));
         };
-        if let Some(s) = self.states.get_mut(i as usize) {
-            s.events.push_back((tick, e));
-            s.marked = tick;
-        }
+        let e = s.record(vmm, &mut self.spare, tick)?;
         self.recorded += 1;
         Ok(e)
     }
 
     /// On the growth path (a driver call follows anyway): learn the progress
     /// of up to `REFRESH_STREAMS` streams, round robin, first recording
-    /// events where frees are uncovered (so that a device already past them
-    /// says so at once).
+    /// events where frees are uncovered, then querying each due stream's
+    /// newest event (a device already past them says so at once).
     pub(crate) fn refresh(&mut self, vmm: &dyn Vmm, tick: u64) {
         let n = self.states.len();
         for _ in 0..n.min(REFRESH_STREAMS) {
             let i = (self.cursor % n) as u32;
             self.cursor = self.cursor.wrapping_add(1);
-            let last_free = self.states.get(i as usize).map_or(0, |s| s.last_free);
+            let Some(s) = self.states.get(i as usize) else {
+                continue;
+            };
+            let last_free = s.last_free;
             self.cover(vmm, i, last_free, tick);
-            self.poll(vmm, i, tick, Poll::IfDue);
+            let Some(s) = self.states.get(i as usize) else {
+                continue;
+            };
+            if tick >= s.due_at && !s.events.is_empty() {
+                self.query(vmm, i, s.events.len() - 1, tick);
+            }
         }
     }
 
     /// Order stream `t`'s later work after stream `s`'s work up to tick `k`:
-    /// nothing when `s` is `t`, when that work is known complete, or when `t`
-    /// already waited past it; else one `cuStreamWaitEvent` on an event of
-    /// `s` that covers every free `s` has made so far (its newest event if
-    /// that one does, else one recorded now). One wait thus makes all of
-    /// `s`'s freed memory safe for `t`, not only the range asked for: the
-    /// next block `t` places over any of it needs no wait, so waits stay
-    /// rare and placement keeps its best fits instead of avoiding freshly
-    /// freed ranges. Returns true when a wait was made.
+    /// nothing when `s` is `t`, when that work is known complete (after a
+    /// query), or when `t` is already ordered after it; else one
+    /// `cuStreamWaitEvent` on the earliest event of `s` that covers every
+    /// free `s` has made so far (one recorded now if none does). `t` is then
+    /// ordered after `s`'s work up to that event, and after whatever `s` was
+    /// ordered after when it was recorded (see the module documentation).
+    /// Returns true when a wait was made.
     pub(crate) fn order_after(
         &mut self,
         vmm: &dyn Vmm,
@@ -574,28 +701,43 @@ impl Streams {
             self.complete(vmm, s, k, tick)?;
             return Ok(false);
         }
-        let Some(st) = self.states.get(s as usize) else {
+        // Every free of `s` so far (`relevant` never goes past it).
+        let k = self.states.get(s as usize).map_or(0, |st| st.last_free);
+        if self.covering(s, k).is_none() {
+            self.record(vmm, s, tick)?;
+        }
+        let Some(m) = self
+            .covering(s, k)
+            .and_then(|at| self.states.get(s as usize)?.events.get(at))
+        else {
             return Ok(false);
         };
-        // Its newest event if it covers every free of `s`, else one now.
-        let cover = st.last_free.max(self.relevant(s, k));
-        let (et, e) = match st.events.back().filter(|&&(et, _)| et >= cover) {
-            Some(&found) => found,
-            None => (tick, self.record(vmm, s, tick)?),
-        };
-        let waiter = self.id(t);
-        vmm.stream_wait_event(waiter, e)?;
+        let (et, e, inherited) = (m.tick, m.event, m.waited.clone());
+        vmm.stream_wait_event(self.id(t), e)?;
         self.waits += 1;
         if let Some(ts) = self.states.get_mut(t as usize) {
-            if ts.waited.len() <= s as usize {
-                ts.waited.resize(s as usize + 1, 0);
+            let waited = Arc::make_mut(&mut ts.waited);
+            let len = inherited
+                .as_ref()
+                .map_or(0, |w| w.len())
+                .max(s as usize + 1);
+            if waited.len() < len {
+                waited.resize(len, 0);
             }
-            ts.waited[s as usize] = et;
+            for (mine, &theirs) in waited
+                .iter_mut()
+                .zip(inherited.iter().flat_map(|w| w.iter()))
+            {
+                *mine = (*mine).max(theirs);
+            }
+            if let Some(w) = waited.get_mut(s as usize) {
+                *w = (*w).max(et);
+            }
         }
         Ok(true)
     }
 
-    /// How far stream `t` has waited for stream `s`.
+    /// How far stream `t` is ordered after stream `s`.
     pub(crate) fn waited(&self, t: u32, s: u32) -> u64 {
         self.states
             .get(t as usize)
@@ -604,8 +746,9 @@ impl Streams {
             .unwrap_or(0)
     }
 
-    /// Make stream `i`'s work up to `k` complete: poll, and synchronise the
-    /// stream if it is still running. Returns true when it synchronised.
+    /// Make stream `i`'s work up to `k` complete: learn it (an event
+    /// covering it queried), and synchronise the stream if it is still
+    /// running. Returns true when it synchronised.
     pub(crate) fn complete(
         &mut self,
         vmm: &dyn Vmm,
@@ -613,11 +756,7 @@ impl Streams {
         k: u64,
         tick: u64,
     ) -> Result<bool, VmmError> {
-        if self.is_done(i, k) {
-            return Ok(false);
-        }
-        self.cover(vmm, i, k, tick);
-        self.poll(vmm, i, tick, Poll::Now);
+        self.know(vmm, i, k, tick);
         if self.is_done(i, k) {
             return Ok(false);
         }
@@ -636,8 +775,8 @@ impl Streams {
         s.marked = tick;
         self.progress += 1;
         s.due_at = 0;
-        for (_, e) in s.events.drain(..) {
-            retire(&mut self.spare, vmm, e);
+        for m in s.events.drain(..) {
+            retire(&mut self.spare, m.event);
         }
         Ok(true)
     }
@@ -676,8 +815,8 @@ impl Streams {
     /// drop).
     pub(crate) fn destroy_events(&mut self, vmm: &dyn Vmm) {
         for s in &mut self.states {
-            for (_, e) in s.events.drain(..) {
-                let _ = vmm.event_destroy(e);
+            for m in s.events.drain(..) {
+                let _ = vmm.event_destroy(m.event);
             }
         }
         for e in self.spare.drain(..) {
@@ -689,6 +828,111 @@ impl Streams {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use quilt_vmm::sim::{SimConfig, SimVmm};
+    use quilt_vmm::CallKind;
+
+    /// A simulated device whose work completes `lag` operations after it
+    /// was queued, and `n` streams registered (indices 0.., ids 100..).
+    fn device(lag: u64, n: u64) -> (SimVmm, Streams) {
+        let sim = SimVmm::new(SimConfig {
+            gpu_lag_ops: lag,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let mut st = Streams::default();
+        for id in 0..n {
+            st.index(StreamId(100 + id));
+        }
+        (sim, st)
+    }
+
+    /// Stream `i` (registered by [`device`]) queues work and frees a block
+    /// at `tick`, leaving a hazard.
+    fn work_and_free(sim: &SimVmm, st: &mut Streams, i: u32, tick: u64) {
+        sim.queue_work(StreamId(100 + u64::from(i)));
+        st.note_free(sim, i, tick, true);
+    }
+
+    #[test]
+    fn a_frees_event_tells_its_work_complete_while_later_work_still_runs() {
+        let (sim, mut st) = device(4, 2);
+        let (a, b) = (0, 1);
+        work_and_free(&sim, &mut st, a, 1);
+        sim.advance(4); // the work before the first free completes
+        work_and_free(&sim, &mut st, a, 2);
+        assert_eq!(st.recorded, 2, "one event at each free");
+        // b reuses what a freed first: no wait (its event is complete, the
+        // stream's later work is not); what a freed second: one wait.
+        assert!(!st.order_after(&sim, b, a, 1, 3).unwrap());
+        assert!(st.freed_done(a, 1) && !st.freed_done(a, 2));
+        assert!(st.order_after(&sim, b, a, 2, 3).unwrap());
+        assert_eq!(st.waits, 1);
+        assert_eq!(st.recorded, 2, "decisions recorded nothing");
+        assert!(st.orders_nothing(b, a, 2));
+    }
+
+    #[test]
+    fn one_query_retires_every_older_event_and_a_running_one_answers_for_later_ones() {
+        let (sim, mut st) = device(4, 2);
+        let a = 0;
+        for tick in 1..=3 {
+            work_and_free(&sim, &mut st, a, tick);
+        }
+        sim.advance(4);
+        let queries = |sim: &SimVmm| sim.driver_stats().count(CallKind::EventQuery);
+        st.learn(&sim, a, 3, 4);
+        assert_eq!(queries(&sim), 1);
+        assert!(st.freed_done(a, 3));
+        assert_eq!(st.spare.len(), 3, "all three events retired, for reuse");
+        // Two more frees reuse them; nothing completes; the earliest event
+        // found running answers for the later one in the same operation.
+        work_and_free(&sim, &mut st, a, 5);
+        work_and_free(&sim, &mut st, a, 6);
+        assert_eq!(st.spare.len(), 1);
+        assert_eq!(sim.driver_stats().count(CallKind::EventRecord), 5);
+        st.learn(&sim, a, 5, 7);
+        st.learn(&sim, a, 6, 7);
+        assert_eq!(queries(&sim), 2);
+        assert!(!st.freed_done(a, 5));
+    }
+
+    #[test]
+    fn a_free_without_hazard_or_on_a_capturing_stream_records_nothing() {
+        let (sim, mut st) = device(4, 2);
+        let a = 0;
+        sim.queue_work(StreamId(100));
+        st.note_free(&sim, a, 1, false);
+        assert_eq!(st.recorded, 0);
+        sim.begin_capture(StreamId(100)).unwrap();
+        st.note_free(&sim, a, 2, true);
+        assert_eq!(st.recorded, 0);
+        sim.end_capture(StreamId(100)).unwrap();
+        assert_eq!(sim.capture_violations(), 0);
+        // A decision after the capture records the event it needs then.
+        st.learn(&sim, a, 2, 3);
+        assert_eq!(st.recorded, 1);
+    }
+
+    #[test]
+    fn a_wait_orders_after_what_the_waited_on_stream_was_ordered_after_at_the_record() {
+        // Nothing completes: only waits order anything.
+        let (sim, mut st) = device(1 << 20, 3);
+        let (a, b, c) = (0, 1, 2);
+        let (sa, sc) = (StreamId(100), StreamId(102));
+        work_and_free(&sim, &mut st, c, 1);
+        let c1 = sim.stream_position(sc) - 1; // c's work before its event
+        assert!(st.order_after(&sim, b, c, 1, 2).unwrap());
+        work_and_free(&sim, &mut st, b, 3); // b's event comes after its wait
+        work_and_free(&sim, &mut st, c, 4);
+        let c4 = sim.stream_position(sc) - 1;
+        assert!(st.order_after(&sim, b, c, 4, 5).unwrap()); // after b's event
+        assert!(st.order_after(&sim, a, b, 3, 6).unwrap());
+        assert_eq!(st.waits, 3);
+        // a is ordered after c's first free through b, not after its second.
+        assert!(st.orders_nothing(a, c, 1) && sim.ordered_after(sa, sc, c1));
+        assert!(!st.orders_nothing(a, c, 4) && !sim.ordered_after(sa, sc, c4));
+        assert!(st.order_after(&sim, a, c, 4, 7).unwrap());
+    }
 
     #[test]
     fn a_mask_names_the_streams_seen_and_bit_63_every_stream_past_the_62nd() {
