@@ -34,7 +34,7 @@ pub const NAMES: [&str; 5] = settings::SPEC_NAMES;
 
 /// The keys of Quilt's placement and reclaim policy (the `quilt` and
 /// `gmlake` presets).
-pub const QUILT_KEYS: [&str; 11] = settings::KEYS;
+pub const QUILT_KEYS: [&str; 12] = settings::KEYS;
 
 /// The keys of Quilt's serving policies (map-ahead, recycling of growable
 /// buffers, the offload tier), accepted beside [`QUILT_KEYS`]: the

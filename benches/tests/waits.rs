@@ -1,14 +1,17 @@
 //! Quilt's waits promise, judged by the replay's race finder (`races.rs`):
 //!
-//! - **No unneeded wait**: each `cuStreamWaitEvent` an allocation makes
-//!   orders the new block after work of another stream that, by the race
-//!   finder, may still use the block's memory (work queued up to a free of
-//!   memory under the block, not complete, and not yet ordered before the
-//!   allocating stream's new work), so removing the wait would make a race;
-//!   and a reuse waits at most once per such stream. Checked per
-//!   allocation: the waits it made are at most the number of such streams
-//!   (read before the allocation), none when there is none; and it races
-//!   with none of them (the waits it did make were enough).
+//! - **No unneeded wait**, with events recorded at frees
+//!   (`quilt:events=at_free`, `EventTiming::AtFree`): each
+//!   `cuStreamWaitEvent` an allocation makes orders the new block after
+//!   work of another stream that, by the race finder, may still use the
+//!   block's memory (work queued up to a free of memory under the block,
+//!   not complete, and not yet ordered before the allocating stream's new
+//!   work), so removing the wait would make a race; and a reuse waits at
+//!   most once per such stream. Checked per allocation: the waits it made
+//!   are at most the number of such streams (read before the allocation),
+//!   none when there is none; and it races with none of them.
+//! - **Rarely beyond need**, with Quilt's default (events on demand): no
+//!   race, needless waits in at most one waiting allocation in eight.
 //! - **At most 0.05 waits per allocation** on every real trace
 //!   (`../shared/traces/converted`; the test is ignored, with the reason,
 //!   where it was absent when built).
@@ -145,8 +148,8 @@ fn judge(trace: &Trace, allocator: &str) -> Account {
 }
 
 /// The multi-stream built-in workloads (no serving events), replayed
-/// through Quilt and judged.
-fn judged_workloads() -> Vec<(&'static str, Account)> {
+/// through `allocator` (a Quilt spec) and judged.
+fn judged_workloads(allocator: &str) -> Vec<(&'static str, Account)> {
     let mut judged = Vec::new();
     for w in WORKLOADS {
         let trace = (w.generate)(DEFAULT_SEED);
@@ -167,7 +170,7 @@ fn judged_workloads() -> Vec<(&'static str, Account)> {
         if streams.len() < 2 || serving {
             continue; // one stream orders its own reuse: no wait to judge
         }
-        let acc = judge(&trace, "quilt");
+        let acc = judge(&trace, allocator);
         eprintln!("{}: {acc:?}", w.name);
         judged.push((w.name, acc));
     }
@@ -179,28 +182,60 @@ fn judged_workloads() -> Vec<(&'static str, Account)> {
     judged
 }
 
-/// The promise (issue 38), on every multi-stream built-in: no race; no
+/// Judge every multi-stream built-in under `allocator`, print a table of
+/// what each replay found (`--nocapture`), and return the workloads where
+/// `broken` holds.
+fn judged_table(allocator: &str, broken: impl Fn(&Account) -> bool) -> Vec<String> {
+    let judged = judged_workloads(allocator);
+    eprintln!("{allocator}:");
+    eprintln!(
+        "| workload | allocations | waits | needless | of them complete | beyond users | races |"
+    );
+    eprintln!("|---|---:|---:|---:|---:|---:|---:|");
+    for (name, acc) in &judged {
+        eprintln!(
+            "| {name} | {} | {} | {} | {} | {} | {} |",
+            acc.allocations,
+            acc.waits,
+            acc.unneeded,
+            acc.unneeded_complete,
+            acc.beyond_users,
+            acc.races
+        );
+    }
+    judged
+        .iter()
+        .filter(|(_, acc)| broken(acc))
+        .map(|(name, acc)| format!("{name}: {acc:?}"))
+        .collect()
+}
+
+/// The strict promise (issue 38), with events recorded at frees
+/// (`EventTiming::AtFree`), on every multi-stream built-in: no race; no
 /// allocation waits more often than other streams had used the memory
 /// under it; and none waits more often than streams needed ordering by the
 /// race finder (their work under the block neither complete nor ordered
 /// before the allocating stream's new work, directly or through a chain of
-/// waits). Prints a table of what each replay found (`--nocapture`).
+/// waits).
 #[test]
-fn quilt_waits_only_where_the_race_finder_needs_them() {
-    let judged = judged_workloads();
-    eprintln!("| workload | allocations | waits | needless | of them complete | races |");
-    eprintln!("|---|---:|---:|---:|---:|---:|");
-    for (name, acc) in &judged {
-        eprintln!(
-            "| {name} | {} | {} | {} | {} | {} |",
-            acc.allocations, acc.waits, acc.unneeded, acc.unneeded_complete, acc.races
-        );
-    }
-    let broken: Vec<String> = judged
-        .iter()
-        .filter(|(_, acc)| acc.races > 0 || acc.beyond_users > 0 || acc.unneeded > 0)
-        .map(|(name, acc)| format!("{name}: {acc:?}"))
-        .collect();
+fn quilt_at_free_waits_only_where_the_race_finder_needs_them() {
+    let broken = judged_table("quilt:events=at_free", |acc| {
+        acc.races > 0 || acc.beyond_users > 0 || acc.unneeded > 0
+    });
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+/// Quilt's default (`EventTiming::OnDemand`: an event only when a decision
+/// needs one, covering the stream's work up to the decision, so a busy
+/// stream's wait may order after more than the free's work): no race, and
+/// needless waits (by the race finder; waits for more streams than used
+/// the memory under the block among them) in at most one waiting
+/// allocation in eight.
+#[test]
+fn quilt_on_demand_waits_rarely_beyond_need() {
+    let broken = judged_table("quilt", |acc| {
+        acc.races > 0 || 8 * acc.unneeded > acc.waits.max(1)
+    });
     assert!(broken.is_empty(), "{}", broken.join("\n"));
 }
 

@@ -32,6 +32,7 @@
 //! | `map_ahead_permille` | 0 to 1000 (0: free pool pages only) | its bound | Quilt, Library |
 //! | `recycle_buffers` | released growable ranges kept (0: none) | [`QuiltConfig::recycle`] | Quilt, Library |
 //! | `offload_tier` | `off`, `offloadable_tags` | [`QuiltConfig::offload_tier`] | Quilt, Library |
+//! | `events` | `on_demand`, `at_free` | [`QuiltConfig::events`] | Quilt, Library |
 //! | `peer_access` | devices joined by `+` (`1+2+3`), or `none` | [`QuiltConfig::peer_access`] | Quilt, Library |
 //! | `max_split_size` | a size | [`CachingConfig::max_split_size`] | Caching |
 //! | `roundup_power2_divisions` | 0 or a power of two | [`CachingConfig::roundup_power2_divisions`] | Caching |
@@ -68,8 +69,8 @@ use crate::baselines::offset::OffsetConfig;
 use crate::baselines::CachingConfig;
 use crate::baselines::RoundupPower2Divisions;
 use crate::quilt::{
-    AccessGranularity, AheadMode, ArenaSharing, OffloadTier, Placement, QuiltConfig, ReclaimPolicy,
-    Recycle, SmallBlocks,
+    AccessGranularity, AheadMode, ArenaSharing, EventTiming, OffloadTier, Placement, QuiltConfig,
+    ReclaimPolicy, Recycle, SmallBlocks,
 };
 use crate::units::parse_size;
 
@@ -193,7 +194,7 @@ const MEMORY_FRACTION: Key = key(
 
 /// Every key, once: its group, the front ends that take it, and what a
 /// valid value is (see the module's table).
-pub const VOCABULARY: [Key; 25] = [
+pub const VOCABULARY: [Key; 26] = [
     key(
         "page_size",
         Group::Policy,
@@ -264,6 +265,13 @@ pub const VOCABULARY: [Key; 25] = [
         QUILT_LIB,
         "true or false",
         "true",
+    ),
+    key(
+        "events",
+        Group::Policy,
+        QUILT_LIB,
+        "on_demand or at_free",
+        "at_free",
     ),
     key(
         "map_ahead_pages",
@@ -808,6 +816,13 @@ fn quilt_config(
                 c.offload_tier = match value {
                     "off" => OffloadTier::Off,
                     "offloadable_tags" => OffloadTier::OffloadableTags,
+                    _ => return Err(bad(k, value)),
+                }
+            }
+            "events" => {
+                c.events = match value {
+                    "on_demand" => EventTiming::OnDemand,
+                    "at_free" => EventTiming::AtFree,
                     _ => return Err(bad(k, value)),
                 }
             }

@@ -401,8 +401,8 @@ fn overlap(a: quilt_alloc::Allocation, b: quilt_alloc::Allocation) -> bool {
 }
 
 /// A block freed while its stream captures a graph: the free makes no
-/// driver call but asking whether the stream captures (it records no event
-/// there); the capturing stream may place a block there in the capture
+/// driver call (with events at frees, only the question whether the stream
+/// captures: it records no event there); the capturing stream may place a block there in the capture
 /// (stream order, which the graph keeps); no other stream gets the range
 /// until the capture ends (its work runs only when the graph is launched,
 /// so nothing could order another stream after it), and none is made to

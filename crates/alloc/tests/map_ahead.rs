@@ -167,8 +167,11 @@ fn mapping_ahead_changes_no_placement() {
         first, None,
         "the same places with and without mapping ahead"
     );
+    // Here (work pending on three streams) the pool's pages carry hazards
+    // often enough that mapping ahead rarely engages: it must cost no call.
+    // That it spares calls where it engages is the first test's.
     assert!(
-        ahead_calls < plain_calls,
-        "mapping ahead spares set-access calls: {ahead_calls} against {plain_calls}"
+        ahead_calls <= plain_calls,
+        "mapping ahead costs no set-access call: {ahead_calls} against {plain_calls}"
     );
 }

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use quilt_alloc::quilt::{
-    ArenaLayout, ArenaSharing, MemoryLimit, PageSize, Placement, PoolConfig, QuiltAllocator,
-    QuiltConfig, ReclaimPolicy, SmallBlocks,
+    ArenaLayout, ArenaSharing, EventTiming, MemoryLimit, PageSize, Placement, PoolConfig,
+    QuiltAllocator, QuiltConfig, ReclaimPolicy, SmallBlocks,
 };
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::{Fault, SimVmm};
@@ -1019,12 +1019,56 @@ fn a_hundred_pending_frees_cost_no_query_storm() {
 }
 
 #[test]
-fn frees_of_a_solo_stream_record_no_event_and_a_decision_records_one_on_demand() {
+fn frees_record_no_event_and_a_decision_records_one_on_demand() {
     // The device never catches up: every event stays running. Stream 2
-    // exists; stream 1's frees record an event each while they leave a
+    // exists, yet frees on stream 1 record nothing, and stream 1 reusing
+    // its own memory needs no event either.
+    let (sim, a) = setup(1 << 30);
+    let w = a.allocate(MIB, S2).unwrap();
+    let before = sim.driver_stats();
+    for i in 0..2000u64 {
+        let x = a.allocate(64 * KIB + (i % 5) * 4 * KIB, S1).unwrap();
+        ok(&a);
+        a.free(x.ptr).unwrap();
+        ok(&a);
+    }
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::EventRecord), 0, "{d:?}");
+    assert_eq!(d.count(CallKind::EventQuery), 0, "{d:?}");
+    // Stream 2 placing over stream 1's latest free: one event recorded on
+    // stream 1 on demand, queried, and (the work running) waited for.
+    let y = a.allocate(64 * KIB, S2).unwrap();
+    ok(&a);
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::EventRecord), 1, "{d:?}");
+    assert!(d.count(CallKind::EventQuery) >= 1, "{d:?}");
+    assert_eq!(d.count(CallKind::StreamWaitEvent), 1, "{d:?}");
+    // Stream 2 again over stream 1's frees: the wait already covers them.
+    let z = a.allocate(64 * KIB, S2).unwrap();
+    ok(&a);
+    let d = sim.driver_stats().since(&before);
+    assert_eq!(d.count(CallKind::EventRecord), 1, "{d:?}");
+    assert_eq!(d.count(CallKind::StreamWaitEvent), 1, "{d:?}");
+    a.free(z.ptr).unwrap();
+    a.free(y.ptr).unwrap();
+    a.free(w.ptr).unwrap();
+    ok(&a);
+    assert_eq!(sim.driver_stats().count(CallKind::StreamSynchronize), 0);
+}
+
+#[test]
+fn at_free_frees_of_a_solo_stream_record_no_event_and_a_decision_records_one_on_demand() {
+    // Events at frees (`EventTiming::AtFree`). The device never catches
+    // up: every event stays running. Stream 2 exists; stream 1's frees record an event each while they leave a
     // hazard, and none once stream 1 runs solo (its frees leave none);
     // stream 1 reusing its own memory needs no event either.
-    let (sim, a) = setup(1 << 30);
+    let (sim, _spy, a) = spy_setup(
+        1 << 30,
+        QuiltConfig {
+            events: EventTiming::AtFree,
+            ..QuiltConfig::default()
+        },
+    );
     let w = a.allocate(MIB, S2).unwrap();
     let churn = |n: u64| {
         for i in 0..n {
@@ -1380,8 +1424,9 @@ fn pressure_makes_no_sync_when_several_frees_completed() {
 fn empty_cache_syncs_only_streams_whose_frees_may_be_running() {
     let (sim, spy, a) = spy_setup(1 << 30, QuiltConfig::default());
     // The program's work is declared on both streams (an event then
-    // completes once the work queued before it has): each free records an
-    // event on its stream, and stream 1's, caught up, is found complete.
+    // completes once the work queued before it has): frees record nothing,
+    // and the event empty_cache records on demand on stream 1, caught up,
+    // completes at once.
     sim.queue_work(S0);
     let x = a.allocate(8 * MIB, S0).unwrap();
     sim.queue_work(S1);

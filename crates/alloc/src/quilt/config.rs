@@ -200,6 +200,9 @@ pub struct QuiltConfig {
     /// What happens when a request would run out of memory ([`OffloadTier`];
     /// off by default).
     pub offload_tier: OffloadTier,
+    /// When events are recorded on a stream that frees memory another
+    /// stream may reuse ([`EventTiming`]; on demand by default).
+    pub events: EventTiming,
 }
 
 impl Default for QuiltConfig {
@@ -223,6 +226,7 @@ impl Default for QuiltConfig {
             map_ahead: MapAhead::default(),
             recycle: Recycle::default(),
             offload_tier: OffloadTier::Off,
+            events: EventTiming::OnDemand,
         }
     }
 }
@@ -275,6 +279,7 @@ impl QuiltConfig {
             map_ahead: MapAhead::default(),
             recycle: Recycle::default(),
             offload_tier: OffloadTier::Off,
+            events: EventTiming::OnDemand,
         }
     }
 
@@ -475,4 +480,45 @@ pub enum OffloadTier {
     /// they hold with what is free, cached and creatable cover the request;
     /// never the tag the request is for.
     OffloadableTags,
+}
+
+/// When Quilt records an event on a stream whose freed memory another
+/// stream may reuse (several streams sharing an arena): the trade between
+/// event calls and waits that order more than they must.
+///
+/// An event tells when a stream's work up to its record has completed;
+/// Quilt sees no kernel launch, so only an event recorded at a free covers
+/// exactly the work that may still use the freed memory.
+///
+/// ```
+/// use quilt_alloc::quilt::{EventTiming, QuiltConfig};
+///
+/// let exact = QuiltConfig { events: EventTiming::AtFree, ..QuiltConfig::default() };
+/// assert_eq!(QuiltConfig::default().events, EventTiming::OnDemand);
+/// # let _ = exact;
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EventTiming {
+    /// An event only when a decision needs one (placement over another
+    /// stream's freed range, a wait, a reclaim): it covers the stream's work
+    /// up to the decision, so on a busy stream a wait may order the reuse
+    /// after more work than the free's (about one waiting allocation in
+    /// ten on the multi-stream built-ins waits where the free's own work
+    /// had completed). Few event calls: 0.09 to 0.13 records per operation
+    /// on the `many-streams-N` workloads (see `docs/benchmarks.md`).
+    #[default]
+    OnDemand,
+    /// An event at every free that leaves a hazard (what `cudaMallocAsync`
+    /// keeps internally): every wait orders a reuse after work that may
+    /// still use the memory, and no wait is needless by the race finder;
+    /// about 0.5 records (and as many capture questions) per operation
+    /// where several streams allocate.
+    AtFree,
+}
+
+impl EventTiming {
+    /// Events are recorded at frees.
+    pub(crate) fn at_free(self) -> bool {
+        self == EventTiming::AtFree
+    }
 }

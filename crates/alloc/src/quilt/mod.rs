@@ -41,8 +41,8 @@ mod tiling;
 pub use crate::stats::ServingStats;
 pub use allocator::QuiltAllocator;
 pub use config::{
-    AccessGranularity, AheadMode, ArenaLayout, ArenaSharing, MapAhead, OffloadTier, Placement,
-    QuiltConfig, ReclaimPolicy, Recycle, SmallBlocks,
+    AccessGranularity, AheadMode, ArenaLayout, ArenaSharing, EventTiming, MapAhead, OffloadTier,
+    Placement, QuiltConfig, ReclaimPolicy, Recycle, SmallBlocks,
 };
 pub use growable::{GrowableId, GrowableInfo};
 pub use growable_buffer::GrowableBuffer;

@@ -103,7 +103,8 @@ impl Core {
                 self.arenas[ai].add_hazard(to, from - to, streams, tick);
             }
             for s in self.streams.in_mask(streams) {
-                self.streams.note_free(ctx.vmm, s, tick, track);
+                self.streams
+                    .note_free(ctx.vmm, s, tick, track && ctx.cfg.events.at_free());
             }
         }
         self.stats.allocated_bytes.decrease(from - to);
@@ -111,15 +112,16 @@ impl Core {
     }
 
     /// Empty the block of arena `ai` (extent `from`), used by the streams
-    /// `streams`: its pages stay mapped, freed by those streams now, with an
-    /// event on each (if none covers their frees yet), so that a later
-    /// operation learns when the pages are free.
+    /// `streams`: its pages stay mapped, freed by those streams now (with an
+    /// event on each under [`EventTiming::AtFree`](super::config::EventTiming)),
+    /// so that a later operation learns when the pages are free.
     pub(crate) fn vacate_own_block(&mut self, ctx: &Ctx<'_>, ai: usize, from: u64, streams: u64) {
         let tick = self.tick;
         self.set_extent(ai, from, 0, Some(streams));
         let several = self.streams.len() > 1;
         for s in self.streams.in_mask(streams) {
-            self.streams.note_free(ctx.vmm, s, tick, several);
+            self.streams
+                .note_free(ctx.vmm, s, tick, several && ctx.cfg.events.at_free());
         }
         self.stats.allocated_bytes.decrease(from);
         self.stats.active_bytes.decrease(from);

@@ -570,9 +570,10 @@ impl Core {
         Ok(Allocation { ptr, size: rounded })
     }
 
-    /// Free the block at `ptr`: no driver call but, where the free leaves a
-    /// hazard, an event on each of the block's streams (`Streams::note_free`:
-    /// asked whether it captures first). A block freed while its
+    /// Free the block at `ptr`: no driver call but, under
+    /// [`EventTiming::AtFree`](super::config::EventTiming) where the free
+    /// leaves a hazard, an event on each of the block's streams
+    /// (`Streams::note_free`: asked whether it captures first). A block freed while its
     /// stream captures a CUDA graph is reused in the capture by that stream
     /// only (in stream order, as the graph orders it); another stream finds
     /// its range under a hazard of the capturing stream and places nothing
@@ -624,11 +625,12 @@ impl Core {
         self.tick += 1;
         let tick = self.tick;
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
+        let at_free = ctx.cfg.events.at_free();
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
         self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
-            self.streams.note_free(ctx.vmm, s, tick, track);
+            self.streams.note_free(ctx.vmm, s, tick, track && at_free);
         }
         if track {
             // The block's piece is now the gap that holds it. Its hazard,
