@@ -13,10 +13,10 @@ each workload against the baselines of the same run:
                 SYNTHETIC below) the waits are printed, not judged: a
                 producer-consumer pipeline at the live peak must order each
                 reused layer after two streams' work (offload-pipeline-4's
-                floor is 0.095). That each wait is needed (by the race
-                finder) is checked per allocation by the bench test
-                `quilt_waits_only_where_needed` (benches/tests/waits.rs),
-                which the JSON rows cannot tell;
+                floor is 0.095). Whether each wait is needed (by the race
+                finder) is checked per allocation by the bench tests of
+                benches/tests/waits.rs (strict with `quilt:events=at_free`,
+                bounded for the default), which the JSON rows cannot tell;
 - calls-after:  driver calls after the first iteration at most 0.2 % of the
                 events (not checked on rows with growable buffers, which Quilt
                 serves natively by mapping pages as they grow);

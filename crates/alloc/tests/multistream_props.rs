@@ -471,9 +471,10 @@ proptest! {
 
     /// The strict form of promise (b) for Quilt's default configuration,
     /// on generated loops. The promise as issue 38 restates it runs in
-    /// `benches/tests/waits.rs` (`quilt_waits_only_where_needed`, judged by
-    /// the replay's race finder), where the strict form is ignored for the
-    /// same two causes.
+    /// `benches/tests/waits.rs`, judged by the replay's race finder: strict
+    /// with events at frees (`EventTiming::AtFree`), bounded (needless in at
+    /// most one waiting allocation in eight) for the default, events on
+    /// demand.
     /// Fails (found by this test) on some generated loops: Quilt sometimes
     /// waits where the test's account, which records a probe event at every
     /// free, finds no other stream's work pending under the block. Three

@@ -6,8 +6,9 @@
 //! Candidates are scored in one pass, best fit first, and the first that
 //! is mapped and needs no wait is taken at once: scoring a candidate walks
 //! its hazards once, learning the progress of each stream whose work it may
-//! still carry until one is found running (at most one query per stream per
-//! operation, none for a stream known done or already waited for). A block
+//! still carry until one is found running (a query of the earliest event
+//! covering what is asked, none where this operation already learnt the
+//! answer or the stream is known done or already waited for). A block
 //! that would wait for a stream capturing a CUDA graph is passed over (see
 //! [`Core::under_capture`]).
 
@@ -371,8 +372,8 @@ impl Core {
     /// True when the work of every stream in `mask` up to tick `k` that the
     /// memory they freed can depend on is known complete (after
     /// [`Streams::learn`](super::streams::Streams::learn): an event recorded
-    /// on demand where none covers those frees, and at most one query per
-    /// stream this operation).
+    /// on demand where none covers those frees, then a query unless this
+    /// operation already learnt the answer).
     pub(super) fn work_done(&mut self, ctx: &Ctx<'_>, mask: u64, k: u64, tick: u64) -> bool {
         self.streams.in_mask(mask).all(|s| {
             self.streams.learn(ctx.vmm, s, k, tick);
@@ -426,8 +427,9 @@ fn best_of(
 /// The score of a block of `len` bytes on stream `t` at `start` of gap `gap`
 /// in `arena`. Walks the gap's hazards over the range once: a hazard's
 /// streams other than `t`, not known done and not waited for, are learnt
-/// (an event recorded on demand where none covers their frees, at most one
-/// query per stream per operation `tick`) until one is found still running:
+/// (an event recorded on demand where none covers their frees, a query
+/// unless operation `tick` already learnt the answer) until one is found
+/// still running:
 /// the block then waits, and further answers would not change its score.
 fn score(
     arena: &Arena,

@@ -8,10 +8,15 @@
 //! `t >= k` has completed, or once that other stream is ordered after such
 //! an event.
 //!
-//! **Events at frees.** As `cudaMallocAsync` does for its stream-ordered
-//! frees, a free that leaves a hazard (several streams exist, and the free
-//! is not a solo stream's own, see `solo.rs`) records an event on each of
-//! the block's streams at the free's tick ([`Streams::note_free`]), so that
+//! **When events are recorded** is the policy's `EventTiming`. By default
+//! (`OnDemand`) a free records none (its `hazard` argument to
+//! [`Streams::note_free`] is false) and a decision that finds no event
+//! covering the work it asks about records one then (see below): few event
+//! calls, but an event covering more than the free's work. With `AtFree`,
+//! as `cudaMallocAsync` does for its stream-ordered frees, a free that
+//! leaves a hazard (several streams exist, and the free is not a solo
+//! stream's own, see `solo.rs`) records an event on each of the block's
+//! streams at the free's tick ([`Streams::note_free`]), so that
 //! the event covers the work up to the free and nothing enqueued after it:
 //! it completes when that work does, and a decision about the freed range
 //! learns exactly whether that work is complete. No event is recorded where
