@@ -405,7 +405,8 @@ fn best_of(
     }
     let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
     for c in std::iter::once(first).chain(candidates) {
-        let score = score(arena, streams, ctx, (len, t), ahead, c, tick);
+        let to_beat = best.map(|(b, _)| b);
+        let score = score(arena, streams, ctx, (len, t), ahead, c, tick, to_beat);
         if score == PlaceScore::PERFECT {
             return Some(Placed {
                 off: c.0,
@@ -431,6 +432,10 @@ fn best_of(
 /// unless operation `tick` already learnt the answer) until one is found
 /// still running:
 /// the block then waits, and further answers would not change its score.
+/// A candidate that needs more new pages than `to_beat` (the best score so
+/// far) loses whatever its waits: its hazards are not walked, and nothing
+/// is asked of the device for it (it scores as waiting).
+#[allow(clippy::too_many_arguments)] // one private call site, in best_of
 fn score(
     arena: &Arena,
     streams: &mut Streams,
@@ -439,10 +444,20 @@ fn score(
     (ahead, ai): (&MappedAhead, usize),
     (start, gap): (u64, PieceId),
     tick: u64,
+    to_beat: Option<PlaceScore>,
 ) -> PlaceScore {
     // Pages mapped ahead of the top count as the new pages they would be
     // without mapping ahead (see `MappedAhead`).
     let unmapped = arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len);
+    let loses = to_beat.is_some_and(|b| unmapped > 0 && (!b.needs_pages || unmapped > b.new_pages));
+    if loses {
+        return PlaceScore {
+            needs_pages: true,
+            waits_though_mapped: false,
+            new_pages: unmapped,
+            waits: true,
+        };
+    }
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {
