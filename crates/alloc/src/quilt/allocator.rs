@@ -7,7 +7,7 @@ use quilt_pool::{MemoryLimit, PagePool, PoolStats};
 use quilt_vmm::{DevicePtr, HandleKind, StreamId, Vmm};
 
 use super::ahead;
-use super::config::{OffloadTier, QuiltConfig};
+use super::config::QuiltConfig;
 use super::export::Exports;
 use super::growable::Growables;
 #[cfg(feature = "invariants")]
@@ -423,10 +423,6 @@ impl DeviceAllocator for QuiltAllocator {
 
     fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
         self.with(|l, ctx| {
-            if ctx.cfg.offload_tier == OffloadTier::Off {
-                // The common case: no tier to fall back on, no wrapper.
-                return l.core.allocate(ctx, size, stream);
-            }
             with_offload_tier(l.tier(), ctx, None, |t, ctx| {
                 t.core.allocate(ctx, size, stream)
             })

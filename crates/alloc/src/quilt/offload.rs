@@ -40,6 +40,22 @@ pub(crate) fn with_offload_tier<T>(
         }
         _ => return first,
     };
+    offload_and_retry(tier, ctx, exclude, op, (first, needed, ooms))
+}
+
+/// [`with_offload_tier`] once `op` ran out of memory (`first`) needing
+/// `needed` pages, with `ooms` out-of-memory errors counted before it:
+/// offloadable tags put to sleep, largest first, `op` run again after each.
+/// (Out of line: every operation runs the wrapper, few run this.)
+#[cold]
+#[inline(never)]
+fn offload_and_retry<T>(
+    mut tier: Tier<'_>,
+    ctx: &Ctx<'_>,
+    exclude: Option<u32>,
+    mut op: impl FnMut(&mut Tier<'_>, &Ctx<'_>) -> Result<T, AllocError>,
+    (first, needed, ooms): (Result<T, AllocError>, u64, u64),
+) -> Result<T, AllocError> {
     let Tier {
         core,
         growables,
