@@ -60,12 +60,7 @@ impl Arena {
 
     /// Pages `first ..= last` that a range `off .. off + len` overlaps.
     pub(crate) fn page_span(&self, off: u64, len: u64) -> (u64, u64) {
-        let shift = self.page.trailing_zeros();
-        if self.page == 1 << shift {
-            (off >> shift, (off + len - 1) >> shift)
-        } else {
-            (off / self.page, (off + len - 1) / self.page)
-        }
+        (off / self.page, (off + len - 1) / self.page)
     }
 
     /// The blocks in address order, as (start, end).
@@ -91,17 +86,6 @@ impl Arena {
             .fitting(len)
             .take(n)
             .map(|(_, start, id)| (start, id))
-    }
-
-    /// The best-fitting gap for `len` bytes if a block at its start would
-    /// lie on mapped pages only and over no hazard (one stream's gaps have
-    /// none), as (start, gap): the first of [`Arena::fitting_gaps`] scored
-    /// perfect without scoring (placement's common case, found with the
-    /// least code).
-    pub(crate) fn best_fit_if_ready(&self, len: u64) -> Option<(u64, PieceId)> {
-        let ((_, start), gap) = self.tiling.by_size_first(len)?;
-        let ready = self.unmapped_pages(start, len) == 0 && self.tiling.gap_hazards(gap).is_empty();
-        ready.then_some((start, gap))
     }
 
     /// The best-fitting gap of at most `max_len` bytes whose first `len` bytes

@@ -107,14 +107,17 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            // The best fit, mapped and over no hazard, is what scoring
-            // would take first: taken without it.
-            // (Pages mapped ahead count as new pages, as in `score`.)
+            // The best fit, needing no new page and over no hazard, is what
+            // scoring would take first: taken without it.
             let arena = &core.arenas[ai];
-            if let Some((off, gap)) = arena
-                .best_fit_if_ready(rounded)
-                .filter(|&(off, _)| core.mapped_ahead.pages_in(arena, ai, off, rounded) == 0)
-            {
+            let ready = arena
+                .tiling
+                .by_size_first(rounded)
+                .filter(|&((_, off), gap)| {
+                    new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
+                        && arena.tiling.gap_hazards(gap).is_empty()
+                });
+            if let Some(((_, off), gap)) = ready {
                 return Some(Placed {
                     off,
                     gap,
@@ -446,9 +449,7 @@ fn score(
     tick: u64,
     to_beat: Option<PlaceScore>,
 ) -> PlaceScore {
-    // Pages mapped ahead of the top count as the new pages they would be
-    // without mapping ahead (see `MappedAhead`).
-    let unmapped = arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len);
+    let unmapped = new_pages(arena, (ahead, ai), start, len);
     let loses = to_beat.is_some_and(|b| unmapped > 0 && (!b.needs_pages || unmapped > b.new_pages));
     if loses {
         return PlaceScore {
@@ -475,4 +476,12 @@ fn score(
         new_pages: unmapped,
         waits: wait,
     }
+}
+
+/// The new pages a block of `len` bytes at `start` of arena `ai` would
+/// need: its unmapped pages, and the pages mapped ahead of the top, which
+/// count as the new pages they would be without mapping ahead (see
+/// `MappedAhead`).
+fn new_pages(arena: &Arena, (ahead, ai): (&MappedAhead, usize), start: u64, len: u64) -> u64 {
+    arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len)
 }
