@@ -40,6 +40,9 @@ pub(crate) struct Arena {
     pub(crate) touched_pages: u64,
     pub(crate) mapped_pages: u64,
     pub(crate) retired_pages: u64,
+    /// The end of the highest block ever placed: space above it was never
+    /// used (its pages' part above it carries no work to wait for).
+    pub(crate) used_to: u64,
 }
 
 impl Arena {
@@ -55,6 +58,7 @@ impl Arena {
             touched_pages: 0,
             mapped_pages: 0,
             retired_pages: 0,
+            used_to: 0,
         }
     }
 
@@ -202,6 +206,7 @@ impl Arena {
     /// page of the table is mapped, a look at its mapping (a large block
     /// touches hundreds of pages).
     pub(crate) fn touch(&mut self, off: u64, len: u64) -> u64 {
+        self.used_to = self.used_to.max(off + len);
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
         let all_mapped = self.mapped_pages == self.pages.len() as u64;
@@ -423,7 +428,8 @@ impl Arena {
     /// `Streams::last_mark`). For the frees a single stream made before a
     /// second appeared (`since` 0) and those of a solo run (`solo.rs`).
     /// Pristine space (never used, or unmapped since: an unmap waits for
-    /// the work) gets none.
+    /// the work) gets none, nor the part of a page above the highest block
+    /// ever placed (`used_to`).
     pub(crate) fn add_hazards_from_pages(&mut self, bit: u64, since: u64, mark: u64) {
         let known = self.pages.len() as u64;
         if known == 0 {
@@ -446,7 +452,10 @@ impl Arena {
                 if freed_by & bit == 0 || tick <= since {
                     continue;
                 }
-                let (mut lo, hi) = ((p * self.page).max(start), ((p + 1) * self.page).min(end));
+                let (mut lo, hi) = (
+                    (p * self.page).max(start),
+                    ((p + 1) * self.page).min(end).min(self.used_to),
+                );
                 // The parts of `lo .. hi` between the existing hazards.
                 while lo < hi {
                     while existing.get(under).is_some_and(|h| h.end <= lo) {
@@ -517,6 +526,7 @@ mod tests {
         }
         let g = a.tiling.find(0).unwrap();
         a.tiling.occupy(g, 500, 100).unwrap();
+        a.used_to = 600;
         let g = a.tiling.find(0).unwrap();
         a.tiling.add_hazard(g, Hazard::over(230, 30, 2, 9));
         // Since tick 5 (a solo run's start); the stream's last event was at tick 6.
@@ -534,11 +544,28 @@ mod tests {
         // With an event of the stream at tick 7, pages 1 and 2 stay apart.
         let mut b = Arena::new(0, 1000, 100);
         b.pages.grow_to(3);
+        b.used_to = 300;
         for (p, at) in [(1, 7), (2, 9)] {
             b.pages.freed_by[p] = 1;
             b.pages.freed_at[p] = at;
         }
         b.add_hazards_from_pages(1, 5, 7);
         assert_eq!(hazards(&b), vec![(100, 200, 1, 7), (200, 300, 1, 9)]);
+    }
+
+    #[test]
+    fn a_page_above_the_highest_block_ever_placed_is_a_hazard_only_below_it() {
+        // Pages of 100 bytes: blocks were placed up to 250 and freed on
+        // pages 1 and 2 (tick 7); 250..300 of page 2 was never used.
+        let mut a = Arena::new(0, 1000, 100);
+        a.pages.grow_to(3);
+        for p in [1, 2] {
+            a.pages.freed_by[p] = 1;
+            a.pages.freed_at[p] = 7;
+        }
+        a.used_to = 250;
+        a.add_hazards_from_pages(1, 0, 7);
+        assert_eq!(hazards(&a), vec![(100, 200, 1, 7), (200, 250, 1, 7)]);
+        a.tiling.check(1000).unwrap();
     }
 }

@@ -508,11 +508,13 @@ pub enum EventTiming {
     /// on the `many-streams-N` workloads (see `docs/benchmarks.md`).
     #[default]
     OnDemand,
-    /// An event at every free that leaves a hazard (what `cudaMallocAsync`
-    /// keeps internally): every wait orders a reuse after work that may
-    /// still use the memory, and no wait is needless by the race finder;
-    /// about 0.5 records (and as many capture questions) per operation
-    /// where several streams allocate.
+    /// An event at every free once several streams exist (what
+    /// `cudaMallocAsync` keeps internally), a solo stream's frees included
+    /// (see `solo.rs`: their hazards, built when the run ends, carry the
+    /// frees' ticks): every wait orders a reuse after work that may still
+    /// use the memory, and no wait is needless by the race finder; about
+    /// 0.5 records (and as many capture questions) per operation where
+    /// several streams allocate.
     AtFree,
 }
 

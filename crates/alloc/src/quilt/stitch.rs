@@ -624,13 +624,18 @@ impl Core {
         };
         self.tick += 1;
         let tick = self.tick;
-        let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
-        let at_free = ctx.cfg.events.at_free();
+        let several = self.streams.len() > 1;
+        let track = several && !self.free_leaves_no_hazard(b.streams);
+        // With events at frees, a solo run's frees record theirs too: the
+        // hazards built from the pages when the run ends carry these
+        // frees' ticks, and only an event recorded at the free tells
+        // exactly when that work is complete.
+        let event_now = several && ctx.cfg.events.at_free();
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
         self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
-            self.streams.note_free(ctx.vmm, s, tick, track && at_free);
+            self.streams.note_free(ctx.vmm, s, tick, event_now);
         }
         if track {
             // The block's piece is now the gap that holds it. Its hazard,

@@ -13,9 +13,10 @@
 //! [`Streams::note_free`] is false) and a decision that finds no event
 //! covering the work it asks about records one then (see below): few event
 //! calls, but an event covering more than the free's work. With `AtFree`,
-//! as `cudaMallocAsync` does for its stream-ordered frees, a free that
-//! leaves a hazard (several streams exist, and the free is not a solo
-//! stream's own, see `solo.rs`) records an event on each of the block's
+//! as `cudaMallocAsync` does for its stream-ordered frees, a free made
+//! while several streams exist (a solo stream's own included, see
+//! `solo.rs`: the hazards built when its run ends carry the frees' ticks)
+//! records an event on each of the block's
 //! streams at the free's tick ([`Streams::note_free`]), so that
 //! the event covers the work up to the free and nothing enqueued after it:
 //! it completes when that work does, and a decision about the freed range
@@ -606,9 +607,9 @@ impl Streams {
         }
     }
 
-    /// Stream `i` freed a block at `tick`. When the free leaves a hazard
-    /// (`hazard`), an event is recorded on the stream now, covering its
-    /// work up to the free (none where its newest event is of this tick,
+    /// Stream `i` freed a block at `tick`. When its work up to the free
+    /// must be known exactly (`hazard`: events at frees), an event is
+    /// recorded on the stream now, covering its work up to the free (none where its newest event is of this tick,
     /// its work is known complete up to here, or it is capturing). Once
     /// the stream's list is twice as long as the last such query left it
     /// (and at least [`POLL_AT_FREE`]), the event halfway down is queried:
