@@ -107,15 +107,18 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            // The best fit, needing no new page and over no hazard, is what
-            // scoring would take first: taken without it.
-            let arena = &core.arenas[ai];
+            // The best fit, needing no new page and no wait (over no
+            // hazard, or over hazards known without a call to need no
+            // wait), is what scoring would take first, asking nothing:
+            // taken without it.
+            let (arena, streams) = (&core.arenas[ai], &core.streams);
             let ready = arena
                 .tiling
                 .by_size_first(rounded)
                 .filter(|&((_, off), gap)| {
                     new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
-                        && arena.tiling.gap_hazards(gap).is_empty()
+                        && (arena.tiling.gap_hazards(gap).is_empty()
+                            || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
                 });
             if let Some(((_, off), gap)) = ready {
                 return Some(Placed {
@@ -476,6 +479,27 @@ fn score(
         new_pages: unmapped,
         waits: wait,
     }
+}
+
+/// True when a block of `len` bytes on stream `t` at `start` of gap `gap`
+/// in `arena` is known, without a call, to wait for no other stream: every
+/// stream of every hazard over the range orders nothing for `t`
+/// ([`Streams::orders_nothing`]). Scoring such a range asks nothing of
+/// the device and finds it wait-free. (Out of line: a single stream has no
+/// hazards and never gets here.)
+#[inline(never)]
+fn waits_for_nothing_known(
+    arena: &Arena,
+    streams: &Streams,
+    (start, gap): (u64, PieceId),
+    len: u64,
+    t: u32,
+) -> bool {
+    arena.tiling.hazards_over(gap, start, len).all(|h| {
+        streams
+            .in_mask(h.streams)
+            .all(|s| streams.orders_nothing(t, s, h.tick))
+    })
 }
 
 /// The new pages a block of `len` bytes at `start` of arena `ai` would
