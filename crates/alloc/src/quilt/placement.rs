@@ -110,24 +110,25 @@ impl Placer for BestFit {
             // The best fit, needing no new page and no wait (over no
             // hazard, or over hazards known without a call to need no
             // wait), is what scoring would take first, asking nothing:
-            // taken without it.
-            let (arena, streams) = (&core.arenas[ai], &core.streams);
-            let ready = arena
-                .tiling
-                .by_size_first(rounded)
-                .filter(|&((_, off), gap)| {
-                    new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
-                        && (arena.tiling.gap_hazards(gap).is_empty()
-                            || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
-                });
-            if let Some(((_, off), gap)) = ready {
+            // taken without it. Otherwise the candidates are scored from
+            // the same walk of the size index (not searched for again).
+            let tick = core.tick;
+            let (arena, streams) = (&core.arenas[ai], &mut core.streams);
+            let ahead = (&core.mapped_ahead, ai);
+            let mut fitting = arena.fitting_gaps(rounded, n).peekable();
+            let &(off, gap) = fitting.peek()?;
+            if new_pages(arena, ahead, off, rounded) == 0
+                && (arena.tiling.gap_hazards(gap).is_empty()
+                    || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
+            {
                 return Some(Placed {
                     off,
                     gap,
                     wait_free: true,
                 });
             }
-            return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
+            let best = best_of(arena, streams, ctx, (rounded, t, tick), ahead, fitting, &[]);
+            return core.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best);
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
         let moved: Vec<(u64, PieceId)> = candidates
@@ -190,26 +191,56 @@ impl Core {
         t: u32,
         candidates: Candidates<'_>,
     ) -> Option<Placed> {
+        let best = self.best_round(ctx, ai, (rounded, t), candidates, &[]);
+        self.unless_under_capture(ctx, ai, (rounded, t), candidates, best)
+    }
+
+    /// The best of `candidates` not in `skipped`, by [`PlaceScore`]
+    /// ([`best_of`]), for a block of `rounded` bytes on stream `t` in
+    /// arena `ai`.
+    fn best_round(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        candidates: Candidates<'_>,
+        skipped: &[(u64, PieceId)],
+    ) -> Option<Placed> {
+        let req = (rounded, t, self.tick);
+        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+        let ahead = (&self.mapped_ahead, ai);
+        match candidates {
+            Candidates::Fitting(n) => {
+                let fitting = arena.fitting_gaps(rounded, n);
+                best_of(arena, streams, ctx, req, ahead, fitting, skipped)
+            }
+            Candidates::Listed(list) => best_of(
+                arena,
+                streams,
+                ctx,
+                req,
+                ahead,
+                list.iter().copied(),
+                skipped,
+            ),
+        }
+    }
+
+    /// `best`, the best of `candidates` for a block of `rounded` bytes on
+    /// stream `t` in arena `ai`, unless it would wait for a capture under
+    /// way ([`Core::under_capture`]): then the best of the others, and so
+    /// on; when every candidate is passed over so, fresh virtual space past
+    /// the arena's mapped tail.
+    fn unless_under_capture(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        candidates: Candidates<'_>,
+        mut best: Option<Placed>,
+    ) -> Option<Placed> {
         let mut skipped: Vec<(u64, PieceId)> = Vec::new();
         loop {
-            let req = (rounded, t, self.tick);
-            let (arena, streams) = (&self.arenas[ai], &mut self.streams);
-            let ahead = (&self.mapped_ahead, ai);
-            let best = match candidates {
-                Candidates::Fitting(n) => {
-                    let fitting = arena.fitting_gaps(rounded, n);
-                    best_of(arena, streams, ctx, req, ahead, fitting, &skipped)
-                }
-                Candidates::Listed(list) => best_of(
-                    arena,
-                    streams,
-                    ctx,
-                    req,
-                    ahead,
-                    list.iter().copied(),
-                    &skipped,
-                ),
-            };
             let Some(placed) = best else {
                 if skipped.is_empty() {
                     return None;
@@ -222,6 +253,7 @@ impl Core {
                 return Some(placed);
             }
             skipped.push((placed.off, placed.gap));
+            best = self.best_round(ctx, ai, (rounded, t), candidates, &skipped);
         }
     }
 

@@ -246,12 +246,6 @@ impl Tiling {
             .map(|((l, start), id)| (l, start, id))
     }
 
-    /// The best-fitting gap of at least `len` bytes, as ((length, start),
-    /// piece): the first of [`Tiling::fitting`].
-    pub(crate) fn by_size_first(&self, len: u64) -> Option<((u64, u64), PieceId)> {
-        self.by_size.first_from((len, 0))
-    }
-
     /// The range of gap `id`; `None` when `id` is no gap.
     pub(crate) fn gap(&self, id: PieceId) -> Option<(u64, u64)> {
         self.get(id).filter(|p| p.free).map(|p| (p.start, p.end))
