@@ -115,6 +115,15 @@ impl<I: Copy> GapIndex<I> {
         }
     }
 
+    /// The first gap at or past `key` (the first of [`GapIndex::from`],
+    /// without an iterator).
+    pub(crate) fn first_from(&self, key: GapKey) -> Option<(GapKey, I)> {
+        match self {
+            GapIndex::Sorted(v) => v.get(v.partition_point(|e| e.0 < key)).copied(),
+            GapIndex::Tree(t) => t.range(key..).next().map(|(&k, &id)| (k, id)),
+        }
+    }
+
     /// The gaps from `key` on, in key order.
     pub(crate) fn from(&self, key: GapKey) -> GapsFrom<'_, I> {
         match self {

@@ -110,13 +110,11 @@ impl Placer for BestFit {
             // The best fit, needing no new page and no wait (over no
             // hazard, or over hazards known without a call to need no
             // wait), is what scoring would take first, asking nothing:
-            // taken without it. Otherwise the candidates are scored from
-            // the same walk of the size index (not searched for again).
+            // taken without it.
             let tick = core.tick;
             let (arena, streams) = (&core.arenas[ai], &mut core.streams);
             let ahead = (&core.mapped_ahead, ai);
-            let mut fitting = arena.fitting_gaps(rounded, n).peekable();
-            let &(off, gap) = fitting.peek()?;
+            let (off, gap) = arena.best_fit(rounded)?;
             if new_pages(arena, ahead, off, rounded) == 0
                 && (arena.tiling.gap_hazards(gap).is_empty()
                     || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
@@ -127,7 +125,19 @@ impl Placer for BestFit {
                     wait_free: true,
                 });
             }
-            let best = best_of(arena, streams, ctx, (rounded, t, tick), ahead, fitting, &[]);
+            // The rest of the candidates, past the best fit.
+            let mut fitting = arena.fitting_gaps(rounded, n);
+            fitting.next();
+            let candidates = ((off, gap), fitting);
+            let best = best_of(
+                arena,
+                streams,
+                ctx,
+                (rounded, t, tick),
+                ahead,
+                candidates,
+                &[],
+            );
             return core.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best);
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
@@ -211,18 +221,15 @@ impl Core {
         let ahead = (&self.mapped_ahead, ai);
         match candidates {
             Candidates::Fitting(n) => {
-                let fitting = arena.fitting_gaps(rounded, n);
-                best_of(arena, streams, ctx, req, ahead, fitting, skipped)
+                let mut fitting = arena.fitting_gaps(rounded, n);
+                let first = fitting.next()?;
+                best_of(arena, streams, ctx, req, ahead, (first, fitting), skipped)
             }
-            Candidates::Listed(list) => best_of(
-                arena,
-                streams,
-                ctx,
-                req,
-                ahead,
-                list.iter().copied(),
-                skipped,
-            ),
+            Candidates::Listed(list) => {
+                let (&first, rest) = list.split_first()?;
+                let candidates = (first, rest.iter().copied());
+                best_of(arena, streams, ctx, req, ahead, candidates, skipped)
+            }
         }
     }
 
@@ -420,8 +427,9 @@ impl Core {
     }
 }
 
-/// The best of `candidates` (starts of a block of `len` bytes on stream `t`
-/// in `arena`, each with its gap, best fit first) not in `skipped`, by
+/// The best of the candidates `first` then `rest` (starts of a block of
+/// `len` bytes on stream `t` in `arena`, each with its gap, best fit
+/// first) not in `skipped`, by
 /// [`PlaceScore`], scored in one pass at operation `tick`: the first that
 /// is mapped and wait-free is taken at once. A lone candidate is taken
 /// unscored.
@@ -431,10 +439,11 @@ fn best_of(
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
     ahead: (&MappedAhead, usize),
-    candidates: impl Iterator<Item = (u64, PieceId)>,
+    (first, rest): ((u64, PieceId), impl Iterator<Item = (u64, PieceId)>),
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
-    let mut candidates = candidates
+    let mut candidates = std::iter::once(first)
+        .chain(rest)
         .filter(|c| skipped.is_empty() || !skipped.contains(c))
         .peekable();
     let first = candidates.next()?;

@@ -12,14 +12,12 @@
 //!
 //! Each gap keeps its own [`Hazard`]s: freed byte ranges inside it whose
 //! streams' work may still use them (a short list in address order, kept
-//! with the gap's slot: no search). Occupying part of a gap hands the
-//! hazards before and after the block to the gaps left beside it and drops
-//! those under the block (the caller orders the block's stream after them
-//! first, see [`Tiling::hazards_over`]); vacating a block joins the lists of
-//! the gaps it coalesces with. Lists move rather than copy, and a list
-//! emptied (a block's, a joined neighbour's, one whose hazards were all
-//! forgotten) is kept as a spare for the next gap that receives hazards, so
-//! hazards moving from gap to gap allocate nothing once the spares suffice.
+//! in the gap's slot: no search, and up to two held in place, see
+//! [`HazardList`]). Occupying part of a gap hands the hazards before and
+//! after the block to the gaps left beside it and drops those under the
+//! block (the caller orders the block's stream after them first, see
+//! [`Tiling::hazards_over`]); vacating a block joins the lists of the gaps
+//! it coalesces with.
 //!
 //! Invariants ([`Tiling::check`]): the pieces cover `0 .. size` exactly, in
 //! order, none empty; no two gaps are adjacent (a vacated block coalesces
@@ -28,7 +26,10 @@
 //! hazards are non-empty, disjoint, in address order and inside the gap; a
 //! block has none.
 
+mod hazard_list;
+
 use super::gap_index::GapIndex;
+use hazard_list::HazardList;
 
 /// A piece of a tiling (its slot), stable while the piece lives.
 pub(crate) type PieceId = u32;
@@ -89,23 +90,12 @@ pub(crate) struct Tiling {
     blocks: usize,
     /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
     /// block or a vacant slot); parallel to `pieces`.
-    hazards: Vec<Vec<Hazard>>,
+    hazards: Vec<HazardList>,
     /// `pruned[id]`: the progress (`Streams::progress`) at which gap `id`'s
     /// hazards were last all checked and the completed ones dropped
     /// ([`NEVER`] when some were not); parallel to `pieces`.
     pruned: Vec<u64>,
-    /// Emptied hazard lists kept for reuse (at most [`SPARE_LISTS`]):
-    /// hazards move from gap to gap as blocks come and go, and a gap that
-    /// receives some takes a spare list rather than allocating one, while a
-    /// block gives its list back. Without them a churn on several streams
-    /// allocates a list at most operations.
-    spare_lists: Vec<Vec<Hazard>>,
-    /// Hazard lists allocated because no spare was left (for tests).
-    lists_allocated: u64,
 }
-
-/// Most emptied hazard lists kept for reuse.
-const SPARE_LISTS: usize = 1024;
 
 /// A hazard list not pruned at any progress (see `Tiling::pruned`).
 const NEVER: u64 = u64::MAX;
@@ -144,7 +134,7 @@ impl Tiling {
             }
             None => {
                 self.pieces.push(p);
-                self.hazards.push(Vec::new());
+                self.hazards.push(HazardList::default());
                 self.pruned.push(NEVER);
                 (self.pieces.len() - 1) as PieceId
             }
@@ -193,40 +183,6 @@ impl Tiling {
         self.vacant.push(id);
     }
 
-    /// The hazard list of gap `id`, to be filled (taken out of its slot): a
-    /// spare when the slot has no room of its own.
-    fn list_to_fill(&mut self, id: PieceId) -> Vec<Hazard> {
-        let list = std::mem::take(&mut self.hazards[id as usize]);
-        if list.capacity() > 0 {
-            return list;
-        }
-        self.spare_lists.pop().unwrap_or_else(|| {
-            self.lists_allocated += 1;
-            Vec::new()
-        })
-    }
-
-    /// The hazards of `front` then those of `back`, in whichever of the two
-    /// lists avoids a copy; the other, emptied, goes to the spares.
-    fn joined(&mut self, mut front: Vec<Hazard>, mut back: Vec<Hazard>) -> Vec<Hazard> {
-        if front.is_empty() {
-            std::mem::swap(&mut front, &mut back);
-        } else {
-            front.append(&mut back);
-        }
-        self.spare(back);
-        front
-    }
-
-    /// Keep the emptied list `list` for reuse (dropped beyond
-    /// [`SPARE_LISTS`], or when it holds no room).
-    fn spare(&mut self, mut list: Vec<Hazard>) {
-        if list.capacity() > 0 && self.spare_lists.len() < SPARE_LISTS {
-            list.clear();
-            self.spare_lists.push(list);
-        }
-    }
-
     /// Gaps.
     pub(crate) fn gap_count(&self) -> usize {
         self.by_size.len()
@@ -246,6 +202,14 @@ impl Tiling {
             .map(|((l, start), id)| (l, start, id))
     }
 
+    /// The best-fitting gap of at least `len` bytes, as (start, piece):
+    /// the first of [`Tiling::fitting`].
+    pub(crate) fn best_fit(&self, len: u64) -> Option<(u64, PieceId)> {
+        self.by_size
+            .first_from((len, 0))
+            .map(|((_, start), id)| (start, id))
+    }
+
     /// The range of gap `id`; `None` when `id` is no gap.
     pub(crate) fn gap(&self, id: PieceId) -> Option<(u64, u64)> {
         self.get(id).filter(|p| p.free).map(|p| (p.start, p.end))
@@ -262,7 +226,7 @@ impl Tiling {
         let end = off.saturating_add(len);
         self.hazards
             .get(id as usize)
-            .map_or(&[][..], Vec::as_slice)
+            .map_or(&[][..], HazardList::as_slice)
             .iter()
             .skip_while(move |h| h.end <= off)
             .take_while(move |h| h.start < end)
@@ -277,7 +241,9 @@ impl Tiling {
 
     /// The hazards of gap `id`.
     pub(crate) fn gap_hazards(&self, id: PieceId) -> &[Hazard] {
-        self.hazards.get(id as usize).map_or(&[][..], Vec::as_slice)
+        self.hazards
+            .get(id as usize)
+            .map_or(&[][..], HazardList::as_slice)
     }
 
     /// Every hazard, in address order.
@@ -286,7 +252,7 @@ impl Tiling {
         let mut id = self.head;
         std::iter::from_fn(move || {
             let p = self.get(id)?;
-            let list = &self.hazards[id as usize];
+            let list = self.hazards[id as usize].as_slice();
             id = p.next;
             Some(list.iter())
         })
@@ -325,35 +291,47 @@ impl Tiling {
         let Some(list) = self.hazards.get_mut(id as usize) else {
             return false;
         };
-        let at = list.partition_point(|x| x.start < h.start);
-        let left = at
-            .checked_sub(1)
-            .filter(|&i| list[i].end == h.start && list[i].streams == h.streams);
-        let right = Some(at).filter(|&i| {
-            list.get(i)
-                .is_some_and(|x| x.start == h.end && x.streams == h.streams)
-        });
+        let (left, right) = {
+            let list = list.as_slice();
+            let at = list.partition_point(|x| x.start < h.start);
+            let beside = |i: usize, touches: fn(&Hazard, &Hazard) -> bool| {
+                Some(i).filter(|&i| {
+                    list.get(i)
+                        .is_some_and(|x| touches(x, &h) && x.streams == h.streams)
+                })
+            };
+            (
+                at.checked_sub(1)
+                    .and_then(|i| beside(i, |x, h| x.end == h.start)),
+                beside(at, |x, h| x.start == h.end),
+            )
+        };
         if left.is_none() && right.is_none() {
             return false;
         }
         let mark = mark();
+        let past_mark = |i: usize| list.as_slice()[i].tick > mark;
         match (
-            left.filter(|&i| list[i].tick > mark),
-            right.filter(|&i| list[i].tick > mark),
+            left.filter(|&i| past_mark(i)),
+            right.filter(|&i| past_mark(i)),
         ) {
             (Some(l), Some(r)) => {
-                let right = list.remove(r);
-                let l = &mut list[l];
+                let Some(right) = list.remove(r) else {
+                    return false;
+                };
+                let l = &mut list.as_mut_slice()[l];
                 l.end = right.end;
                 l.tick = l.tick.max(right.tick).max(h.tick);
             }
             (Some(l), None) => {
-                list[l].end = h.end;
-                list[l].tick = list[l].tick.max(h.tick);
+                let l = &mut list.as_mut_slice()[l];
+                l.end = h.end;
+                l.tick = l.tick.max(h.tick);
             }
             (None, Some(r)) => {
-                list[r].start = h.start;
-                list[r].tick = list[r].tick.max(h.tick);
+                let r = &mut list.as_mut_slice()[r];
+                r.start = h.start;
+                r.tick = r.tick.max(h.tick);
             }
             (None, None) => return false,
         }
@@ -366,17 +344,18 @@ impl Tiling {
         if new.is_empty() || self.gap(id).is_none() {
             return;
         }
-        let old = self.list_to_fill(id);
-        let mut list = Vec::with_capacity(old.len() + new.len());
+        let old = std::mem::take(&mut self.hazards[id as usize]);
+        let mut list = HazardList::default();
         let mut new = new.into_iter().peekable();
-        for &h in &old {
+        for &h in old.as_slice() {
             while let Some(n) = new.next_if(|n| n.start < h.start) {
                 list.push(n);
             }
             list.push(h);
         }
-        list.extend(new);
-        self.spare(old);
+        for n in new {
+            list.push(n);
+        }
         self.hazards[id as usize] = list;
         self.pruned[id as usize] = NEVER;
     }
@@ -387,10 +366,9 @@ impl Tiling {
         if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
             return false;
         }
-        let mut list = self.list_to_fill(id);
-        let at = list.partition_point(|x| x.start < h.start);
+        let list = &mut self.hazards[id as usize];
+        let at = list.as_slice().partition_point(|x| x.start < h.start);
         list.insert(at, h);
-        self.hazards[id as usize] = list;
         true
     }
 
@@ -410,12 +388,7 @@ impl Tiling {
             return;
         }
         self.pruned[id as usize] = progress;
-        let list = &mut self.hazards[id as usize];
-        list.retain(|h| !completed(h));
-        if list.is_empty() {
-            let list = std::mem::take(list);
-            self.spare(list);
-        }
+        self.hazards[id as usize].retain(|h| !completed(h));
     }
 
     /// The gaps in address order, as (piece, start, end).
@@ -500,11 +473,6 @@ impl Tiling {
         }
         if !self.hazards[gap as usize].is_empty() {
             self.split_hazards(gap, left, right, off, end);
-        } else {
-            // A block holds no hazards: an empty list's room goes to the
-            // spares rather than sit idle in the block's slot.
-            let list = std::mem::take(&mut self.hazards[gap as usize]);
-            self.spare(list);
         }
         self.blocks += 1;
         Some(gap)
@@ -523,42 +491,39 @@ impl Tiling {
                 self.pruned[side as usize] = pruned;
             }
         }
+        // A block holds no hazards: its list is taken out of its slot.
         let mut list = std::mem::take(&mut self.hazards[block as usize]);
         if left == NIL && right != NIL {
             // The block at the gap's start (placement's choice): the gap
-            // after it keeps the list itself, less the hazards the block
+            // after it takes the list itself, less the hazards the block
             // covers whole, the first cut at the block's end.
-            let covered = list.partition_point(|h| h.end <= end);
-            list.drain(..covered);
-            if let Some(first) = list.first_mut() {
+            let covered = list.as_slice().partition_point(|h| h.end <= end);
+            list.drop_first(covered);
+            if let Some(first) = list.as_mut_slice().first_mut() {
                 first.start = first.start.max(end);
             }
-            let old = std::mem::replace(&mut self.hazards[right as usize], list);
-            self.spare(old);
-            if self.hazards[right as usize].is_empty() {
-                let list = std::mem::take(&mut self.hazards[right as usize]);
-                self.spare(list);
-            }
+            self.hazards[right as usize] = list;
             return;
         }
+        let list = list.as_slice();
         if left != NIL && list.first().is_some_and(|h| h.start < off) {
-            let mut to = self.list_to_fill(left);
-            to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
-                end: h.end.min(off),
-                ..h
-            }));
-            self.hazards[left as usize] = to;
+            let to = &mut self.hazards[left as usize];
+            for h in list.iter().take_while(|h| h.start < off) {
+                to.push(Hazard {
+                    end: h.end.min(off),
+                    ..*h
+                });
+            }
         }
         if right != NIL && list.last().is_some_and(|h| h.end > end) {
-            let mut to = self.list_to_fill(right);
-            to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
-                start: h.start.max(end),
-                ..h
-            }));
-            self.hazards[right as usize] = to;
+            let to = &mut self.hazards[right as usize];
+            for h in list.iter().filter(|h| h.end > end) {
+                to.push(Hazard {
+                    start: h.start.max(end),
+                    ..*h
+                });
+            }
         }
-        // A block holds no hazards: its list goes back to the spares.
-        self.spare(list);
     }
 
     /// Index gap `id` under `key`: in place of the entry `old` (taken,
@@ -637,9 +602,12 @@ impl Tiling {
                 };
             }
             list = if before {
-                self.joined(part, list)
+                let mut part = part;
+                part.append(list);
+                part
             } else {
-                self.joined(list, part)
+                list.append(part);
+                list
             };
         }
         self.hazards[id as usize] = list;
@@ -679,7 +647,7 @@ impl Tiling {
                     p.start, p.end
                 ));
             }
-            let hz = &self.hazards[id as usize];
+            let hz = self.hazards[id as usize].as_slice();
             if !p.free && !hz.is_empty() {
                 return Err(format!("block at {:#x} has hazards", p.start));
             }
@@ -877,7 +845,7 @@ mod tests {
     }
 
     #[test]
-    fn hazard_lists_are_reused_not_allocated_again() {
+    fn one_or_two_hazards_per_gap_stay_in_place_with_no_heap_list() {
         // Blocks at 0..100, 100..200 and 200..300 of a 1000-byte arena; each
         // round frees the middle one (a hazard), joins it with no gap, and
         // occupies it again, the hazard handed to the pieces beside the new
@@ -890,7 +858,7 @@ mod tests {
         at(&mut t, 0);
         let mut mid = at(&mut t, 100);
         at(&mut t, 200);
-        let mut allocated = Vec::new();
+        let mut on_heap = Vec::new();
         for round in 0..50u64 {
             t.vacate(mid).unwrap();
             t.add_hazard(mid, Hazard::over(100, 100, 1, round + 1));
@@ -909,12 +877,22 @@ mod tests {
             mid = t.occupy(g, 100, 100).unwrap();
             t.check(1000).unwrap();
             assert_eq!(t.all_hazards().count(), 0, "round {round}");
-            allocated.push(t.lists_allocated);
+            on_heap.push(t.hazards.iter().filter(|l| l.on_heap()).count());
         }
-        // The first rounds allocate lists; later ones take spares only.
-        assert!(allocated[0] >= 1, "{allocated:?}");
-        assert_eq!(allocated[10], allocated[49], "{allocated:?}");
-        assert!(!t.spare_lists.is_empty());
+        assert!(on_heap.iter().all(|&n| n == 0), "{on_heap:?}");
+        // Three hazards in one gap: its list grows onto the heap, and back
+        // in place once the block over them takes them away.
+        t.vacate(mid).unwrap();
+        for (i, start) in [100, 140, 180].into_iter().enumerate() {
+            t.add_hazard(mid, Hazard::over(start, 10, 1, 60 + i as u64));
+        }
+        t.check(1000).unwrap();
+        assert_eq!(t.hazards.iter().filter(|l| l.on_heap()).count(), 1);
+        let g = t.find(150).unwrap();
+        t.occupy(g, 100, 100).unwrap();
+        t.check(1000).unwrap();
+        assert_eq!(t.all_hazards().count(), 0);
+        assert_eq!(t.hazards.iter().filter(|l| l.on_heap()).count(), 0);
     }
 
     proptest! {
