@@ -588,30 +588,23 @@ impl Tiling {
     /// stream no gap has hazards, and vacate's code stays short.)
     #[inline(never)]
     fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
-        let mut list = std::mem::take(&mut self.hazards[id as usize]);
-        let mut pruned = None;
-        for (side, before) in [(prev, true), (next, false)] {
-            let Some(side) = side else { continue };
-            let part = std::mem::take(&mut self.hazards[side as usize]);
-            if !part.is_empty() {
-                let at = self.pruned[side as usize];
-                pruned = match pruned {
-                    None => Some(at),
-                    Some(p) if p == at => Some(p),
-                    Some(_) => Some(NEVER),
-                };
+        // The block's own list is empty: the gap before's, then the gap
+        // after's appended.
+        let (prev, next) = (prev.unwrap_or(id), next.unwrap_or(id));
+        let mut list = std::mem::take(&mut self.hazards[prev as usize]);
+        let tail = std::mem::take(&mut self.hazards[next as usize]);
+        let pruned = match (list.is_empty(), tail.is_empty()) {
+            (true, true) => NEVER,
+            (false, true) => self.pruned[prev as usize],
+            (true, false) => self.pruned[next as usize],
+            (false, false) if self.pruned[prev as usize] == self.pruned[next as usize] => {
+                self.pruned[prev as usize]
             }
-            list = if before {
-                let mut part = part;
-                part.append(list);
-                part
-            } else {
-                list.append(part);
-                list
-            };
-        }
+            (false, false) => NEVER,
+        };
+        list.append(tail);
         self.hazards[id as usize] = list;
-        self.pruned[id as usize] = pruned.unwrap_or(NEVER);
+        self.pruned[id as usize] = pruned;
     }
 
     /// Every piece in address order, as (start, end, is a gap).

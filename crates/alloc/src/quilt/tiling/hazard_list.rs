@@ -84,8 +84,8 @@ impl HazardList {
             HazardList::Inline { len, held } if (*len as usize) < INLINE => {
                 let n = *len as usize;
                 let at = at.min(n);
-                for i in (at..n).rev() {
-                    held[i + 1] = held[i];
+                if at < n {
+                    held.copy_within(at..n, at + 1);
                 }
                 held[at] = h;
                 *len += 1;
