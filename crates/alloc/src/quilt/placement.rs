@@ -114,7 +114,18 @@ impl Placer for BestFit {
             let tick = core.tick;
             let (arena, streams) = (&core.arenas[ai], &mut core.streams);
             let ahead = (&core.mapped_ahead, ai);
-            let (off, gap) = arena.best_fit(rounded)?;
+            // With several streams the best fit is the first of a walk of
+            // the size index that scoring goes on with when it is not
+            // taken; with one, the best fit alone (a walk is set up only
+            // when it is not taken: it usually is).
+            let (off, gap, rest) = if streams.len() < 2 {
+                let (off, gap) = arena.best_fit(rounded)?;
+                (off, gap, None)
+            } else {
+                let mut fitting = arena.fitting_gaps(rounded, n);
+                let (off, gap) = fitting.next()?;
+                (off, gap, Some(fitting))
+            };
             if new_pages(arena, ahead, off, rounded) == 0
                 && (arena.tiling.gap_hazards(gap).is_empty()
                     || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
@@ -126,9 +137,12 @@ impl Placer for BestFit {
                 });
             }
             // The rest of the candidates, past the best fit.
-            let mut fitting = arena.fitting_gaps(rounded, n);
-            fitting.next();
-            let candidates = ((off, gap), fitting);
+            let rest = rest.unwrap_or_else(|| {
+                let mut fitting = arena.fitting_gaps(rounded, n);
+                fitting.next();
+                fitting
+            });
+            let candidates = ((off, gap), rest);
             let best = best_of(
                 arena,
                 streams,
