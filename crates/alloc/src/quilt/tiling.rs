@@ -12,12 +12,14 @@
 //!
 //! Each gap keeps its own [`Hazard`]s: freed byte ranges inside it whose
 //! streams' work may still use them (a short list in address order, kept
-//! in the gap's slot: no search, and up to two held in place, see
-//! [`HazardList`]). Occupying part of a gap hands the hazards before and
-//! after the block to the gaps left beside it and drops those under the
-//! block (the caller orders the block's stream after them first, see
-//! [`Tiling::hazards_over`]); vacating a block joins the lists of the gaps
-//! it coalesces with.
+//! with the gap's slot: no search). Occupying part of a gap hands the
+//! hazards before and after the block to the gaps left beside it and drops
+//! those under the block (the caller orders the block's stream after them
+//! first, see [`Tiling::hazards_over`]); vacating a block joins the lists of
+//! the gaps it coalesces with. Lists move rather than copy, and a list
+//! emptied (a block's, a joined neighbour's, one whose hazards were all
+//! forgotten) is kept as a spare for the next gap that receives hazards, so
+//! hazards moving from gap to gap allocate nothing once the spares suffice.
 //!
 //! Invariants ([`Tiling::check`]): the pieces cover `0 .. size` exactly, in
 //! order, none empty; no two gaps are adjacent (a vacated block coalesces
@@ -26,10 +28,7 @@
 //! hazards are non-empty, disjoint, in address order and inside the gap; a
 //! block has none.
 
-mod hazard_list;
-
 use super::gap_index::GapIndex;
-use hazard_list::HazardList;
 
 /// A piece of a tiling (its slot), stable while the piece lives.
 pub(crate) type PieceId = u32;
@@ -90,12 +89,23 @@ pub(crate) struct Tiling {
     blocks: usize,
     /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
     /// block or a vacant slot); parallel to `pieces`.
-    hazards: Vec<HazardList>,
+    hazards: Vec<Vec<Hazard>>,
     /// `pruned[id]`: the progress (`Streams::progress`) at which gap `id`'s
     /// hazards were last all checked and the completed ones dropped
     /// ([`NEVER`] when some were not); parallel to `pieces`.
     pruned: Vec<u64>,
+    /// Emptied hazard lists kept for reuse (at most [`SPARE_LISTS`]):
+    /// hazards move from gap to gap as blocks come and go, and a gap that
+    /// receives some takes a spare list rather than allocating one, while a
+    /// block gives its list back. Without them a churn on several streams
+    /// allocates a list at most operations.
+    spare_lists: Vec<Vec<Hazard>>,
+    /// Hazard lists allocated because no spare was left (for tests).
+    lists_allocated: u64,
 }
+
+/// Most emptied hazard lists kept for reuse.
+const SPARE_LISTS: usize = 1024;
 
 /// A hazard list not pruned at any progress (see `Tiling::pruned`).
 const NEVER: u64 = u64::MAX;
@@ -134,7 +144,7 @@ impl Tiling {
             }
             None => {
                 self.pieces.push(p);
-                self.hazards.push(HazardList::default());
+                self.hazards.push(Vec::new());
                 self.pruned.push(NEVER);
                 (self.pieces.len() - 1) as PieceId
             }
@@ -183,6 +193,40 @@ impl Tiling {
         self.vacant.push(id);
     }
 
+    /// The hazard list of gap `id`, to be filled (taken out of its slot): a
+    /// spare when the slot has no room of its own.
+    fn list_to_fill(&mut self, id: PieceId) -> Vec<Hazard> {
+        let list = std::mem::take(&mut self.hazards[id as usize]);
+        if list.capacity() > 0 {
+            return list;
+        }
+        self.spare_lists.pop().unwrap_or_else(|| {
+            self.lists_allocated += 1;
+            Vec::new()
+        })
+    }
+
+    /// The hazards of `front` then those of `back`, in whichever of the two
+    /// lists avoids a copy; the other, emptied, goes to the spares.
+    fn joined(&mut self, mut front: Vec<Hazard>, mut back: Vec<Hazard>) -> Vec<Hazard> {
+        if front.is_empty() {
+            std::mem::swap(&mut front, &mut back);
+        } else {
+            front.append(&mut back);
+        }
+        self.spare(back);
+        front
+    }
+
+    /// Keep the emptied list `list` for reuse (dropped beyond
+    /// [`SPARE_LISTS`], or when it holds no room).
+    fn spare(&mut self, mut list: Vec<Hazard>) {
+        if list.capacity() > 0 && self.spare_lists.len() < SPARE_LISTS {
+            list.clear();
+            self.spare_lists.push(list);
+        }
+    }
+
     /// Gaps.
     pub(crate) fn gap_count(&self) -> usize {
         self.by_size.len()
@@ -226,7 +270,7 @@ impl Tiling {
         let end = off.saturating_add(len);
         self.hazards
             .get(id as usize)
-            .map_or(&[][..], HazardList::as_slice)
+            .map_or(&[][..], Vec::as_slice)
             .iter()
             .skip_while(move |h| h.end <= off)
             .take_while(move |h| h.start < end)
@@ -241,9 +285,7 @@ impl Tiling {
 
     /// The hazards of gap `id`.
     pub(crate) fn gap_hazards(&self, id: PieceId) -> &[Hazard] {
-        self.hazards
-            .get(id as usize)
-            .map_or(&[][..], HazardList::as_slice)
+        self.hazards.get(id as usize).map_or(&[][..], Vec::as_slice)
     }
 
     /// Every hazard, in address order.
@@ -252,7 +294,7 @@ impl Tiling {
         let mut id = self.head;
         std::iter::from_fn(move || {
             let p = self.get(id)?;
-            let list = self.hazards[id as usize].as_slice();
+            let list = &self.hazards[id as usize];
             id = p.next;
             Some(list.iter())
         })
@@ -291,47 +333,35 @@ impl Tiling {
         let Some(list) = self.hazards.get_mut(id as usize) else {
             return false;
         };
-        let (left, right) = {
-            let list = list.as_slice();
-            let at = list.partition_point(|x| x.start < h.start);
-            let beside = |i: usize, touches: fn(&Hazard, &Hazard) -> bool| {
-                Some(i).filter(|&i| {
-                    list.get(i)
-                        .is_some_and(|x| touches(x, &h) && x.streams == h.streams)
-                })
-            };
-            (
-                at.checked_sub(1)
-                    .and_then(|i| beside(i, |x, h| x.end == h.start)),
-                beside(at, |x, h| x.start == h.end),
-            )
-        };
+        let at = list.partition_point(|x| x.start < h.start);
+        let left = at
+            .checked_sub(1)
+            .filter(|&i| list[i].end == h.start && list[i].streams == h.streams);
+        let right = Some(at).filter(|&i| {
+            list.get(i)
+                .is_some_and(|x| x.start == h.end && x.streams == h.streams)
+        });
         if left.is_none() && right.is_none() {
             return false;
         }
         let mark = mark();
-        let past_mark = |i: usize| list.as_slice()[i].tick > mark;
         match (
-            left.filter(|&i| past_mark(i)),
-            right.filter(|&i| past_mark(i)),
+            left.filter(|&i| list[i].tick > mark),
+            right.filter(|&i| list[i].tick > mark),
         ) {
             (Some(l), Some(r)) => {
-                let Some(right) = list.remove(r) else {
-                    return false;
-                };
-                let l = &mut list.as_mut_slice()[l];
+                let right = list.remove(r);
+                let l = &mut list[l];
                 l.end = right.end;
                 l.tick = l.tick.max(right.tick).max(h.tick);
             }
             (Some(l), None) => {
-                let l = &mut list.as_mut_slice()[l];
-                l.end = h.end;
-                l.tick = l.tick.max(h.tick);
+                list[l].end = h.end;
+                list[l].tick = list[l].tick.max(h.tick);
             }
             (None, Some(r)) => {
-                let r = &mut list.as_mut_slice()[r];
-                r.start = h.start;
-                r.tick = r.tick.max(h.tick);
+                list[r].start = h.start;
+                list[r].tick = list[r].tick.max(h.tick);
             }
             (None, None) => return false,
         }
@@ -344,18 +374,17 @@ impl Tiling {
         if new.is_empty() || self.gap(id).is_none() {
             return;
         }
-        let old = std::mem::take(&mut self.hazards[id as usize]);
-        let mut list = HazardList::default();
+        let old = self.list_to_fill(id);
+        let mut list = Vec::with_capacity(old.len() + new.len());
         let mut new = new.into_iter().peekable();
-        for &h in old.as_slice() {
+        for &h in &old {
             while let Some(n) = new.next_if(|n| n.start < h.start) {
                 list.push(n);
             }
             list.push(h);
         }
-        for n in new {
-            list.push(n);
-        }
+        list.extend(new);
+        self.spare(old);
         self.hazards[id as usize] = list;
         self.pruned[id as usize] = NEVER;
     }
@@ -366,9 +395,10 @@ impl Tiling {
         if h.start >= h.end || h.streams == 0 || self.gap(id).is_none() {
             return false;
         }
-        let list = &mut self.hazards[id as usize];
-        let at = list.as_slice().partition_point(|x| x.start < h.start);
+        let mut list = self.list_to_fill(id);
+        let at = list.partition_point(|x| x.start < h.start);
         list.insert(at, h);
+        self.hazards[id as usize] = list;
         true
     }
 
@@ -388,7 +418,12 @@ impl Tiling {
             return;
         }
         self.pruned[id as usize] = progress;
-        self.hazards[id as usize].retain(|h| !completed(h));
+        let list = &mut self.hazards[id as usize];
+        list.retain(|h| !completed(h));
+        if list.is_empty() {
+            let list = std::mem::take(list);
+            self.spare(list);
+        }
     }
 
     /// The gaps in address order, as (piece, start, end).
@@ -473,6 +508,11 @@ impl Tiling {
         }
         if !self.hazards[gap as usize].is_empty() {
             self.split_hazards(gap, left, right, off, end);
+        } else {
+            // A block holds no hazards: an empty list's room goes to the
+            // spares rather than sit idle in the block's slot.
+            let list = std::mem::take(&mut self.hazards[gap as usize]);
+            self.spare(list);
         }
         self.blocks += 1;
         Some(gap)
@@ -491,39 +531,42 @@ impl Tiling {
                 self.pruned[side as usize] = pruned;
             }
         }
-        // A block holds no hazards: its list is taken out of its slot.
         let mut list = std::mem::take(&mut self.hazards[block as usize]);
         if left == NIL && right != NIL {
             // The block at the gap's start (placement's choice): the gap
-            // after it takes the list itself, less the hazards the block
+            // after it keeps the list itself, less the hazards the block
             // covers whole, the first cut at the block's end.
-            let covered = list.as_slice().partition_point(|h| h.end <= end);
-            list.drop_first(covered);
-            if let Some(first) = list.as_mut_slice().first_mut() {
+            let covered = list.partition_point(|h| h.end <= end);
+            list.drain(..covered);
+            if let Some(first) = list.first_mut() {
                 first.start = first.start.max(end);
             }
-            self.hazards[right as usize] = list;
+            let old = std::mem::replace(&mut self.hazards[right as usize], list);
+            self.spare(old);
+            if self.hazards[right as usize].is_empty() {
+                let list = std::mem::take(&mut self.hazards[right as usize]);
+                self.spare(list);
+            }
             return;
         }
-        let list = list.as_slice();
         if left != NIL && list.first().is_some_and(|h| h.start < off) {
-            let to = &mut self.hazards[left as usize];
-            for h in list.iter().take_while(|h| h.start < off) {
-                to.push(Hazard {
-                    end: h.end.min(off),
-                    ..*h
-                });
-            }
+            let mut to = self.list_to_fill(left);
+            to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
+                end: h.end.min(off),
+                ..h
+            }));
+            self.hazards[left as usize] = to;
         }
         if right != NIL && list.last().is_some_and(|h| h.end > end) {
-            let to = &mut self.hazards[right as usize];
-            for h in list.iter().filter(|h| h.end > end) {
-                to.push(Hazard {
-                    start: h.start.max(end),
-                    ..*h
-                });
-            }
+            let mut to = self.list_to_fill(right);
+            to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
+                start: h.start.max(end),
+                ..h
+            }));
+            self.hazards[right as usize] = to;
         }
+        // A block holds no hazards: its list goes back to the spares.
+        self.spare(list);
     }
 
     /// Index gap `id` under `key`: in place of the entry `old` (taken,
@@ -588,23 +631,27 @@ impl Tiling {
     /// stream no gap has hazards, and vacate's code stays short.)
     #[inline(never)]
     fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
-        // The block's own list is empty: the gap before's, then the gap
-        // after's appended.
-        let (prev, next) = (prev.unwrap_or(id), next.unwrap_or(id));
-        let mut list = std::mem::take(&mut self.hazards[prev as usize]);
-        let tail = std::mem::take(&mut self.hazards[next as usize]);
-        let pruned = match (list.is_empty(), tail.is_empty()) {
-            (true, true) => NEVER,
-            (false, true) => self.pruned[prev as usize],
-            (true, false) => self.pruned[next as usize],
-            (false, false) if self.pruned[prev as usize] == self.pruned[next as usize] => {
-                self.pruned[prev as usize]
+        let mut list = std::mem::take(&mut self.hazards[id as usize]);
+        let mut pruned = None;
+        for (side, before) in [(prev, true), (next, false)] {
+            let Some(side) = side else { continue };
+            let part = std::mem::take(&mut self.hazards[side as usize]);
+            if !part.is_empty() {
+                let at = self.pruned[side as usize];
+                pruned = match pruned {
+                    None => Some(at),
+                    Some(p) if p == at => Some(p),
+                    Some(_) => Some(NEVER),
+                };
             }
-            (false, false) => NEVER,
-        };
-        list.append(tail);
+            list = if before {
+                self.joined(part, list)
+            } else {
+                self.joined(list, part)
+            };
+        }
         self.hazards[id as usize] = list;
-        self.pruned[id as usize] = pruned;
+        self.pruned[id as usize] = pruned.unwrap_or(NEVER);
     }
 
     /// Every piece in address order, as (start, end, is a gap).
@@ -640,7 +687,7 @@ impl Tiling {
                     p.start, p.end
                 ));
             }
-            let hz = self.hazards[id as usize].as_slice();
+            let hz = &self.hazards[id as usize];
             if !p.free && !hz.is_empty() {
                 return Err(format!("block at {:#x} has hazards", p.start));
             }
@@ -838,7 +885,7 @@ mod tests {
     }
 
     #[test]
-    fn one_or_two_hazards_per_gap_stay_in_place_with_no_heap_list() {
+    fn hazard_lists_are_reused_not_allocated_again() {
         // Blocks at 0..100, 100..200 and 200..300 of a 1000-byte arena; each
         // round frees the middle one (a hazard), joins it with no gap, and
         // occupies it again, the hazard handed to the pieces beside the new
@@ -851,7 +898,7 @@ mod tests {
         at(&mut t, 0);
         let mut mid = at(&mut t, 100);
         at(&mut t, 200);
-        let mut on_heap = Vec::new();
+        let mut allocated = Vec::new();
         for round in 0..50u64 {
             t.vacate(mid).unwrap();
             t.add_hazard(mid, Hazard::over(100, 100, 1, round + 1));
@@ -870,22 +917,12 @@ mod tests {
             mid = t.occupy(g, 100, 100).unwrap();
             t.check(1000).unwrap();
             assert_eq!(t.all_hazards().count(), 0, "round {round}");
-            on_heap.push(t.hazards.iter().filter(|l| l.on_heap()).count());
+            allocated.push(t.lists_allocated);
         }
-        assert!(on_heap.iter().all(|&n| n == 0), "{on_heap:?}");
-        // Three hazards in one gap: its list grows onto the heap, and back
-        // in place once the block over them takes them away.
-        t.vacate(mid).unwrap();
-        for (i, start) in [100, 140, 180].into_iter().enumerate() {
-            t.add_hazard(mid, Hazard::over(start, 10, 1, 60 + i as u64));
-        }
-        t.check(1000).unwrap();
-        assert_eq!(t.hazards.iter().filter(|l| l.on_heap()).count(), 1);
-        let g = t.find(150).unwrap();
-        t.occupy(g, 100, 100).unwrap();
-        t.check(1000).unwrap();
-        assert_eq!(t.all_hazards().count(), 0);
-        assert_eq!(t.hazards.iter().filter(|l| l.on_heap()).count(), 0);
+        // The first rounds allocate lists; later ones take spares only.
+        assert!(allocated[0] >= 1, "{allocated:?}");
+        assert_eq!(allocated[10], allocated[49], "{allocated:?}");
+        assert!(!t.spare_lists.is_empty());
     }
 
     proptest! {
