@@ -107,52 +107,25 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            // The best fit, needing no new page and no wait (over no
-            // hazard, or over hazards known without a call to need no
-            // wait), is what scoring would take first, asking nothing:
+            if core.streams.len() >= 2 {
+                return core.place_among_streams(ctx, ai, (rounded, t), n);
+            }
+            // The best fit, needing no new page and over no hazard (a
+            // single stream leaves none), is what scoring would take first:
             // taken without it.
-            let tick = core.tick;
-            let (arena, streams) = (&core.arenas[ai], &mut core.streams);
-            let ahead = (&core.mapped_ahead, ai);
-            // With several streams the best fit is the first of a walk of
-            // the size index that scoring goes on with when it is not
-            // taken; with one, the best fit alone (a walk is set up only
-            // when it is not taken: it usually is).
-            let (off, gap, rest) = if streams.len() < 2 {
-                let (off, gap) = arena.best_fit(rounded)?;
-                (off, gap, None)
-            } else {
-                let mut fitting = arena.fitting_gaps(rounded, n);
-                let (off, gap) = fitting.next()?;
-                (off, gap, Some(fitting))
-            };
-            if new_pages(arena, ahead, off, rounded) == 0
-                && (arena.tiling.gap_hazards(gap).is_empty()
-                    || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
-            {
+            let arena = &core.arenas[ai];
+            let ready = arena.best_fit(rounded).filter(|&(off, gap)| {
+                new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
+                    && arena.tiling.gap_hazards(gap).is_empty()
+            });
+            if let Some((off, gap)) = ready {
                 return Some(Placed {
                     off,
                     gap,
                     wait_free: true,
                 });
             }
-            // The rest of the candidates, past the best fit.
-            let rest = rest.unwrap_or_else(|| {
-                let mut fitting = arena.fitting_gaps(rounded, n);
-                fitting.next();
-                fitting
-            });
-            let candidates = ((off, gap), rest);
-            let best = best_of(
-                arena,
-                streams,
-                ctx,
-                (rounded, t, tick),
-                ahead,
-                candidates,
-                &[],
-            );
-            return core.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best);
+            return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
         let moved: Vec<(u64, PieceId)> = candidates
@@ -200,6 +173,42 @@ impl Placer for Gmlake {
 }
 
 impl Core {
+    /// [`BestFit`] with several streams, in arena `ai` without retired
+    /// pages, for a block of `rounded` bytes on stream `t`, among up to `n`
+    /// candidates: the best fit, needing no new page and no wait (over no
+    /// hazard, or over hazards known without a call to need no wait), is
+    /// what scoring would take first, asking nothing: taken without it;
+    /// else it is scored first, and the rest of the same walk of the size
+    /// index after it. (Out of line: a single stream never gets here, and
+    /// its fast path stays short.)
+    #[inline(never)]
+    fn place_among_streams(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        n: usize,
+    ) -> Option<Placed> {
+        let tick = self.tick;
+        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+        let ahead = (&self.mapped_ahead, ai);
+        let mut fitting = arena.fitting_gaps(rounded, n);
+        let (off, gap) = fitting.next()?;
+        if new_pages(arena, ahead, off, rounded) == 0
+            && (arena.tiling.gap_hazards(gap).is_empty()
+                || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
+        {
+            return Some(Placed {
+                off,
+                gap,
+                wait_free: true,
+            });
+        }
+        let req = (rounded, t, tick);
+        let best = best_of(arena, streams, ctx, req, ahead, ((off, gap), fitting), &[]);
+        self.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best)
+    }
+
     /// The best of `candidates` (starts of a block of `rounded` bytes on
     /// stream `t` in arena `ai`, each with its gap, best fit first), by
     /// [`PlaceScore`] ([`best_of`]), skipping any whose range
@@ -540,9 +549,7 @@ fn score(
 /// in `arena` is known, without a call, to wait for no other stream: every
 /// stream of every hazard over the range orders nothing for `t`
 /// ([`Streams::orders_nothing`]). Scoring such a range asks nothing of
-/// the device and finds it wait-free. (Out of line: a single stream has no
-/// hazards and never gets here.)
-#[inline(never)]
+/// the device and finds it wait-free.
 fn waits_for_nothing_known(
     arena: &Arena,
     streams: &Streams,
