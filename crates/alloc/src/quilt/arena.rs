@@ -92,6 +92,12 @@ impl Arena {
             .map(|(_, start, id)| (start, id))
     }
 
+    /// The best-fitting gap of at least `len` bytes, as (start, gap): the
+    /// first of [`Arena::fitting_gaps`].
+    pub(crate) fn best_fit(&self, len: u64) -> Option<(u64, PieceId)> {
+        self.tiling.best_fit(len)
+    }
+
     /// The best-fitting gap of at most `max_len` bytes whose first `len` bytes
     /// lie on mapped pages only (a cached free range), looking at no more than
     /// `tries` candidates, as (start, gap).

@@ -107,17 +107,18 @@ impl Placer for BestFit {
         let Request { rounded, t, .. } = req;
         let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
-            // The best fit, needing no new page and over no hazard, is what
-            // scoring would take first: taken without it.
+            if core.streams.len() >= 2 {
+                return core.place_among_streams(ctx, ai, (rounded, t), n);
+            }
+            // The best fit, needing no new page and over no hazard (a
+            // single stream leaves none), is what scoring would take first:
+            // taken without it.
             let arena = &core.arenas[ai];
-            let ready = arena
-                .tiling
-                .by_size_first(rounded)
-                .filter(|&((_, off), gap)| {
-                    new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
-                        && arena.tiling.gap_hazards(gap).is_empty()
-                });
-            if let Some(((_, off), gap)) = ready {
+            let ready = arena.best_fit(rounded).filter(|&(off, gap)| {
+                new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
+                    && arena.tiling.gap_hazards(gap).is_empty()
+            });
+            if let Some((off, gap)) = ready {
                 return Some(Placed {
                     off,
                     gap,
@@ -172,6 +173,42 @@ impl Placer for Gmlake {
 }
 
 impl Core {
+    /// [`BestFit`] with several streams, in arena `ai` without retired
+    /// pages, for a block of `rounded` bytes on stream `t`, among up to `n`
+    /// candidates: the best fit, needing no new page and no wait (over no
+    /// hazard, or over hazards known without a call to need no wait), is
+    /// what scoring would take first, asking nothing: taken without it;
+    /// else it is scored first, and the rest of the same walk of the size
+    /// index after it. (Out of line: a single stream never gets here, and
+    /// its fast path stays short.)
+    #[inline(never)]
+    fn place_among_streams(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        n: usize,
+    ) -> Option<Placed> {
+        let tick = self.tick;
+        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+        let ahead = (&self.mapped_ahead, ai);
+        let mut fitting = arena.fitting_gaps(rounded, n);
+        let (off, gap) = fitting.next()?;
+        if new_pages(arena, ahead, off, rounded) == 0
+            && (arena.tiling.gap_hazards(gap).is_empty()
+                || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
+        {
+            return Some(Placed {
+                off,
+                gap,
+                wait_free: true,
+            });
+        }
+        let req = (rounded, t, tick);
+        let best = best_of(arena, streams, ctx, req, ahead, ((off, gap), fitting), &[]);
+        self.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best)
+    }
+
     /// The best of `candidates` (starts of a block of `rounded` bytes on
     /// stream `t` in arena `ai`, each with its gap, best fit first), by
     /// [`PlaceScore`] ([`best_of`]), skipping any whose range
@@ -187,26 +224,53 @@ impl Core {
         t: u32,
         candidates: Candidates<'_>,
     ) -> Option<Placed> {
+        let best = self.best_round(ctx, ai, (rounded, t), candidates, &[]);
+        self.unless_under_capture(ctx, ai, (rounded, t), candidates, best)
+    }
+
+    /// The best of `candidates` not in `skipped`, by [`PlaceScore`]
+    /// ([`best_of`]), for a block of `rounded` bytes on stream `t` in
+    /// arena `ai`.
+    fn best_round(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        candidates: Candidates<'_>,
+        skipped: &[(u64, PieceId)],
+    ) -> Option<Placed> {
+        let req = (rounded, t, self.tick);
+        let (arena, streams) = (&self.arenas[ai], &mut self.streams);
+        let ahead = (&self.mapped_ahead, ai);
+        match candidates {
+            Candidates::Fitting(n) => {
+                let mut fitting = arena.fitting_gaps(rounded, n);
+                let first = fitting.next()?;
+                best_of(arena, streams, ctx, req, ahead, (first, fitting), skipped)
+            }
+            Candidates::Listed(list) => {
+                let (&first, rest) = list.split_first()?;
+                let candidates = (first, rest.iter().copied());
+                best_of(arena, streams, ctx, req, ahead, candidates, skipped)
+            }
+        }
+    }
+
+    /// `best`, the best of `candidates` for a block of `rounded` bytes on
+    /// stream `t` in arena `ai`, unless it would wait for a capture under
+    /// way ([`Core::under_capture`]): then the best of the others, and so
+    /// on; when every candidate is passed over so, fresh virtual space past
+    /// the arena's mapped tail.
+    fn unless_under_capture(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        candidates: Candidates<'_>,
+        mut best: Option<Placed>,
+    ) -> Option<Placed> {
         let mut skipped: Vec<(u64, PieceId)> = Vec::new();
         loop {
-            let req = (rounded, t, self.tick);
-            let (arena, streams) = (&self.arenas[ai], &mut self.streams);
-            let ahead = (&self.mapped_ahead, ai);
-            let best = match candidates {
-                Candidates::Fitting(n) => {
-                    let fitting = arena.fitting_gaps(rounded, n);
-                    best_of(arena, streams, ctx, req, ahead, fitting, &skipped)
-                }
-                Candidates::Listed(list) => best_of(
-                    arena,
-                    streams,
-                    ctx,
-                    req,
-                    ahead,
-                    list.iter().copied(),
-                    &skipped,
-                ),
-            };
             let Some(placed) = best else {
                 if skipped.is_empty() {
                     return None;
@@ -219,6 +283,7 @@ impl Core {
                 return Some(placed);
             }
             skipped.push((placed.off, placed.gap));
+            best = self.best_round(ctx, ai, (rounded, t), candidates, &skipped);
         }
     }
 
@@ -385,8 +450,9 @@ impl Core {
     }
 }
 
-/// The best of `candidates` (starts of a block of `len` bytes on stream `t`
-/// in `arena`, each with its gap, best fit first) not in `skipped`, by
+/// The best of the candidates `first` then `rest` (starts of a block of
+/// `len` bytes on stream `t` in `arena`, each with its gap, best fit
+/// first) not in `skipped`, by
 /// [`PlaceScore`], scored in one pass at operation `tick`: the first that
 /// is mapped and wait-free is taken at once. A lone candidate is taken
 /// unscored.
@@ -396,10 +462,11 @@ fn best_of(
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
     ahead: (&MappedAhead, usize),
-    candidates: impl Iterator<Item = (u64, PieceId)>,
+    (first, rest): ((u64, PieceId), impl Iterator<Item = (u64, PieceId)>),
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
-    let mut candidates = candidates
+    let mut candidates = std::iter::once(first)
+        .chain(rest)
         .filter(|c| skipped.is_empty() || !skipped.contains(c))
         .peekable();
     let first = candidates.next()?;
@@ -476,6 +543,25 @@ fn score(
         new_pages: unmapped,
         waits: wait,
     }
+}
+
+/// True when a block of `len` bytes on stream `t` at `start` of gap `gap`
+/// in `arena` is known, without a call, to wait for no other stream: every
+/// stream of every hazard over the range orders nothing for `t`
+/// ([`Streams::orders_nothing`]). Scoring such a range asks nothing of
+/// the device and finds it wait-free.
+fn waits_for_nothing_known(
+    arena: &Arena,
+    streams: &Streams,
+    (start, gap): (u64, PieceId),
+    len: u64,
+    t: u32,
+) -> bool {
+    arena.tiling.hazards_over(gap, start, len).all(|h| {
+        streams
+            .in_mask(h.streams)
+            .all(|s| streams.orders_nothing(t, s, h.tick))
+    })
 }
 
 /// The new pages a block of `len` bytes at `start` of arena `ai` would

@@ -246,10 +246,12 @@ impl Tiling {
             .map(|((l, start), id)| (l, start, id))
     }
 
-    /// The best-fitting gap of at least `len` bytes, as ((length, start),
-    /// piece): the first of [`Tiling::fitting`].
-    pub(crate) fn by_size_first(&self, len: u64) -> Option<((u64, u64), PieceId)> {
-        self.by_size.first_from((len, 0))
+    /// The best-fitting gap of at least `len` bytes, as (start, piece):
+    /// the first of [`Tiling::fitting`].
+    pub(crate) fn best_fit(&self, len: u64) -> Option<(u64, PieceId)> {
+        self.by_size
+            .first_from((len, 0))
+            .map(|((_, start), id)| (start, id))
     }
 
     /// The range of gap `id`; `None` when `id` is no gap.
