@@ -26,9 +26,11 @@ mod growable_buffer;
 #[cfg(feature = "invariants")]
 mod invariants;
 mod offload;
+mod oom_dump;
 mod own;
 mod page_table;
 mod placement;
+mod pressure;
 mod reclaim;
 mod segments;
 mod serving;

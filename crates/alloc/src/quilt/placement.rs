@@ -323,7 +323,7 @@ impl Core {
             }
             .place(self, ctx, ai, req),
             (policy, _) => BestFit {
-                candidates: policy.candidates().max(1),
+                candidates: self.candidates_now(policy),
             }
             .place(self, ctx, ai, req),
         }

@@ -170,6 +170,8 @@ pub(crate) struct Core {
     /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
     /// reclaimed for other use: the first class of cached pages reclaimed.
     pub(crate) spare_pages_reclaimed: u64,
+    /// The pool could not grow at its last try (see `pressure.rs`).
+    pub(crate) under_pressure: bool,
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
@@ -713,6 +715,7 @@ impl Core {
     /// The out-of-memory error for a request of `size` bytes that needed `n` new pages.
     pub(crate) fn oom(&mut self, ctx: &Ctx<'_>, size: u64, n: u64, growable: u64) -> AllocError {
         self.stats.num_ooms += 1;
+        self.oom_dump(ctx, n);
         let page = ctx.page;
         let free = ctx.pool.free_pages();
         let cached = self.cached_pages();
