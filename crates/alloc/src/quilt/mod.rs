@@ -26,7 +26,6 @@ mod growable_buffer;
 #[cfg(feature = "invariants")]
 mod invariants;
 mod offload;
-mod oom_dump;
 mod own;
 mod page_table;
 mod placement;

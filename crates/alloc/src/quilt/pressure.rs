@@ -7,13 +7,15 @@
 //! blocks fill; every gap between blocks holds up to two partly used
 //! pages that no other block can use, and a request fails once those and
 //! the cached pages no longer hold it. So under pressure Quilt's placement
-//! takes the best fit alone (the smallest gap that holds the block, as
-//! [`Placement::BestFit`] with one candidate does), not the candidate that
-//! is mapped or needs no wait; without pressure it chooses among its
-//! candidates as configured, and a placement that made the pool grow is a
-//! placement that avoided a driver call where memory was to spare.
+//! (`BestFit::pack` in `placement.rs`) takes the best fit alone: the
+//! smallest gap that holds the block, as
+//! [`Placement::BestFit`](super::config::Placement::BestFit) with one
+//! candidate does, not the candidate that is mapped or needs no wait;
+//! where retired pages still in use lie in fitting gaps, the best fit among
+//! the candidates that hold the block past them (no synchronisation).
+//! Without pressure placement chooses among its candidates as configured:
+//! a mapped gap there spares the pool's growth as well as driver calls.
 
-use super::config::Placement;
 use super::stitch::Core;
 
 impl Core {
@@ -22,15 +24,5 @@ impl Core {
     /// growth ends it.
     pub(super) fn note_growth(&mut self, grew: bool) {
         self.under_pressure = !grew;
-    }
-
-    /// How many best-fitting gaps placement chooses among under `policy`
-    /// now: one (the best fit) under pressure, the policy's otherwise.
-    pub(super) fn candidates_now(&self, policy: Placement) -> usize {
-        if self.under_pressure {
-            1
-        } else {
-            policy.candidates().max(1)
-        }
     }
 }

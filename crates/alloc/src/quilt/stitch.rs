@@ -715,7 +715,6 @@ impl Core {
     /// The out-of-memory error for a request of `size` bytes that needed `n` new pages.
     pub(crate) fn oom(&mut self, ctx: &Ctx<'_>, size: u64, n: u64, growable: u64) -> AllocError {
         self.stats.num_ooms += 1;
-        self.oom_dump(ctx, n);
         let page = ctx.page;
         let free = ctx.pool.free_pages();
         let cached = self.cached_pages();
