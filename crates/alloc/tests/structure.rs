@@ -23,7 +23,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "the stitching core",
-        &["stitch", "placement", "backing", "reclaim", "own", "solo"],
+        &["stitch", "placement", "backing", "reclaim", "own", "solo", "pressure"],
     ),
     (
         "features",

@@ -29,6 +29,7 @@ mod offload;
 mod own;
 mod page_table;
 mod placement;
+mod pressure;
 mod reclaim;
 mod segments;
 mod serving;

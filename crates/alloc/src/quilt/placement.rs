@@ -100,6 +100,9 @@ pub(super) trait Placer {
 /// (past retired pages still in use).
 pub(super) struct BestFit {
     pub(super) candidates: usize,
+    /// Under pressure (see `pressure.rs`): the best fit alone, among the
+    /// gaps a block can take without a synchronisation.
+    pub(super) pack: bool,
 }
 
 impl Placer for BestFit {
@@ -125,16 +128,20 @@ impl Placer for BestFit {
                     wait_free: true,
                 });
             }
+            let n = if self.pack { 1 } else { n };
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
-        let moved: Vec<(u64, PieceId)> = candidates
+        let mut moved: Vec<(u64, PieceId)> = candidates
             .iter()
             .filter_map(|&(_, g)| {
                 core.past_retired_in_use(ctx, ai, g, rounded)
                     .map(|off| (off, g))
             })
             .collect();
+        if self.pack {
+            moved.truncate(1);
+        }
         // If every fitting gap is blocked, a retired page will be
         // synchronised for (rare; only after reclaim moved pages).
         let candidates = if moved.is_empty() { candidates } else { moved };
@@ -389,6 +396,7 @@ impl Core {
             .place(self, ctx, ai, req),
             (policy, _) => BestFit {
                 candidates: policy.candidates().max(1),
+                pack: self.under_pressure,
             }
             .place(self, ctx, ai, req),
         }

@@ -81,14 +81,17 @@ impl Core {
         Err(self.oom(ctx, size, n, growable))
     }
 
-    /// Grow the pool by `pages`; false when the limit or the device says no.
+    /// Grow the pool by `pages`; false when the limit or the device says no
+    /// (the allocator is then under pressure, see `pressure.rs`).
     pub(super) fn try_grow(&mut self, ctx: &Ctx<'_>, pages: u64) -> Result<bool, AllocError> {
-        match ctx.pool.grow(pages) {
-            Ok(_) => Ok(true),
-            Err(PoolError::LimitReached { .. }) => Ok(false),
-            Err(PoolError::Driver(e)) if e.is_out_of_memory() => Ok(false),
-            Err(e) => Err(pool_err(e)),
-        }
+        let grew = match ctx.pool.grow(pages) {
+            Ok(_) => true,
+            Err(PoolError::LimitReached { .. }) => false,
+            Err(PoolError::Driver(e)) if e.is_out_of_memory() => false,
+            Err(e) => return Err(pool_err(e)),
+        };
+        self.note_growth(grew);
+        Ok(grew)
     }
 
     /// Take up to `target` cached pages, oldest first, back to the pool;

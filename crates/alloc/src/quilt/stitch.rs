@@ -170,6 +170,8 @@ pub(crate) struct Core {
     /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
     /// reclaimed for other use: the first class of cached pages reclaimed.
     pub(crate) spare_pages_reclaimed: u64,
+    /// The pool could not grow at its last try (see `pressure.rs`).
+    pub(crate) under_pressure: bool,
     /// The report of the last request that ran out of memory
     /// ([`crate::DeviceAllocator::last_oom`]).
     pub(crate) last_oom: Option<OomReport>,
