@@ -108,7 +108,8 @@ pub(super) struct BestFit {
 impl Placer for BestFit {
     fn place(&self, core: &mut Core, ctx: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed> {
         let Request { rounded, t, .. } = req;
-        let n = self.candidates;
+        // Under pressure, the best fit alone (see `pressure.rs`).
+        let n = if self.pack { 1 } else { self.candidates };
         if core.arenas[ai].retired_pages == 0 {
             if core.streams.len() >= 2 {
                 return core.place_among_streams(ctx, ai, (rounded, t), n);
@@ -128,10 +129,13 @@ impl Placer for BestFit {
                     wait_free: true,
                 });
             }
-            let n = if self.pack { 1 } else { n };
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
-        let candidates: Vec<(u64, PieceId)> = core.arenas[ai].fitting_gaps(rounded, n).collect();
+        // Under pressure too, every candidate is looked at past retired
+        // pages still in use, and the best fit among them taken.
+        let candidates: Vec<(u64, PieceId)> = core.arenas[ai]
+            .fitting_gaps(rounded, self.candidates)
+            .collect();
         let mut moved: Vec<(u64, PieceId)> = candidates
             .iter()
             .filter_map(|&(_, g)| {
