@@ -218,7 +218,7 @@ fn judged_table(allocator: &str, broken: impl Fn(&Account) -> bool) -> Vec<Strin
 /// before the allocating stream's new work, directly or through a chain of
 /// waits).
 #[test]
-fn quilt_at_free_waits_only_where_the_race_finder_needs_them() {
+fn quilt_waits_only_where_needed_with_events_at_frees() {
     let broken = judged_table("quilt:events=at_free", |acc| {
         acc.races > 0 || acc.beyond_users > 0 || acc.unneeded > 0
     });
@@ -308,7 +308,7 @@ fn judged_drawn(allocator: &str) -> Vec<(String, Account)> {
 /// The strict promise with events at frees on the traces drawn at random,
 /// as on the built-ins.
 #[test]
-fn quilt_at_free_waits_only_where_needed_on_traces_drawn_at_random() {
+fn quilt_waits_only_where_needed_with_events_at_frees_on_traces_drawn_at_random() {
     let broken: Vec<String> = judged_drawn("quilt:events=at_free")
         .into_iter()
         .filter(|(_, acc)| acc.races > 0 || acc.beyond_users > 0 || acc.unneeded > 0)
