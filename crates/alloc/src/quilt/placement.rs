@@ -215,14 +215,14 @@ impl Core {
             if let Some(at_start) = at_start {
                 if retired
                     && self
-                        .last_retired_in_use(ctx, ai, place.1, rounded)
+                        .last_retired_in_use(ctx, ai, place.off, rounded)
                         .is_some()
                 {
                     place = at_start;
                 }
             }
-            if best.is_none_or(|(touches, _)| place.0 < touches) {
-                best = Some((place.0, (place.1, gap)));
+            if best.is_none_or(|(touches, _)| place.first_touches < touches) {
+                best = Some((place.first_touches, (place.off, gap)));
             }
         }
         let listed = match best {

@@ -58,25 +58,37 @@ pub(super) fn first_touches(arena: &Arena, off: u64, len: u64) -> u64 {
     last - first + 1 - u64::from(shared_first) - u64::from(shared_last)
 }
 
+/// A place for a block under pressure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PackedPlace {
+    /// The pages the block would be the first to touch ([`first_touches`]).
+    pub(super) first_touches: u64,
+    /// The block's offset in its arena.
+    pub(super) off: u64,
+}
+
 /// Where a block of `len` bytes packs best in gap `start .. end` of
 /// `arena` (`start`: the gap's start, or the first place past retired pages
-/// still in use), as (first touches, offset): at `start` or flush with
-/// `end`, whichever touches fewer untouched pages ([`first_touches`]),
-/// `start` on a tie; with the end, `start` as well, for when the end place
-/// cannot be taken (a retired page still in use under it). `None` when the
-/// block does not fit.
+/// still in use): at `start` or flush with `end`, whichever touches fewer
+/// untouched pages ([`first_touches`]), `start` on a tie; with the end,
+/// `start` as well, for when the end place cannot be taken (a retired page
+/// still in use under it). `None` when the block does not fit.
 pub(super) fn packed_in_gap(
     arena: &Arena,
     (start, end): (u64, u64),
     len: u64,
-) -> Option<((u64, u64), Option<(u64, u64)>)> {
+) -> Option<(PackedPlace, Option<PackedPlace>)> {
     let last_start = end.checked_sub(len).filter(|&s| s >= start)?;
-    let at_start = (first_touches(arena, start, len), start);
+    let place = |off| PackedPlace {
+        first_touches: first_touches(arena, off, len),
+        off,
+    };
+    let at_start = place(start);
     if last_start == start {
         return Some((at_start, None));
     }
-    let at_end = (first_touches(arena, last_start, len), last_start);
-    if at_end.0 < at_start.0 {
+    let at_end = place(last_start);
+    if at_end.first_touches < at_start.first_touches {
         return Some((at_end, Some(at_start)));
     }
     Some((at_start, None))
