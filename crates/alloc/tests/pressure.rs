@@ -57,3 +57,52 @@ fn under_pressure_a_block_takes_the_best_fit_not_a_looser_mapped_gap() {
         "under pressure the block goes to the best-fitting gap"
     );
 }
+
+/// A 20 MiB limit (ten 2 MiB pages) filled, then put under pressure, over
+/// offsets in MiB: `a` 0..4 (pages 0, 1), a gap 4..7 (page 2 untouched,
+/// page 3 shared with `b`), `b` 7..9 (pages 3, 4), `y` 9..21 (pages 4 to
+/// 10). Returns the allocator and `a`'s pointer.
+fn gap_beside_a_partly_used_page() -> (QuiltAllocator, u64) {
+    let sim = Arc::new(
+        SimVmm::new(SimConfig {
+            capacity: 64 * MIB,
+            gpu_lag_ops: 0,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let v: Arc<dyn Vmm> = sim;
+    let config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(20 * MIB));
+    let q = QuiltAllocator::new(v, config).unwrap();
+    let a = q.allocate(4 * MIB, S0).unwrap();
+    let x = q.allocate(3 * MIB, S0).unwrap();
+    let b = q.allocate(2 * MIB, S0).unwrap();
+    let fill = q.allocate(11 * MIB, S0).unwrap();
+    assert_eq!(b.ptr, a.ptr + 7 * MIB, "blocks are packed in order");
+    assert_eq!(q.pool_stats().total_pages, 10, "the limit is reached");
+    q.free(x.ptr).unwrap();
+    q.free(fill.ptr).unwrap();
+    // 9..21 needs page 10: the pool cannot grow, so a cached page is moved
+    // under it, and the allocator is under pressure from here on.
+    let y = q.allocate(12 * MIB, S0).unwrap();
+    assert_eq!(y.ptr, a.ptr + 9 * MIB);
+    (q, a.ptr)
+}
+
+#[test]
+fn under_pressure_a_block_shares_the_partly_used_page_at_its_gaps_end() {
+    let (q, a) = gap_beside_a_partly_used_page();
+    // Every page the limit allows is touched but page 2. 1 MiB at the
+    // gap's start (4..5) would be page 2's first block and need an eleventh
+    // page; at the gap's end (6..7) it lies on page 3, which `b` already
+    // touches: no new page, nothing newly stranded.
+    let h = q
+        .allocate(MIB, S0)
+        .expect("1 MiB fits on the partly used page beside the gap");
+    assert_eq!(
+        h.ptr,
+        a + 6 * MIB,
+        "under pressure the block goes to the end of its gap that shares a used page"
+    );
+    assert_eq!(q.pool_stats().total_pages, 10);
+}

@@ -16,6 +16,7 @@ use std::ops::ControlFlow;
 
 use super::arena::{Arena, PageSlot};
 use super::config::Placement;
+use super::pressure::packed_in_gap;
 use super::stitch::{Core, Ctx, Kind, MappedAhead};
 use super::streams::Streams;
 use super::tiling::PieceId;
@@ -100,16 +101,18 @@ pub(super) trait Placer {
 /// (past retired pages still in use).
 pub(super) struct BestFit {
     pub(super) candidates: usize,
-    /// Under pressure (see `pressure.rs`): the best fit alone, among the
-    /// gaps a block can take without a synchronisation.
+    /// Under pressure (see `pressure.rs`): among the candidates, the place
+    /// touching the fewest untouched pages, at either end of its gap.
     pub(super) pack: bool,
 }
 
 impl Placer for BestFit {
     fn place(&self, core: &mut Core, ctx: &Ctx<'_>, ai: usize, req: Request) -> Option<Placed> {
         let Request { rounded, t, .. } = req;
-        // Under pressure, the best fit alone (see `pressure.rs`).
-        let n = if self.pack { 1 } else { self.candidates };
+        if self.pack {
+            return core.place_packed(ctx, ai, (rounded, t), self.candidates);
+        }
+        let n = self.candidates;
         if core.arenas[ai].retired_pages == 0 {
             if core.streams.len() >= 2 {
                 return core.place_among_streams(ctx, ai, (rounded, t), n);
@@ -131,21 +134,17 @@ impl Placer for BestFit {
             }
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
-        // Under pressure too, every candidate is looked at past retired
-        // pages still in use, and the best fit among them taken.
+        // Every candidate is looked at past retired pages still in use.
         let candidates: Vec<(u64, PieceId)> = core.arenas[ai]
             .fitting_gaps(rounded, self.candidates)
             .collect();
-        let mut moved: Vec<(u64, PieceId)> = candidates
+        let moved: Vec<(u64, PieceId)> = candidates
             .iter()
             .filter_map(|&(_, g)| {
                 core.past_retired_in_use(ctx, ai, g, rounded)
                     .map(|off| (off, g))
             })
             .collect();
-        if self.pack {
-            moved.truncate(1);
-        }
         // If every fitting gap is blocked, a retired page will be
         // synchronised for (rare; only after reclaim moved pages).
         let candidates = if moved.is_empty() { candidates } else { moved };
@@ -184,6 +183,55 @@ impl Placer for Gmlake {
 }
 
 impl Core {
+    /// [`BestFit`] under pressure (see `pressure.rs`), for a block of
+    /// `rounded` bytes on stream `t` in arena `ai`: among up to `n`
+    /// best-fitting gaps, the place (either end of a gap, past retired pages
+    /// still in use) touching the fewest untouched pages, the better fit on a
+    /// tie, whatever its mapping or waits. When every fitting gap is blocked
+    /// by retired pages still in use, the best of them as without pressure
+    /// (a synchronisation).
+    fn place_packed(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        n: usize,
+    ) -> Option<Placed> {
+        let fitting: Vec<(u64, PieceId)> = self.arenas[ai].fitting_gaps(rounded, n).collect();
+        let retired = self.arenas[ai].retired_pages > 0;
+        let mut best: Option<(u64, (u64, PieceId))> = None;
+        for &(_, gap) in &fitting {
+            let Some(start) = self.past_retired_in_use(ctx, ai, gap, rounded) else {
+                continue;
+            };
+            let Some((_, end)) = self.arenas[ai].tiling.gap(gap) else {
+                continue;
+            };
+            let Some((mut place, at_start)) =
+                packed_in_gap(&self.arenas[ai], (start, end), rounded)
+            else {
+                continue;
+            };
+            if let Some(at_start) = at_start {
+                if retired
+                    && self
+                        .last_retired_in_use(ctx, ai, place.off, rounded)
+                        .is_some()
+                {
+                    place = at_start;
+                }
+            }
+            if best.is_none_or(|(touches, _)| place.first_touches < touches) {
+                best = Some((place.first_touches, (place.off, gap)));
+            }
+        }
+        let listed = match best {
+            Some((_, place)) => vec![place],
+            None => fitting,
+        };
+        self.best_candidate(ctx, ai, rounded, t, Candidates::Listed(&listed))
+    }
+
     /// [`BestFit`] with several streams, in arena `ai` without retired
     /// pages, for a block of `rounded` bytes on stream `t`, among up to `n`
     /// candidates: the best fit, needing no new page and no wait (over no
