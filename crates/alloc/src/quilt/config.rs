@@ -18,8 +18,9 @@ pub enum Placement {
     /// mapped and free of other streams' pending work, then one that needs
     /// only a wait, then the one needing the fewest new pages (1 = plain best
     /// fit); the block goes at the gap's start. Under memory pressure (the
-    /// pool could not grow at its last try) the best fit alone: packing,
-    /// not mapped pages, then decides what fits.
+    /// pool could not grow at its last try) the place touching the fewest
+    /// untouched pages, at either end of a candidate gap: packing, not
+    /// mapped pages, then decides what fits.
     BestFit {
         /// Best-fitting gaps looked at (at least 1).
         candidates: usize,
