@@ -23,7 +23,15 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "the stitching core",
-        &["stitch", "placement", "backing", "reclaim", "own", "solo", "pressure"],
+        &[
+            "stitch",
+            "placement",
+            "backing",
+            "reclaim",
+            "own",
+            "solo",
+            "pressure",
+        ],
     ),
     (
         "features",
