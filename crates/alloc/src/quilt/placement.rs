@@ -589,13 +589,9 @@ fn score(
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {
-            streams.in_mask(h.streams).any(|s| {
-                if streams.orders_nothing(t, s, h.tick) {
-                    return false;
-                }
-                streams.learn(ctx.vmm, s, h.tick, tick);
-                !streams.freed_done(s, h.tick)
-            })
+            streams
+                .in_mask(h.streams)
+                .any(|s| streams.must_wait(ctx.vmm, t, s, h.tick, tick))
         });
     PlaceScore {
         needs_pages: unmapped > 0,
