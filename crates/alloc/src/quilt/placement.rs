@@ -265,6 +265,10 @@ impl Core {
         }
         let req = (rounded, t, tick);
         let best = best_of(arena, streams, ctx, req, ahead, ((off, gap), fitting), &[]);
+        if best.is_none_or(|p| p.wait_free) {
+            // Nothing skipped, and no wait to check for a capture.
+            return best;
+        }
         self.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best)
     }
 
