@@ -265,6 +265,10 @@ impl Core {
         }
         let req = (rounded, t, tick);
         let best = best_of(arena, streams, ctx, req, ahead, ((off, gap), fitting), &[]);
+        if best.is_none_or(|p| p.wait_free) {
+            // Nothing skipped, and no wait to check for a capture.
+            return best;
+        }
         self.unless_under_capture(ctx, ai, (rounded, t), Candidates::Fitting(n), best)
     }
 
@@ -589,13 +593,9 @@ fn score(
     // A single stream orders its own reuse.
     let wait = streams.len() >= 2
         && arena.tiling.hazards_over(gap, start, len).any(|h| {
-            streams.in_mask(h.streams).any(|s| {
-                if streams.orders_nothing(t, s, h.tick) {
-                    return false;
-                }
-                streams.learn(ctx.vmm, s, h.tick, tick);
-                !streams.freed_done(s, h.tick)
-            })
+            streams
+                .in_mask(h.streams)
+                .any(|s| streams.must_wait(ctx.vmm, t, s, h.tick, tick))
         });
     PlaceScore {
         needs_pages: unmapped > 0,

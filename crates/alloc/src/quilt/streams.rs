@@ -223,16 +223,34 @@ impl StreamState {
             return false;
         }
         if self.capture_asked_at != tick {
-            self.capturing = match vmm.stream_is_capturing(self.id) {
-                Ok(c) => c,
-                Err(err) => {
-                    event_call_failed("asking whether a stream is capturing", &err);
-                    true
-                }
-            };
-            self.capture_asked_at = tick;
+            self.ask_capturing(vmm, tick);
         }
         self.capturing
+    }
+
+    /// Ask the driver whether the stream is capturing, at operation `tick`
+    /// (out of line: at most once per stream per operation).
+    #[inline(never)]
+    fn ask_capturing(&mut self, vmm: &dyn Vmm, tick: u64) {
+        self.capturing = match vmm.stream_is_capturing(self.id) {
+            Ok(c) => c,
+            Err(err) => {
+                event_call_failed("asking whether a stream is capturing", &err);
+                true
+            }
+        };
+        self.capture_asked_at = tick;
+    }
+
+    /// The position in the list of the earliest event recorded at tick `k`
+    /// or later (the list's length when none is).
+    fn covering(&self, k: u64) -> usize {
+        let (older, newer) = self.events.as_slices();
+        if older.last().is_some_and(|m| m.tick >= k) {
+            older.partition_point(|m| m.tick < k)
+        } else {
+            older.len() + newer.partition_point(|m| m.tick < k)
+        }
     }
 
     /// Query the event at `at` in the list, unless a query this operation
@@ -507,13 +525,11 @@ impl Streams {
     /// True when [`Streams::freed_done`] holds for every stream in `mask`:
     /// a hazard of theirs up to `k` constrains nothing.
     pub(crate) fn all_freed_done(&self, mask: u64, k: u64) -> bool {
-        self.in_mask(mask).all(|s| self.freed_done(s, k))
-    }
-
-    /// True when stream `t` is already ordered after stream `s`'s work up
-    /// to `k` (as far as freed memory can depend on it).
-    fn has_waited(&self, t: u32, s: u32, k: u64) -> bool {
-        self.waited(t, s) >= self.relevant(s, k)
+        self.in_mask(mask).all(|s| {
+            self.states
+                .get(s as usize)
+                .is_none_or(|st| st.done >= k.min(st.last_free))
+        })
     }
 
     /// True when stream `t` needs nothing of stream `s`'s work up to `k` (as
@@ -521,7 +537,29 @@ impl Streams {
     /// known complete, or `t` is already ordered after it. Known without a
     /// call.
     pub(crate) fn orders_nothing(&self, t: u32, s: u32, k: u64) -> bool {
-        s == t || self.freed_done(s, k) || self.has_waited(t, s, k)
+        if s == t {
+            return true;
+        }
+        let Some(st) = self.states.get(s as usize) else {
+            return true;
+        };
+        // As far as freed memory can depend on it (see `relevant`).
+        let k = k.min(st.last_free);
+        st.done >= k || self.waited(t, s) >= k
+    }
+
+    /// Whether stream `t` must wait for stream `s`'s work up to tick `k`
+    /// (as far as freed memory can depend on it), for a decision that
+    /// depends on it: false when [`Streams::orders_nothing`] says so
+    /// without a call, else learnt ([`Streams::learn`]): true while that
+    /// work is still running.
+    pub(crate) fn must_wait(&mut self, vmm: &dyn Vmm, t: u32, s: u32, k: u64, tick: u64) -> bool {
+        if self.orders_nothing(t, s, k) {
+            return false;
+        }
+        let k = self.relevant(s, k);
+        self.know(vmm, s, k, tick);
+        !self.is_done(s, k)
     }
 
     /// Query stream `i`'s event at `at` in its list (see
@@ -538,7 +576,7 @@ impl Streams {
     /// its work up to tick `k` (recorded at `k` or later), if any.
     fn covering(&self, i: u32, k: u64) -> Option<usize> {
         let s = self.states.get(i as usize)?;
-        let at = s.events.partition_point(|m| m.tick < k);
+        let at = s.covering(k);
         (at < s.events.len()).then_some(at)
     }
 
@@ -547,6 +585,7 @@ impl Streams {
     /// its covering event running this operation), query the earliest
     /// event that covers it, recorded now, on demand, if none does (see
     /// [`Streams::cover`] and [`StreamState::query`]).
+    #[inline(never)]
     fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
@@ -555,21 +594,39 @@ impl Streams {
         if s.done >= k || (asked_at == tick && k > running_from) {
             return;
         }
-        if s.events.back().is_none_or(|m| m.tick < k) {
-            if s.forgotten || s.capturing(vmm, tick) {
-                return;
-            }
-            match s.record(vmm, &mut self.spare, tick) {
-                Ok(_) => self.recorded += 1,
-                Err(err) => {
-                    event_call_failed("recording an event on demand", &err);
-                    return;
-                }
-            }
+        if s.events.back().is_none_or(|m| m.tick < k) && !self.record_on_demand(vmm, i, tick) {
+            return;
         }
-        let at = s.events.partition_point(|m| m.tick < k);
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return;
+        };
+        let at = s.covering(k);
         if s.query(vmm, at, tick, &mut self.spare) {
             self.progress += 1;
+        }
+    }
+
+    /// Record an event on stream `i` at `tick`, on demand (see
+    /// [`Streams::know`]): none on a forgotten or capturing stream, and a
+    /// failed record is only logged. Returns true when one was recorded.
+    /// Out of line: most decisions find an event recorded already.
+    #[inline(never)]
+    fn record_on_demand(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> bool {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return false;
+        };
+        if s.forgotten || s.capturing(vmm, tick) {
+            return false;
+        }
+        match s.record(vmm, &mut self.spare, tick) {
+            Ok(_) => {
+                self.recorded += 1;
+                true
+            }
+            Err(err) => {
+                event_call_failed("recording an event on demand", &err);
+                false
+            }
         }
     }
 
