@@ -666,8 +666,9 @@ impl Streams {
 
     /// Stream `i` freed a block at `tick`. When its work up to the free
     /// must be known exactly (`hazard`: events at frees), an event is
-    /// recorded on the stream now, covering its work up to the free (none where its newest event is of this tick,
-    /// its work is known complete up to here, or it is capturing). Once
+    /// recorded on the stream now, covering its work up to the free (none
+    /// where its newest event is of this tick, its work is known complete
+    /// up to here, or it is capturing). Once
     /// the stream's list is twice as long as the last such query left it
     /// (and at least [`POLL_AT_FREE`]), the event halfway down is queried:
     /// found complete, it retires half the list; so the list stays within
