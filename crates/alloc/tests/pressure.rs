@@ -1,6 +1,7 @@
 //! Placement under memory pressure (the pool cannot grow): every new page a
 //! block needs is a cached page moved from elsewhere, so a mapped gap saves
-//! calls, not memory, and the block takes the best fit (see
+//! calls, not memory, and a block goes where it touches the fewest
+//! untouched pages, the tighter gap on a tie (see
 //! `crates/alloc/src/quilt/pressure.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code
 
@@ -14,10 +15,10 @@ use quilt_vmm::{StreamId, Vmm};
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 
-#[test]
-fn under_pressure_a_block_takes_the_best_fit_not_a_looser_mapped_gap() {
-    // The device keeps up with the host: freed work is done at once, so a
-    // moved page leaves no retired mapping behind.
+/// Quilt on a simulated device that keeps up with the host (freed work is
+/// done at once, so a moved page leaves no retired mapping behind), with a
+/// limit of 20 MiB: ten 2 MiB pages.
+fn limited_to_ten_pages() -> QuiltAllocator {
     let sim = Arc::new(
         SimVmm::new(SimConfig {
             capacity: 64 * MIB,
@@ -28,7 +29,12 @@ fn under_pressure_a_block_takes_the_best_fit_not_a_looser_mapped_gap() {
     );
     let v: Arc<dyn Vmm> = sim;
     let config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(20 * MIB));
-    let q = QuiltAllocator::new(v, config).unwrap();
+    QuiltAllocator::new(v, config).unwrap()
+}
+
+#[test]
+fn under_pressure_a_block_takes_the_best_fit_not_a_looser_mapped_gap() {
+    let q = limited_to_ten_pages();
     // Ten 2 MiB pages at most. Offsets in MiB: a 0..4, t 4..6, b 6..8,
     // l 8..14, c 14..16.
     let a = q.allocate(4 * MIB, S0).unwrap();
@@ -63,17 +69,7 @@ fn under_pressure_a_block_takes_the_best_fit_not_a_looser_mapped_gap() {
 /// page 3 shared with `b`), `b` 7..9 (pages 3, 4), `y` 9..21 (pages 4 to
 /// 10). Returns the allocator and `a`'s pointer.
 fn gap_beside_a_partly_used_page() -> (QuiltAllocator, u64) {
-    let sim = Arc::new(
-        SimVmm::new(SimConfig {
-            capacity: 64 * MIB,
-            gpu_lag_ops: 0,
-            ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let v: Arc<dyn Vmm> = sim;
-    let config = QuiltConfig::default().with_limit(MemoryLimit::Bytes(20 * MIB));
-    let q = QuiltAllocator::new(v, config).unwrap();
+    let q = limited_to_ten_pages();
     let a = q.allocate(4 * MIB, S0).unwrap();
     let x = q.allocate(3 * MIB, S0).unwrap();
     let b = q.allocate(2 * MIB, S0).unwrap();
