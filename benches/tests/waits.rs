@@ -313,6 +313,10 @@ fn judged_drawn(allocator: &str) -> Vec<(String, Account)> {
 /// The strict promise with events at frees on the traces drawn at random,
 /// as on the built-ins.
 #[test]
+#[cfg_attr(
+    no_python3,
+    ignore = "needs python3 on the PATH to draw the traces (none ran when quilt-bench was built)"
+)]
 fn quilt_waits_only_where_needed_with_events_at_frees_on_traces_drawn_at_random() {
     let broken: Vec<String> = judged_drawn("quilt:events=at_free")
         .into_iter()
@@ -327,6 +331,10 @@ fn quilt_waits_only_where_needed_with_events_at_frees_on_traces_drawn_at_random(
 /// all (a trace of few waits may have a larger share: one in four at
 /// most, measured; see docs/benchmarks.md "Waits").
 #[test]
+#[cfg_attr(
+    no_python3,
+    ignore = "needs python3 on the PATH to draw the traces (none ran when quilt-bench was built)"
+)]
 fn quilt_on_demand_waits_rarely_beyond_need_on_traces_drawn_at_random() {
     let judged = judged_drawn("quilt");
     let raced: Vec<String> = judged
