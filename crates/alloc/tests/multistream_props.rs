@@ -39,7 +39,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use quilt_alloc::baselines::offset::{OffsetAllocator, OffsetConfig};
 use quilt_alloc::baselines::{CachingAllocator, CachingConfig};
-use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+use quilt_alloc::quilt::{EventTiming, QuiltAllocator, QuiltConfig};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::sim::{SimConfig, SimVmm};
 use quilt_vmm::{CallKind, EventId, PhysHandle, StreamId, Vmm};
@@ -51,6 +51,8 @@ const PAGE: u64 = 2 * MIB;
 #[derive(Clone, Copy, Debug)]
 enum Kind {
     Quilt,
+    /// Quilt with events recorded at frees (`EventTiming::AtFree`).
+    QuiltAtFree,
     Gmlake,
     Classic,
     Expandable,
@@ -60,6 +62,16 @@ enum Kind {
 fn build(kind: Kind, vmm: Arc<dyn Vmm>) -> Box<dyn DeviceAllocator> {
     match kind {
         Kind::Quilt => Box::new(QuiltAllocator::new(vmm, QuiltConfig::default()).unwrap()),
+        Kind::QuiltAtFree => Box::new(
+            QuiltAllocator::new(
+                vmm,
+                QuiltConfig {
+                    events: EventTiming::AtFree,
+                    ..QuiltConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
         Kind::Gmlake => Box::new(QuiltAllocator::new(vmm, QuiltConfig::gmlake()).unwrap()),
         Kind::Classic => Box::new(CachingAllocator::new(vmm, CachingConfig::classic()).unwrap()),
         Kind::Expandable => {
@@ -494,6 +506,24 @@ proptest! {
     #[ignore = "events recorded on demand and per-page single-stream frees make waits a probe at every free would not (see the doc comment)"]
     fn quilt_waits_only_where_a_probe_at_every_free_needs_them(case in case()) {
         run(Kind::Quilt, Waits::Strict, case)?;
+    }
+
+    /// The strict form of promise (b) with events recorded at frees
+    /// (`EventTiming::AtFree`), on generated loops. Fails (found by this
+    /// test) on some: the race finder's judgement holds on the built-ins
+    /// and 73 drawn traces (`benches/tests/waits.rs`), but this account,
+    /// a probe event at every free, is stricter where hazards are built
+    /// from the pages (when a second stream first appears, or a solo run
+    /// ends: `solo.rs`): they are per page, not per byte, so a block
+    /// sharing a page with such a free (not its bytes) waits for it; and
+    /// frees a single stream made before a second appeared record no event
+    /// (a one-stream program pays none), so the second stream's first
+    /// reuse is decided on an event recorded then. Ignored for those; run
+    /// with `--ignored`.
+    #[test]
+    #[ignore = "hazards built from pages are per page, and one stream's frees record no event (see the doc comment)"]
+    fn quilt_at_free_waits_only_where_a_probe_at_every_free_needs_them(case in case()) {
+        run(Kind::QuiltAtFree, Waits::Strict, case)?;
     }
 }
 
