@@ -518,7 +518,8 @@ pub enum EventTiming {
     /// use the memory, and no wait is needless by the race finder on the
     /// multi-stream workloads and drawn traces (`benches/tests/waits.rs`);
     /// about 0.5 records (and as many capture questions) per operation
-    /// where several streams allocate. Two exceptions remain: frees one
+    /// once several streams exist (a second stream used once included).
+    /// Two exceptions remain: frees one
     /// stream made before a second appeared record no event (a one-stream
     /// program pays none), and hazards built from the pages are per page,
     /// so the first reuses after those may wait needlessly (found by the
