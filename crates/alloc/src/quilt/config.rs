@@ -523,8 +523,8 @@ pub enum EventTiming {
     /// stream made before a second appeared record no event (a one-stream
     /// program pays none), and hazards built from the pages are per page,
     /// so the first reuses after those may wait needlessly (found by the
-    /// ignored probe test of `tests/multistream_props.rs`; one wait in
-    /// three on `bert_large_infer-side`).
+    /// ignored probe test of `tests/multistream_props.rs`, on generated
+    /// loops where a second stream appears after the first one's frees).
     AtFree,
 }
 

@@ -103,8 +103,7 @@ impl Core {
                 self.arenas[ai].add_hazard(to, from - to, streams, tick);
             }
             for s in self.streams.in_mask(streams) {
-                self.streams
-                    .note_free(ctx.vmm, s, tick, track && ctx.cfg.events.at_free());
+                self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
             }
         }
         self.stats.allocated_bytes.decrease(from - to);
@@ -118,10 +117,8 @@ impl Core {
     pub(crate) fn vacate_own_block(&mut self, ctx: &Ctx<'_>, ai: usize, from: u64, streams: u64) {
         let tick = self.tick;
         self.set_extent(ai, from, 0, Some(streams));
-        let several = self.streams.len() > 1;
         for s in self.streams.in_mask(streams) {
-            self.streams
-                .note_free(ctx.vmm, s, tick, several && ctx.cfg.events.at_free());
+            self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
         self.stats.allocated_bytes.decrease(from);
         self.stats.active_bytes.decrease(from);

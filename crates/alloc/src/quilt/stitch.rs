@@ -573,8 +573,8 @@ impl Core {
     }
 
     /// Free the block at `ptr`: no driver call but, under
-    /// [`EventTiming::AtFree`](super::config::EventTiming) where the free
-    /// leaves a hazard, an event on each of the block's streams
+    /// [`EventTiming::AtFree`](super::config::EventTiming) once several
+    /// streams exist, an event on each of the block's streams
     /// (`Streams::note_free`: asked whether it captures first). A block freed while its
     /// stream captures a CUDA graph is reused in the capture by that stream
     /// only (in stream order, as the graph orders it); another stream finds
@@ -626,18 +626,16 @@ impl Core {
         };
         self.tick += 1;
         let tick = self.tick;
-        let several = self.streams.len() > 1;
-        let track = several && !self.free_leaves_no_hazard(b.streams);
-        // With events at frees, a solo run's frees record theirs too: the
-        // hazards built from the pages when the run ends carry these
-        // frees' ticks, and only an event recorded at the free tells
-        // exactly when that work is complete.
-        let event_now = several && ctx.cfg.events.at_free();
+        let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
         self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
-            self.streams.note_free(ctx.vmm, s, tick, event_now);
+            // With events at frees, a solo run's frees record theirs too
+            // (not `track`): the hazards built from the pages when the run
+            // ends carry these frees' ticks, and only an event recorded at
+            // the free tells exactly when that work is complete.
+            self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
         if track {
             // The block's piece is now the gap that holds it. Its hazard,

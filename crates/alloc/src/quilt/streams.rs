@@ -99,6 +99,8 @@ use rustc_hash::FxHashMap as HashMap;
 
 use quilt_vmm::{EventId, StreamId, Vmm, VmmError};
 
+use super::config::EventTiming;
+
 /// The set bits of a mask, lowest first.
 struct BitIter(u64);
 
@@ -664,17 +666,19 @@ impl Streams {
         }
     }
 
-    /// Stream `i` freed a block at `tick`. When its work up to the free
-    /// must be known exactly (`hazard`: events at frees), an event is
-    /// recorded on the stream now, covering its work up to the free (none
-    /// where its newest event is of this tick, its work is known complete
-    /// up to here, or it is capturing). Once
-    /// the stream's list is twice as long as the last such query left it
-    /// (and at least [`POLL_AT_FREE`]), the event halfway down is queried:
-    /// found complete, it retires half the list; so the list stays within
-    /// twice the events the device has not reached, at one query per that
-    /// many frees.
-    pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, hazard: bool) {
+    /// Stream `i` freed a block at `tick`. With events at frees
+    /// (`events`, [`EventTiming::AtFree`]) and several streams known, an
+    /// event is recorded on the stream now, covering its work up to the
+    /// free (none where its newest event is of this tick, its work is known
+    /// complete up to here, or it is capturing; none while one stream is
+    /// alone, so that a one-stream program pays no event). Once the
+    /// stream's list is twice as long as the last such query left it (and
+    /// at least [`POLL_AT_FREE`]), the event halfway down is queried: found
+    /// complete, it retires half the list; so the list stays within twice
+    /// the events the device has not reached, at one query per that many
+    /// frees.
+    pub(crate) fn note_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64, events: EventTiming) {
+        let hazard = events.at_free() && self.states.len() > 1;
         let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
@@ -911,10 +915,10 @@ mod tests {
     }
 
     /// Stream `i` (registered by [`device`]) queues work and frees a block
-    /// at `tick`, leaving a hazard.
+    /// at `tick`, with events at frees.
     fn work_and_free(sim: &SimVmm, st: &mut Streams, i: u32, tick: u64) {
         sim.queue_work(StreamId(100 + u64::from(i)));
-        st.note_free(sim, i, tick, true);
+        st.note_free(sim, i, tick, EventTiming::AtFree);
     }
 
     #[test]
@@ -965,10 +969,10 @@ mod tests {
         let (sim, mut st) = device(4, 2);
         let a = 0;
         sim.queue_work(StreamId(100));
-        st.note_free(&sim, a, 1, false);
+        st.note_free(&sim, a, 1, EventTiming::OnDemand);
         assert_eq!(st.recorded, 0);
         sim.begin_capture(StreamId(100)).unwrap();
-        st.note_free(&sim, a, 2, true);
+        st.note_free(&sim, a, 2, EventTiming::AtFree);
         assert_eq!(st.recorded, 0);
         sim.end_capture(StreamId(100)).unwrap();
         assert_eq!(sim.capture_violations(), 0);
