@@ -32,6 +32,21 @@ impl<I> Default for GapIndex<I> {
     }
 }
 
+/// Where `key` is, or would go, in the sorted entries `v`: the first entry
+/// not below it. (Out of line: every search of a sorted index runs these
+/// same few lines of code, an operation's second search finding them
+/// fetched by its first.)
+#[inline(never)]
+fn position<I>(v: &[(GapKey, I)], key: &GapKey) -> usize {
+    v.partition_point(|e| e.0 < *key)
+}
+
+/// Where `key` is in the sorted entries `v`, if it is there.
+fn position_of<I>(v: &[(GapKey, I)], key: &GapKey) -> Option<usize> {
+    let i = position(v, key);
+    v.get(i).is_some_and(|e| e.0 == *key).then_some(i)
+}
+
 impl<I: Copy> GapIndex<I> {
     /// Gaps held.
     pub(crate) fn len(&self) -> usize {
@@ -44,15 +59,18 @@ impl<I: Copy> GapIndex<I> {
     /// Add gap `id` under `key` (replacing what `key` held).
     pub(crate) fn insert(&mut self, key: GapKey, id: I) {
         match self {
-            GapIndex::Sorted(v) => match v.binary_search_by_key(&key, |e| e.0) {
-                Ok(i) => v[i].1 = id,
-                Err(i) => {
-                    v.insert(i, (key, id));
-                    if v.len() > SPILL {
-                        *self = GapIndex::Tree(v.drain(..).collect());
+            GapIndex::Sorted(v) => {
+                let i = position(v, &key);
+                match v.get_mut(i) {
+                    Some(e) if e.0 == key => e.1 = id,
+                    _ => {
+                        v.insert(i, (key, id));
+                        if v.len() > SPILL {
+                            *self = GapIndex::Tree(v.drain(..).collect());
+                        }
                     }
                 }
-            },
+            }
             GapIndex::Tree(t) => {
                 t.insert(key, id);
             }
@@ -67,18 +85,19 @@ impl<I: Copy> GapIndex<I> {
     pub(crate) fn rekey(&mut self, old: &GapKey, new: GapKey, id: I) {
         match self {
             GapIndex::Sorted(v) => {
-                let Ok(i) = v.binary_search_by_key(old, |e| e.0) else {
+                let Some(i) = position_of(v, old) else {
                     self.insert(new, id);
                     return;
                 };
                 // Where `new` goes among the others (`v` less entry `i`).
-                let j = v.partition_point(|e| e.0 < new);
+                let j = position(v, &new);
                 if j > i {
                     // Past `i`: the entries between move down one.
-                    v[i..j].rotate_left(1);
+                    v.copy_within(i + 1..j, i);
                     v[j - 1] = (new, id);
                 } else {
-                    v[j..=i].rotate_right(1);
+                    // Before it: they move up one.
+                    v.copy_within(j..i, j + 1);
                     v[j] = (new, id);
                 }
             }
@@ -93,7 +112,7 @@ impl<I: Copy> GapIndex<I> {
     pub(crate) fn remove(&mut self, key: &GapKey) -> Option<I> {
         match self {
             GapIndex::Sorted(v) => {
-                let i = v.binary_search_by_key(key, |e| e.0).ok()?;
+                let i = position_of(v, key)?;
                 Some(v.remove(i).1)
             }
             GapIndex::Tree(t) => {
@@ -110,7 +129,7 @@ impl<I: Copy> GapIndex<I> {
     #[cfg(feature = "invariants")]
     pub(crate) fn get(&self, key: &GapKey) -> Option<I> {
         match self {
-            GapIndex::Sorted(v) => v.binary_search_by_key(key, |e| e.0).ok().map(|i| v[i].1),
+            GapIndex::Sorted(v) => position_of(v, key).map(|i| v[i].1),
             GapIndex::Tree(t) => t.get(key).copied(),
         }
     }
@@ -119,7 +138,7 @@ impl<I: Copy> GapIndex<I> {
     /// without an iterator).
     pub(crate) fn first_from(&self, key: GapKey) -> Option<(GapKey, I)> {
         match self {
-            GapIndex::Sorted(v) => v.get(v.partition_point(|e| e.0 < key)).copied(),
+            GapIndex::Sorted(v) => v.get(position(v, &key)).copied(),
             GapIndex::Tree(t) => t.range(key..).next().map(|(&k, &id)| (k, id)),
         }
     }
@@ -128,7 +147,7 @@ impl<I: Copy> GapIndex<I> {
     pub(crate) fn from(&self, key: GapKey) -> GapsFrom<'_, I> {
         match self {
             GapIndex::Sorted(v) => {
-                let i = v.partition_point(|e| e.0 < key);
+                let i = position(v, &key);
                 GapsFrom::Sorted(v[i..].iter())
             }
             GapIndex::Tree(t) => GapsFrom::Tree(t.range(key..)),
