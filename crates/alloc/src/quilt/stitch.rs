@@ -14,6 +14,7 @@ use rustc_hash::FxHashMap as HashMap;
 use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
+use super::address_map::AddressMap;
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
@@ -127,7 +128,7 @@ pub(crate) struct Core {
     /// `(None, Small)` and `(None, Large)`), found without hashing.
     shared_arenas: [Option<usize>; 2],
     pub(crate) streams: Streams,
-    pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
+    pub(crate) blocks: AddressMap<BlockRec>,
     /// The last [`FREED_MEMORY`] pointers freed, oldest first (read only
     /// on the error path, to tell a double free from an unknown pointer).
     freed_recent: VecDeque<DevicePtr>,
