@@ -199,7 +199,9 @@ impl ArenaFigures {
         )
     }
 
-    /// Look at every arena again.
+    /// Look at every arena again. (Out of line: an operation that changed
+    /// one arena looks at that one alone.)
+    #[inline(never)]
     fn sync_all(&mut self, arenas: &[Arena]) {
         self.each.clear();
         self.each.extend(arenas.iter().map(ArenaFigures::of));
@@ -221,10 +223,12 @@ impl ArenaFigures {
     }
 }
 
+/// Move `stat` to `value` (a decrease by 0 where it is there already:
+/// nothing changes).
 fn set_stat(stat: &mut Stat, value: u64) {
     if value > stat.current {
         stat.increase(value - stat.current);
-    } else if value < stat.current {
+    } else {
         stat.decrease(stat.current - value);
     }
 }
