@@ -519,14 +519,16 @@ impl Core {
         } else {
             Kind::Large
         };
-        let whole_pages = rounded.div_ceil(ctx.page);
-        if whole_pages > ctx.pool.limit_pages() || rounded > ctx.arena_va {
-            return Err(self.oom(ctx, size, whole_pages, 0));
+        // More whole pages than the limit (no division: `rounded` past the
+        // limit's bytes), or more than an arena.
+        let limit_bytes = ctx.pool.limit_pages().saturating_mul(ctx.page);
+        if rounded > limit_bytes || rounded > ctx.arena_va {
+            return Err(self.oom(ctx, size, rounded.div_ceil(ctx.page), 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
         self.check_not_frozen(ai)?;
         let Some(placed) = self.place(ctx, ai, kind, size, rounded, si) else {
-            return Err(self.oom(ctx, size, whole_pages, 0));
+            return Err(self.oom(ctx, size, rounded.div_ceil(ctx.page), 0));
         };
         let (off, gap) = (placed.off, placed.gap);
         // A single stream has no hazards.
