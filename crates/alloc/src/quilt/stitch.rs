@@ -117,6 +117,31 @@ pub(crate) struct MappedAhead {
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
 const FREED_MEMORY: usize = 1 << 16;
 
+/// The pointers freed last, at most [`FREED_MEMORY`] (a power of two): a
+/// ring, each free writing one entry (the oldest, once full), in no order
+/// that matters (it is only searched).
+#[derive(Debug, Default)]
+struct FreedRing {
+    ptrs: Vec<DevicePtr>,
+    /// The entry the next free overwrites, once full.
+    next: usize,
+}
+
+impl FreedRing {
+    fn push(&mut self, ptr: DevicePtr) {
+        if self.ptrs.len() < FREED_MEMORY {
+            self.ptrs.push(ptr);
+        } else if let Some(slot) = self.ptrs.get_mut(self.next) {
+            *slot = ptr;
+            self.next = (self.next + 1) & (FREED_MEMORY - 1);
+        }
+    }
+
+    fn contains(&self, ptr: &DevicePtr) -> bool {
+        self.ptrs.contains(ptr)
+    }
+}
+
 /// The allocator's state.
 #[derive(Debug, Default)]
 pub(crate) struct Core {
@@ -129,9 +154,9 @@ pub(crate) struct Core {
     shared_arenas: [Option<usize>; 2],
     pub(crate) streams: Streams,
     pub(crate) blocks: AddressMap<BlockRec>,
-    /// The last [`FREED_MEMORY`] pointers freed, oldest first (read only
-    /// on the error path, to tell a double free from an unknown pointer).
-    freed_recent: VecDeque<DevicePtr>,
+    /// The last [`FREED_MEMORY`] pointers freed, in a ring (read only on
+    /// the error path, to tell a double free from an unknown pointer).
+    freed_recent: FreedRing,
     /// Pages that became cached, oldest first, as (arena, page, tick it became
     /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
@@ -437,10 +462,7 @@ impl Core {
     }
 
     fn remember_freed(&mut self, ptr: DevicePtr) {
-        if self.freed_recent.len() == FREED_MEMORY {
-            self.freed_recent.pop_front();
-        }
-        self.freed_recent.push_back(ptr);
+        self.freed_recent.push(ptr);
     }
 
     /// The error for a free of `ptr`, which is no live block: a double free
@@ -828,5 +850,26 @@ pub(crate) fn pool_err(e: PoolError) -> AllocError {
             reason: e.to_string(),
         },
         other => AllocError::Pool(Box::new(other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_freed_ring_keeps_the_last_pointers_freed() {
+        let mut ring = FreedRing::default();
+        let n = FREED_MEMORY as u64;
+        for p in 0..n + 3 {
+            ring.push(p * 512);
+        }
+        assert_eq!(ring.ptrs.len(), FREED_MEMORY);
+        for p in 0..3 {
+            assert!(!ring.contains(&(p * 512)), "pointer {p} is past the memory");
+        }
+        for p in 3..n + 3 {
+            assert!(ring.contains(&(p * 512)), "pointer {p} is among the last");
+        }
     }
 }
