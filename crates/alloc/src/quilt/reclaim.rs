@@ -302,8 +302,8 @@ impl Core {
     /// valid ones (amortised O(1) per entry pushed).
     #[inline]
     pub(super) fn compact_reclaim_queue(&mut self) {
+        // A queue within the least bound needs no sum over the arenas.
         if self.reclaim_queue.len() > 1024 {
-            // (Below any bound: no sum over the arenas.)
             self.compact_long_reclaim_queue();
         }
     }

@@ -589,9 +589,8 @@ impl Core {
     /// Order stream `si` after the hazards under a block placed at `off`
     /// in gap `gap` (`rounded` bytes; `wait_free`: placement found, this
     /// operation, that none needs a wait) before the gap drops them, and
-    /// return them as one
-    /// (see [`Core::undo_occupy`]); a failure changes nothing else. (Out of
-    /// line: a single stream has no hazards.)
+    /// return them as one (see [`Core::undo_occupy`]); a failure changes
+    /// nothing else. (Out of line: a single stream has no hazards.)
     #[inline(never)]
     fn take_hazards_under(
         &mut self,
