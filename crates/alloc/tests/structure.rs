@@ -13,6 +13,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "pure pieces",
         &[
+            "address_map",
             "gap_index",
             "tiling",
             "page_table",

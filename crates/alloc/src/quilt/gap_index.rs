@@ -7,7 +7,13 @@
 //! fragmenting workload; `quilt-bench scale`'s 100,000 live blocks) would
 //! make every insert a long move, so past [`SPILL`] entries the index is a
 //! B-tree, and a vector again once it shrinks below half of that.
+//!
+//! A sorted index remembers where its last search for the first gap of at
+//! least a length ended: the allocation that asked next cuts its block
+//! from that gap and moves the gap's entry, found there without a second
+//! search.
 
+use std::cell::Cell;
 use std::collections::{btree_map, BTreeMap};
 
 /// A gap's key: its length, then its start.
@@ -20,23 +26,44 @@ const SPILL: usize = 128;
 /// documentation.
 #[derive(Debug)]
 pub(crate) enum GapIndex<I> {
-    /// Few gaps: sorted by key.
-    Sorted(Vec<(GapKey, I)>),
+    /// Few gaps: sorted by key, and where the last
+    /// [`GapIndex::first_from`] ended (an index, perhaps stale).
+    Sorted(Vec<(GapKey, I)>, Cell<usize>),
     /// Many.
     Tree(BTreeMap<GapKey, I>),
 }
 
 impl<I> Default for GapIndex<I> {
     fn default() -> GapIndex<I> {
-        GapIndex::Sorted(Vec::new())
+        GapIndex::Sorted(Vec::new(), Cell::new(0))
     }
+}
+
+/// Where `key` is, or would go, in the sorted entries `v`: the first entry
+/// not below it. (Out of line: every search of a sorted index runs these
+/// same few lines of code, an operation's second search finding them
+/// fetched by its first.)
+#[inline(never)]
+fn position<I>(v: &[(GapKey, I)], key: &GapKey) -> usize {
+    v.partition_point(|e| e.0 < *key)
+}
+
+/// Where `key` is in the sorted entries `v`, if it is there: at `found`
+/// (where the last search ended) or else where a search finds it.
+fn position_of<I>(v: &[(GapKey, I)], key: &GapKey, found: &Cell<usize>) -> Option<usize> {
+    let at = |i: usize| v.get(i).is_some_and(|e| e.0 == *key);
+    if at(found.get()) {
+        return Some(found.get());
+    }
+    let i = position(v, key);
+    at(i).then_some(i)
 }
 
 impl<I: Copy> GapIndex<I> {
     /// Gaps held.
     pub(crate) fn len(&self) -> usize {
         match self {
-            GapIndex::Sorted(v) => v.len(),
+            GapIndex::Sorted(v, _) => v.len(),
             GapIndex::Tree(t) => t.len(),
         }
     }
@@ -44,15 +71,18 @@ impl<I: Copy> GapIndex<I> {
     /// Add gap `id` under `key` (replacing what `key` held).
     pub(crate) fn insert(&mut self, key: GapKey, id: I) {
         match self {
-            GapIndex::Sorted(v) => match v.binary_search_by_key(&key, |e| e.0) {
-                Ok(i) => v[i].1 = id,
-                Err(i) => {
-                    v.insert(i, (key, id));
-                    if v.len() > SPILL {
-                        *self = GapIndex::Tree(v.drain(..).collect());
+            GapIndex::Sorted(v, _) => {
+                let i = position(v, &key);
+                match v.get_mut(i) {
+                    Some(e) if e.0 == key => e.1 = id,
+                    _ => {
+                        v.insert(i, (key, id));
+                        if v.len() > SPILL {
+                            *self = GapIndex::Tree(v.drain(..).collect());
+                        }
                     }
                 }
-            },
+            }
             GapIndex::Tree(t) => {
                 t.insert(key, id);
             }
@@ -66,19 +96,25 @@ impl<I: Copy> GapIndex<I> {
     /// a gap, a freed block joining one). `new` must not be held already.
     pub(crate) fn rekey(&mut self, old: &GapKey, new: GapKey, id: I) {
         match self {
-            GapIndex::Sorted(v) => {
-                let Ok(i) = v.binary_search_by_key(old, |e| e.0) else {
+            GapIndex::Sorted(v, found) => {
+                let Some(i) = position_of(v, old, found) else {
                     self.insert(new, id);
                     return;
                 };
-                // Where `new` goes among the others (`v` less entry `i`).
-                let j = v.partition_point(|e| e.0 < new);
+                // Where `new` goes among the others (`v` less entry `i`):
+                // on the side of `i` it lies on.
+                let j = if new < *old {
+                    position(&v[..i], &new)
+                } else {
+                    i + 1 + position(&v[i + 1..], &new)
+                };
                 if j > i {
                     // Past `i`: the entries between move down one.
-                    v[i..j].rotate_left(1);
+                    v.copy_within(i + 1..j, i);
                     v[j - 1] = (new, id);
                 } else {
-                    v[j..=i].rotate_right(1);
+                    // Before it: they move up one.
+                    v.copy_within(j..i, j + 1);
                     v[j] = (new, id);
                 }
             }
@@ -92,14 +128,14 @@ impl<I: Copy> GapIndex<I> {
     /// Take the gap under `key` out; `None` when there is none.
     pub(crate) fn remove(&mut self, key: &GapKey) -> Option<I> {
         match self {
-            GapIndex::Sorted(v) => {
-                let i = v.binary_search_by_key(key, |e| e.0).ok()?;
+            GapIndex::Sorted(v, found) => {
+                let i = position_of(v, key, found)?;
                 Some(v.remove(i).1)
             }
             GapIndex::Tree(t) => {
                 let id = t.remove(key)?;
                 if t.len() < SPILL / 2 {
-                    *self = GapIndex::Sorted(std::mem::take(t).into_iter().collect());
+                    *self = GapIndex::Sorted(std::mem::take(t).into_iter().collect(), Cell::new(0));
                 }
                 Some(id)
             }
@@ -110,7 +146,7 @@ impl<I: Copy> GapIndex<I> {
     #[cfg(feature = "invariants")]
     pub(crate) fn get(&self, key: &GapKey) -> Option<I> {
         match self {
-            GapIndex::Sorted(v) => v.binary_search_by_key(key, |e| e.0).ok().map(|i| v[i].1),
+            GapIndex::Sorted(v, found) => position_of(v, key, found).map(|i| v[i].1),
             GapIndex::Tree(t) => t.get(key).copied(),
         }
     }
@@ -119,7 +155,11 @@ impl<I: Copy> GapIndex<I> {
     /// without an iterator).
     pub(crate) fn first_from(&self, key: GapKey) -> Option<(GapKey, I)> {
         match self {
-            GapIndex::Sorted(v) => v.get(v.partition_point(|e| e.0 < key)).copied(),
+            GapIndex::Sorted(v, found) => {
+                let i = position(v, &key);
+                found.set(i);
+                v.get(i).copied()
+            }
             GapIndex::Tree(t) => t.range(key..).next().map(|(&k, &id)| (k, id)),
         }
     }
@@ -127,8 +167,8 @@ impl<I: Copy> GapIndex<I> {
     /// The gaps from `key` on, in key order.
     pub(crate) fn from(&self, key: GapKey) -> GapsFrom<'_, I> {
         match self {
-            GapIndex::Sorted(v) => {
-                let i = v.partition_point(|e| e.0 < key);
+            GapIndex::Sorted(v, _) => {
+                let i = position(v, &key);
                 GapsFrom::Sorted(v[i..].iter())
             }
             GapIndex::Tree(t) => GapsFrom::Tree(t.range(key..)),
@@ -168,6 +208,10 @@ mod tests {
             let mut model: BTreeMap<GapKey, u32> = BTreeMap::new();
             for (n, (op, len, start)) in ops.into_iter().enumerate() {
                 let key = (len, start);
+                // A search first, as an allocation makes (the entry it
+                // finds, or a stale place, remembered for what follows).
+                let first = model.range(key..).next().map(|(&k, &v)| (k, v));
+                prop_assert_eq!(index.first_from(key), first);
                 match op {
                     0 => {
                         index.insert(key, n as u32);
@@ -208,7 +252,7 @@ mod tests {
         for i in 0..=SPILL as u64 / 2 + 1 {
             assert_eq!(index.remove(&(i % 7, i)), Some(i as u32));
         }
-        assert!(matches!(index, GapIndex::Sorted(_)));
+        assert!(matches!(index, GapIndex::Sorted(..)));
         assert_eq!(index.len(), SPILL / 2 - 1);
         let keys: Vec<GapKey> = index.from((0, 0)).map(|(k, _)| k).collect();
         assert!(keys.windows(2).all(|w| w[0] < w[1]));

@@ -24,7 +24,8 @@ pub(crate) struct Tier<'a> {
 
 /// Run `op`; if it runs out of memory and the tier ([`super::config::OffloadTier`])
 /// allows, put offloadable tags (other than `exclude`) to sleep and run it
-/// again.
+/// again. (Inline: every allocation runs it, few run the retry.)
+#[inline]
 pub(crate) fn with_offload_tier<T>(
     tier: Tier<'_>,
     ctx: &Ctx<'_>,

@@ -300,10 +300,18 @@ impl Core {
 
     /// Drop stale entries from the reclaim queue once they outnumber the
     /// valid ones (amortised O(1) per entry pushed).
+    #[inline]
     pub(super) fn compact_reclaim_queue(&mut self) {
-        if self.reclaim_queue.len() <= 1024 {
-            return; // below any bound: no sum over the arenas
+        // A queue within the least bound needs no sum over the arenas.
+        if self.reclaim_queue.len() > 1024 {
+            self.compact_long_reclaim_queue();
         }
+    }
+
+    /// [`Core::compact_reclaim_queue`] for a queue past the least bound.
+    /// (Out of line: every free asks, few queues are that long.)
+    #[inline(never)]
+    fn compact_long_reclaim_queue(&mut self) {
         let cached = self.cached_pages() as usize;
         if self.reclaim_queue.len() > 2 * cached + 1024 {
             let arenas = &self.arenas;

@@ -38,10 +38,17 @@ impl Core {
     /// Stream `t` allocates (or grows a block) now: another stream's
     /// allocation ends a solo run, its hazards built first; one stream's
     /// allocations alone for long enough start one.
+    #[inline]
     pub(crate) fn note_allocating(&mut self, t: u32) {
-        if self.streams.len() < 2 {
-            return;
+        if self.streams.len() >= 2 {
+            self.note_allocating_among_streams(t);
         }
+    }
+
+    /// [`Core::note_allocating`] once several streams exist. (Out of line:
+    /// one stream alone has no run to start or end.)
+    #[inline(never)]
+    fn note_allocating_among_streams(&mut self, t: u32) {
         match self.solo {
             Some(solo) if solo.stream == t => return,
             Some(_) => self.end_solo(),

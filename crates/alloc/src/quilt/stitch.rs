@@ -14,6 +14,7 @@ use rustc_hash::FxHashMap as HashMap;
 use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
+use super::address_map::AddressMap;
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
@@ -116,6 +117,31 @@ pub(crate) struct MappedAhead {
 /// How many freed pointers are remembered to tell a double free from an unknown pointer.
 const FREED_MEMORY: usize = 1 << 16;
 
+/// The pointers freed last, at most [`FREED_MEMORY`] (a power of two): a
+/// ring, each free writing one entry (the oldest, once full), in no order
+/// that matters (it is only searched).
+#[derive(Debug, Default)]
+struct FreedRing {
+    ptrs: Vec<DevicePtr>,
+    /// The entry the next free overwrites, once full.
+    next: usize,
+}
+
+impl FreedRing {
+    fn push(&mut self, ptr: DevicePtr) {
+        if self.ptrs.len() < FREED_MEMORY {
+            self.ptrs.push(ptr);
+        } else if let Some(slot) = self.ptrs.get_mut(self.next) {
+            *slot = ptr;
+            self.next = (self.next + 1) & (FREED_MEMORY - 1);
+        }
+    }
+
+    fn contains(&self, ptr: &DevicePtr) -> bool {
+        self.ptrs.contains(ptr)
+    }
+}
+
 /// The allocator's state.
 #[derive(Debug, Default)]
 pub(crate) struct Core {
@@ -127,10 +153,10 @@ pub(crate) struct Core {
     /// `(None, Small)` and `(None, Large)`), found without hashing.
     shared_arenas: [Option<usize>; 2],
     pub(crate) streams: Streams,
-    pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
-    /// The last [`FREED_MEMORY`] pointers freed, oldest first (read only
-    /// on the error path, to tell a double free from an unknown pointer).
-    freed_recent: VecDeque<DevicePtr>,
+    pub(crate) blocks: AddressMap<BlockRec>,
+    /// The last [`FREED_MEMORY`] pointers freed, in a ring (read only on
+    /// the error path, to tell a double free from an unknown pointer).
+    freed_recent: FreedRing,
     /// Pages that became cached, oldest first, as (arena, page, tick it became
     /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
@@ -198,7 +224,9 @@ impl ArenaFigures {
         )
     }
 
-    /// Look at every arena again.
+    /// Look at every arena again. (Out of line: an operation that changed
+    /// one arena looks at that one alone.)
+    #[inline(never)]
     fn sync_all(&mut self, arenas: &[Arena]) {
         self.each.clear();
         self.each.extend(arenas.iter().map(ArenaFigures::of));
@@ -220,10 +248,12 @@ impl ArenaFigures {
     }
 }
 
+/// Move `stat` to `value` (a decrease by 0 where it is there already:
+/// nothing changes).
 fn set_stat(stat: &mut Stat, value: u64) {
     if value > stat.current {
         stat.increase(value - stat.current);
-    } else if value < stat.current {
+    } else {
         stat.decrease(stat.current - value);
     }
 }
@@ -432,15 +462,14 @@ impl Core {
     }
 
     fn remember_freed(&mut self, ptr: DevicePtr) {
-        if self.freed_recent.len() == FREED_MEMORY {
-            self.freed_recent.pop_front();
-        }
-        self.freed_recent.push_back(ptr);
+        self.freed_recent.push(ptr);
     }
 
     /// The error for a free of `ptr`, which is no live block: a double free
     /// if it is among the pointers freed last, else an unknown pointer (a
     /// scan, on the error path only).
+    #[cold]
+    #[inline(never)]
     fn not_live(&self, ptr: DevicePtr) -> AllocError {
         if self.freed_recent.contains(&ptr) {
             AllocError::DoubleFree { ptr }
@@ -499,10 +528,9 @@ impl Core {
         group: Option<u32>,
     ) -> Result<Allocation, AllocError> {
         check_size(size)?;
-        let rounded = round_up(size, MIN_BLOCK_SIZE).ok_or(AllocError::InvalidSize {
-            size,
-            reason: "size overflows when rounded",
-        })?;
+        let Some(rounded) = round_up(size, MIN_BLOCK_SIZE) else {
+            return Err(overflows_when_rounded(size));
+        };
         self.tick += 1;
         let si = self.stream_index(stream);
         self.note_allocating(si);
@@ -513,43 +541,29 @@ impl Core {
         } else {
             Kind::Large
         };
-        let whole_pages = rounded.div_ceil(ctx.page);
-        if whole_pages > ctx.pool.limit_pages() || rounded > ctx.arena_va {
-            return Err(self.oom(ctx, size, whole_pages, 0));
+        // More whole pages than the limit (no division: `rounded` past the
+        // limit's bytes), or more than an arena.
+        let limit_bytes = ctx.pool.limit_pages().saturating_mul(ctx.page);
+        if rounded > limit_bytes || rounded > ctx.arena_va {
+            return Err(self.oom(ctx, size, rounded.div_ceil(ctx.page), 0));
         }
         let ai = self.arena_for(ctx, stream, kind)?;
         self.check_not_frozen(ai)?;
         let Some(placed) = self.place(ctx, ai, kind, size, rounded, si) else {
-            return Err(self.oom(ctx, size, whole_pages, 0));
+            return Err(self.oom(ctx, size, rounded.div_ceil(ctx.page), 0));
         };
         let (off, gap) = (placed.off, placed.gap);
-        // Order the stream after the hazards under the block (placement may
-        // have found this operation that none needs a wait) before the gap
-        // drops them; a failure changes nothing else. (A single stream has
-        // no hazards.)
+        // A single stream has no hazards.
         let mut hazard = (0, 0);
         if self.streams.len() > 1 {
-            if !placed.wait_free {
-                self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
-            }
-            self.forget_completed_hazards(ai, gap);
-            hazard = self.arenas[ai].tiling.hazard_union(gap, off, rounded);
+            hazard = self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?;
         }
         let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
-            return Err(AllocError::Internal(format!(
-                "placement chose {off:#x} (+{rounded:#x}) outside its gap"
-            )));
+            return Err(outside_its_gap(off, rounded));
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
         if unmapped > 0 {
-            let (first, last) = self.arenas[ai].page_span(off, rounded);
-            let need = self.arenas[ai].unmapped_in(first, last);
-            let backed = self.back_pages(ctx, ai, size, &need, si);
-            if backed.is_err() {
-                self.undo_occupy(ai, piece, off, rounded, hazard);
-            }
-            self.sync_stats(ctx);
-            backed?;
+            self.back_block(ctx, (ai, piece, off, rounded), size, hazard, si)?;
         }
         let ptr = self.arenas[ai].base + off;
         self.blocks.insert(
@@ -570,6 +584,52 @@ impl Core {
         self.stats.requested_bytes.increase(size);
         self.sync_one_arena_stats(ctx, ai);
         Ok(Allocation { ptr, size: rounded })
+    }
+
+    /// Order stream `si` after the hazards under a block placed at `off`
+    /// in gap `gap` (`rounded` bytes; `wait_free`: placement found, this
+    /// operation, that none needs a wait) before the gap drops them, and
+    /// return them as one (see [`Core::undo_occupy`]); a failure changes
+    /// nothing else. (Out of line: a single stream has no hazards.)
+    #[inline(never)]
+    fn take_hazards_under(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (off, gap): (u64, PieceId),
+        rounded: u64,
+        wait_free: bool,
+        si: u32,
+    ) -> Result<(u64, u64), AllocError> {
+        if !wait_free {
+            self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
+        }
+        self.forget_completed_hazards(ai, gap);
+        Ok(self.arenas[ai].tiling.hazard_union(gap, off, rounded))
+    }
+
+    /// Back the pages of block `piece` over `off .. off + rounded` of arena
+    /// `ai` (`size` bytes asked for, on stream index `si`) that are not
+    /// mapped; out of memory takes the block off again, its range getting
+    /// back `hazard`. (Out of line: once the pages are mapped, an
+    /// allocation finds them so.)
+    #[inline(never)]
+    fn back_block(
+        &mut self,
+        ctx: &Ctx<'_>,
+        (ai, piece, off, rounded): (usize, PieceId, u64, u64),
+        size: u64,
+        hazard: (u64, u64),
+        si: u32,
+    ) -> Result<(), AllocError> {
+        let (first, last) = self.arenas[ai].page_span(off, rounded);
+        let need = self.arenas[ai].unmapped_in(first, last);
+        let backed = self.back_pages(ctx, ai, size, &need, si);
+        if backed.is_err() {
+            self.undo_occupy(ai, piece, off, rounded, hazard);
+        }
+        self.sync_stats(ctx);
+        backed
     }
 
     /// Free the block at `ptr`: no driver call but, under
@@ -638,18 +698,7 @@ impl Core {
             self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
         if track {
-            // The block's piece is now the gap that holds it. Its hazard,
-            // unless its streams are all known done (forgotten ones), is
-            // pending: the gap's last pruning still holds with it.
-            if !self.streams.all_freed_done(b.streams, tick) {
-                let streams = &self.streams;
-                self.arenas[ai].tiling.add_fresh_hazard(
-                    b.piece,
-                    Hazard::over(b.off, b.size, b.streams, tick),
-                    || streams.last_mark(b.streams),
-                );
-            }
-            self.forget_completed_hazards(ai, b.piece);
+            self.leave_hazard(&b, tick);
         }
         self.stats.allocated_bytes.decrease(b.size);
         self.stats.allocation.decrease(1);
@@ -660,6 +709,25 @@ impl Core {
         self.compact_reclaim_queue();
         self.sync_one_arena_stats(ctx, ai);
         Ok(())
+    }
+
+    /// The freed block `b` leaves a hazard of its streams' work up to
+    /// `tick` over its range. (Out of line: a single stream, or a solo
+    /// run's, leaves none.)
+    #[inline(never)]
+    fn leave_hazard(&mut self, b: &BlockRec, tick: u64) {
+        // The block's piece is now the gap that holds it. Its hazard,
+        // unless its streams are all known done (forgotten ones), is
+        // pending: the gap's last pruning still holds with it.
+        if !self.streams.all_freed_done(b.streams, tick) {
+            let streams = &self.streams;
+            self.arenas[b.arena].tiling.add_fresh_hazard(
+                b.piece,
+                Hazard::over(b.off, b.size, b.streams, tick),
+                || streams.last_mark(b.streams),
+            );
+        }
+        self.forget_completed_hazards(b.arena, b.piece);
     }
 
     /// Note that the block at `ptr` is used on `stream` too: its free will
@@ -716,6 +784,7 @@ impl Core {
     }
 
     /// The out-of-memory error for a request of `size` bytes that needed `n` new pages.
+    #[cold]
     pub(crate) fn oom(&mut self, ctx: &Ctx<'_>, size: u64, n: u64, growable: u64) -> AllocError {
         self.stats.num_ooms += 1;
         let page = ctx.page;
@@ -752,6 +821,25 @@ impl Core {
     }
 }
 
+/// The error for a request of `size` bytes that overflows when rounded.
+#[cold]
+#[inline(never)]
+fn overflows_when_rounded(size: u64) -> AllocError {
+    AllocError::InvalidSize {
+        size,
+        reason: "size overflows when rounded",
+    }
+}
+
+/// The error for a placement at `off` (`len` bytes) outside its gap.
+#[cold]
+#[inline(never)]
+fn outside_its_gap(off: u64, len: u64) -> AllocError {
+    AllocError::Internal(format!(
+        "placement chose {off:#x} (+{len:#x}) outside its gap"
+    ))
+}
+
 /// A pool error as an allocator error.
 pub(crate) fn pool_err(e: PoolError) -> AllocError {
     match e {
@@ -761,5 +849,26 @@ pub(crate) fn pool_err(e: PoolError) -> AllocError {
             reason: e.to_string(),
         },
         other => AllocError::Pool(Box::new(other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_freed_ring_keeps_the_last_pointers_freed() {
+        let mut ring = FreedRing::default();
+        let n = FREED_MEMORY as u64;
+        for p in 0..n + 3 {
+            ring.push(p * 512);
+        }
+        assert_eq!(ring.ptrs.len(), FREED_MEMORY);
+        for p in 0..3 {
+            assert!(!ring.contains(&(p * 512)), "pointer {p} is past the memory");
+        }
+        for p in 3..n + 3 {
+            assert!(ring.contains(&(p * 512)), "pointer {p} is among the last");
+        }
     }
 }

@@ -75,10 +75,27 @@ struct Piece {
     live: bool,
 }
 
+/// A slot of a tiling: a piece (or a vacant slot) and its hazards.
+#[derive(Debug)]
+#[repr(align(64))]
+struct Slot {
+    piece: Piece,
+    /// The hazards of the gap in address order (empty for a block or a
+    /// vacant slot).
+    hazards: Vec<Hazard>,
+    /// The progress (`Streams::progress`) at which the gap's hazards were
+    /// last all checked and the completed ones dropped ([`NEVER`] when some
+    /// were not).
+    pruned: u64,
+}
+
 /// The pieces of one arena. See the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct Tiling {
-    pieces: Vec<Piece>,
+    /// Each slot's piece with its hazards and pruning, one cache line a
+    /// slot: an operation on a piece and its neighbours touches their
+    /// lines alone.
+    slots: Vec<Slot>,
     /// Slots of `pieces` not in use, reused first.
     vacant: Vec<PieceId>,
     head: PieceId,
@@ -87,13 +104,6 @@ pub(crate) struct Tiling {
     /// at or past `(len, 0)` (smallest gap, lowest address among equals).
     by_size: GapIndex<PieceId>,
     blocks: usize,
-    /// `hazards[id]`: the hazards of gap `id` in address order (empty for a
-    /// block or a vacant slot); parallel to `pieces`.
-    hazards: Vec<Vec<Hazard>>,
-    /// `pruned[id]`: the progress (`Streams::progress`) at which gap `id`'s
-    /// hazards were last all checked and the completed ones dropped
-    /// ([`NEVER`] when some were not); parallel to `pieces`.
-    pruned: Vec<u64>,
     /// Emptied hazard lists kept for reuse (at most [`SPARE_LISTS`]):
     /// hazards move from gap to gap as blocks come and go, and a gap that
     /// receives some takes a spare list rather than allocating one, while a
@@ -138,21 +148,27 @@ impl Tiling {
         };
         match self.vacant.pop() {
             Some(id) => {
-                self.pieces[id as usize] = p;
-                self.pruned[id as usize] = NEVER;
+                let slot = &mut self.slots[id as usize];
+                slot.piece = p;
+                slot.pruned = NEVER;
                 id
             }
             None => {
-                self.pieces.push(p);
-                self.hazards.push(Vec::new());
-                self.pruned.push(NEVER);
-                (self.pieces.len() - 1) as PieceId
+                self.slots.push(Slot {
+                    piece: p,
+                    hazards: Vec::new(),
+                    pruned: NEVER,
+                });
+                (self.slots.len() - 1) as PieceId
             }
         }
     }
 
     fn get(&self, id: PieceId) -> Option<&Piece> {
-        self.pieces.get(id as usize).filter(|p| p.live)
+        self.slots
+            .get(id as usize)
+            .map(|s| &s.piece)
+            .filter(|p| p.live)
     }
 
     /// Link the new piece `id` after `at` (`NIL`: at the head).
@@ -160,43 +176,43 @@ impl Tiling {
         let next = if at == NIL {
             self.head
         } else {
-            self.pieces[at as usize].next
+            self.slots[at as usize].piece.next
         };
-        self.pieces[id as usize].prev = at;
-        self.pieces[id as usize].next = next;
+        self.slots[id as usize].piece.prev = at;
+        self.slots[id as usize].piece.next = next;
         if at == NIL {
             self.head = id;
         } else {
-            self.pieces[at as usize].next = id;
+            self.slots[at as usize].piece.next = id;
         }
         if next == NIL {
             self.tail = id;
         } else {
-            self.pieces[next as usize].prev = id;
+            self.slots[next as usize].piece.prev = id;
         }
     }
 
     /// Unlink piece `id` and free its slot.
     fn remove_piece(&mut self, id: PieceId) {
-        let Piece { prev, next, .. } = self.pieces[id as usize];
+        let Piece { prev, next, .. } = self.slots[id as usize].piece;
         if prev == NIL {
             self.head = next;
         } else {
-            self.pieces[prev as usize].next = next;
+            self.slots[prev as usize].piece.next = next;
         }
         if next == NIL {
             self.tail = prev;
         } else {
-            self.pieces[next as usize].prev = prev;
+            self.slots[next as usize].piece.prev = prev;
         }
-        self.pieces[id as usize].live = false;
+        self.slots[id as usize].piece.live = false;
         self.vacant.push(id);
     }
 
     /// The hazard list of gap `id`, to be filled (taken out of its slot): a
     /// spare when the slot has no room of its own.
     fn list_to_fill(&mut self, id: PieceId) -> Vec<Hazard> {
-        let list = std::mem::take(&mut self.hazards[id as usize]);
+        let list = std::mem::take(&mut self.slots[id as usize].hazards);
         if list.capacity() > 0 {
             return list;
         }
@@ -268,9 +284,7 @@ impl Tiling {
         len: u64,
     ) -> impl Iterator<Item = &Hazard> + '_ {
         let end = off.saturating_add(len);
-        self.hazards
-            .get(id as usize)
-            .map_or(&[][..], Vec::as_slice)
+        self.gap_hazards(id)
             .iter()
             .skip_while(move |h| h.end <= off)
             .take_while(move |h| h.start < end)
@@ -285,7 +299,9 @@ impl Tiling {
 
     /// The hazards of gap `id`.
     pub(crate) fn gap_hazards(&self, id: PieceId) -> &[Hazard] {
-        self.hazards.get(id as usize).map_or(&[][..], Vec::as_slice)
+        self.slots
+            .get(id as usize)
+            .map_or(&[][..], |s| s.hazards.as_slice())
     }
 
     /// Every hazard, in address order.
@@ -294,7 +310,7 @@ impl Tiling {
         let mut id = self.head;
         std::iter::from_fn(move || {
             let p = self.get(id)?;
-            let list = &self.hazards[id as usize];
+            let list = &self.slots[id as usize].hazards;
             id = p.next;
             Some(list.iter())
         })
@@ -306,7 +322,7 @@ impl Tiling {
     /// none of its hazards).
     pub(crate) fn add_hazard(&mut self, id: PieceId, h: Hazard) {
         if self.insert_hazard(id, h) {
-            self.pruned[id as usize] = NEVER;
+            self.slots[id as usize].pruned = NEVER;
         }
     }
 
@@ -330,7 +346,7 @@ impl Tiling {
     /// name the same streams at a tick past `mark()` (see
     /// [`Tiling::add_fresh_hazard`]); false when none does.
     fn join_beside(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) -> bool {
-        let Some(list) = self.hazards.get_mut(id as usize) else {
+        let Some(list) = self.slots.get_mut(id as usize).map(|s| &mut s.hazards) else {
             return false;
         };
         let at = list.partition_point(|x| x.start < h.start);
@@ -385,8 +401,8 @@ impl Tiling {
         }
         list.extend(new);
         self.spare(old);
-        self.hazards[id as usize] = list;
-        self.pruned[id as usize] = NEVER;
+        self.slots[id as usize].hazards = list;
+        self.slots[id as usize].pruned = NEVER;
     }
 
     /// Insert `h` in gap `id`'s list; false (nothing done) when `id` is no
@@ -398,7 +414,7 @@ impl Tiling {
         let mut list = self.list_to_fill(id);
         let at = list.partition_point(|x| x.start < h.start);
         list.insert(at, h);
-        self.hazards[id as usize] = list;
+        self.slots[id as usize].hazards = list;
         true
     }
 
@@ -411,14 +427,14 @@ impl Tiling {
         progress: u64,
         mut completed: impl FnMut(&Hazard) -> bool,
     ) {
-        let Some(&pruned) = self.pruned.get(id as usize) else {
+        let Some(&pruned) = self.slots.get(id as usize).map(|s| &s.pruned) else {
             return;
         };
         if pruned == progress {
             return;
         }
-        self.pruned[id as usize] = progress;
-        let list = &mut self.hazards[id as usize];
+        self.slots[id as usize].pruned = progress;
+        let list = &mut self.slots[id as usize].hazards;
         list.retain(|h| !completed(h));
         if list.is_empty() {
             let list = std::mem::take(list);
@@ -487,7 +503,7 @@ impl Tiling {
         // The block takes the gap's slot; what is left of the gap becomes
         // new pieces beside it, the first of them taking the gap's entry
         // in the size index.
-        let b = &mut self.pieces[gap as usize];
+        let b = &mut self.slots[gap as usize].piece;
         b.start = off;
         b.end = end;
         b.free = false;
@@ -506,12 +522,12 @@ impl Tiling {
         if let Some(key) = old_key {
             self.by_size.remove(&key);
         }
-        if !self.hazards[gap as usize].is_empty() {
+        if !self.slots[gap as usize].hazards.is_empty() {
             self.split_hazards(gap, left, right, off, end);
         } else {
             // A block holds no hazards: an empty list's room goes to the
             // spares rather than sit idle in the block's slot.
-            let list = std::mem::take(&mut self.hazards[gap as usize]);
+            let list = std::mem::take(&mut self.slots[gap as usize].hazards);
             self.spare(list);
         }
         self.blocks += 1;
@@ -525,13 +541,13 @@ impl Tiling {
     #[inline(never)]
     fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
         // Parts of a pruned list are pruned as it was.
-        let pruned = self.pruned[block as usize];
+        let pruned = self.slots[block as usize].pruned;
         for side in [left, right] {
             if side != NIL {
-                self.pruned[side as usize] = pruned;
+                self.slots[side as usize].pruned = pruned;
             }
         }
-        let mut list = std::mem::take(&mut self.hazards[block as usize]);
+        let mut list = std::mem::take(&mut self.slots[block as usize].hazards);
         if left == NIL && right != NIL {
             // The block at the gap's start (placement's choice): the gap
             // after it keeps the list itself, less the hazards the block
@@ -541,10 +557,10 @@ impl Tiling {
             if let Some(first) = list.first_mut() {
                 first.start = first.start.max(end);
             }
-            let old = std::mem::replace(&mut self.hazards[right as usize], list);
+            let old = std::mem::replace(&mut self.slots[right as usize].hazards, list);
             self.spare(old);
-            if self.hazards[right as usize].is_empty() {
-                let list = std::mem::take(&mut self.hazards[right as usize]);
+            if self.slots[right as usize].hazards.is_empty() {
+                let list = std::mem::take(&mut self.slots[right as usize].hazards);
                 self.spare(list);
             }
             return;
@@ -555,7 +571,7 @@ impl Tiling {
                 end: h.end.min(off),
                 ..h
             }));
-            self.hazards[left as usize] = to;
+            self.slots[left as usize].hazards = to;
         }
         if right != NIL && list.last().is_some_and(|h| h.end > end) {
             let mut to = self.list_to_fill(right);
@@ -563,7 +579,7 @@ impl Tiling {
                 start: h.start.max(end),
                 ..h
             }));
-            self.hazards[right as usize] = to;
+            self.slots[right as usize].hazards = to;
         }
         // A block holds no hazards: its list goes back to the spares.
         self.spare(list);
@@ -587,24 +603,24 @@ impl Tiling {
         let prev = Some(b.prev).filter(|&p| self.get(p).is_some_and(|p| p.free));
         let next = Some(b.next).filter(|&n| self.get(n).is_some_and(|n| n.free));
         let holds = |t: &Tiling, side: Option<PieceId>| {
-            side.is_some_and(|s| !t.hazards[s as usize].is_empty())
+            side.is_some_and(|s| !t.slots[s as usize].hazards.is_empty())
         };
         if holds(self, prev) || holds(self, next) {
             self.join_hazards(id, prev, next);
         } else {
             // None beside it (always so with one stream): the joined gap
             // holds none either.
-            self.pruned[id as usize] = NEVER;
+            self.slots[id as usize].pruned = NEVER;
         }
         let (mut start, mut end) = (b.start, b.end);
         // The joined gap takes the size index entry of a gap it swallows.
         let mut old_key = None;
-        if let Some(p) = prev.map(|p| self.pieces[p as usize]) {
+        if let Some(p) = prev.map(|p| self.slots[p as usize].piece) {
             old_key = Some((p.end - p.start, p.start));
             self.remove_piece(b.prev);
             start = p.start;
         }
-        if let Some(n) = next.map(|n| self.pieces[n as usize]) {
+        if let Some(n) = next.map(|n| self.slots[n as usize].piece) {
             let key = (n.end - n.start, n.start);
             match old_key {
                 None => old_key = Some(key),
@@ -615,7 +631,7 @@ impl Tiling {
             self.remove_piece(b.next);
             end = n.end;
         }
-        let g = &mut self.pieces[id as usize];
+        let g = &mut self.slots[id as usize].piece;
         g.start = start;
         g.end = end;
         g.free = true;
@@ -631,13 +647,13 @@ impl Tiling {
     /// stream no gap has hazards, and vacate's code stays short.)
     #[inline(never)]
     fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
-        let mut list = std::mem::take(&mut self.hazards[id as usize]);
+        let mut list = std::mem::take(&mut self.slots[id as usize].hazards);
         let mut pruned = None;
         for (side, before) in [(prev, true), (next, false)] {
             let Some(side) = side else { continue };
-            let part = std::mem::take(&mut self.hazards[side as usize]);
+            let part = std::mem::take(&mut self.slots[side as usize].hazards);
             if !part.is_empty() {
-                let at = self.pruned[side as usize];
+                let at = self.slots[side as usize].pruned;
                 pruned = match pruned {
                     None => Some(at),
                     Some(p) if p == at => Some(p),
@@ -650,8 +666,8 @@ impl Tiling {
                 self.joined(list, part)
             };
         }
-        self.hazards[id as usize] = list;
-        self.pruned[id as usize] = pruned.unwrap_or(NEVER);
+        self.slots[id as usize].hazards = list;
+        self.slots[id as usize].pruned = pruned.unwrap_or(NEVER);
     }
 
     /// Every piece in address order, as (start, end, is a gap).
@@ -675,7 +691,7 @@ impl Tiling {
                 return Err(format!("piece {id} is linked but not live"));
             };
             live += 1;
-            if live > self.pieces.len() {
+            if live > self.slots.len() {
                 return Err("the list of pieces loops".into());
             }
             if p.prev != prev {
@@ -687,7 +703,7 @@ impl Tiling {
                     p.start, p.end
                 ));
             }
-            let hz = &self.hazards[id as usize];
+            let hz = &self.slots[id as usize].hazards;
             if !p.free && !hz.is_empty() {
                 return Err(format!("block at {:#x} has hazards", p.start));
             }
@@ -731,16 +747,15 @@ impl Tiling {
         if blocks != self.blocks {
             return Err(format!("{blocks} blocks but {} counted", self.blocks));
         }
-        if live + self.vacant.len() != self.pieces.len() {
+        if live + self.vacant.len() != self.slots.len() {
             return Err("vacant slots out of date".into());
         }
-        if self.hazards.len() != self.pieces.len()
-            || self
-                .vacant
-                .iter()
-                .any(|&v| !self.hazards[v as usize].is_empty())
+        if self
+            .vacant
+            .iter()
+            .any(|&v| !self.slots[v as usize].hazards.is_empty())
         {
-            return Err("hazards of vacant slots or slots out of date".into());
+            return Err("hazards of vacant slots".into());
         }
         Ok(())
     }
