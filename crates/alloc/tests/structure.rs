@@ -13,7 +13,6 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "pure pieces",
         &[
-            "address_map",
             "gap_index",
             "tiling",
             "page_table",
