@@ -14,7 +14,6 @@ use rustc_hash::FxHashMap as HashMap;
 use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
 
-use super::address_map::AddressMap;
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
@@ -153,7 +152,7 @@ pub(crate) struct Core {
     /// `(None, Small)` and `(None, Large)`), found without hashing.
     shared_arenas: [Option<usize>; 2],
     pub(crate) streams: Streams,
-    pub(crate) blocks: AddressMap<BlockRec>,
+    pub(crate) blocks: HashMap<DevicePtr, BlockRec>,
     /// The last [`FREED_MEMORY`] pointers freed, in a ring (read only on
     /// the error path, to tell a double free from an unknown pointer).
     freed_recent: FreedRing,
