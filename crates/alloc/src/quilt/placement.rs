@@ -236,7 +236,8 @@ impl Core {
 
     /// [`BestFit`] with several streams, in arena `ai` without retired
     /// pages, for a block of `rounded` bytes on stream `t`, among up to `n`
-    /// candidates: the best fit, needing no new page and over no hazard, is
+    /// candidates: the best fit, needing no new page and no wait (over no
+    /// hazard, or over hazards known without a call to need no wait), is
     /// what scoring would take first, asking nothing: taken without it;
     /// else it is scored first, and the rest of the same walk of the size
     /// index after it. (Out of line: a single stream never gets here, and
@@ -254,7 +255,10 @@ impl Core {
         let ahead = (&self.mapped_ahead, ai);
         let mut fitting = arena.fitting_gaps(rounded, n);
         let (off, gap) = fitting.next()?;
-        if arena.tiling.gap_hazards(gap).is_empty() && new_pages(arena, ahead, off, rounded) == 0 {
+        if new_pages(arena, ahead, off, rounded) == 0
+            && (arena.tiling.gap_hazards(gap).is_empty()
+                || !must_wait(arena, streams, None, (off, gap), rounded, t))
+        {
             return Some(Placed {
                 off,
                 gap,
@@ -619,8 +623,8 @@ fn score(
         };
     }
     // A single stream orders its own reuse.
-    let wait =
-        streams.len() >= 2 && must_wait(arena, streams, (ctx.vmm, tick), (start, gap), len, t);
+    let ask = Some((ctx.vmm, tick));
+    let wait = streams.len() >= 2 && must_wait(arena, streams, ask, (start, gap), len, t);
     PlaceScore {
         needs_pages: unmapped > 0,
         waits_though_mapped: unmapped == 0 && wait,
@@ -630,25 +634,28 @@ fn score(
 }
 
 /// Whether a block of `len` bytes on stream `t` at `start` of gap `gap`
-/// in `arena` must wait for another stream, as learnt at operation `tick`:
-/// walks the hazards over the range until one of their streams other than
-/// `t` is found still running, each stream not known without a call to
-/// order nothing for `t` ([`Streams::orders_nothing`]) learnt
-/// ([`Streams::still_running`]: an event recorded on demand where none
-/// covers its frees, a query unless this operation already learnt the
-/// answer). Out of line: placement's one walk of a range's hazards.
+/// in `arena` must wait for another stream: walks the hazards over the
+/// range until one of their streams other than `t` is found that `t` must
+/// wait for. With `ask` (the device and the operation's tick), a stream
+/// not known without a call to order nothing for `t`
+/// ([`Streams::orders_nothing`]) is learnt ([`Streams::still_running`]:
+/// an event recorded on demand where none covers its frees, a query
+/// unless this operation already learnt the answer), and counts while its
+/// work is still running; without, nothing is asked, and every such stream
+/// counts. Out of line: placement's one walk of a range's hazards.
 #[inline(never)]
 fn must_wait(
     arena: &Arena,
     streams: &mut Streams,
-    (vmm, tick): (&dyn Vmm, u64),
+    ask: Option<(&dyn Vmm, u64)>,
     (start, gap): (u64, PieceId),
     len: u64,
     t: u32,
 ) -> bool {
     arena.tiling.hazards_over(gap, start, len).any(|h| {
         streams.in_mask(h.streams).any(|s| {
-            !streams.orders_nothing(t, s, h.tick) && streams.still_running(vmm, s, h.tick, tick)
+            !streams.orders_nothing(t, s, h.tick)
+                && ask.is_none_or(|(vmm, tick)| streams.still_running(vmm, s, h.tick, tick))
         })
     })
 }
