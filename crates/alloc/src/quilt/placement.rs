@@ -14,6 +14,8 @@
 
 use std::ops::ControlFlow;
 
+use quilt_vmm::Vmm;
+
 use super::arena::{Arena, PageSlot};
 use super::config::Placement;
 use super::pressure::packed_in_gap;
@@ -255,7 +257,7 @@ impl Core {
         let (off, gap) = fitting.next()?;
         if new_pages(arena, ahead, off, rounded) == 0
             && (arena.tiling.gap_hazards(gap).is_empty()
-                || waits_for_nothing_known(arena, streams, (off, gap), rounded, t))
+                || !must_wait(arena, streams, None, (off, gap), rounded, t))
         {
             return Some(Placed {
                 off,
@@ -264,7 +266,16 @@ impl Core {
             });
         }
         let req = (rounded, t, tick);
-        let best = best_of(arena, streams, ctx, req, ahead, ((off, gap), fitting), &[]);
+        let best = best_of(
+            arena,
+            streams,
+            ctx,
+            req,
+            ahead,
+            ((off, gap), &mut fitting),
+            &[],
+        );
+        drop(fitting);
         if best.is_none_or(|p| p.wait_free) {
             // Nothing skipped, and no wait to check for a capture.
             return best;
@@ -309,12 +320,20 @@ impl Core {
             Candidates::Fitting(n) => {
                 let mut fitting = arena.fitting_gaps(rounded, n);
                 let first = fitting.next()?;
-                best_of(arena, streams, ctx, req, ahead, (first, fitting), skipped)
+                best_of(
+                    arena,
+                    streams,
+                    ctx,
+                    req,
+                    ahead,
+                    (first, &mut fitting),
+                    skipped,
+                )
             }
             Candidates::Listed(list) => {
                 let (&first, rest) = list.split_first()?;
-                let candidates = (first, rest.iter().copied());
-                best_of(arena, streams, ctx, req, ahead, candidates, skipped)
+                let mut rest = rest.iter().copied();
+                best_of(arena, streams, ctx, req, ahead, (first, &mut rest), skipped)
             }
         }
     }
@@ -519,26 +538,34 @@ impl Core {
 /// first) not in `skipped`, by
 /// [`PlaceScore`], scored in one pass at operation `tick`: the first that
 /// is mapped and wait-free is taken at once. A lone candidate is taken
-/// unscored.
+/// unscored. (`rest` is a trait object, so that this loop exists once
+/// whatever the candidates come from, each source's `next` out of line.)
 fn best_of(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
     ahead: (&MappedAhead, usize),
-    (first, rest): ((u64, PieceId), impl Iterator<Item = (u64, PieceId)>),
+    (first, rest): ((u64, PieceId), &mut dyn Iterator<Item = (u64, PieceId)>),
     skipped: &[(u64, PieceId)],
 ) -> Option<Placed> {
-    let mut candidates = std::iter::once(first)
-        .chain(rest)
-        .filter(|c| skipped.is_empty() || !skipped.contains(c))
-        .peekable();
-    let first = candidates.next()?;
-    if candidates.peek().is_none() {
-        return Some(Placed::unchecked(first));
+    let mut next = || loop {
+        let c = rest.next()?;
+        if skipped.is_empty() || !skipped.contains(&c) {
+            return Some(c);
+        }
+    };
+    let mut c = if skipped.contains(&first) {
+        next()?
+    } else {
+        first
+    };
+    let mut upcoming = next();
+    if upcoming.is_none() {
+        return Some(Placed::unchecked(c));
     }
     let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
-    for c in std::iter::once(first).chain(candidates) {
+    loop {
         let to_beat = best.map(|(b, _)| b);
         let score = score(arena, streams, ctx, (len, t), ahead, c, tick, to_beat);
         if score == PlaceScore::PERFECT {
@@ -551,6 +578,11 @@ fn best_of(
         if best.is_none_or(|(b, _)| score < b) {
             best = Some((score, c));
         }
+        let Some(n) = upcoming else {
+            break;
+        };
+        c = n;
+        upcoming = next();
     }
     best.map(|(score, (off, gap))| Placed {
         off,
@@ -591,12 +623,8 @@ fn score(
         };
     }
     // A single stream orders its own reuse.
-    let wait = streams.len() >= 2
-        && arena.tiling.hazards_over(gap, start, len).any(|h| {
-            streams
-                .in_mask(h.streams)
-                .any(|s| streams.must_wait(ctx.vmm, t, s, h.tick, tick))
-        });
+    let ask = Some((ctx.vmm, tick));
+    let wait = streams.len() >= 2 && must_wait(arena, streams, ask, (start, gap), len, t);
     PlaceScore {
         needs_pages: unmapped > 0,
         waits_though_mapped: unmapped == 0 && wait,
@@ -605,29 +633,38 @@ fn score(
     }
 }
 
-/// True when a block of `len` bytes on stream `t` at `start` of gap `gap`
-/// in `arena` is known, without a call, to wait for no other stream: every
-/// stream of every hazard over the range orders nothing for `t`
-/// ([`Streams::orders_nothing`]). Scoring such a range asks nothing of
-/// the device and finds it wait-free.
-fn waits_for_nothing_known(
+/// Whether a block of `len` bytes on stream `t` at `start` of gap `gap`
+/// in `arena` must wait for another stream: walks the hazards over the
+/// range until one of their streams other than `t` is found that `t` must
+/// wait for. With `ask` (the device and the operation's tick), a stream
+/// not known without a call to order nothing for `t`
+/// ([`Streams::orders_nothing`]) is learnt ([`Streams::still_running`]:
+/// an event recorded on demand where none covers its frees, a query
+/// unless this operation already learnt the answer), and counts while its
+/// work is still running; without, nothing is asked, and every such stream
+/// counts. Out of line: placement's one walk of a range's hazards.
+#[inline(never)]
+fn must_wait(
     arena: &Arena,
-    streams: &Streams,
+    streams: &mut Streams,
+    ask: Option<(&dyn Vmm, u64)>,
     (start, gap): (u64, PieceId),
     len: u64,
     t: u32,
 ) -> bool {
-    arena.tiling.hazards_over(gap, start, len).all(|h| {
-        streams
-            .in_mask(h.streams)
-            .all(|s| streams.orders_nothing(t, s, h.tick))
+    arena.tiling.hazards_over(gap, start, len).any(|h| {
+        streams.in_mask(h.streams).any(|s| {
+            !streams.orders_nothing(t, s, h.tick)
+                && ask.is_none_or(|(vmm, tick)| streams.still_running(vmm, s, h.tick, tick))
+        })
     })
 }
 
 /// The new pages a block of `len` bytes at `start` of arena `ai` would
 /// need: its unmapped pages, and the pages mapped ahead of the top, which
 /// count as the new pages they would be without mapping ahead (see
-/// `MappedAhead`).
+/// `MappedAhead`). Out of line: one copy for every caller.
+#[inline(never)]
 fn new_pages(arena: &Arena, (ahead, ai): (&MappedAhead, usize), start: u64, len: u64) -> u64 {
     arena.unmapped_pages(start, len) + ahead.pages_in(arena, ai, start, len)
 }

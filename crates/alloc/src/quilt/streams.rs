@@ -142,6 +142,25 @@ fn event_call_failed(what: &str, err: &VmmError) {
     tracing::warn!(error = %err, "{what} failed");
 }
 
+/// A spare event `e` whose record on stream `id` failed (`err`): logged
+/// and destroyed (its id may not be live any more; at worst the destroy
+/// fails too and is logged), and a new event recorded instead. Cold and
+/// out of line, as [`event_call_failed`].
+#[cold]
+#[inline(never)]
+fn record_instead_of_spare(
+    vmm: &dyn Vmm,
+    id: StreamId,
+    e: EventId,
+    err: &VmmError,
+) -> Result<EventId, VmmError> {
+    event_call_failed("recording a spare event again", err);
+    if let Err(err) = vmm.event_destroy(e) {
+        event_call_failed("destroying a spare event", &err);
+    }
+    vmm.event_record(id)
+}
+
 /// The error of a call that would act on a capturing stream where only a
 /// synchronisation or a wait would do: refused until the capture ends.
 pub(crate) fn capturing(call: quilt_vmm::CallKind, stream: StreamId) -> VmmError {
@@ -313,13 +332,7 @@ impl StreamState {
         let e = match spare.pop() {
             Some(e) => match vmm.event_record_on(e, self.id) {
                 Ok(()) => e,
-                Err(err) => {
-                    event_call_failed("recording a spare event again", &err);
-                    if let Err(err) = vmm.event_destroy(e) {
-                        event_call_failed("destroying a spare event", &err);
-                    }
-                    vmm.event_record(self.id)?
-                }
+                Err(err) => record_instead_of_spare(vmm, self.id, e, &err)?,
             },
             None => vmm.event_record(self.id)?,
         };
@@ -550,18 +563,15 @@ impl Streams {
         st.done >= k || self.waited(t, s) >= k
     }
 
-    /// Whether stream `t` must wait for stream `s`'s work up to tick `k`
-    /// (as far as freed memory can depend on it), for a decision that
-    /// depends on it: false when [`Streams::orders_nothing`] says so
-    /// without a call, else learnt ([`Streams::learn`]): true while that
-    /// work is still running.
-    pub(crate) fn must_wait(&mut self, vmm: &dyn Vmm, t: u32, s: u32, k: u64, tick: u64) -> bool {
-        if self.orders_nothing(t, s, k) {
-            return false;
-        }
-        let k = self.relevant(s, k);
-        self.know(vmm, s, k, tick);
-        !self.is_done(s, k)
+    /// Whether stream `s`'s work up to tick `k` that freed memory can
+    /// depend on is still running, for a decision that depends on it
+    /// (after [`Streams::orders_nothing`] found it not known done or waited
+    /// for): learnt ([`Streams::learn`]), true while that work is still
+    /// running. Out of line: the path of a decision that asks the device.
+    #[inline(never)]
+    pub(crate) fn still_running(&mut self, vmm: &dyn Vmm, s: u32, k: u64, tick: u64) -> bool {
+        self.learn(vmm, s, k, tick);
+        !self.freed_done(s, k)
     }
 
     /// Query stream `i`'s event at `at` in its list (see
