@@ -33,6 +33,10 @@ pub(crate) struct Arena {
     pub(crate) size: u64,
     /// Page size in bytes.
     pub(crate) page: u64,
+    /// `log2(page)` where the page size is a power of two (a granularity
+    /// the driver reports always is; a configured size need not be): a
+    /// shift where a division would cost tens of cycles on every operation.
+    page_shift: Option<u32>,
     /// Blocks and gaps in address order, gaps by size.
     pub(crate) tiling: Tiling,
     pub(crate) pages: PageTable,
@@ -52,6 +56,7 @@ impl Arena {
             base,
             size,
             page,
+            page_shift: page.is_power_of_two().then(|| page.trailing_zeros()),
             tiling: Tiling::new(size),
             pages: PageTable::default(),
             cached_pages: 0,
@@ -63,8 +68,13 @@ impl Arena {
     }
 
     /// Pages `first ..= last` that a range `off .. off + len` overlaps.
+    #[inline]
     pub(crate) fn page_span(&self, off: u64, len: u64) -> (u64, u64) {
-        (off / self.page, (off + len - 1) / self.page)
+        let last_byte = off + len - 1;
+        match self.page_shift {
+            Some(s) => (off >> s, last_byte >> s),
+            None => (off / self.page, last_byte / self.page),
+        }
     }
 
     /// The blocks in address order, as (start, end).
@@ -513,6 +523,25 @@ impl Arena {
 mod tests {
     #![allow(clippy::unwrap_used)] // test code
     use super::*;
+
+    #[test]
+    fn page_span_shifts_or_divides_alike() {
+        const MIB: u64 = 1 << 20;
+        for page in [2 * MIB, 64 << 10, 20 * MIB, 3 * 4096] {
+            let a = Arena::new(0, 64 * page, page);
+            assert_eq!(a.page_shift.is_some(), page.is_power_of_two());
+            for (off, len) in [
+                (0, 1),
+                (0, page),
+                (1, page),
+                (page - 1, 2),
+                (5 * page + 7, 3 * page),
+            ] {
+                let want = (off / page, (off + len - 1) / page);
+                assert_eq!(a.page_span(off, len), want, "page {page}, {off} + {len}");
+            }
+        }
+    }
 
     /// The hazards of `a`, as (start, end, streams, tick).
     fn hazards(a: &Arena) -> Vec<(u64, u64, u64, u64)> {
