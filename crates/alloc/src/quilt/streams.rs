@@ -237,6 +237,20 @@ struct StreamState {
 }
 
 impl StreamState {
+    /// The part of this stream's work up to tick `k` that freed memory can
+    /// depend on: up to its last free. Work enqueued on a stream after its
+    /// last free cannot touch memory it freed (a range freed by several
+    /// streams, or a page's hazard, carries the latest free of any of
+    /// them, which may be later than this stream's).
+    fn relevant(&self, k: u64) -> u64 {
+        k.min(self.last_free)
+    }
+
+    /// True when that part ([`StreamState::relevant`]) is known complete.
+    fn freed_done(&self, k: u64) -> bool {
+        self.done >= self.relevant(k)
+    }
+
     /// Whether the stream is capturing a CUDA graph now: asked of the
     /// driver at most once per operation `tick` (see [`Streams::capturing`]).
     fn capturing(&mut self, vmm: &dyn Vmm, tick: u64) -> bool {
@@ -499,17 +513,6 @@ impl Streams {
         }
     }
 
-    /// The part of stream `i`'s work up to tick `k` that freed memory can
-    /// depend on: up to its last free. Work enqueued on a stream after its
-    /// last free cannot touch memory it freed (a range freed by several
-    /// streams, or a page's hazard, carries the latest free of any of
-    /// them, which may be later than this stream's).
-    fn relevant(&self, i: u32, k: u64) -> u64 {
-        self.states
-            .get(i as usize)
-            .map_or(0, |s| k.min(s.last_free))
-    }
-
     /// The latest tick at which an event was recorded on a stream in `mask`
     /// or one of them was synchronised (0: never). What is known of a
     /// stream's progress (how far its work is known complete, how far
@@ -534,17 +537,13 @@ impl Streams {
     /// it freed can depend on is known complete (for a hazard: never for
     /// live memory, whose work may come after any free).
     pub(crate) fn freed_done(&self, i: u32, k: u64) -> bool {
-        self.is_done(i, self.relevant(i, k))
+        self.states.get(i as usize).is_none_or(|s| s.freed_done(k))
     }
 
     /// True when [`Streams::freed_done`] holds for every stream in `mask`:
     /// a hazard of theirs up to `k` constrains nothing.
     pub(crate) fn all_freed_done(&self, mask: u64, k: u64) -> bool {
-        self.in_mask(mask).all(|s| {
-            self.states
-                .get(s as usize)
-                .is_none_or(|st| st.done >= k.min(st.last_free))
-        })
+        self.in_mask(mask).all(|s| self.freed_done(s, k))
     }
 
     /// True when stream `t` needs nothing of stream `s`'s work up to `k` (as
@@ -558,9 +557,7 @@ impl Streams {
         let Some(st) = self.states.get(s as usize) else {
             return true;
         };
-        // As far as freed memory can depend on it (see `relevant`).
-        let k = k.min(st.last_free);
-        st.done >= k || self.waited(t, s) >= k
+        st.freed_done(k) || self.waited(t, s) >= st.relevant(k)
     }
 
     /// Whether stream `s`'s work up to tick `k` that freed memory can
