@@ -298,30 +298,20 @@ impl Arena {
                 "a page inside a block is shared"
             );
             inner_untouched = inner.len() as u64;
-            match freed {
-                // A free with every page mapped (the common case): one pass
-                // writes every column of each page.
-                Some(streams) if all_mapped => {
-                    t.leave_inner_freed(inner, streams, tick);
-                    inner_cached = inner_untouched;
-                }
-                _ => {
-                    t.touch[inner.clone()].fill(0);
-                    if let Some(streams) = freed {
-                        t.note_freed_range(inner.clone(), streams, tick);
-                    }
-                    if all_mapped {
-                        t.cached_at[inner].fill(tick);
-                        inner_cached = inner_untouched;
-                    } else {
-                        // Some may not be mapped (a block taken back before
-                        // it was backed): only the mapped ones become cached.
-                        for p in inner {
-                            if t.phys[p].is_some() {
-                                t.cached_at[p] = tick;
-                                inner_cached += 1;
-                            }
-                        }
+            t.touch[inner.clone()].fill(0);
+            if let Some(streams) = freed {
+                t.note_freed_range(inner.clone(), streams, tick);
+            }
+            if all_mapped {
+                t.cached_at[inner].fill(tick);
+                inner_cached = inner_untouched;
+            } else {
+                // Some may not be mapped (a block taken back before it was
+                // backed): only the mapped ones become cached.
+                for p in inner {
+                    if t.phys[p].is_some() {
+                        t.cached_at[p] = tick;
+                        inner_cached += 1;
                     }
                 }
             }

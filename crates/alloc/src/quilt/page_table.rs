@@ -120,31 +120,6 @@ impl PageTable {
         (untouched, cached)
     }
 
-    /// A block touching pages `inner` (known, mapped, touched by it alone)
-    /// was freed by `streams` at `tick` (the latest tick so far): each page
-    /// becomes untouched and cached at `tick`, freed by those streams then.
-    /// One pass over the four columns of the run.
-    #[inline]
-    pub(crate) fn leave_inner_freed(&mut self, inner: Range<usize>, streams: u64, tick: u64) {
-        debug_assert!(self.touch[inner.clone()].iter().all(|&n| n == 1));
-        debug_assert!(self.freed_at[inner.clone()].iter().all(|&k| k <= tick));
-        let touch = &mut self.touch[inner.clone()];
-        let freed_by = &mut self.freed_by[inner.clone()];
-        let freed_at = &mut self.freed_at[inner.clone()];
-        let cached_at = &mut self.cached_at[inner];
-        for (((n, by), at), c) in touch
-            .iter_mut()
-            .zip(freed_by.iter_mut())
-            .zip(freed_at.iter_mut())
-            .zip(cached_at.iter_mut())
-        {
-            *n = 0;
-            *by |= streams;
-            *at = tick;
-            *c = tick;
-        }
-    }
-
     /// [`PageTable::note_freed`] over the run `pages` (known), at `tick`,
     /// the latest tick so far.
     #[inline]
