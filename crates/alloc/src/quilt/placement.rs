@@ -636,13 +636,13 @@ fn score(
 /// Whether a block of `len` bytes on stream `t` at `start` of gap `gap`
 /// in `arena` must wait for another stream: walks the hazards over the
 /// range until one of their streams other than `t` is found that `t` must
-/// wait for. With `ask` (the device and the operation's tick), a stream
-/// not known without a call to order nothing for `t`
-/// ([`Streams::orders_nothing`]) is learnt ([`Streams::still_running`]:
-/// an event recorded on demand where none covers its frees, a query
-/// unless this operation already learnt the answer), and counts while its
-/// work is still running; without, nothing is asked, and every such stream
-/// counts. Out of line: placement's one walk of a range's hazards.
+/// wait for ([`Streams::must_wait_for`]). With `ask` (the device and the
+/// operation's tick), a stream not known without a call to order nothing
+/// for `t` is learnt (an event recorded on demand where none covers its
+/// frees, a query unless this operation already learnt the answer), and
+/// counts while its work is still running; without, nothing is asked, and
+/// every such stream counts. Out of line: placement's one walk of a
+/// range's hazards.
 #[inline(never)]
 fn must_wait(
     arena: &Arena,
@@ -652,12 +652,12 @@ fn must_wait(
     len: u64,
     t: u32,
 ) -> bool {
-    arena.tiling.hazards_over(gap, start, len).any(|h| {
-        streams.in_mask(h.streams).any(|s| {
-            !streams.orders_nothing(t, s, h.tick)
-                && ask.is_none_or(|(vmm, tick)| streams.still_running(vmm, s, h.tick, tick))
-        })
-    })
+    for h in arena.tiling.hazards_over(gap, start, len) {
+        if streams.must_wait_for(t, h.streams, h.tick, ask) {
+            return true;
+        }
+    }
+    false
 }
 
 /// The new pages a block of `len` bytes at `start` of arena `ai` would

@@ -329,6 +329,24 @@ impl StreamState {
         false
     }
 
+    /// Record an event on the stream at `tick`, on demand (see
+    /// [`Streams::know`]): none on a forgotten or capturing stream, and a
+    /// failed record is only logged. Returns true when one was recorded.
+    /// Out of line: most decisions find an event recorded already.
+    #[inline(never)]
+    fn record_on_demand(&mut self, vmm: &dyn Vmm, spare: &mut Vec<EventId>, tick: u64) -> bool {
+        if self.forgotten || self.capturing(vmm, tick) {
+            return false;
+        }
+        match self.record(vmm, spare, tick) {
+            Ok(_) => true,
+            Err(err) => {
+                event_call_failed("recording an event on demand", &err);
+                false
+            }
+        }
+    }
+
     /// Record an event on the stream at `tick` and add it to its list (see
     /// [`Streams::record`]): a spare from `spare` recorded again if there is
     /// one, else a new one.
@@ -551,24 +569,65 @@ impl Streams {
     /// known complete, or `t` is already ordered after it. Known without a
     /// call.
     pub(crate) fn orders_nothing(&self, t: u32, s: u32, k: u64) -> bool {
-        if s == t {
-            return true;
-        }
-        let Some(st) = self.states.get(s as usize) else {
-            return true;
-        };
-        st.freed_done(k) || self.waited(t, s) >= st.relevant(k)
+        s == t || self.relevant_unordered(t, s, k).is_none()
     }
 
-    /// Whether stream `s`'s work up to tick `k` that freed memory can
-    /// depend on is still running, for a decision that depends on it
-    /// (after [`Streams::orders_nothing`] found it not known done or waited
-    /// for): learnt ([`Streams::learn`]), true while that work is still
-    /// running. Out of line: the path of a decision that asks the device.
+    /// The part of stream `s`'s work up to `k` that freed memory can depend
+    /// on ([`StreamState::relevant`]), when it is neither known complete
+    /// nor waited for by stream `t`; `None` when `t` needs nothing of it,
+    /// or `s` is unknown.
+    #[inline]
+    fn relevant_unordered(&self, t: u32, s: u32, k: u64) -> Option<u64> {
+        let st = self.states.get(s as usize)?;
+        let k = st.relevant(k);
+        (st.done < k && self.waited(t, s) < k).then_some(k)
+    }
+
+    /// Whether stream `t` must wait for the work up to tick `k` of a stream
+    /// in `mask` (a hazard's streams) other than itself: true at the first
+    /// such stream, lowest index first, not known without a call to order
+    /// nothing for `t` ([`Streams::orders_nothing`]) and, with `ask` (the
+    /// device and the operation's tick), found still running once learnt
+    /// ([`Streams::learn`]); without `ask`, nothing is asked and the first
+    /// such stream counts. Bits of streams not seen yet name none.
+    #[inline]
+    pub(crate) fn must_wait_for(
+        &mut self,
+        t: u32,
+        mask: u64,
+        k: u64,
+        ask: Option<(&dyn Vmm, u64)>,
+    ) -> bool {
+        // Stream `t`'s own bit orders nothing (unless shared, past the 62nd).
+        let own = if t < 63 { 1u64 << t } else { 0 };
+        let mut low = mask & !own & !(1 << 63);
+        while low != 0 {
+            let s = low.trailing_zeros();
+            low &= low - 1;
+            if self.must_wait_on(t, s, k, ask) {
+                return true;
+            }
+        }
+        mask & (1 << 63) != 0 && self.must_wait_for_shared(t, k, ask)
+    }
+
+    /// [`Streams::must_wait_for`] for the streams from the 63rd on, which
+    /// share bit 63. (Out of line: only programs of over 63 streams.)
     #[inline(never)]
-    pub(crate) fn still_running(&mut self, vmm: &dyn Vmm, s: u32, k: u64, tick: u64) -> bool {
-        self.learn(vmm, s, k, tick);
-        !self.freed_done(s, k)
+    fn must_wait_for_shared(&mut self, t: u32, k: u64, ask: Option<(&dyn Vmm, u64)>) -> bool {
+        (63..self.states.len() as u32).any(|s| s != t && self.must_wait_on(t, s, k, ask))
+    }
+
+    /// [`Streams::must_wait_for`] for stream `s`, other than `t`.
+    #[inline]
+    fn must_wait_on(&mut self, t: u32, s: u32, k: u64, ask: Option<(&dyn Vmm, u64)>) -> bool {
+        let Some(k) = self.relevant_unordered(t, s, k) else {
+            return false;
+        };
+        match ask {
+            Some((vmm, tick)) => self.know(vmm, s, k, tick),
+            None => true,
+        }
     }
 
     /// Query stream `i`'s event at `at` in its list (see
@@ -593,50 +652,31 @@ impl Streams {
     /// decision that depends on it: unless that is known (complete, or
     /// its covering event running this operation), query the earliest
     /// event that covers it, recorded now, on demand, if none does (see
-    /// [`Streams::cover`] and [`StreamState::query`]).
+    /// [`Streams::cover`] and [`StreamState::query`]). Returns true while
+    /// that work is not known complete.
     #[inline(never)]
-    fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
+    fn know(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) -> bool {
         let Some(s) = self.states.get_mut(i as usize) else {
-            return;
+            return false;
         };
+        if s.done >= k {
+            return false;
+        }
         let (asked_at, running_from) = s.running;
-        if s.done >= k || (asked_at == tick && k > running_from) {
-            return;
+        if asked_at == tick && k > running_from {
+            return true;
         }
-        if s.events.back().is_none_or(|m| m.tick < k) && !self.record_on_demand(vmm, i, tick) {
-            return;
+        if s.events.back().is_none_or(|m| m.tick < k) {
+            if !s.record_on_demand(vmm, &mut self.spare, tick) {
+                return true;
+            }
+            self.recorded += 1;
         }
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return;
-        };
         let at = s.covering(k);
         if s.query(vmm, at, tick, &mut self.spare) {
             self.progress += 1;
         }
-    }
-
-    /// Record an event on stream `i` at `tick`, on demand (see
-    /// [`Streams::know`]): none on a forgotten or capturing stream, and a
-    /// failed record is only logged. Returns true when one was recorded.
-    /// Out of line: most decisions find an event recorded already.
-    #[inline(never)]
-    fn record_on_demand(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) -> bool {
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return false;
-        };
-        if s.forgotten || s.capturing(vmm, tick) {
-            return false;
-        }
-        match s.record(vmm, &mut self.spare, tick) {
-            Ok(_) => {
-                self.recorded += 1;
-                true
-            }
-            Err(err) => {
-                event_call_failed("recording an event on demand", &err);
-                false
-            }
-        }
+        s.done < k
     }
 
     /// Learn whether the part of stream `i`'s work up to tick `k` that
