@@ -42,6 +42,17 @@ struct PlaceScore {
 }
 
 impl PlaceScore {
+    /// The score of a place needing `unmapped` new pages that must (`wait`)
+    /// or need not wait for another stream's work.
+    fn of(unmapped: u64, wait: bool) -> PlaceScore {
+        PlaceScore {
+            needs_pages: unmapped > 0,
+            waits_though_mapped: unmapped == 0 && wait,
+            new_pages: unmapped,
+            waits: wait,
+        }
+    }
+
     /// Mapped and wait-free: taken at once.
     const PERFECT: PlaceScore = PlaceScore {
         needs_pages: false,
@@ -70,6 +81,14 @@ impl Placed {
             off,
             gap,
             wait_free: false,
+        }
+    }
+
+    fn wait_free((off, gap): (u64, PieceId)) -> Placed {
+        Placed {
+            off,
+            gap,
+            wait_free: true,
         }
     }
 }
@@ -239,9 +258,10 @@ impl Core {
     /// candidates: the best fit, needing no new page and no wait (over no
     /// hazard, or over hazards known without a call to need no wait), is
     /// what scoring would take first, asking nothing: taken without it;
-    /// else it is scored first, and the rest of the same walk of the size
-    /// index after it. (Out of line: a single stream never gets here, and
-    /// its fast path stays short.)
+    /// else it is scored first ([`ranked`]), its new pages counted once,
+    /// and the rest of the same walk of the size index after it. (Out of
+    /// line: a single stream never gets here, and its fast path stays
+    /// short.)
     #[inline(never)]
     fn place_among_streams(
         &mut self,
@@ -254,27 +274,37 @@ impl Core {
         let (arena, streams) = (&self.arenas[ai], &mut self.streams);
         let ahead = (&self.mapped_ahead, ai);
         let mut fitting = arena.fitting_gaps(rounded, n);
-        let (off, gap) = fitting.next()?;
-        if new_pages(arena, ahead, off, rounded) == 0
-            && (arena.tiling.gap_hazards(gap).is_empty()
-                || !must_wait(arena, streams, None, (off, gap), rounded, t))
-        {
-            return Some(Placed {
-                off,
-                gap,
-                wait_free: true,
-            });
+        let first = fitting.next()?;
+        let unmapped = new_pages(arena, ahead, first.0, rounded);
+        let hazards = !arena.tiling.gap_hazards(first.1).is_empty();
+        if unmapped == 0 && !hazards {
+            return Some(Placed::wait_free(first));
         }
-        let req = (rounded, t, tick);
-        let best = best_of(
-            arena,
-            streams,
-            ctx,
-            req,
-            ahead,
-            ((off, gap), &mut fitting),
-            &[],
-        );
+        let best = match fitting.next() {
+            // A lone candidate is taken unscored (as `best_of` does): wait
+            // free when mapped and known without a call to need no wait.
+            None if unmapped == 0 && !must_wait(arena, streams, None, first, rounded, t) => {
+                return Some(Placed::wait_free(first));
+            }
+            None => Some(Placed::unchecked(first)),
+            // Scored as `best_of` scores its first candidate.
+            Some(second) => {
+                let ask = Some((ctx.vmm, tick));
+                let wait = hazards && must_wait(arena, streams, ask, first, rounded, t);
+                let score = PlaceScore::of(unmapped, wait);
+                if score == PlaceScore::PERFECT {
+                    return Some(Placed::wait_free(first));
+                }
+                let req = (rounded, t, tick);
+                let upcoming = fitting.next();
+                let rest = (
+                    second,
+                    upcoming,
+                    &mut fitting as &mut dyn Iterator<Item = _>,
+                );
+                ranked(arena, streams, ctx, req, ahead, Some((score, first)), rest)
+            }
+        };
         drop(fitting);
         if best.is_none_or(|p| p.wait_free) {
             // Nothing skipped, and no wait to check for a capture.
@@ -535,45 +565,62 @@ impl Core {
 
 /// The best of the candidates `first` then `rest` (starts of a block of
 /// `len` bytes on stream `t` in `arena`, each with its gap, best fit
-/// first) not in `skipped`, by
-/// [`PlaceScore`], scored in one pass at operation `tick`: the first that
-/// is mapped and wait-free is taken at once. A lone candidate is taken
-/// unscored. (`rest` is a trait object, so that this loop exists once
-/// whatever the candidates come from, each source's `next` out of line.)
+/// first) not in `skipped`, by [`PlaceScore`], scored in one pass at
+/// operation `tick` ([`ranked`]). A lone candidate is taken unscored.
+/// (`rest` is a trait object, so that this loop exists once whatever the
+/// candidates come from, each source's `next` out of line.)
 fn best_of(
+    arena: &Arena,
+    streams: &mut Streams,
+    ctx: &Ctx<'_>,
+    req: (u64, u32, u64),
+    ahead: (&MappedAhead, usize),
+    (first, rest): ((u64, PieceId), &mut dyn Iterator<Item = (u64, PieceId)>),
+    skipped: &[(u64, PieceId)],
+) -> Option<Placed> {
+    let mut rest = rest.filter(|c| skipped.is_empty() || !skipped.contains(c));
+    let c = if skipped.contains(&first) {
+        rest.next()?
+    } else {
+        first
+    };
+    let upcoming = rest.next();
+    if upcoming.is_none() {
+        return Some(Placed::unchecked(c));
+    }
+    ranked(
+        arena,
+        streams,
+        ctx,
+        req,
+        ahead,
+        None,
+        (c, upcoming, &mut rest),
+    )
+}
+
+/// The best of `best` (a candidate scored already, if any) and the
+/// candidates `c`, `upcoming`, then `rest` (as [`best_of`]'s), by
+/// [`PlaceScore`], scored in one pass at operation `tick`: the first that
+/// is mapped and wait-free is taken at once.
+fn ranked(
     arena: &Arena,
     streams: &mut Streams,
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
     ahead: (&MappedAhead, usize),
-    (first, rest): ((u64, PieceId), &mut dyn Iterator<Item = (u64, PieceId)>),
-    skipped: &[(u64, PieceId)],
+    mut best: Option<(PlaceScore, (u64, PieceId))>,
+    (mut c, mut upcoming, rest): (
+        (u64, PieceId),
+        Option<(u64, PieceId)>,
+        &mut dyn Iterator<Item = (u64, PieceId)>,
+    ),
 ) -> Option<Placed> {
-    let mut next = || loop {
-        let c = rest.next()?;
-        if skipped.is_empty() || !skipped.contains(&c) {
-            return Some(c);
-        }
-    };
-    let mut c = if skipped.contains(&first) {
-        next()?
-    } else {
-        first
-    };
-    let mut upcoming = next();
-    if upcoming.is_none() {
-        return Some(Placed::unchecked(c));
-    }
-    let mut best: Option<(PlaceScore, (u64, PieceId))> = None;
     loop {
         let to_beat = best.map(|(b, _)| b);
         let score = score(arena, streams, ctx, (len, t), ahead, c, tick, to_beat);
         if score == PlaceScore::PERFECT {
-            return Some(Placed {
-                off: c.0,
-                gap: c.1,
-                wait_free: true,
-            });
+            return Some(Placed::wait_free(c));
         }
         if best.is_none_or(|(b, _)| score < b) {
             best = Some((score, c));
@@ -582,7 +629,7 @@ fn best_of(
             break;
         };
         c = n;
-        upcoming = next();
+        upcoming = rest.next();
     }
     best.map(|(score, (off, gap))| Placed {
         off,
@@ -625,12 +672,7 @@ fn score(
     // A single stream orders its own reuse.
     let ask = Some((ctx.vmm, tick));
     let wait = streams.len() >= 2 && must_wait(arena, streams, ask, (start, gap), len, t);
-    PlaceScore {
-        needs_pages: unmapped > 0,
-        waits_though_mapped: unmapped == 0 && wait,
-        new_pages: unmapped,
-        waits: wait,
-    }
+    PlaceScore::of(unmapped, wait)
 }
 
 /// Whether a block of `len` bytes on stream `t` at `start` of gap `gap`
