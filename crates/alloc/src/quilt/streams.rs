@@ -279,6 +279,7 @@ impl StreamState {
 
     /// The position in the list of the earliest event recorded at tick `k`
     /// or later (the list's length when none is).
+    #[inline]
     fn covering(&self, k: u64) -> usize {
         let (older, newer) = self.events.as_slices();
         if older.last().is_some_and(|m| m.tick >= k) {
@@ -666,13 +667,14 @@ impl Streams {
         if asked_at == tick && k > running_from {
             return true;
         }
-        if s.events.back().is_none_or(|m| m.tick < k) {
+        let at = s.covering(k);
+        if at == s.events.len() {
+            // None covers it: one recorded now goes at `at`.
             if !s.record_on_demand(vmm, &mut self.spare, tick) {
                 return true;
             }
             self.recorded += 1;
         }
-        let at = s.covering(k);
         if s.query(vmm, at, tick, &mut self.spare) {
             self.progress += 1;
         }
