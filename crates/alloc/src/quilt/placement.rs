@@ -283,13 +283,15 @@ impl Core {
         let best = match fitting.next() {
             // A lone candidate is taken unscored (as `best_of` does): wait
             // free when mapped and known without a call to need no wait.
-            None if unmapped == 0 && !must_wait(arena, streams, None, first, rounded, t) => {
+            None if unmapped == 0
+                && !must_wait(arena, streams, (None, tick), first, rounded, t) =>
+            {
                 return Some(Placed::wait_free(first));
             }
             None => Some(Placed::unchecked(first)),
             // Scored as `best_of` scores its first candidate.
             Some(second) => {
-                let ask = Some((ctx.vmm, tick));
+                let ask = (Some(ctx.vmm), tick);
                 let wait = hazards && must_wait(arena, streams, ask, first, rounded, t);
                 let score = PlaceScore::of(unmapped, wait);
                 if score == PlaceScore::PERFECT {
@@ -670,7 +672,7 @@ fn score(
         };
     }
     // A single stream orders its own reuse.
-    let ask = Some((ctx.vmm, tick));
+    let ask = (Some(ctx.vmm), tick);
     let wait = streams.len() >= 2 && must_wait(arena, streams, ask, (start, gap), len, t);
     PlaceScore::of(unmapped, wait)
 }
@@ -678,7 +680,7 @@ fn score(
 /// Whether a block of `len` bytes on stream `t` at `start` of gap `gap`
 /// in `arena` must wait for another stream: walks the hazards over the
 /// range until one of their streams other than `t` is found that `t` must
-/// wait for ([`Streams::must_wait_for`]). With `ask` (the device and the
+/// wait for ([`Streams::must_wait_for`]). With `ask`'s device (and the
 /// operation's tick), a stream not known without a call to order nothing
 /// for `t` is learnt (an event recorded on demand where none covers its
 /// frees, a query unless this operation already learnt the answer), and
@@ -689,7 +691,7 @@ fn score(
 fn must_wait(
     arena: &Arena,
     streams: &mut Streams,
-    ask: Option<(&dyn Vmm, u64)>,
+    ask: (Option<&dyn Vmm>, u64),
     (start, gap): (u64, PieceId),
     len: u64,
     t: u32,

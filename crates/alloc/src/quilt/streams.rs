@@ -588,7 +588,7 @@ impl Streams {
     /// in `mask` (a hazard's streams) other than itself: true at the first
     /// such stream, lowest index first, not known without a call to order
     /// nothing for `t` ([`Streams::orders_nothing`]) and, with `ask` (the
-    /// device and the operation's tick), found still running once learnt
+    /// device), found still running once learnt at operation `tick`
     /// ([`Streams::learn`]); without `ask`, nothing is asked and the first
     /// such stream counts. Bits of streams not seen yet name none.
     #[inline]
@@ -597,7 +597,7 @@ impl Streams {
         t: u32,
         mask: u64,
         k: u64,
-        ask: Option<(&dyn Vmm, u64)>,
+        (ask, tick): (Option<&dyn Vmm>, u64),
     ) -> bool {
         // Stream `t`'s own bit orders nothing (unless shared, past the 62nd).
         let own = if t < 63 { 1u64 << t } else { 0 };
@@ -605,28 +605,34 @@ impl Streams {
         while low != 0 {
             let s = low.trailing_zeros();
             low &= low - 1;
-            if self.must_wait_on(t, s, k, ask) {
+            if self.must_wait_on(t, s, k, (ask, tick)) {
                 return true;
             }
         }
-        mask & (1 << 63) != 0 && self.must_wait_for_shared(t, k, ask)
+        mask & (1 << 63) != 0 && self.must_wait_for_shared(t, k, (ask, tick))
     }
 
     /// [`Streams::must_wait_for`] for the streams from the 63rd on, which
     /// share bit 63. (Out of line: only programs of over 63 streams.)
     #[inline(never)]
-    fn must_wait_for_shared(&mut self, t: u32, k: u64, ask: Option<(&dyn Vmm, u64)>) -> bool {
+    fn must_wait_for_shared(&mut self, t: u32, k: u64, ask: (Option<&dyn Vmm>, u64)) -> bool {
         (63..self.states.len() as u32).any(|s| s != t && self.must_wait_on(t, s, k, ask))
     }
 
     /// [`Streams::must_wait_for`] for stream `s`, other than `t`.
     #[inline]
-    fn must_wait_on(&mut self, t: u32, s: u32, k: u64, ask: Option<(&dyn Vmm, u64)>) -> bool {
+    fn must_wait_on(
+        &mut self,
+        t: u32,
+        s: u32,
+        k: u64,
+        (ask, tick): (Option<&dyn Vmm>, u64),
+    ) -> bool {
         let Some(k) = self.relevant_unordered(t, s, k) else {
             return false;
         };
         match ask {
-            Some((vmm, tick)) => self.know(vmm, s, k, tick),
+            Some(vmm) => self.know(vmm, s, k, tick),
             None => true,
         }
     }
