@@ -408,12 +408,18 @@ pub(crate) struct Streams {
 impl Streams {
     /// The index of `id`, registering it on first sight; the second value is
     /// true when it is new.
+    #[inline]
     pub(crate) fn index(&mut self, id: StreamId) -> (u32, bool) {
-        if let Some((r, i)) = self.recent {
-            if r == id {
-                return (i, false);
-            }
+        match self.recent {
+            Some((r, i)) if r == id => (i, false),
+            _ => self.look_up(id),
         }
+    }
+
+    /// [`Streams::index`] of a stream other than the one asked for last.
+    /// (Out of line: most requests name the stream of the one before.)
+    #[inline(never)]
+    fn look_up(&mut self, id: StreamId) -> (u32, bool) {
         if let Some(&i) = self.index.get(&id) {
             self.recent = Some((id, i));
             return (i, false);
@@ -738,19 +744,45 @@ impl Streams {
             return;
         };
         s.last_free = tick;
-        let covered = s.events.back().map_or(s.done, |m| m.tick);
-        if hazard && covered < tick && !s.forgotten && !s.capturing(vmm, tick) {
-            match s.record(vmm, &mut self.spare, tick) {
-                Ok(_) => self.recorded += 1,
-                Err(err) => event_call_failed("recording an event at a free", &err),
+        if hazard {
+            let covered = s.events.back().map_or(s.done, |m| m.tick);
+            if covered < tick && !s.forgotten {
+                self.record_at_free(vmm, i, tick);
             }
         }
-        let len = s.events.len();
-        if len >= s.poll_len {
-            self.query(vmm, i, len / 2, tick);
-            if let Some(s) = self.states.get_mut(i as usize) {
-                s.poll_len = (2 * s.events.len()).max(POLL_AT_FREE);
+        if let Some(s) = self.states.get(i as usize) {
+            if s.events.len() >= s.poll_len {
+                self.poll_at_free(vmm, i, tick);
             }
+        }
+    }
+
+    /// [`Streams::note_free`]'s event on stream `i`, at its free at `tick`
+    /// (none on a capturing stream; a failed record is only logged). Out
+    /// of line: the path of a free that records.
+    #[inline(never)]
+    fn record_at_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
+        let Some(s) = self.states.get_mut(i as usize) else {
+            return;
+        };
+        if s.capturing(vmm, tick) {
+            return;
+        }
+        match s.record(vmm, &mut self.spare, tick) {
+            Ok(_) => self.recorded += 1,
+            Err(err) => event_call_failed("recording an event at a free", &err),
+        }
+    }
+
+    /// [`Streams::note_free`]'s query of stream `i`'s event halfway down
+    /// its list, at operation `tick`, and the list length that makes the
+    /// next free query. Out of line: once per that many frees.
+    #[inline(never)]
+    fn poll_at_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
+        let len = self.states.get(i as usize).map_or(0, |s| s.events.len());
+        self.query(vmm, i, len / 2, tick);
+        if let Some(s) = self.states.get_mut(i as usize) {
+            s.poll_len = (2 * s.events.len()).max(POLL_AT_FREE);
         }
     }
 
