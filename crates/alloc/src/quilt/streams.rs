@@ -295,7 +295,9 @@ impl StreamState {
     /// complete in order), and the stream's work is known complete up to
     /// its tick (returns true when that is further than known). Found
     /// running: every later event is known running this operation, and the
-    /// growth path's query waits for twice its age.
+    /// growth path's query waits for twice its age. (Inlined: into
+    /// [`Streams::know`], a decision's question, the rest rare.)
+    #[inline(always)]
     fn query(&mut self, vmm: &dyn Vmm, at: usize, tick: u64, spare: &mut Vec<EventId>) -> bool {
         let Some(m) = self.events.get(at) else {
             return false;
