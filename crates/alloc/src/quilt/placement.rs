@@ -155,21 +155,7 @@ impl Placer for BestFit {
             }
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
-        // Every candidate is looked at past retired pages still in use.
-        let candidates: Vec<(u64, PieceId)> = core.arenas[ai]
-            .fitting_gaps(rounded, self.candidates)
-            .collect();
-        let moved: Vec<(u64, PieceId)> = candidates
-            .iter()
-            .filter_map(|&(_, g)| {
-                core.past_retired_in_use(ctx, ai, g, rounded)
-                    .map(|off| (off, g))
-            })
-            .collect();
-        // If every fitting gap is blocked, a retired page will be
-        // synchronised for (rare; only after reclaim moved pages).
-        let candidates = if moved.is_empty() { candidates } else { moved };
-        core.best_candidate(ctx, ai, rounded, t, Candidates::Listed(&candidates))
+        core.place_past_retired(ctx, ai, (rounded, t), n)
     }
 }
 
@@ -251,6 +237,32 @@ impl Core {
             None => fitting,
         };
         self.best_candidate(ctx, ai, rounded, t, Candidates::Listed(&listed))
+    }
+
+    /// [`BestFit`] in arena `ai` with retired pages, for a block of
+    /// `rounded` bytes on stream `t`, among up to `n` candidates: each is
+    /// looked at past retired pages still in use. (Out of line: only after
+    /// reclaim retired pages.)
+    #[inline(never)]
+    fn place_past_retired(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ai: usize,
+        (rounded, t): (u64, u32),
+        n: usize,
+    ) -> Option<Placed> {
+        let candidates: Vec<(u64, PieceId)> = self.arenas[ai].fitting_gaps(rounded, n).collect();
+        let moved: Vec<(u64, PieceId)> = candidates
+            .iter()
+            .filter_map(|&(_, g)| {
+                self.past_retired_in_use(ctx, ai, g, rounded)
+                    .map(|off| (off, g))
+            })
+            .collect();
+        // If every fitting gap is blocked, a retired page will be
+        // synchronised for (rare; only after reclaim moved pages).
+        let candidates = if moved.is_empty() { candidates } else { moved };
+        self.best_candidate(ctx, ai, rounded, t, Candidates::Listed(&candidates))
     }
 
     /// [`BestFit`] with several streams, in arena `ai` without retired
@@ -601,6 +613,9 @@ fn best_of(
     )
 }
 
+/// A candidate place: a block's start, and the gap that holds it.
+type Candidate = (u64, PieceId);
+
 /// The best of `best` (a candidate scored already, if any) and the
 /// candidates `c`, `upcoming`, then `rest` (as [`best_of`]'s), by
 /// [`PlaceScore`], scored in one pass at operation `tick`: the first that
@@ -611,11 +626,11 @@ fn ranked(
     ctx: &Ctx<'_>,
     (len, t, tick): (u64, u32, u64),
     ahead: (&MappedAhead, usize),
-    mut best: Option<(PlaceScore, (u64, PieceId))>,
+    mut best: Option<(PlaceScore, Candidate)>,
     (mut c, mut upcoming, rest): (
-        (u64, PieceId),
-        Option<(u64, PieceId)>,
-        &mut dyn Iterator<Item = (u64, PieceId)>,
+        Candidate,
+        Option<Candidate>,
+        &mut dyn Iterator<Item = Candidate>,
     ),
 ) -> Option<Placed> {
     loop {
