@@ -267,11 +267,13 @@ impl Core {
 
     /// [`BestFit`] with several streams, in arena `ai` without retired
     /// pages, for a block of `rounded` bytes on stream `t`, among up to `n`
-    /// candidates: the best fit, needing no new page and no wait (over no
-    /// hazard, or over hazards known without a call to need no wait), is
-    /// what scoring would take first, asking nothing: taken without it;
-    /// else it is scored first ([`ranked`]), its new pages counted once,
-    /// and the rest of the same walk of the size index after it. (Out of
+    /// candidates. The best fit is scored first, as [`best_of`] would score
+    /// it (its new pages counted once, its hazards walked once): needing
+    /// no new page and no wait, it is taken at once (over no hazard, or
+    /// over hazards known without a call to need no wait, nothing is
+    /// asked). A lone candidate is taken unscored, wait free when mapped
+    /// and known without a call to need no wait; else the rest of the same
+    /// walk of the size index is ranked after it ([`ranked`]). (Out of
     /// line: a single stream never gets here, and its fast path stays
     /// short.)
     #[inline(never)]

@@ -1092,6 +1092,29 @@ mod tests {
     }
 
     #[test]
+    fn a_hazard_waits_for_no_stream_of_its_own_bit_and_for_any_other_sharing_bit_63() {
+        // Nothing completes; 66 streams, so 63, 64 and 65 share bit 63.
+        let (sim, mut st) = device(1 << 20, 66);
+        let no_ask = (None, 7);
+        for i in [0, 63] {
+            sim.queue_work(StreamId(100 + u64::from(i)));
+            st.note_free(&sim, i, 5, EventTiming::OnDemand);
+        }
+        // Stream 0's own hazard orders nothing for it; stream 1 must wait.
+        assert!(!st.must_wait_for(0, 1, 5, no_ask));
+        assert!(st.must_wait_for(1, 1, 5, no_ask));
+        // Bit 63: stream 63's frees, for 64 and 65; 63's own, for nothing
+        // (64 and 65 freed nothing), and bit 63 is not its own bit alone.
+        assert!(st.must_wait_for(64, 1 << 63, 5, no_ask));
+        assert!(st.must_wait_for(1, 1 << 63, 5, no_ask));
+        assert!(!st.must_wait_for(63, 1 << 63, 5, no_ask));
+        // Asking the device: stream 63's work is still running.
+        assert!(st.must_wait_for(65, 1 << 63, 5, (Some(&sim), 7)));
+        assert_eq!(st.recorded, 1, "an event recorded on demand to ask");
+        assert!(!st.freed_done(63, 5));
+    }
+
+    #[test]
     fn a_mask_names_the_streams_seen_and_bit_63_every_stream_past_the_62nd() {
         let mut st = Streams::default();
         for id in 0..3 {
