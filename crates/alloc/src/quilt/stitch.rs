@@ -17,7 +17,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
-use super::tiling::{Hazard, PieceId};
+use super::tiling::{Hazard, PieceId, Pruning};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
@@ -281,22 +281,6 @@ impl Core {
         i
     }
 
-    /// Forget the hazards of gap `gap` in arena `ai` whose work is known
-    /// complete: they constrain nothing, and a gap that keeps them keeps
-    /// its list (at a free and at an allocation, the two places that walk
-    /// or cut a gap's hazards anyway).
-    fn forget_completed_hazards(&mut self, ai: usize, gap: PieceId) {
-        let streams = &self.streams;
-        if self.arenas[ai].tiling.gap_hazards(gap).is_empty() {
-            return;
-        }
-        self.arenas[ai]
-            .tiling
-            .prune_hazards(gap, streams.progress, |h| {
-                streams.all_freed_done(h.streams, h.tick)
-            });
-    }
-
     fn arena_for(
         &mut self,
         ctx: &Ctx<'_>,
@@ -553,11 +537,14 @@ impl Core {
         };
         let (off, gap) = (placed.off, placed.gap);
         // A single stream has no hazards.
-        let mut hazard = (0, 0);
-        if self.streams.len() > 1 {
-            hazard = self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?;
-        }
-        let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
+        let occupied = if self.streams.len() > 1 {
+            self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?
+        } else {
+            self.arenas[ai]
+                .occupy_gap(gap, off, rounded)
+                .map(|p| (p, (0, 0)))
+        };
+        let Some((piece, hazard)) = occupied else {
             return Err(outside_its_gap(off, rounded));
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
@@ -587,9 +574,12 @@ impl Core {
 
     /// Order stream `si` after the hazards under a block placed at `off`
     /// in gap `gap` (`rounded` bytes; `wait_free`: placement found, this
-    /// operation, that none needs a wait) before the gap drops them, and
-    /// return them as one (see [`Core::undo_occupy`]); a failure changes
-    /// nothing else. (Out of line: a single stream has no hazards.)
+    /// operation, that none needs a wait), then occupy the block, the gap
+    /// forgetting its completed hazards in the same walk (see
+    /// [`Tiling::occupy_pruning`]). Returns the block's piece and the
+    /// hazards it dropped, as one (see [`Core::undo_occupy`]); `None` when
+    /// the range is not inside the gap. A failed wait changes nothing else.
+    /// (Out of line: a single stream has no hazards.)
     #[inline(never)]
     fn take_hazards_under(
         &mut self,
@@ -599,12 +589,20 @@ impl Core {
         rounded: u64,
         wait_free: bool,
         si: u32,
-    ) -> Result<(u64, u64), AllocError> {
+    ) -> Result<Option<(PieceId, (u64, u64))>, AllocError> {
         if !wait_free {
             self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
         }
-        self.forget_completed_hazards(ai, gap);
-        Ok(self.arenas[ai].tiling.hazard_union(gap, off, rounded))
+        let streams = &self.streams;
+        Ok(self.arenas[ai].tiling.occupy_pruning(
+            gap,
+            off,
+            rounded,
+            Pruning {
+                progress: streams.progress,
+                completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
+            },
+        ))
     }
 
     /// Back the pages of block `piece` over `off .. off + rounded` of arena
@@ -688,7 +686,6 @@ impl Core {
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
-        self.arenas[ai].vacate_block(b.piece);
         for s in self.streams.in_mask(b.streams) {
             // With events at frees, a solo run's frees record theirs too
             // (not `track`): the hazards built from the pages when the run
@@ -696,8 +693,12 @@ impl Core {
             // the free tells exactly when that work is complete.
             self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
+        // The block's range is vacated once its streams know of the free
+        // (their progress and marks are what the hazard left behind reads).
         if track {
             self.leave_hazard(&b, tick);
+        } else {
+            self.arenas[ai].vacate_block(b.piece);
         }
         self.stats.allocated_bytes.decrease(b.size);
         self.stats.allocation.decrease(1);
@@ -710,23 +711,26 @@ impl Core {
         Ok(())
     }
 
-    /// The freed block `b` leaves a hazard of its streams' work up to
-    /// `tick` over its range. (Out of line: a single stream, or a solo
-    /// run's, leaves none.)
+    /// Vacate the freed block `b`, leaving a hazard of its streams' work up
+    /// to `tick` over its range, and forget the completed hazards of the
+    /// gap that holds it, in one walk (see [`Tiling::vacate_leaving`]).
+    /// (Out of line: a single stream, or a solo run's, leaves none.)
     #[inline(never)]
     fn leave_hazard(&mut self, b: &BlockRec, tick: u64) {
-        // The block's piece is now the gap that holds it. Its hazard,
-        // unless its streams are all known done (forgotten ones), is
-        // pending: the gap's last pruning still holds with it.
-        if !self.streams.all_freed_done(b.streams, tick) {
-            let streams = &self.streams;
-            self.arenas[b.arena].tiling.add_fresh_hazard(
-                b.piece,
-                Hazard::over(b.off, b.size, b.streams, tick),
-                || streams.last_mark(b.streams),
-            );
-        }
-        self.forget_completed_hazards(b.arena, b.piece);
+        // Its hazard, unless its streams are all known done (forgotten
+        // ones), is pending: the gap's last pruning still holds with it.
+        let streams = &self.streams;
+        let fresh = (!streams.all_freed_done(b.streams, tick))
+            .then(|| Hazard::over(b.off, b.size, b.streams, tick));
+        self.arenas[b.arena].tiling.vacate_leaving(
+            b.piece,
+            fresh,
+            || streams.last_mark(b.streams),
+            Pruning {
+                progress: streams.progress,
+                completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
+            },
+        );
     }
 
     /// Note that the block at `ptr` is used on `stream` too: its free will

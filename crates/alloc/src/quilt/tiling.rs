@@ -62,6 +62,30 @@ impl Hazard {
     }
 }
 
+/// How an operation forgets the completed hazards of the gap it changes
+/// (see [`Tiling::prune_hazards`]).
+pub(crate) struct Pruning<C> {
+    /// What is known complete now (`Streams::progress`): a list pruned at
+    /// this progress holds no completed hazard.
+    pub(crate) progress: u64,
+    /// Whether a hazard's work is known complete.
+    pub(crate) completed: C,
+}
+
+/// Drop the hazards of `list` from `from` on for which `completed` is true,
+/// keeping the order: one walk, no other copy.
+fn keep_pending(list: &mut Vec<Hazard>, from: usize, completed: &mut impl FnMut(&Hazard) -> bool) {
+    let mut w = from;
+    for r in from..list.len() {
+        let h = list[r];
+        if !completed(&h) {
+            list[w] = h;
+            w += 1;
+        }
+    }
+    list.truncate(w);
+}
+
 /// One piece: a block or a gap.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
@@ -336,6 +360,7 @@ impl Tiling {
     /// neighbour exists). A stream whose progress nobody asks for (no other
     /// stream reaches for the memory it frees) thus leaves one hazard per
     /// run of its frees, not one per free.
+    #[cfg(test)]
     pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
         if h.start < h.end && !self.join_beside(id, h, mark) {
             self.insert_hazard(id, h);
@@ -345,6 +370,7 @@ impl Tiling {
     /// Join `h` (not empty) to the hazards of gap `id` right beside it that
     /// name the same streams at a tick past `mark()` (see
     /// [`Tiling::add_fresh_hazard`]); false when none does.
+    #[cfg(test)]
     fn join_beside(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) -> bool {
         let Some(list) = self.slots.get_mut(id as usize).map(|s| &mut s.hazards) else {
             return false;
@@ -421,6 +447,7 @@ impl Tiling {
     /// Drop the hazards of gap `id` for which `completed` is true, unless
     /// the gap was pruned at `progress` already (what is known complete has
     /// not changed since: every hazard it kept is still pending).
+    #[cfg(test)]
     pub(crate) fn prune_hazards(
         &mut self,
         id: PieceId,
@@ -435,7 +462,7 @@ impl Tiling {
         }
         self.slots[id as usize].pruned = progress;
         let list = &mut self.slots[id as usize].hazards;
-        list.retain(|h| !completed(h));
+        keep_pending(list, 0, &mut completed);
         if list.is_empty() {
             let list = std::mem::take(list);
             self.spare(list);
@@ -491,10 +518,38 @@ impl Tiling {
 
     /// Occupy `off .. off + len` of gap `gap` with a block: the parts of the
     /// gap before and after it stay gaps, with the hazards over them (cut at
-    /// the block); the hazards under the block are dropped. Returns the block's piece, or
-    /// `None` (changing nothing) when `gap` is no gap, `len` is 0 or the
-    /// range does not lie inside it.
+    /// the block); the hazards under the block are dropped. Returns the
+    /// block's piece, or `None` (changing nothing) when `gap` is no gap,
+    /// `len` is 0 or the range does not lie inside it.
     pub(crate) fn occupy(&mut self, gap: PieceId, off: u64, len: u64) -> Option<PieceId> {
+        self.occupy_with(gap, off, len, None::<Pruning<fn(&Hazard) -> bool>>)
+            .map(|(id, _)| id)
+    }
+
+    /// [`Tiling::occupy`] that first forgets the gap's completed hazards
+    /// (as [`Tiling::prune_hazards`] with `prune`), in the same walk that
+    /// cuts the others at the block. Returns the block's piece and the
+    /// pending hazards it dropped, as one: the union of their streams and
+    /// their latest tick (`(0, 0)` when none), as [`Tiling::hazard_union`]
+    /// over the block's range once pruned would.
+    pub(crate) fn occupy_pruning(
+        &mut self,
+        gap: PieceId,
+        off: u64,
+        len: u64,
+        prune: Pruning<impl FnMut(&Hazard) -> bool>,
+    ) -> Option<(PieceId, (u64, u64))> {
+        self.occupy_with(gap, off, len, Some(prune))
+    }
+
+    #[inline]
+    fn occupy_with<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        gap: PieceId,
+        off: u64,
+        len: u64,
+        prune: Option<Pruning<C>>,
+    ) -> Option<(PieceId, (u64, u64))> {
         let g = *self.get(gap).filter(|p| p.free)?;
         let end = off.checked_add(len)?;
         if len == 0 || off < g.start || end > g.end {
@@ -522,8 +577,9 @@ impl Tiling {
         if let Some(key) = old_key {
             self.by_size.remove(&key);
         }
+        let mut dropped = (0, 0);
         if !self.slots[gap as usize].hazards.is_empty() {
-            self.split_hazards(gap, left, right, off, end);
+            dropped = self.split_hazards(gap, (left, right), (off, end), prune);
         } else {
             // A block holds no hazards: an empty list's room goes to the
             // spares rather than sit idle in the block's slot.
@@ -531,58 +587,93 @@ impl Tiling {
             self.spare(list);
         }
         self.blocks += 1;
-        Some(gap)
+        Some((gap, dropped))
     }
 
     /// Hand the hazards of the gap whose slot `block` now holds
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
-    /// none), cut at the block; drop those under it. (Out of line: with one
-    /// stream no gap has hazards, and occupy's code stays short.)
+    /// none), cut at the block; drop those under it, returning them as one
+    /// (see [`Tiling::occupy_pruning`]). With `prune`, unless the gap was
+    /// pruned at its progress already, the completed ones are dropped
+    /// first, in the same walk. The parts keep the gap's pruning (the one
+    /// just made, if any) while some hazard is left. One walk: the list
+    /// itself goes on to the gap after the block (else before it), cut and
+    /// pruned in place; only the hazards before a block with a gap on
+    /// either side are copied. (Out of line: with one stream no gap has
+    /// hazards, and occupy's code stays short.)
     #[inline(never)]
-    fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
-        // Parts of a pruned list are pruned as it was.
-        let pruned = self.slots[block as usize].pruned;
-        for side in [left, right] {
-            if side != NIL {
-                self.slots[side as usize].pruned = pruned;
+    fn split_hazards<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        block: PieceId,
+        (left, right): (PieceId, PieceId),
+        (off, end): (u64, u64),
+        prune: Option<Pruning<C>>,
+    ) -> (u64, u64) {
+        let slot = &mut self.slots[block as usize];
+        let mut list = std::mem::take(&mut slot.hazards);
+        let (progress, mut completed) = match prune {
+            Some(p) if p.progress != slot.pruned => (p.progress, Some(p.completed)),
+            Some(p) => (p.progress, None),
+            None => (slot.pruned, None),
+        };
+        // Hazards before the block when the list itself goes after it.
+        let mut before = Vec::new();
+        let (mut kept, mut dropped, mut w) = (false, (0, 0), 0);
+        for r in 0..list.len() {
+            let h = list[r];
+            if completed.as_mut().is_some_and(|c| c(&h)) {
+                continue;
+            }
+            kept = true;
+            if h.start < end && h.end > off {
+                dropped = (dropped.0 | h.streams, u64::max(dropped.1, h.tick));
+            }
+            // A hazard before (after) the block lies in the gap, so the gap
+            // left there exists.
+            if h.start < off {
+                let part = Hazard {
+                    end: h.end.min(off),
+                    ..h
+                };
+                if right == NIL {
+                    list[w] = part;
+                    w += 1;
+                } else {
+                    if before.capacity() == 0 {
+                        before = self.list_to_fill(left);
+                    }
+                    before.push(part);
+                }
+            }
+            if h.end > end {
+                list[w] = Hazard {
+                    start: h.start.max(end),
+                    ..h
+                };
+                w += 1;
             }
         }
-        let mut list = std::mem::take(&mut self.slots[block as usize].hazards);
-        if left == NIL && right != NIL {
-            // The block at the gap's start (placement's choice): the gap
-            // after it keeps the list itself, less the hazards the block
-            // covers whole, the first cut at the block's end.
-            let covered = list.partition_point(|h| h.end <= end);
-            list.drain(..covered);
-            if let Some(first) = list.first_mut() {
-                first.start = first.start.max(end);
-            }
-            let old = std::mem::replace(&mut self.slots[right as usize].hazards, list);
+        list.truncate(w);
+        let into = if right != NIL { right } else { left };
+        if into != NIL && !list.is_empty() {
+            let old = std::mem::replace(&mut self.slots[into as usize].hazards, list);
             self.spare(old);
-            if self.slots[right as usize].hazards.is_empty() {
-                let list = std::mem::take(&mut self.slots[right as usize].hazards);
-                self.spare(list);
+        } else {
+            // A block holds no hazards: its list goes back to the spares.
+            self.spare(list);
+        }
+        if !before.is_empty() {
+            self.slots[left as usize].hazards = before;
+        }
+        if kept {
+            // Parts of a pruned list are pruned as it was.
+            for side in [left, right] {
+                if side != NIL {
+                    self.slots[side as usize].pruned = progress;
+                }
             }
-            return;
         }
-        if left != NIL && list.first().is_some_and(|h| h.start < off) {
-            let mut to = self.list_to_fill(left);
-            to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
-                end: h.end.min(off),
-                ..h
-            }));
-            self.slots[left as usize].hazards = to;
-        }
-        if right != NIL && list.last().is_some_and(|h| h.end > end) {
-            let mut to = self.list_to_fill(right);
-            to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
-                start: h.start.max(end),
-                ..h
-            }));
-            self.slots[right as usize].hazards = to;
-        }
-        // A block holds no hazards: its list goes back to the spares.
-        self.spare(list);
+        dropped
     }
 
     /// Index gap `id` under `key`: in place of the entry `old` (taken,
@@ -599,19 +690,52 @@ impl Tiling {
     /// it. Returns the block's range, or `None` (changing nothing) when `id`
     /// is no block.
     pub(crate) fn vacate(&mut self, id: PieceId) -> Option<(u64, u64)> {
+        self.vacate_with(id, |t, prev, next| {
+            let holds = |t: &Tiling, side: Option<PieceId>| {
+                side.is_some_and(|s| !t.slots[s as usize].hazards.is_empty())
+            };
+            if holds(t, prev) || holds(t, next) {
+                t.join_hazards(id, prev, next);
+            } else {
+                // None beside it (always so with one stream): the joined
+                // gap holds none either.
+                t.slots[id as usize].pruned = NEVER;
+            }
+        })
+    }
+
+    /// [`Tiling::vacate`] that leaves the hazard `fresh` over the block (if
+    /// any; its work known not complete: a free's, at its own tick, the
+    /// latest of any hazard) as [`Tiling::add_fresh_hazard`] would, joined
+    /// with the hazards right beside it that name the same streams at a
+    /// tick past `mark()`, then forgets the joined gap's completed hazards
+    /// as [`Tiling::prune_hazards`] with `prune` would: the neighbours'
+    /// lists are joined, the fresh hazard placed and the rest pruned in one
+    /// walk.
+    pub(crate) fn vacate_leaving(
+        &mut self,
+        id: PieceId,
+        fresh: Option<Hazard>,
+        mark: impl FnOnce() -> u64,
+        prune: Pruning<impl FnMut(&Hazard) -> bool>,
+    ) -> Option<(u64, u64)> {
+        self.vacate_with(id, |t, prev, next| {
+            t.join_leaving(id, (prev, next), fresh, mark, prune);
+        })
+    }
+
+    /// Vacate block `id`, `join` giving it the hazards of the gaps before
+    /// and after it (if gaps) before they are swallowed.
+    #[inline]
+    fn vacate_with(
+        &mut self,
+        id: PieceId,
+        join: impl FnOnce(&mut Tiling, Option<PieceId>, Option<PieceId>),
+    ) -> Option<(u64, u64)> {
         let b = *self.get(id).filter(|p| !p.free)?;
         let prev = Some(b.prev).filter(|&p| self.get(p).is_some_and(|p| p.free));
         let next = Some(b.next).filter(|&n| self.get(n).is_some_and(|n| n.free));
-        let holds = |t: &Tiling, side: Option<PieceId>| {
-            side.is_some_and(|s| !t.slots[s as usize].hazards.is_empty())
-        };
-        if holds(self, prev) || holds(self, next) {
-            self.join_hazards(id, prev, next);
-        } else {
-            // None beside it (always so with one stream): the joined gap
-            // holds none either.
-            self.slots[id as usize].pruned = NEVER;
-        }
+        join(self, prev, next);
         let (mut start, mut end) = (b.start, b.end);
         // The joined gap takes the size index entry of a gap it swallows.
         let mut old_key = None;
@@ -640,6 +764,25 @@ impl Tiling {
         Some((b.start, b.end))
     }
 
+    /// The pruning (see [`Tiling::prune_hazards`]) that the lists of the
+    /// gaps `prev` and `next` beside a block being vacated share: the
+    /// progress at which every non-empty one was pruned, `NEVER` when they
+    /// differ or none holds a hazard.
+    fn joint_pruning(&self, prev: Option<PieceId>, next: Option<PieceId>) -> u64 {
+        let mut pruned = None;
+        for side in [prev, next].into_iter().flatten() {
+            let s = &self.slots[side as usize];
+            if !s.hazards.is_empty() {
+                pruned = match pruned {
+                    None => Some(s.pruned),
+                    Some(p) if p == s.pruned => Some(p),
+                    Some(_) => Some(NEVER),
+                };
+            }
+        }
+        pruned.unwrap_or(NEVER)
+    }
+
     /// Give block `id`, being vacated, the hazards of the gaps `prev` and
     /// `next` beside it that it joins, in address order (the gap before's,
     /// the block's: none, the gap after's), pruned at a progress only if
@@ -647,19 +790,11 @@ impl Tiling {
     /// stream no gap has hazards, and vacate's code stays short.)
     #[inline(never)]
     fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
+        let pruned = self.joint_pruning(prev, next);
         let mut list = std::mem::take(&mut self.slots[id as usize].hazards);
-        let mut pruned = None;
         for (side, before) in [(prev, true), (next, false)] {
             let Some(side) = side else { continue };
             let part = std::mem::take(&mut self.slots[side as usize].hazards);
-            if !part.is_empty() {
-                let at = self.slots[side as usize].pruned;
-                pruned = match pruned {
-                    None => Some(at),
-                    Some(p) if p == at => Some(p),
-                    Some(_) => Some(NEVER),
-                };
-            }
             list = if before {
                 self.joined(part, list)
             } else {
@@ -667,7 +802,96 @@ impl Tiling {
             };
         }
         self.slots[id as usize].hazards = list;
-        self.slots[id as usize].pruned = pruned.unwrap_or(NEVER);
+        self.slots[id as usize].pruned = pruned;
+    }
+
+    /// [`Tiling::join_hazards`] with the fresh hazard of the block between
+    /// the two lists, joined with its neighbours, then the completed
+    /// hazards forgotten (see [`Tiling::vacate_leaving`]). The list before
+    /// the block (else the one after it) takes the rest. (Out of line: a
+    /// free on several streams.)
+    #[inline(never)]
+    fn join_leaving<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        id: PieceId,
+        (prev, next): (Option<PieceId>, Option<PieceId>),
+        fresh: Option<Hazard>,
+        mark: impl FnOnce() -> u64,
+        mut prune: Pruning<C>,
+    ) {
+        let pruned = self.joint_pruning(prev, next);
+        let mut take = |side: Option<PieceId>| {
+            side.map_or_else(Vec::new, |s| {
+                std::mem::take(&mut self.slots[s as usize].hazards)
+            })
+        };
+        let (mut front, back) = (take(prev), take(next));
+        let own = std::mem::take(&mut self.slots[id as usize].hazards);
+        self.spare(own);
+        // The fresh hazard, joined with the hazards right beside it (those
+        // before it end the list before the block, those after start the
+        // list after it).
+        let mut mid = fresh.filter(|h| h.start < h.end && h.streams != 0);
+        let mut skip = 0;
+        if let Some(h) = mid.as_mut() {
+            let beside = |x: Option<&Hazard>, at: fn(&Hazard) -> u64, edge: u64| {
+                x.copied()
+                    .filter(|x| at(x) == edge && x.streams == h.streams)
+            };
+            let l = beside(front.last(), |x| x.end, h.start);
+            let r = beside(back.first(), |x| x.start, h.end);
+            if l.is_some() || r.is_some() {
+                let mark = mark();
+                if let Some(l) = l.filter(|l| l.tick > mark) {
+                    h.start = l.start;
+                    h.tick = h.tick.max(l.tick);
+                    front.pop();
+                }
+                if let Some(r) = r.filter(|r| r.tick > mark) {
+                    h.end = r.end;
+                    h.tick = h.tick.max(r.tick);
+                    skip = 1;
+                }
+            }
+        }
+        let any = !front.is_empty() || mid.is_some() || back.len() > skip;
+        // Prune unless every part was pruned at this progress (the fresh
+        // hazard, pending, keeps a pruning).
+        let prune_now = any && pruned != prune.progress;
+        let mut list;
+        if front.is_empty() && !back.is_empty() {
+            list = back;
+            self.spare(front);
+            match mid {
+                Some(h) if skip == 1 => list[0] = h,
+                Some(h) => list.insert(0, h),
+                None => {}
+            }
+            if prune_now {
+                keep_pending(&mut list, 0, &mut prune.completed);
+            }
+        } else {
+            list = front;
+            if prune_now {
+                keep_pending(&mut list, 0, &mut prune.completed);
+            }
+            if list.capacity() == 0 && any {
+                list = self.list_to_fill(id);
+            }
+            list.extend(mid);
+            let from = list.len();
+            list.extend_from_slice(back.get(skip..).unwrap_or(&[]));
+            if prune_now {
+                keep_pending(&mut list, from, &mut prune.completed);
+            }
+            self.spare(back);
+        }
+        if list.is_empty() {
+            self.spare(list);
+        } else {
+            self.slots[id as usize].hazards = list;
+        }
+        self.slots[id as usize].pruned = if any { prune.progress } else { NEVER };
     }
 
     /// Every piece in address order, as (start, end, is a gap).
