@@ -537,15 +537,13 @@ impl Core {
         };
         let (off, gap) = (placed.off, placed.gap);
         // A single stream has no hazards.
-        let occupied = if self.streams.len() > 1 {
+        let (piece, hazard) = if self.streams.len() > 1 {
             self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?
         } else {
-            self.arenas[ai]
-                .occupy_gap(gap, off, rounded)
-                .map(|p| (p, (0, 0)))
-        };
-        let Some((piece, hazard)) = occupied else {
-            return Err(outside_its_gap(off, rounded));
+            let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
+                return Err(outside_its_gap(off, rounded));
+            };
+            (piece, (0, 0))
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
         if unmapped > 0 {
@@ -577,7 +575,7 @@ impl Core {
     /// operation, that none needs a wait), then occupy the block, the gap
     /// forgetting its completed hazards in the same walk (see
     /// [`Tiling::occupy_pruning`]). Returns the block's piece and the
-    /// hazards it dropped, as one (see [`Core::undo_occupy`]); `None` when
+    /// hazards it dropped, as one (see [`Core::undo_occupy`]); an error when
     /// the range is not inside the gap. A failed wait changes nothing else.
     /// (Out of line: a single stream has no hazards.)
     #[inline(never)]
@@ -589,20 +587,19 @@ impl Core {
         rounded: u64,
         wait_free: bool,
         si: u32,
-    ) -> Result<Option<(PieceId, (u64, u64))>, AllocError> {
+    ) -> Result<(PieceId, (u64, u64)), AllocError> {
         if !wait_free {
             self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
         }
         let streams = &self.streams;
-        Ok(self.arenas[ai].tiling.occupy_pruning(
-            gap,
-            off,
-            rounded,
-            Pruning {
-                progress: streams.progress,
-                completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
-            },
-        ))
+        let prune = Pruning {
+            progress: streams.progress,
+            completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
+        };
+        self.arenas[ai]
+            .tiling
+            .occupy_pruning(gap, off, rounded, prune)
+            .ok_or_else(|| outside_its_gap(off, rounded))
     }
 
     /// Back the pages of block `piece` over `off .. off + rounded` of arena
@@ -686,6 +683,9 @@ impl Core {
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
+        if !track {
+            self.arenas[ai].vacate_block(b.piece);
+        }
         for s in self.streams.in_mask(b.streams) {
             // With events at frees, a solo run's frees record theirs too
             // (not `track`): the hazards built from the pages when the run
@@ -693,12 +693,10 @@ impl Core {
             // the free tells exactly when that work is complete.
             self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
-        // The block's range is vacated once its streams know of the free
-        // (their progress and marks are what the hazard left behind reads).
+        // A hazard left behind reads what the streams know once they know
+        // of the free: that range is vacated only then.
         if track {
             self.leave_hazard(&b, tick);
-        } else {
-            self.arenas[ai].vacate_block(b.piece);
         }
         self.stats.allocated_bytes.decrease(b.size);
         self.stats.allocation.decrease(1);
