@@ -1164,7 +1164,185 @@ mod tests {
         assert!(!t.spare_lists.is_empty());
     }
 
+    /// The steps the allocator made one after another before
+    /// [`Tiling::occupy_pruning`] made them in one walk: prune the gap (if
+    /// it holds hazards), take the union of those under the block, occupy.
+    fn occupy_in_steps(
+        t: &mut Tiling,
+        gap: PieceId,
+        (off, len): (u64, u64),
+        progress: u64,
+        done: u64,
+    ) -> Option<(PieceId, (u64, u64))> {
+        if !t.gap_hazards(gap).is_empty() {
+            t.prune_hazards(gap, progress, |h| h.tick <= done);
+        }
+        let union = t.hazard_union(gap, off, len);
+        t.occupy(gap, off, len).map(|id| (id, union))
+    }
+
+    /// The steps before [`Tiling::vacate_leaving`]: vacate, add the fresh
+    /// hazard, prune the gap (if it holds hazards).
+    fn vacate_in_steps(
+        t: &mut Tiling,
+        id: PieceId,
+        fresh: Option<Hazard>,
+        mark: u64,
+        (progress, done): (u64, u64),
+    ) -> Option<(u64, u64)> {
+        let range = t.vacate(id)?;
+        if let Some(h) = fresh {
+            t.add_fresh_hazard(id, h, || mark);
+        }
+        if !t.gap_hazards(id).is_empty() {
+            t.prune_hazards(id, progress, |h| h.tick <= done);
+        }
+        Some(range)
+    }
+
+    /// Each live gap's hazards and pruning.
+    fn gaps_and_pruning(t: &Tiling) -> Vec<(u64, u64, Vec<Hazard>, u64)> {
+        t.gap_ids()
+            .into_iter()
+            .map(|(id, s, e)| {
+                (
+                    s,
+                    e,
+                    t.gap_hazards(id).to_vec(),
+                    t.slots[id as usize].pruned,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn occupying_prunes_cuts_and_reports_what_it_drops_in_one_walk() {
+        // Hazards at 0..100 (tick 1, done), 100..300 (streams 2, tick 5)
+        // and 400..500 (streams 4, tick 6) in one gap; a block over
+        // 50..350 drops the first (completed), cuts the second and is
+        // ordered after it alone.
+        let mut t = Tiling::new(1000);
+        let g = t.find(0).unwrap();
+        t.add_hazard(g, Hazard::over(0, 100, 1, 1));
+        t.add_hazard(g, Hazard::over(100, 200, 2, 5));
+        t.add_hazard(g, Hazard::over(400, 100, 4, 6));
+        let prune = Pruning {
+            progress: 1,
+            completed: |h: &Hazard| h.tick <= 1,
+        };
+        let (b, dropped) = t.occupy_pruning(g, 150, 200, prune).unwrap();
+        assert_eq!(dropped, (2, 5), "the pending hazard under the block");
+        t.check(1000).unwrap();
+        assert_eq!(t.block(b), Some((150, 350)));
+        let hazards: Vec<_> = t.all_hazards().map(|h| (h.start, h.end, h.tick)).collect();
+        assert_eq!(hazards, vec![(100, 150, 5), (400, 500, 6)]);
+        for (_, _, _, pruned) in gaps_and_pruning(&t) {
+            assert_eq!(pruned, 1, "both parts pruned at the progress");
+        }
+        // Pruned at that progress already: nothing is asked again.
+        let (left, right) = (t.find(0).unwrap(), t.find(400).unwrap());
+        let never = Pruning {
+            progress: 1,
+            completed: |_: &Hazard| -> bool { panic!("pruned already") },
+        };
+        assert_eq!(t.occupy_pruning(left, 120, 10, never).unwrap().1, (2, 5));
+        // No hazard under the block: none reported.
+        let none = Pruning {
+            progress: 2,
+            completed: |_: &Hazard| false,
+        };
+        assert_eq!(t.occupy_pruning(right, 360, 20, none).unwrap().1, (0, 0));
+        t.check(1000).unwrap();
+    }
+
+    #[test]
+    fn vacating_joins_the_fresh_hazard_and_prunes_in_one_walk() {
+        // Blocks at 0..100, 100..200 and 200..300; the outer ones freed
+        // (hazards of stream 1 at ticks 2 and 3), then the middle one with
+        // a fresh hazard of stream 1 at tick 9 and no mark since tick 2:
+        // it joins the right one (tick 3) but not the left (tick 2); after
+        // progress, what is done (tick 2) is dropped.
+        let mut t = Tiling::new(1000);
+        let blocks: Vec<PieceId> = (0..3)
+            .map(|i| {
+                let g = t.find(i * 100).unwrap();
+                t.occupy(g, i * 100, 100).unwrap()
+            })
+            .collect();
+        t.vacate(blocks[0]).unwrap();
+        t.add_hazard(blocks[0], Hazard::over(0, 100, 1, 2));
+        t.vacate(blocks[2]).unwrap();
+        t.add_hazard(blocks[2], Hazard::over(200, 100, 1, 3));
+        let prune = Pruning {
+            progress: 7,
+            completed: |h: &Hazard| h.tick <= 2,
+        };
+        let fresh = Some(Hazard::over(100, 100, 1, 9));
+        assert_eq!(
+            t.vacate_leaving(blocks[1], fresh, || 2, prune),
+            Some((100, 200))
+        );
+        t.check(1000).unwrap();
+        let hazards: Vec<_> = t.all_hazards().map(|h| (h.start, h.end, h.tick)).collect();
+        assert_eq!(hazards, vec![(100, 300, 9)]);
+        assert_eq!(t.slots[blocks[1] as usize].pruned, 7);
+        assert_eq!(
+            t.vacate_leaving(
+                blocks[0],
+                None,
+                || 0,
+                Pruning {
+                    progress: 7,
+                    completed: |_: &Hazard| false
+                }
+            ),
+            None,
+            "no block"
+        );
+    }
+
     proptest! {
+        /// The one-walk occupation and vacation decide exactly what the
+        /// steps they replace did: the same pieces, hazards, pruning and
+        /// hazards reported, over any sequence on three streams with work
+        /// completing as it goes.
+        #[test]
+        fn one_walk_matches_the_steps(ops in prop::collection::vec((0u64..3, 1u64..300, 0u64..1000, 0u64..8), 1..200)) {
+            let size = 4096;
+            let (mut a, mut b) = (Tiling::new(size), Tiling::new(size));
+            let mut blocks: Vec<PieceId> = Vec::new();
+            let (mut done, mut progress) = (0u64, 0u64);
+            for (step, (kind, len, pick, streams)) in ops.into_iter().enumerate() {
+                let tick = step as u64 + 1;
+                // Some earlier work becomes known complete.
+                if pick % 4 == 0 && done + 1 < tick {
+                    done += (pick / 4) % (tick - done);
+                    progress += 1;
+                }
+                let completed = |h: &Hazard| h.tick <= done;
+                if kind == 0 && !blocks.is_empty() {
+                    let id = blocks.swap_remove(pick as usize % blocks.len());
+                    let (s, e) = a.block(id).unwrap();
+                    let streams = streams % 7 + 1;
+                    // Streams 4 alone stand for forgotten ones: no hazard.
+                    let fresh = (streams != 4).then(|| Hazard::over(s, e - s, streams, tick));
+                    let mark = pick % tick;
+                    let want = vacate_in_steps(&mut a, id, fresh, mark, (progress, done));
+                    let got = b.vacate_leaving(id, fresh, || mark, Pruning { progress, completed });
+                    prop_assert_eq!(want, got);
+                } else if let Some((l, s, g)) = a.best_fit(len).map(|(s, g)| (a.gap(g).unwrap().1 - s, s, g)) {
+                    let off = s + pick % (l - len + 1);
+                    let want = occupy_in_steps(&mut a, g, (off, len), progress, done);
+                    let got = b.occupy_pruning(g, off, len, Pruning { progress, completed });
+                    prop_assert_eq!(want, got);
+                    blocks.push(got.unwrap().0);
+                }
+                a.check(size).map_err(TestCaseError::fail)?;
+                b.check(size).map_err(TestCaseError::fail)?;
+                prop_assert_eq!(gaps_and_pruning(&a), gaps_and_pruning(&b));
+            }
+        }
+
         /// Any sequence of occupations (at a gap's start, middle or end) and
         /// vacations keeps the tiling equal to the obvious model, best fit
         /// included.
