@@ -574,7 +574,7 @@ impl Core {
     /// in gap `gap` (`rounded` bytes; `wait_free`: placement found, this
     /// operation, that none needs a wait), then occupy the block, the gap
     /// forgetting its completed hazards in the same walk (see
-    /// [`Tiling::occupy_pruning`]). Returns the block's piece and the
+    /// [`Tiling::occupy_pruning`](super::tiling::Tiling::occupy_pruning)). Returns the block's piece and the
     /// hazards it dropped, as one (see [`Core::undo_occupy`]); an error when
     /// the range is not inside the gap. A failed wait changes nothing else.
     /// (Out of line: a single stream has no hazards.)
@@ -711,7 +711,7 @@ impl Core {
 
     /// Vacate the freed block `b`, leaving a hazard of its streams' work up
     /// to `tick` over its range, and forget the completed hazards of the
-    /// gap that holds it, in one walk (see [`Tiling::vacate_leaving`]).
+    /// gap that holds it, in one walk (see [`Tiling::vacate_leaving`](super::tiling::Tiling::vacate_leaving)).
     /// (Out of line: a single stream, or a solo run's, leaves none.)
     #[inline(never)]
     fn leave_hazard(&mut self, b: &BlockRec, tick: u64) {

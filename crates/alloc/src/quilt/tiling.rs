@@ -62,8 +62,11 @@ impl Hazard {
     }
 }
 
-/// How an operation forgets the completed hazards of the gap it changes
-/// (see [`Tiling::prune_hazards`]).
+/// How an operation forgets the completed hazards of the gap it changes:
+/// unless the gap's list was pruned at `progress` already (what is known
+/// complete has not changed since: every hazard it kept is still pending),
+/// the hazards for which `completed` is true are dropped, and the list is
+/// pruned at `progress`.
 pub(crate) struct Pruning<C> {
     /// What is known complete now (`Streams::progress`): a list pruned at
     /// this progress holds no completed hazard.
@@ -359,7 +362,9 @@ impl Tiling {
     /// recorded since, see `Streams::last_mark`; asked only when such a
     /// neighbour exists). A stream whose progress nobody asks for (no other
     /// stream reaches for the memory it frees) thus leaves one hazard per
-    /// run of its frees, not one per free.
+    /// run of its frees, not one per free. (A step that
+    /// [`Tiling::vacate_leaving`] takes in its one walk: the tests check
+    /// that against these steps.)
     #[cfg(test)]
     pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
         if h.start < h.end && !self.join_beside(id, h, mark) {
@@ -446,7 +451,9 @@ impl Tiling {
 
     /// Drop the hazards of gap `id` for which `completed` is true, unless
     /// the gap was pruned at `progress` already (what is known complete has
-    /// not changed since: every hazard it kept is still pending).
+    /// not changed since: every hazard it kept is still pending). (A step
+    /// that [`Tiling::occupy_pruning`] and [`Tiling::vacate_leaving`] take
+    /// in their one walk: the tests check that against these steps.)
     #[cfg(test)]
     pub(crate) fn prune_hazards(
         &mut self,
@@ -527,7 +534,7 @@ impl Tiling {
     }
 
     /// [`Tiling::occupy`] that first forgets the gap's completed hazards
-    /// (as [`Tiling::prune_hazards`] with `prune`), in the same walk that
+    /// (see [`Pruning`]), in the same walk that
     /// cuts the others at the block. Returns the block's piece and the
     /// pending hazards it dropped, as one: the union of their streams and
     /// their latest tick (`(0, 0)` when none), as [`Tiling::hazard_union`]
@@ -704,14 +711,19 @@ impl Tiling {
         })
     }
 
-    /// [`Tiling::vacate`] that leaves the hazard `fresh` over the block (if
-    /// any; its work known not complete: a free's, at its own tick, the
-    /// latest of any hazard) as [`Tiling::add_fresh_hazard`] would, joined
-    /// with the hazards right beside it that name the same streams at a
-    /// tick past `mark()`, then forgets the joined gap's completed hazards
-    /// as [`Tiling::prune_hazards`] with `prune` would: the neighbours'
-    /// lists are joined, the fresh hazard placed and the rest pruned in one
-    /// walk.
+    /// [`Tiling::vacate`] that leaves the hazard `fresh` over the block,
+    /// if any, and forgets the completed hazards of the joined gap (see
+    /// [`Pruning`]): the neighbours' lists are joined, the fresh hazard
+    /// placed and the rest pruned in one walk. The fresh hazard's work is
+    /// known not complete (a free's, noted at its own tick, the latest of
+    /// any hazard): it keeps the gap's pruning. It joins the hazards right
+    /// beside it that name the same streams at a tick past `mark()`, the
+    /// joined hazard taking the latest tick: the caller vouches that no
+    /// decision tells those ticks apart (no event of those streams was
+    /// recorded since, see `Streams::last_mark`; asked only when such a
+    /// neighbour exists). A stream whose progress nobody asks for (no other
+    /// stream reaches for the memory it frees) thus leaves one hazard per
+    /// run of its frees, not one per free.
     pub(crate) fn vacate_leaving(
         &mut self,
         id: PieceId,
@@ -764,7 +776,7 @@ impl Tiling {
         Some((b.start, b.end))
     }
 
-    /// The pruning (see [`Tiling::prune_hazards`]) that the lists of the
+    /// The pruning (see [`Pruning`]) that the lists of the
     /// gaps `prev` and `next` beside a block being vacated share: the
     /// progress at which every non-empty one was pruned, `NEVER` when they
     /// differ or none holds a hazard.
