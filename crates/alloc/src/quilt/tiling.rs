@@ -75,11 +75,11 @@ pub(crate) struct Pruning<C> {
     pub(crate) completed: C,
 }
 
-/// Drop the hazards of `list` from `from` on for which `completed` is true,
-/// keeping the order: one walk, no other copy.
-fn keep_pending(list: &mut Vec<Hazard>, from: usize, completed: &mut impl FnMut(&Hazard) -> bool) {
-    let mut w = from;
-    for r in from..list.len() {
+/// Drop the hazards of `list` for which `completed` is true, keeping the
+/// order: one walk, no other copy.
+fn keep_pending(list: &mut Vec<Hazard>, completed: &mut impl FnMut(&Hazard) -> bool) {
+    let mut w = 0;
+    for r in 0..list.len() {
         let h = list[r];
         if !completed(&h) {
             list[w] = h;
@@ -469,7 +469,7 @@ impl Tiling {
         }
         self.slots[id as usize].pruned = progress;
         let list = &mut self.slots[id as usize].hazards;
-        keep_pending(list, 0, &mut completed);
+        keep_pending(list, &mut completed);
         if list.is_empty() {
             let list = std::mem::take(list);
             self.spare(list);
@@ -837,66 +837,54 @@ impl Tiling {
                 std::mem::take(&mut self.slots[s as usize].hazards)
             })
         };
-        let (mut front, back) = (take(prev), take(next));
-        let own = std::mem::take(&mut self.slots[id as usize].hazards);
-        self.spare(own);
-        // The fresh hazard, joined with the hazards right beside it (those
-        // before it end the list before the block, those after start the
-        // list after it).
+        let (mut front, mut back) = (take(prev), take(next));
+        // The fresh hazard, joined with the hazards right beside it (the
+        // last before the block, the first after it); joined with the one
+        // after, it takes that one's place.
         let mut mid = fresh.filter(|h| h.start < h.end && h.streams != 0);
-        let mut skip = 0;
-        if let Some(h) = mid.as_mut() {
+        if let Some(mut h) = mid {
             let beside = |x: Option<&Hazard>, at: fn(&Hazard) -> u64, edge: u64| {
-                x.copied()
-                    .filter(|x| at(x) == edge && x.streams == h.streams)
+                x.is_some_and(|x| at(x) == edge && x.streams == h.streams)
             };
             let l = beside(front.last(), |x| x.end, h.start);
             let r = beside(back.first(), |x| x.start, h.end);
-            if l.is_some() || r.is_some() {
+            if l || r {
                 let mark = mark();
-                if let Some(l) = l.filter(|l| l.tick > mark) {
+                if let Some(l) = front.last().copied().filter(|x| l && x.tick > mark) {
                     h.start = l.start;
                     h.tick = h.tick.max(l.tick);
                     front.pop();
+                    mid = Some(h);
                 }
-                if let Some(r) = r.filter(|r| r.tick > mark) {
-                    h.end = r.end;
-                    h.tick = h.tick.max(r.tick);
-                    skip = 1;
+                if let Some(r) = back.first_mut().filter(|x| r && x.tick > mark) {
+                    r.start = h.start;
+                    r.tick = r.tick.max(h.tick);
+                    mid = None;
                 }
             }
         }
-        let any = !front.is_empty() || mid.is_some() || back.len() > skip;
-        // Prune unless every part was pruned at this progress (the fresh
-        // hazard, pending, keeps a pruning).
-        let prune_now = any && pruned != prune.progress;
+        // The list before the block takes the rest, unless it is empty.
         let mut list;
-        if front.is_empty() && !back.is_empty() {
-            list = back;
+        if front.is_empty() {
             self.spare(front);
-            match mid {
-                Some(h) if skip == 1 => list[0] = h,
-                Some(h) => list.insert(0, h),
-                None => {}
-            }
-            if prune_now {
-                keep_pending(&mut list, 0, &mut prune.completed);
+            list = back;
+            if let Some(h) = mid {
+                if list.capacity() == 0 {
+                    list = self.list_to_fill(id);
+                }
+                list.insert(0, h);
             }
         } else {
             list = front;
-            if prune_now {
-                keep_pending(&mut list, 0, &mut prune.completed);
-            }
-            if list.capacity() == 0 && any {
-                list = self.list_to_fill(id);
-            }
             list.extend(mid);
-            let from = list.len();
-            list.extend_from_slice(back.get(skip..).unwrap_or(&[]));
-            if prune_now {
-                keep_pending(&mut list, from, &mut prune.completed);
-            }
+            list.extend_from_slice(&back);
             self.spare(back);
+        }
+        // Pruned unless every part was pruned at this progress (the fresh
+        // hazard, pending, keeps a pruning).
+        let any = !list.is_empty();
+        if any && pruned != prune.progress {
+            keep_pending(&mut list, &mut prune.completed);
         }
         if list.is_empty() {
             self.spare(list);
