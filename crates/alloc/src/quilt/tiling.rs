@@ -469,7 +469,7 @@ impl Tiling {
         }
         self.slots[id as usize].pruned = progress;
         let list = &mut self.slots[id as usize].hazards;
-        keep_pending(list, &mut completed);
+        list.retain(|h| !completed(h));
         if list.is_empty() {
             let list = std::mem::take(list);
             self.spare(list);
