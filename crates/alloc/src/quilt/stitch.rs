@@ -17,7 +17,7 @@ use quilt_vmm::{DevicePtr, StreamId};
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
-use super::tiling::{Hazard, PieceId};
+use super::tiling::{Hazard, PieceId, Pruning};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
@@ -281,22 +281,6 @@ impl Core {
         i
     }
 
-    /// Forget the hazards of gap `gap` in arena `ai` whose work is known
-    /// complete: they constrain nothing, and a gap that keeps them keeps
-    /// its list (at a free and at an allocation, the two places that walk
-    /// or cut a gap's hazards anyway).
-    fn forget_completed_hazards(&mut self, ai: usize, gap: PieceId) {
-        let streams = &self.streams;
-        if self.arenas[ai].tiling.gap_hazards(gap).is_empty() {
-            return;
-        }
-        self.arenas[ai]
-            .tiling
-            .prune_hazards(gap, streams.progress, |h| {
-                streams.all_freed_done(h.streams, h.tick)
-            });
-    }
-
     fn arena_for(
         &mut self,
         ctx: &Ctx<'_>,
@@ -553,12 +537,13 @@ impl Core {
         };
         let (off, gap) = (placed.off, placed.gap);
         // A single stream has no hazards.
-        let mut hazard = (0, 0);
-        if self.streams.len() > 1 {
-            hazard = self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?;
-        }
-        let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
-            return Err(outside_its_gap(off, rounded));
+        let (piece, hazard) = if self.streams.len() > 1 {
+            self.take_hazards_under(ctx, ai, (off, gap), rounded, placed.wait_free, si)?
+        } else {
+            let Some(piece) = self.arenas[ai].occupy_gap(gap, off, rounded) else {
+                return Err(outside_its_gap(off, rounded));
+            };
+            (piece, (0, 0))
         };
         let unmapped = self.arenas[ai].touch(off, rounded);
         if unmapped > 0 {
@@ -587,9 +572,12 @@ impl Core {
 
     /// Order stream `si` after the hazards under a block placed at `off`
     /// in gap `gap` (`rounded` bytes; `wait_free`: placement found, this
-    /// operation, that none needs a wait) before the gap drops them, and
-    /// return them as one (see [`Core::undo_occupy`]); a failure changes
-    /// nothing else. (Out of line: a single stream has no hazards.)
+    /// operation, that none needs a wait), then occupy the block, the gap
+    /// forgetting its completed hazards in the same walk (see
+    /// [`Tiling::occupy_pruning`](super::tiling::Tiling::occupy_pruning)). Returns the block's piece and the
+    /// hazards it dropped, as one (see [`Core::undo_occupy`]); an error when
+    /// the range is not inside the gap. A failed wait changes nothing else.
+    /// (Out of line: a single stream has no hazards.)
     #[inline(never)]
     fn take_hazards_under(
         &mut self,
@@ -599,12 +587,19 @@ impl Core {
         rounded: u64,
         wait_free: bool,
         si: u32,
-    ) -> Result<(u64, u64), AllocError> {
+    ) -> Result<(PieceId, (u64, u64)), AllocError> {
         if !wait_free {
             self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
         }
-        self.forget_completed_hazards(ai, gap);
-        Ok(self.arenas[ai].tiling.hazard_union(gap, off, rounded))
+        let streams = &self.streams;
+        let prune = Pruning {
+            progress: streams.progress,
+            completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
+        };
+        self.arenas[ai]
+            .tiling
+            .occupy_pruning(gap, off, rounded, prune)
+            .ok_or_else(|| outside_its_gap(off, rounded))
     }
 
     /// Back the pages of block `piece` over `off .. off + rounded` of arena
@@ -688,7 +683,9 @@ impl Core {
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
-        self.arenas[ai].vacate_block(b.piece);
+        if !track {
+            self.arenas[ai].vacate_block(b.piece);
+        }
         for s in self.streams.in_mask(b.streams) {
             // With events at frees, a solo run's frees record theirs too
             // (not `track`): the hazards built from the pages when the run
@@ -696,6 +693,8 @@ impl Core {
             // the free tells exactly when that work is complete.
             self.streams.note_free(ctx.vmm, s, tick, ctx.cfg.events);
         }
+        // A hazard left behind reads what the streams know once they know
+        // of the free: that range is vacated only then.
         if track {
             self.leave_hazard(&b, tick);
         }
@@ -710,23 +709,26 @@ impl Core {
         Ok(())
     }
 
-    /// The freed block `b` leaves a hazard of its streams' work up to
-    /// `tick` over its range. (Out of line: a single stream, or a solo
-    /// run's, leaves none.)
+    /// Vacate the freed block `b`, leaving a hazard of its streams' work up
+    /// to `tick` over its range, and forget the completed hazards of the
+    /// gap that holds it, in one walk (see [`Tiling::vacate_leaving`](super::tiling::Tiling::vacate_leaving)).
+    /// (Out of line: a single stream, or a solo run's, leaves none.)
     #[inline(never)]
     fn leave_hazard(&mut self, b: &BlockRec, tick: u64) {
-        // The block's piece is now the gap that holds it. Its hazard,
-        // unless its streams are all known done (forgotten ones), is
-        // pending: the gap's last pruning still holds with it.
-        if !self.streams.all_freed_done(b.streams, tick) {
-            let streams = &self.streams;
-            self.arenas[b.arena].tiling.add_fresh_hazard(
-                b.piece,
-                Hazard::over(b.off, b.size, b.streams, tick),
-                || streams.last_mark(b.streams),
-            );
-        }
-        self.forget_completed_hazards(b.arena, b.piece);
+        // Its hazard, unless its streams are all known done (forgotten
+        // ones), is pending: the gap's last pruning still holds with it.
+        let streams = &self.streams;
+        let fresh = (!streams.all_freed_done(b.streams, tick))
+            .then(|| Hazard::over(b.off, b.size, b.streams, tick));
+        self.arenas[b.arena].tiling.vacate_leaving(
+            b.piece,
+            fresh,
+            || streams.last_mark(b.streams),
+            Pruning {
+                progress: streams.progress,
+                completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
+            },
+        );
     }
 
     /// Note that the block at `ptr` is used on `stream` too: its free will

@@ -62,6 +62,33 @@ impl Hazard {
     }
 }
 
+/// How an operation forgets the completed hazards of the gap it changes:
+/// unless the gap's list was pruned at `progress` already (what is known
+/// complete has not changed since: every hazard it kept is still pending),
+/// the hazards for which `completed` is true are dropped, and the list is
+/// pruned at `progress`.
+pub(crate) struct Pruning<C> {
+    /// What is known complete now (`Streams::progress`): a list pruned at
+    /// this progress holds no completed hazard.
+    pub(crate) progress: u64,
+    /// Whether a hazard's work is known complete.
+    pub(crate) completed: C,
+}
+
+/// Drop the hazards of `list` for which `completed` is true, keeping the
+/// order: one walk, no other copy.
+fn keep_pending(list: &mut Vec<Hazard>, completed: &mut impl FnMut(&Hazard) -> bool) {
+    let mut w = 0;
+    for r in 0..list.len() {
+        let h = list[r];
+        if !completed(&h) {
+            list[w] = h;
+            w += 1;
+        }
+    }
+    list.truncate(w);
+}
+
 /// One piece: a block or a gap.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
@@ -335,7 +362,10 @@ impl Tiling {
     /// recorded since, see `Streams::last_mark`; asked only when such a
     /// neighbour exists). A stream whose progress nobody asks for (no other
     /// stream reaches for the memory it frees) thus leaves one hazard per
-    /// run of its frees, not one per free.
+    /// run of its frees, not one per free. (A step that
+    /// [`Tiling::vacate_leaving`] takes in its one walk: the tests check
+    /// that against these steps.)
+    #[cfg(test)]
     pub(crate) fn add_fresh_hazard(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) {
         if h.start < h.end && !self.join_beside(id, h, mark) {
             self.insert_hazard(id, h);
@@ -345,6 +375,7 @@ impl Tiling {
     /// Join `h` (not empty) to the hazards of gap `id` right beside it that
     /// name the same streams at a tick past `mark()` (see
     /// [`Tiling::add_fresh_hazard`]); false when none does.
+    #[cfg(test)]
     fn join_beside(&mut self, id: PieceId, h: Hazard, mark: impl FnOnce() -> u64) -> bool {
         let Some(list) = self.slots.get_mut(id as usize).map(|s| &mut s.hazards) else {
             return false;
@@ -420,7 +451,10 @@ impl Tiling {
 
     /// Drop the hazards of gap `id` for which `completed` is true, unless
     /// the gap was pruned at `progress` already (what is known complete has
-    /// not changed since: every hazard it kept is still pending).
+    /// not changed since: every hazard it kept is still pending). (A step
+    /// that [`Tiling::occupy_pruning`] and [`Tiling::vacate_leaving`] take
+    /// in their one walk: the tests check that against these steps.)
+    #[cfg(test)]
     pub(crate) fn prune_hazards(
         &mut self,
         id: PieceId,
@@ -491,10 +525,38 @@ impl Tiling {
 
     /// Occupy `off .. off + len` of gap `gap` with a block: the parts of the
     /// gap before and after it stay gaps, with the hazards over them (cut at
-    /// the block); the hazards under the block are dropped. Returns the block's piece, or
-    /// `None` (changing nothing) when `gap` is no gap, `len` is 0 or the
-    /// range does not lie inside it.
+    /// the block); the hazards under the block are dropped. Returns the
+    /// block's piece, or `None` (changing nothing) when `gap` is no gap,
+    /// `len` is 0 or the range does not lie inside it.
     pub(crate) fn occupy(&mut self, gap: PieceId, off: u64, len: u64) -> Option<PieceId> {
+        self.occupy_with(gap, off, len, None::<Pruning<fn(&Hazard) -> bool>>)
+            .map(|(id, _)| id)
+    }
+
+    /// [`Tiling::occupy`] that first forgets the gap's completed hazards
+    /// (see [`Pruning`]), in the same walk that
+    /// cuts the others at the block. Returns the block's piece and the
+    /// pending hazards it dropped, as one: the union of their streams and
+    /// their latest tick (`(0, 0)` when none), as [`Tiling::hazard_union`]
+    /// over the block's range once pruned would.
+    pub(crate) fn occupy_pruning(
+        &mut self,
+        gap: PieceId,
+        off: u64,
+        len: u64,
+        prune: Pruning<impl FnMut(&Hazard) -> bool>,
+    ) -> Option<(PieceId, (u64, u64))> {
+        self.occupy_with(gap, off, len, Some(prune))
+    }
+
+    #[inline]
+    fn occupy_with<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        gap: PieceId,
+        off: u64,
+        len: u64,
+        prune: Option<Pruning<C>>,
+    ) -> Option<(PieceId, (u64, u64))> {
         let g = *self.get(gap).filter(|p| p.free)?;
         let end = off.checked_add(len)?;
         if len == 0 || off < g.start || end > g.end {
@@ -522,8 +584,9 @@ impl Tiling {
         if let Some(key) = old_key {
             self.by_size.remove(&key);
         }
+        let mut dropped = (0, 0);
         if !self.slots[gap as usize].hazards.is_empty() {
-            self.split_hazards(gap, left, right, off, end);
+            dropped = self.split_hazards(gap, (left, right), (off, end), prune);
         } else {
             // A block holds no hazards: an empty list's room goes to the
             // spares rather than sit idle in the block's slot.
@@ -531,58 +594,93 @@ impl Tiling {
             self.spare(list);
         }
         self.blocks += 1;
-        Some(gap)
+        Some((gap, dropped))
     }
 
     /// Hand the hazards of the gap whose slot `block` now holds
     /// `off .. end` on to the gaps `left` and `right` beside it (`NIL`:
-    /// none), cut at the block; drop those under it. (Out of line: with one
-    /// stream no gap has hazards, and occupy's code stays short.)
+    /// none), cut at the block; drop those under it, returning them as one
+    /// (see [`Tiling::occupy_pruning`]). With `prune`, unless the gap was
+    /// pruned at its progress already, the completed ones are dropped
+    /// first, in the same walk. The parts keep the gap's pruning (the one
+    /// just made, if any) while some hazard is left. One walk: the list
+    /// itself goes on to the gap after the block (else before it), cut and
+    /// pruned in place; only the hazards before a block with a gap on
+    /// either side are copied. (Out of line: with one stream no gap has
+    /// hazards, and occupy's code stays short.)
     #[inline(never)]
-    fn split_hazards(&mut self, block: PieceId, left: PieceId, right: PieceId, off: u64, end: u64) {
-        // Parts of a pruned list are pruned as it was.
-        let pruned = self.slots[block as usize].pruned;
-        for side in [left, right] {
-            if side != NIL {
-                self.slots[side as usize].pruned = pruned;
+    fn split_hazards<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        block: PieceId,
+        (left, right): (PieceId, PieceId),
+        (off, end): (u64, u64),
+        prune: Option<Pruning<C>>,
+    ) -> (u64, u64) {
+        let slot = &mut self.slots[block as usize];
+        let mut list = std::mem::take(&mut slot.hazards);
+        let (progress, mut completed) = match prune {
+            Some(p) if p.progress != slot.pruned => (p.progress, Some(p.completed)),
+            Some(p) => (p.progress, None),
+            None => (slot.pruned, None),
+        };
+        // Hazards before the block when the list itself goes after it.
+        let mut before = Vec::new();
+        let (mut kept, mut dropped, mut w) = (false, (0, 0), 0);
+        for r in 0..list.len() {
+            let h = list[r];
+            if completed.as_mut().is_some_and(|c| c(&h)) {
+                continue;
+            }
+            kept = true;
+            if h.start < end && h.end > off {
+                dropped = (dropped.0 | h.streams, u64::max(dropped.1, h.tick));
+            }
+            // A hazard before (after) the block lies in the gap, so the gap
+            // left there exists.
+            if h.start < off {
+                let part = Hazard {
+                    end: h.end.min(off),
+                    ..h
+                };
+                if right == NIL {
+                    list[w] = part;
+                    w += 1;
+                } else {
+                    if before.capacity() == 0 {
+                        before = self.list_to_fill(left);
+                    }
+                    before.push(part);
+                }
+            }
+            if h.end > end {
+                list[w] = Hazard {
+                    start: h.start.max(end),
+                    ..h
+                };
+                w += 1;
             }
         }
-        let mut list = std::mem::take(&mut self.slots[block as usize].hazards);
-        if left == NIL && right != NIL {
-            // The block at the gap's start (placement's choice): the gap
-            // after it keeps the list itself, less the hazards the block
-            // covers whole, the first cut at the block's end.
-            let covered = list.partition_point(|h| h.end <= end);
-            list.drain(..covered);
-            if let Some(first) = list.first_mut() {
-                first.start = first.start.max(end);
-            }
-            let old = std::mem::replace(&mut self.slots[right as usize].hazards, list);
+        list.truncate(w);
+        let into = if right != NIL { right } else { left };
+        if into != NIL && !list.is_empty() {
+            let old = std::mem::replace(&mut self.slots[into as usize].hazards, list);
             self.spare(old);
-            if self.slots[right as usize].hazards.is_empty() {
-                let list = std::mem::take(&mut self.slots[right as usize].hazards);
-                self.spare(list);
+        } else {
+            // A block holds no hazards: its list goes back to the spares.
+            self.spare(list);
+        }
+        if !before.is_empty() {
+            self.slots[left as usize].hazards = before;
+        }
+        if kept {
+            // Parts of a pruned list are pruned as it was.
+            for side in [left, right] {
+                if side != NIL {
+                    self.slots[side as usize].pruned = progress;
+                }
             }
-            return;
         }
-        if left != NIL && list.first().is_some_and(|h| h.start < off) {
-            let mut to = self.list_to_fill(left);
-            to.extend(list.iter().take_while(|h| h.start < off).map(|&h| Hazard {
-                end: h.end.min(off),
-                ..h
-            }));
-            self.slots[left as usize].hazards = to;
-        }
-        if right != NIL && list.last().is_some_and(|h| h.end > end) {
-            let mut to = self.list_to_fill(right);
-            to.extend(list.iter().filter(|h| h.end > end).map(|&h| Hazard {
-                start: h.start.max(end),
-                ..h
-            }));
-            self.slots[right as usize].hazards = to;
-        }
-        // A block holds no hazards: its list goes back to the spares.
-        self.spare(list);
+        dropped
     }
 
     /// Index gap `id` under `key`: in place of the entry `old` (taken,
@@ -599,19 +697,57 @@ impl Tiling {
     /// it. Returns the block's range, or `None` (changing nothing) when `id`
     /// is no block.
     pub(crate) fn vacate(&mut self, id: PieceId) -> Option<(u64, u64)> {
+        self.vacate_with(id, |t, prev, next| {
+            let holds = |t: &Tiling, side: Option<PieceId>| {
+                side.is_some_and(|s| !t.slots[s as usize].hazards.is_empty())
+            };
+            if holds(t, prev) || holds(t, next) {
+                t.join_hazards(id, prev, next);
+            } else {
+                // None beside it (always so with one stream): the joined
+                // gap holds none either.
+                t.slots[id as usize].pruned = NEVER;
+            }
+        })
+    }
+
+    /// [`Tiling::vacate`] that leaves the hazard `fresh` over the block,
+    /// if any, and forgets the completed hazards of the joined gap (see
+    /// [`Pruning`]): the neighbours' lists are joined, the fresh hazard
+    /// placed and the rest pruned in one walk. The fresh hazard's work is
+    /// known not complete (a free's, noted at its own tick, the latest of
+    /// any hazard): it keeps the gap's pruning. It joins the hazards right
+    /// beside it that name the same streams at a tick past `mark()`, the
+    /// joined hazard taking the latest tick: the caller vouches that no
+    /// decision tells those ticks apart (no event of those streams was
+    /// recorded since, see `Streams::last_mark`; asked only when such a
+    /// neighbour exists). A stream whose progress nobody asks for (no other
+    /// stream reaches for the memory it frees) thus leaves one hazard per
+    /// run of its frees, not one per free.
+    pub(crate) fn vacate_leaving(
+        &mut self,
+        id: PieceId,
+        fresh: Option<Hazard>,
+        mark: impl FnOnce() -> u64,
+        prune: Pruning<impl FnMut(&Hazard) -> bool>,
+    ) -> Option<(u64, u64)> {
+        self.vacate_with(id, |t, prev, next| {
+            t.join_leaving(id, (prev, next), fresh, mark, prune);
+        })
+    }
+
+    /// Vacate block `id`, `join` giving it the hazards of the gaps before
+    /// and after it (if gaps) before they are swallowed.
+    #[inline]
+    fn vacate_with(
+        &mut self,
+        id: PieceId,
+        join: impl FnOnce(&mut Tiling, Option<PieceId>, Option<PieceId>),
+    ) -> Option<(u64, u64)> {
         let b = *self.get(id).filter(|p| !p.free)?;
         let prev = Some(b.prev).filter(|&p| self.get(p).is_some_and(|p| p.free));
         let next = Some(b.next).filter(|&n| self.get(n).is_some_and(|n| n.free));
-        let holds = |t: &Tiling, side: Option<PieceId>| {
-            side.is_some_and(|s| !t.slots[s as usize].hazards.is_empty())
-        };
-        if holds(self, prev) || holds(self, next) {
-            self.join_hazards(id, prev, next);
-        } else {
-            // None beside it (always so with one stream): the joined gap
-            // holds none either.
-            self.slots[id as usize].pruned = NEVER;
-        }
+        join(self, prev, next);
         let (mut start, mut end) = (b.start, b.end);
         // The joined gap takes the size index entry of a gap it swallows.
         let mut old_key = None;
@@ -640,6 +776,25 @@ impl Tiling {
         Some((b.start, b.end))
     }
 
+    /// The pruning (see [`Pruning`]) that the lists of the
+    /// gaps `prev` and `next` beside a block being vacated share: the
+    /// progress at which every non-empty one was pruned, `NEVER` when they
+    /// differ or none holds a hazard.
+    fn joint_pruning(&self, prev: Option<PieceId>, next: Option<PieceId>) -> u64 {
+        let mut pruned = None;
+        for side in [prev, next].into_iter().flatten() {
+            let s = &self.slots[side as usize];
+            if !s.hazards.is_empty() {
+                pruned = match pruned {
+                    None => Some(s.pruned),
+                    Some(p) if p == s.pruned => Some(p),
+                    Some(_) => Some(NEVER),
+                };
+            }
+        }
+        pruned.unwrap_or(NEVER)
+    }
+
     /// Give block `id`, being vacated, the hazards of the gaps `prev` and
     /// `next` beside it that it joins, in address order (the gap before's,
     /// the block's: none, the gap after's), pruned at a progress only if
@@ -647,19 +802,11 @@ impl Tiling {
     /// stream no gap has hazards, and vacate's code stays short.)
     #[inline(never)]
     fn join_hazards(&mut self, id: PieceId, prev: Option<PieceId>, next: Option<PieceId>) {
+        let pruned = self.joint_pruning(prev, next);
         let mut list = std::mem::take(&mut self.slots[id as usize].hazards);
-        let mut pruned = None;
         for (side, before) in [(prev, true), (next, false)] {
             let Some(side) = side else { continue };
             let part = std::mem::take(&mut self.slots[side as usize].hazards);
-            if !part.is_empty() {
-                let at = self.slots[side as usize].pruned;
-                pruned = match pruned {
-                    None => Some(at),
-                    Some(p) if p == at => Some(p),
-                    Some(_) => Some(NEVER),
-                };
-            }
             list = if before {
                 self.joined(part, list)
             } else {
@@ -667,7 +814,84 @@ impl Tiling {
             };
         }
         self.slots[id as usize].hazards = list;
-        self.slots[id as usize].pruned = pruned.unwrap_or(NEVER);
+        self.slots[id as usize].pruned = pruned;
+    }
+
+    /// [`Tiling::join_hazards`] with the fresh hazard of the block between
+    /// the two lists, joined with its neighbours, then the completed
+    /// hazards forgotten (see [`Tiling::vacate_leaving`]). The list before
+    /// the block (else the one after it) takes the rest. (Out of line: a
+    /// free on several streams.)
+    #[inline(never)]
+    fn join_leaving<C: FnMut(&Hazard) -> bool>(
+        &mut self,
+        id: PieceId,
+        (prev, next): (Option<PieceId>, Option<PieceId>),
+        fresh: Option<Hazard>,
+        mark: impl FnOnce() -> u64,
+        mut prune: Pruning<C>,
+    ) {
+        let pruned = self.joint_pruning(prev, next);
+        let mut take = |side: Option<PieceId>| {
+            side.map_or_else(Vec::new, |s| {
+                std::mem::take(&mut self.slots[s as usize].hazards)
+            })
+        };
+        let (mut front, mut back) = (take(prev), take(next));
+        // The fresh hazard, joined with the hazards right beside it (the
+        // last before the block, the first after it); joined with the one
+        // after, it takes that one's place.
+        let mut mid = fresh.filter(|h| h.start < h.end && h.streams != 0);
+        if let Some(mut h) = mid {
+            let beside = |x: Option<&Hazard>, at: fn(&Hazard) -> u64, edge: u64| {
+                x.is_some_and(|x| at(x) == edge && x.streams == h.streams)
+            };
+            let l = beside(front.last(), |x| x.end, h.start);
+            let r = beside(back.first(), |x| x.start, h.end);
+            if l || r {
+                let mark = mark();
+                if let Some(l) = front.last().copied().filter(|x| l && x.tick > mark) {
+                    h.start = l.start;
+                    h.tick = h.tick.max(l.tick);
+                    front.pop();
+                    mid = Some(h);
+                }
+                if let Some(r) = back.first_mut().filter(|x| r && x.tick > mark) {
+                    r.start = h.start;
+                    r.tick = r.tick.max(h.tick);
+                    mid = None;
+                }
+            }
+        }
+        // The list before the block takes the rest, unless it is empty.
+        let mut list;
+        if front.is_empty() {
+            self.spare(front);
+            list = back;
+            if let Some(h) = mid {
+                if list.capacity() == 0 {
+                    list = self.list_to_fill(id);
+                }
+                list.insert(0, h);
+            }
+        } else {
+            list = front;
+            list.extend(mid);
+            list.extend_from_slice(&back);
+            self.spare(back);
+        }
+        // Pruned unless every part was pruned at this progress (the fresh
+        // hazard, pending, keeps a pruning).
+        let any = !list.is_empty();
+        if any && pruned != prune.progress {
+            keep_pending(&mut list, &mut prune.completed);
+        }
+        if list.is_empty() {
+            self.spare(list);
+        } else {
+            self.slots[id as usize].hazards = list;
+        }
+        self.slots[id as usize].pruned = if any { prune.progress } else { NEVER };
     }
 
     /// Every piece in address order, as (start, end, is a gap).
@@ -940,7 +1164,185 @@ mod tests {
         assert!(!t.spare_lists.is_empty());
     }
 
+    /// The steps the allocator made one after another before
+    /// [`Tiling::occupy_pruning`] made them in one walk: prune the gap (if
+    /// it holds hazards), take the union of those under the block, occupy.
+    fn occupy_in_steps(
+        t: &mut Tiling,
+        gap: PieceId,
+        (off, len): (u64, u64),
+        progress: u64,
+        done: u64,
+    ) -> Option<(PieceId, (u64, u64))> {
+        if !t.gap_hazards(gap).is_empty() {
+            t.prune_hazards(gap, progress, |h| h.tick <= done);
+        }
+        let union = t.hazard_union(gap, off, len);
+        t.occupy(gap, off, len).map(|id| (id, union))
+    }
+
+    /// The steps before [`Tiling::vacate_leaving`]: vacate, add the fresh
+    /// hazard, prune the gap (if it holds hazards).
+    fn vacate_in_steps(
+        t: &mut Tiling,
+        id: PieceId,
+        fresh: Option<Hazard>,
+        mark: u64,
+        (progress, done): (u64, u64),
+    ) -> Option<(u64, u64)> {
+        let range = t.vacate(id)?;
+        if let Some(h) = fresh {
+            t.add_fresh_hazard(id, h, || mark);
+        }
+        if !t.gap_hazards(id).is_empty() {
+            t.prune_hazards(id, progress, |h| h.tick <= done);
+        }
+        Some(range)
+    }
+
+    /// Each live gap's hazards and pruning.
+    fn gaps_and_pruning(t: &Tiling) -> Vec<(u64, u64, Vec<Hazard>, u64)> {
+        t.gap_ids()
+            .into_iter()
+            .map(|(id, s, e)| {
+                (
+                    s,
+                    e,
+                    t.gap_hazards(id).to_vec(),
+                    t.slots[id as usize].pruned,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn occupying_prunes_cuts_and_reports_what_it_drops_in_one_walk() {
+        // Hazards at 0..100 (tick 1, done), 100..300 (streams 2, tick 5)
+        // and 400..500 (streams 4, tick 6) in one gap; a block over
+        // 50..350 drops the first (completed), cuts the second and is
+        // ordered after it alone.
+        let mut t = Tiling::new(1000);
+        let g = t.find(0).unwrap();
+        t.add_hazard(g, Hazard::over(0, 100, 1, 1));
+        t.add_hazard(g, Hazard::over(100, 200, 2, 5));
+        t.add_hazard(g, Hazard::over(400, 100, 4, 6));
+        let prune = Pruning {
+            progress: 1,
+            completed: |h: &Hazard| h.tick <= 1,
+        };
+        let (b, dropped) = t.occupy_pruning(g, 150, 200, prune).unwrap();
+        assert_eq!(dropped, (2, 5), "the pending hazard under the block");
+        t.check(1000).unwrap();
+        assert_eq!(t.block(b), Some((150, 350)));
+        let hazards: Vec<_> = t.all_hazards().map(|h| (h.start, h.end, h.tick)).collect();
+        assert_eq!(hazards, vec![(100, 150, 5), (400, 500, 6)]);
+        for (_, _, _, pruned) in gaps_and_pruning(&t) {
+            assert_eq!(pruned, 1, "both parts pruned at the progress");
+        }
+        // Pruned at that progress already: nothing is asked again.
+        let (left, right) = (t.find(0).unwrap(), t.find(400).unwrap());
+        let never = Pruning {
+            progress: 1,
+            completed: |_: &Hazard| -> bool { panic!("pruned already") },
+        };
+        assert_eq!(t.occupy_pruning(left, 120, 10, never).unwrap().1, (2, 5));
+        // No hazard under the block: none reported.
+        let none = Pruning {
+            progress: 2,
+            completed: |_: &Hazard| false,
+        };
+        assert_eq!(t.occupy_pruning(right, 360, 20, none).unwrap().1, (0, 0));
+        t.check(1000).unwrap();
+    }
+
+    #[test]
+    fn vacating_joins_the_fresh_hazard_and_prunes_in_one_walk() {
+        // Blocks at 0..100, 100..200 and 200..300; the outer ones freed
+        // (hazards of stream 1 at ticks 2 and 3), then the middle one with
+        // a fresh hazard of stream 1 at tick 9 and no mark since tick 2:
+        // it joins the right one (tick 3) but not the left (tick 2); after
+        // progress, what is done (tick 2) is dropped.
+        let mut t = Tiling::new(1000);
+        let blocks: Vec<PieceId> = (0..3)
+            .map(|i| {
+                let g = t.find(i * 100).unwrap();
+                t.occupy(g, i * 100, 100).unwrap()
+            })
+            .collect();
+        t.vacate(blocks[0]).unwrap();
+        t.add_hazard(blocks[0], Hazard::over(0, 100, 1, 2));
+        t.vacate(blocks[2]).unwrap();
+        t.add_hazard(blocks[2], Hazard::over(200, 100, 1, 3));
+        let prune = Pruning {
+            progress: 7,
+            completed: |h: &Hazard| h.tick <= 2,
+        };
+        let fresh = Some(Hazard::over(100, 100, 1, 9));
+        assert_eq!(
+            t.vacate_leaving(blocks[1], fresh, || 2, prune),
+            Some((100, 200))
+        );
+        t.check(1000).unwrap();
+        let hazards: Vec<_> = t.all_hazards().map(|h| (h.start, h.end, h.tick)).collect();
+        assert_eq!(hazards, vec![(100, 300, 9)]);
+        assert_eq!(t.slots[blocks[1] as usize].pruned, 7);
+        assert_eq!(
+            t.vacate_leaving(
+                blocks[0],
+                None,
+                || 0,
+                Pruning {
+                    progress: 7,
+                    completed: |_: &Hazard| false
+                }
+            ),
+            None,
+            "no block"
+        );
+    }
+
     proptest! {
+        /// The one-walk occupation and vacation decide exactly what the
+        /// steps they replace did: the same pieces, hazards, pruning and
+        /// hazards reported, over any sequence on three streams with work
+        /// completing as it goes.
+        #[test]
+        fn one_walk_matches_the_steps(ops in prop::collection::vec((0u64..3, 1u64..300, 0u64..1000, 0u64..8), 1..200)) {
+            let size = 4096;
+            let (mut a, mut b) = (Tiling::new(size), Tiling::new(size));
+            let mut blocks: Vec<PieceId> = Vec::new();
+            let (mut done, mut progress) = (0u64, 0u64);
+            for (step, (kind, len, pick, streams)) in ops.into_iter().enumerate() {
+                let tick = step as u64 + 1;
+                // Some earlier work becomes known complete.
+                if pick % 4 == 0 && done + 1 < tick {
+                    done += (pick / 4) % (tick - done);
+                    progress += 1;
+                }
+                let completed = |h: &Hazard| h.tick <= done;
+                if kind == 0 && !blocks.is_empty() {
+                    let id = blocks.swap_remove(pick as usize % blocks.len());
+                    let (s, e) = a.block(id).unwrap();
+                    let streams = streams % 7 + 1;
+                    // Streams 4 alone stand for forgotten ones: no hazard.
+                    let fresh = (streams != 4).then(|| Hazard::over(s, e - s, streams, tick));
+                    let mark = pick % tick;
+                    let want = vacate_in_steps(&mut a, id, fresh, mark, (progress, done));
+                    let got = b.vacate_leaving(id, fresh, || mark, Pruning { progress, completed });
+                    prop_assert_eq!(want, got);
+                } else if let Some((l, s, g)) = a.best_fit(len).map(|(s, g)| (a.gap(g).unwrap().1 - s, s, g)) {
+                    let off = s + pick % (l - len + 1);
+                    let want = occupy_in_steps(&mut a, g, (off, len), progress, done);
+                    let got = b.occupy_pruning(g, off, len, Pruning { progress, completed });
+                    prop_assert_eq!(want, got);
+                    blocks.push(got.unwrap().0);
+                }
+                a.check(size).map_err(TestCaseError::fail)?;
+                b.check(size).map_err(TestCaseError::fail)?;
+                prop_assert_eq!(gaps_and_pruning(&a), gaps_and_pruning(&b));
+            }
+        }
+
         /// Any sequence of occupations (at a gap's start, middle or end) and
         /// vacations keeps the tiling equal to the obvious model, best fit
         /// included.
