@@ -27,7 +27,8 @@ const SPILL: usize = 128;
 #[derive(Debug)]
 pub(crate) enum GapIndex<I> {
     /// Few gaps: sorted by key, and where the last
-    /// [`GapIndex::first_from`] ended (an index, perhaps stale).
+    /// [`GapIndex::first_from`] or [`GapIndex::from`] ended (an index,
+    /// perhaps stale).
     Sorted(Vec<(GapKey, I)>, Cell<usize>),
     /// Many.
     Tree(BTreeMap<GapKey, I>),
@@ -40,12 +41,34 @@ impl<I> Default for GapIndex<I> {
 }
 
 /// Where `key` is, or would go, in the sorted entries `v`: the first entry
-/// not below it. (Out of line: every search of a sorted index runs these
-/// same few lines of code, an operation's second search finding them
-/// fetched by its first.)
+/// not below it. A search by length alone (one comparison a step), then,
+/// for a key past the first gap of its length, a search among the gaps of
+/// that length from there. (Out of line: every search of a sorted index
+/// runs these same few lines of code, an operation's second search finding
+/// them fetched by its first.)
 #[inline(never)]
 fn position<I>(v: &[(GapKey, I)], key: &GapKey) -> usize {
-    v.partition_point(|e| e.0 < *key)
+    let (len, _) = *key;
+    let i = v.partition_point(|e| e.0 .0 < len);
+    match v.get(i) {
+        Some(e) if e.0 < *key => i + 1 + forward(&v[i + 1..], key),
+        _ => i,
+    }
+}
+
+/// [`position`] in `v` for a `key` expected near its start: probes 1, 2,
+/// 4, ... entries in, then searches the last span probed.
+fn forward<I>(v: &[(GapKey, I)], key: &GapKey) -> usize {
+    // v[..lo] are all below `key`.
+    let (mut lo, mut step) = (0, 1);
+    while let Some(e) = v.get(lo + step - 1) {
+        if e.0 >= *key {
+            return lo + v[lo..lo + step - 1].partition_point(|e| e.0 < *key);
+        }
+        lo += step;
+        step *= 2;
+    }
+    lo + v[lo..].partition_point(|e| e.0 < *key)
 }
 
 /// Where `key` is in the sorted entries `v`, if it is there: at `found`
@@ -93,7 +116,9 @@ impl<I: Copy> GapIndex<I> {
     /// start keeps its id): one remove and one insert, but in a sorted
     /// vector a single move of the entries between the two places, which
     /// are near each other when a gap changes by little (a block cut from
-    /// a gap, a freed block joining one). `new` must not be held already.
+    /// a gap, a freed block joining one); when `new` lies between the
+    /// entry's neighbours, no search and no move. `new` must not be held
+    /// already.
     pub(crate) fn rekey(&mut self, old: &GapKey, new: GapKey, id: I) {
         match self {
             GapIndex::Sorted(v, found) => {
@@ -104,9 +129,15 @@ impl<I: Copy> GapIndex<I> {
                 // Where `new` goes among the others (`v` less entry `i`):
                 // on the side of `i` it lies on.
                 let j = if new < *old {
-                    position(&v[..i], &new)
+                    match i.checked_sub(1).map(|b| v[b].0 < new) {
+                        Some(false) => position(&v[..i], &new),
+                        _ => i,
+                    }
                 } else {
-                    i + 1 + position(&v[i + 1..], &new)
+                    match v.get(i + 1).map(|e| e.0 > new) {
+                        Some(false) => i + 1 + position(&v[i + 1..], &new),
+                        _ => i + 1,
+                    }
                 };
                 if j > i {
                     // Past `i`: the entries between move down one.
@@ -167,8 +198,9 @@ impl<I: Copy> GapIndex<I> {
     /// The gaps from `key` on, in key order.
     pub(crate) fn from(&self, key: GapKey) -> GapsFrom<'_, I> {
         match self {
-            GapIndex::Sorted(v, _) => {
+            GapIndex::Sorted(v, found) => {
                 let i = position(v, &key);
+                found.set(i);
                 GapsFrom::Sorted(v[i..].iter())
             }
             GapIndex::Tree(t) => GapsFrom::Tree(t.range(key..)),
