@@ -398,7 +398,7 @@ pub(crate) struct Streams {
     /// Bumped whenever some stream's work becomes known complete further
     /// (its `done` grows): what is known complete is as it was while this
     /// is unchanged (a gap pruned of its completed hazards at this value
-    /// needs no pruning again, see `Tiling::prune_hazards`).
+    /// needs no pruning again, see `Pruning`).
     pub(crate) progress: u64,
     /// The next stream `refresh` polls.
     cursor: usize,
@@ -546,7 +546,7 @@ impl Streams {
     /// another stream waited for it) only ever stops at such ticks, so two
     /// frees of the same streams both later than this are told apart by no
     /// decision, now or later: their hazards may be one (see
-    /// `Tiling::add_fresh_hazard`).
+    /// `Tiling::vacate_leaving`).
     pub(crate) fn last_mark(&self, mask: u64) -> u64 {
         self.in_mask(mask)
             .filter_map(|i| self.states.get(i as usize))
