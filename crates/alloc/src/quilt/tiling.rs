@@ -75,20 +75,6 @@ pub(crate) struct Pruning<C> {
     pub(crate) completed: C,
 }
 
-/// Drop the hazards of `list` for which `completed` is true, keeping the
-/// order: one walk, no other copy.
-fn keep_pending(list: &mut Vec<Hazard>, completed: &mut impl FnMut(&Hazard) -> bool) {
-    let mut w = 0;
-    for r in 0..list.len() {
-        let h = list[r];
-        if !completed(&h) {
-            list[w] = h;
-            w += 1;
-        }
-    }
-    list.truncate(w);
-}
-
 /// One piece: a block or a gap.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
@@ -884,7 +870,7 @@ impl Tiling {
         // hazard, pending, keeps a pruning).
         let any = !list.is_empty();
         if any && pruned != prune.progress {
-            keep_pending(&mut list, &mut prune.completed);
+            list.retain(|h| !(prune.completed)(h));
         }
         if list.is_empty() {
             self.spare(list);
