@@ -591,14 +591,9 @@ impl Core {
         if !wait_free {
             self.order_after_hazards(ctx, ai, (off, gap), rounded, si)?;
         }
-        let streams = &self.streams;
-        let prune = Pruning {
-            progress: streams.progress,
-            completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
-        };
         self.arenas[ai]
             .tiling
-            .occupy_pruning(gap, off, rounded, prune)
+            .occupy_pruning(gap, off, rounded, completed_hazards(&self.streams))
             .ok_or_else(|| outside_its_gap(off, rounded))
     }
 
@@ -724,10 +719,7 @@ impl Core {
             b.piece,
             fresh,
             || streams.last_mark(b.streams),
-            Pruning {
-                progress: streams.progress,
-                completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
-            },
+            completed_hazards(streams),
         );
     }
 
@@ -819,6 +811,17 @@ impl Core {
         tracing::debug!(%report, "quilt out of memory");
         self.last_oom = Some(report.clone());
         AllocError::OutOfMemory(Box::new(report))
+    }
+}
+
+/// How an operation forgets the completed hazards of the gap it changes,
+/// as `streams` know them now: a hazard whose streams' work, as far as
+/// the memory they freed can depend on it, is all known complete
+/// constrains nothing.
+fn completed_hazards(streams: &Streams) -> Pruning<impl FnMut(&Hazard) -> bool + '_> {
+    Pruning {
+        progress: streams.progress,
+        completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
     }
 }
 
