@@ -132,6 +132,12 @@ impl Iterator for InMask {
     }
 }
 
+/// What an event recorded on demand is for (see [`Streams::know`] and
+/// [`Streams::cover`]), and one recorded at a free ([`Streams::note_free`]),
+/// as a failed record logs it.
+const ON_DEMAND: &str = "recording an event on demand";
+const AT_FREE: &str = "recording an event at a free";
+
 /// Log an event call that failed (`what`: the call and its purpose). These
 /// calls only spare waits and synchronisations, so their failure is logged,
 /// not returned. Cold and out of line, so that the hot paths which make
@@ -332,19 +338,26 @@ impl StreamState {
         false
     }
 
-    /// Record an event on the stream at `tick`, on demand (see
-    /// [`Streams::know`]): none on a forgotten or capturing stream, and a
-    /// failed record is only logged. Returns true when one was recorded.
-    /// Out of line: most decisions find an event recorded already.
+    /// Record an event on the stream at `tick` where one may be: none on a
+    /// forgotten or capturing stream, and a failed record is only logged
+    /// (`why`: what the event was for, [`event_call_failed`]). Returns true
+    /// when one was recorded. (Out of line: on demand, at a free or on the
+    /// growth path, most operations record none.)
     #[inline(never)]
-    fn record_on_demand(&mut self, vmm: &dyn Vmm, spare: &mut Vec<EventId>, tick: u64) -> bool {
+    fn record_unless_capturing(
+        &mut self,
+        vmm: &dyn Vmm,
+        spare: &mut Vec<EventId>,
+        tick: u64,
+        why: &str,
+    ) -> bool {
         if self.forgotten || self.capturing(vmm, tick) {
             return false;
         }
         match self.record(vmm, spare, tick) {
             Ok(_) => true,
             Err(err) => {
-                event_call_failed("recording an event on demand", &err);
+                event_call_failed(why, &err);
                 false
             }
         }
@@ -684,7 +697,7 @@ impl Streams {
         let at = s.covering(k);
         if at == s.events.len() {
             // None covers it: one recorded now goes at `at`.
-            if !s.record_on_demand(vmm, &mut self.spare, tick) {
+            if !s.record_unless_capturing(vmm, &mut self.spare, tick, ON_DEMAND) {
                 return true;
             }
             self.recorded += 1;
@@ -717,15 +730,12 @@ impl Streams {
     /// forgotten or capturing stream. A failed record is only logged: waits
     /// and synchronisations do without events.
     fn cover(&mut self, vmm: &dyn Vmm, i: u32, k: u64, tick: u64) {
-        let Some(s) = self.states.get(i as usize) else {
+        let Some(s) = self.states.get_mut(i as usize) else {
             return;
         };
         let covered = s.events.back().map_or(s.done, |m| m.tick);
-        if covered >= k || s.forgotten || self.capturing(vmm, i, tick) {
-            return;
-        }
-        if let Err(err) = self.record(vmm, i, tick) {
-            event_call_failed("recording an event on demand", &err);
+        if covered < k && s.record_unless_capturing(vmm, &mut self.spare, tick, ON_DEMAND) {
+            self.recorded += 1;
         }
     }
 
@@ -748,31 +758,14 @@ impl Streams {
         s.last_free = tick;
         if hazard {
             let covered = s.events.back().map_or(s.done, |m| m.tick);
-            if covered < tick && !s.forgotten {
-                self.record_at_free(vmm, i, tick);
+            if covered < tick && s.record_unless_capturing(vmm, &mut self.spare, tick, AT_FREE) {
+                self.recorded += 1;
             }
         }
         if let Some(s) = self.states.get(i as usize) {
             if s.events.len() >= s.poll_len {
                 self.poll_at_free(vmm, i, tick);
             }
-        }
-    }
-
-    /// [`Streams::note_free`]'s event on stream `i`, at its free at `tick`
-    /// (none on a capturing stream; a failed record is only logged). Out
-    /// of line: the path of a free that records.
-    #[inline(never)]
-    fn record_at_free(&mut self, vmm: &dyn Vmm, i: u32, tick: u64) {
-        let Some(s) = self.states.get_mut(i as usize) else {
-            return;
-        };
-        if s.capturing(vmm, tick) {
-            return;
-        }
-        match s.record(vmm, &mut self.spare, tick) {
-            Ok(_) => self.recorded += 1,
-            Err(err) => event_call_failed("recording an event at a free", &err),
         }
     }
 
