@@ -76,6 +76,7 @@ pub(super) struct Placed {
 }
 
 impl Placed {
+    /// A place whose waits placement did not ask about.
     fn unchecked((off, gap): (u64, PieceId)) -> Placed {
         Placed {
             off,
@@ -84,6 +85,7 @@ impl Placed {
         }
     }
 
+    /// A place found, this operation, to need no wait.
     fn wait_free((off, gap): (u64, PieceId)) -> Placed {
         Placed {
             off,
@@ -146,12 +148,8 @@ impl Placer for BestFit {
                 new_pages(arena, (&core.mapped_ahead, ai), off, rounded) == 0
                     && arena.tiling.gap_hazards(gap).is_empty()
             });
-            if let Some((off, gap)) = ready {
-                return Some(Placed {
-                    off,
-                    gap,
-                    wait_free: true,
-                });
+            if let Some(found) = ready {
+                return Some(Placed::wait_free(found));
             }
             return core.best_candidate(ctx, ai, rounded, t, Candidates::Fitting(n));
         }
