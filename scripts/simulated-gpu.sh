@@ -26,7 +26,9 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 target="${CARGO_TARGET_DIR:-$repo/target}/release"
 face="${QUILT_SIMULATED_GPU_FACE:-$target/libquilt_cuda_runtime.so}"
 double="${QUILT_SIMULATED_GPU_DOUBLE:-$target/libquilt_cuda_double.so}"
-for lib in "$face" "$double"; do
+blas="${QUILT_SIMULATED_GPU_CUBLAS:-$(dirname "$face")/libquilt_cublas.so}"
+blaslt="${QUILT_SIMULATED_GPU_CUBLASLT:-$(dirname "$face")/libquilt_cublas_lt.so}"
+for lib in "$face" "$double" "$blas" "$blaslt"; do
     if [ ! -f "$lib" ]; then
         echo "simulated-gpu: $lib is not built; run \`cargo build --release\` in $repo first" >&2
         exit 2
@@ -34,6 +36,8 @@ for lib in "$face" "$double"; do
 done
 face="$(cd "$(dirname "$face")" && pwd)/$(basename "$face")"
 double="$(cd "$(dirname "$double")" && pwd)/$(basename "$double")"
+blas="$(cd "$(dirname "$blas")" && pwd)/$(basename "$blas")"
+blaslt="$(cd "$(dirname "$blaslt")" && pwd)/$(basename "$blaslt")"
 dir="$(dirname "$face")/simulated-gpu"
 mkdir -p "$dir"
 link() { # link TARGET NAME: made under a temporary name and renamed over
@@ -45,8 +49,10 @@ link "$face" libcudart.so.13
 link "$face" libnvidia-ml.so.1
 link "$double" libcuda.so.1
 link "$double" libcuda.so
+link "$blas" libcublas.so.13
+link "$blaslt" libcublasLt.so.13
 export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export LD_PRELOAD="$dir/libcudart.so.13${LD_PRELOAD:+:$LD_PRELOAD}"
+export LD_PRELOAD="$dir/libcudart.so.13:$dir/libcublasLt.so.13:$dir/libcublas.so.13${LD_PRELOAD:+:$LD_PRELOAD}"
 export QUILT_CUDA_DOUBLE_DEVICES="${QUILT_CUDA_DOUBLE_DEVICES:-2}"
 export QUILT_CUDA_DOUBLE_DRIVER_VERSION="${QUILT_CUDA_DOUBLE_DRIVER_VERSION:-13020}"
 exec "$@"
