@@ -12,6 +12,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::os::fd::{BorrowedFd, IntoRawFd};
 
 use crate::abi::*;
+use crate::counters::count;
 use crate::state::{self, with_driver, Call, Driver};
 use crate::work::Op;
 
@@ -63,11 +64,13 @@ unsafe fn answer<T>(out: *mut T, f: impl FnOnce(&mut Driver) -> Call<T>) -> CuRe
 
 #[no_mangle]
 pub unsafe extern "C" fn cuInit(flags: c_uint) -> CuResult {
+    count!("cuInit");
     code(state::init(flags))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CuResult {
+    count!("cuDriverGetVersion");
     code(need(version).map(|()| {
         // SAFETY: checked non-null; the client's out-pointer.
         unsafe { put(version, state::driver_version()) }
@@ -116,11 +119,13 @@ fn leak_c(s: &'static str) -> &'static [u8] {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(error: CuResult, out: *mut *const c_char) -> CuResult {
+    count!("cuGetErrorName");
     error_text(error, true, out)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: CuResult, out: *mut *const c_char) -> CuResult {
+    count!("cuGetErrorString");
     error_text(error, false, out)
 }
 
@@ -128,6 +133,7 @@ pub unsafe extern "C" fn cuGetErrorString(error: CuResult, out: *mut *const c_ch
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
+    count!("cuDeviceGetCount");
     let compute = |d: &mut Driver| Ok(d.rules.devices);
     // SAFETY: `count` is the client's out-pointer (the API's contract).
     unsafe { answer(count, compute) }
@@ -135,6 +141,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CuDevice, ordinal: c_int) -> CuResult {
+    count!("cuDeviceGet");
     let compute = |d: &mut Driver| {
         let dev = d.device(ordinal)?;
         Ok(dev)
@@ -149,6 +156,7 @@ pub unsafe extern "C" fn cuDeviceGetName(
     len: c_int,
     device: CuDevice,
 ) -> CuResult {
+    count!("cuDeviceGetName");
     code(with_driver(|d| {
         need(name)?;
         d.device(device)?;
@@ -169,6 +177,7 @@ pub unsafe extern "C" fn cuDeviceGetName(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CuDevice) -> CuResult {
+    count!("cuDeviceTotalMem_v2");
     let compute = |d: &mut Driver| {
         d.device(device)?;
         Ok(d.rules.memory as usize)
@@ -189,6 +198,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     attribute: c_int,
     device: CuDevice,
 ) -> CuResult {
+    count!("cuDeviceGetAttribute");
     let compute = |d: &mut Driver| {
         d.device(device)?;
         if !(1..ATTR_MAX).contains(&attribute) {
@@ -215,6 +225,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut Uuid, device: CuDevice) -> CuResult {
+    count!("cuDeviceGetUuid");
     let compute = |d: &mut Driver| {
         d.device(device)?;
         let mut bytes = *b"quilt-double-dev";
@@ -235,6 +246,7 @@ pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut Uuid, device: CuDevice) -
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Opaque, device: CuDevice) -> CuResult {
+    count!("cuDevicePrimaryCtxRetain");
     let compute = |d: &mut Driver| {
         let c = d.primary_retain(device)?;
         Ok(c as usize as Opaque)
@@ -245,16 +257,19 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Opaque, device: CuDe
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CuDevice) -> CuResult {
+    count!("cuDevicePrimaryCtxRelease_v2");
     code(with_driver(|d| d.primary_release(device)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(device: CuDevice) -> CuResult {
+    count!("cuDevicePrimaryCtxRelease");
     code(with_driver(|d| d.primary_release(device)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(device: CuDevice) -> CuResult {
+    count!("cuDevicePrimaryCtxReset_v2");
     code(with_driver(|d| d.primary_reset(device)))
 }
 
@@ -264,6 +279,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
     flags: *mut c_uint,
     active: *mut c_int,
 ) -> CuResult {
+    count!("cuDevicePrimaryCtxGetState");
     code(with_driver(|d| {
         need(flags)?;
         need(active)?;
@@ -283,6 +299,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxSetFlags_v2(
     device: CuDevice,
     flags: c_uint,
 ) -> CuResult {
+    count!("cuDevicePrimaryCtxSetFlags_v2");
     code(with_driver(|d| {
         d.device(device)?;
         d.primary[device as usize].flags = flags;
@@ -296,6 +313,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
     _flags: c_uint,
     device: CuDevice,
 ) -> CuResult {
+    count!("cuCtxCreate_v2");
     let compute = |d: &mut Driver| {
         let c = d.create_context(device)?;
         Ok(c as usize as Opaque)
@@ -306,6 +324,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: Opaque) -> CuResult {
+    count!("cuCtxDestroy_v2");
     code(with_driver(|d| {
         d.destroy_created_context(ctx as usize as u64)
     }))
@@ -313,6 +332,7 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut Opaque) -> CuResult {
+    count!("cuCtxGetCurrent");
     let compute = |_: &mut Driver| {
         let c = state::current().unwrap_or(0);
         Ok(c as usize as Opaque)
@@ -323,6 +343,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSetCurrent(ctx: Opaque) -> CuResult {
+    count!("cuCtxSetCurrent");
     code(with_driver(|d| {
         let c = ctx as usize as u64;
         if c != 0 && !d.contexts.contains_key(&c) {
@@ -335,6 +356,7 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: Opaque) -> CuResult {
+    count!("cuCtxPushCurrent_v2");
     code(with_driver(|d| {
         let c = ctx as usize as u64;
         if !d.contexts.contains_key(&c) {
@@ -347,6 +369,7 @@ pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut Opaque) -> CuResult {
+    count!("cuCtxPopCurrent_v2");
     code(with_driver(|_| {
         let c = state::pop().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         if !ctx.is_null() {
@@ -359,6 +382,7 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CuDevice) -> CuResult {
+    count!("cuCtxGetDevice");
     let compute = |d: &mut Driver| {
         let dev = d.context_device()?;
         Ok(dev)
@@ -369,6 +393,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CuDevice) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: Opaque, version: *mut c_uint) -> CuResult {
+    count!("cuCtxGetApiVersion");
     let compute = |d: &mut Driver| {
         let c = ctx as usize as u64;
         if c == 0 {
@@ -384,6 +409,7 @@ pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: Opaque, version: *mut c_uint) -
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize() -> CuResult {
+    count!("cuCtxSynchronize");
     code(with_driver(|d| d.synchronize_context()))
 }
 
@@ -395,6 +421,7 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     prop: *const MemAllocationProp,
     option: c_int,
 ) -> CuResult {
+    count!("cuMemGetAllocationGranularity");
     let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemAllocationProp, or null.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -413,6 +440,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     _addr: CuDevicePtr,
     flags: u64,
 ) -> CuResult {
+    count!("cuMemAddressReserve");
     let compute = |d: &mut Driver| {
         let p = d.reserve(size as u64, alignment as u64, flags)?;
         Ok(p)
@@ -423,6 +451,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAddressFree(ptr: CuDevicePtr, size: usize) -> CuResult {
+    count!("cuMemAddressFree");
     code(with_driver(|d| d.address_free(ptr, size as u64)))
 }
 
@@ -433,6 +462,7 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const MemAllocationProp,
     flags: u64,
 ) -> CuResult {
+    count!("cuMemCreate");
     let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemAllocationProp, or null.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -445,6 +475,7 @@ pub unsafe extern "C" fn cuMemCreate(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemRelease(handle: CuMemHandle) -> CuResult {
+    count!("cuMemRelease");
     code(with_driver(|d| d.release(handle)))
 }
 
@@ -456,6 +487,7 @@ pub unsafe extern "C" fn cuMemMap(
     handle: CuMemHandle,
     flags: u64,
 ) -> CuResult {
+    count!("cuMemMap");
     code(with_driver(|d| {
         d.map(ptr, size as u64, offset as u64, handle, flags)
     }))
@@ -463,6 +495,7 @@ pub unsafe extern "C" fn cuMemMap(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CuDevicePtr, size: usize) -> CuResult {
+    count!("cuMemUnmap");
     code(with_driver(|d| d.unmap(ptr, size as u64)))
 }
 
@@ -473,6 +506,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
     desc: *const MemAccessDesc,
     count: usize,
 ) -> CuResult {
+    count!("cuMemSetAccess");
     code(with_driver(|d| {
         need(desc)?;
         if count == 0 || count > 64 {
@@ -490,6 +524,7 @@ pub unsafe extern "C" fn cuMemGetAccess(
     location: *const MemLocation,
     ptr: CuDevicePtr,
 ) -> CuResult {
+    count!("cuMemGetAccess");
     let compute = |d: &mut Driver| {
         // SAFETY: a client's pointer to a CUmemLocation, or null.
         let location = unsafe { location.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -510,6 +545,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     kind: c_int,
     flags: u64,
 ) -> CuResult {
+    count!("cuMemExportToShareableHandle");
     code(with_driver(|d| {
         need(shareable)?;
         let file = d.export(handle, kind, flags)?;
@@ -525,6 +561,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     os_handle: *mut c_void,
     kind: c_int,
 ) -> CuResult {
+    count!("cuMemImportFromShareableHandle");
     let compute = |d: &mut Driver| {
         if kind != HANDLE_TYPE_POSIX_FD {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
@@ -552,6 +589,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
     handle: *mut CuMemHandle,
     addr: *mut c_void,
 ) -> CuResult {
+    count!("cuMemRetainAllocationHandle");
     let compute = |d: &mut Driver| {
         let h = d.retain_handle(addr as usize as u64)?;
         Ok(h)
@@ -565,6 +603,7 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
     prop: *mut MemAllocationProp,
     handle: CuMemHandle,
 ) -> CuResult {
+    count!("cuMemGetAllocationPropertiesFromHandle");
     let compute = |d: &mut Driver| {
         let p = d.handle_prop(handle)?;
         Ok(p)
@@ -579,6 +618,7 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     size: *mut usize,
     ptr: CuDevicePtr,
 ) -> CuResult {
+    count!("cuMemGetAddressRange_v2");
     code(with_driver(|d| {
         let (b, s) = d.address_range(ptr)?;
         // SAFETY: each optional out-pointer is written only where non-null.
@@ -596,6 +636,7 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
+    count!("cuMemGetInfo_v2");
     code(with_driver(|d| {
         need(free)?;
         need(total)?;
@@ -611,6 +652,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut CuDevicePtr, bytes: usize) -> CuResult {
+    count!("cuMemAlloc_v2");
     let compute = |d: &mut Driver| {
         let p = d.mem_alloc(bytes as u64)?;
         Ok(p)
@@ -621,6 +663,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut CuDevicePtr, bytes: usize) -> C
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(ptr: CuDevicePtr) -> CuResult {
+    count!("cuMemFree_v2");
     code(with_driver(|d| d.mem_free(ptr)))
 }
 
@@ -632,12 +675,14 @@ pub unsafe extern "C" fn cuMemAllocAsync(
     _bytes: usize,
     _stream: Opaque,
 ) -> CuResult {
+    count!("cuMemAllocAsync");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
 /// See [`cuMemAllocAsync`].
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync(_ptr: CuDevicePtr, _stream: Opaque) -> CuResult {
+    count!("cuMemFreeAsync");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
@@ -647,6 +692,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     bytes: usize,
     _flags: c_uint,
 ) -> CuResult {
+    count!("cuMemHostAlloc");
     let compute = |d: &mut Driver| {
         if bytes == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -668,6 +714,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(ptr: *mut *mut c_void, bytes: usize) 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CuResult {
+    count!("cuMemFreeHost");
     code(with_driver(|d| {
         // Work still queued on the buffer runs first (its memory goes away).
         d.run_all();
@@ -781,6 +828,7 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(
     src: *const c_void,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyHtoD_v2");
     code(queue_to_device(0, dst, src, len))
 }
 
@@ -791,6 +839,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     len: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemcpyHtoDAsync_v2");
     code(queue_to_device(stream as usize as u64, dst, src, len))
 }
 
@@ -800,6 +849,7 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(
     src: CuDevicePtr,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyDtoH_v2");
     code(copy_to_host(0, dst, src, len))
 }
 
@@ -810,6 +860,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     len: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemcpyDtoHAsync_v2");
     code(copy_to_host(stream as usize as u64, dst, src, len))
 }
 
@@ -819,6 +870,7 @@ pub unsafe extern "C" fn cuMemcpyDtoD_v2(
     src: CuDevicePtr,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyDtoD_v2");
     code(queue_device_copy(0, dst, src, len))
 }
 
@@ -829,11 +881,13 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     len: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemcpyDtoDAsync_v2");
     code(queue_device_copy(stream as usize as u64, dst, src, len))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD8_v2(dst: CuDevicePtr, value: u8, count: usize) -> CuResult {
+    count!("cuMemsetD8_v2");
     code(queue_fill(0, dst, vec![value], count))
 }
 
@@ -844,11 +898,13 @@ pub unsafe extern "C" fn cuMemsetD8Async(
     count: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemsetD8Async");
     code(queue_fill(stream as usize as u64, dst, vec![value], count))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD32_v2(dst: CuDevicePtr, value: c_uint, count: usize) -> CuResult {
+    count!("cuMemsetD32_v2");
     code(queue_fill(0, dst, value.to_ne_bytes().to_vec(), count))
 }
 
@@ -859,6 +915,7 @@ pub unsafe extern "C" fn cuMemsetD32Async(
     count: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemsetD32Async");
     code(queue_fill(
         stream as usize as u64,
         dst,
@@ -876,6 +933,7 @@ pub unsafe extern "C" fn cuStreamWriteValue32(
     value: c_uint,
     flags: c_uint,
 ) -> CuResult {
+    count!("cuStreamWriteValue32");
     if flags & !1 != 0 {
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -903,6 +961,7 @@ pub unsafe extern "C" fn cuStreamWriteValue32_v2(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(stream: *mut Opaque, flags: c_uint) -> CuResult {
+    count!("cuStreamCreate");
     let compute = |d: &mut Driver| {
         let s = d.create_stream(flags)?;
         Ok(s as usize as Opaque)
@@ -923,11 +982,13 @@ pub unsafe extern "C" fn cuStreamCreateWithPriority(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamDestroy_v2(stream: Opaque) -> CuResult {
+    count!("cuStreamDestroy_v2");
     code(with_driver(|d| d.destroy_stream(stream as usize as u64)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(stream: Opaque) -> CuResult {
+    count!("cuStreamSynchronize");
     code(with_driver(|d| {
         d.synchronize_stream(stream as usize as u64)
     }))
@@ -935,6 +996,7 @@ pub unsafe extern "C" fn cuStreamSynchronize(stream: Opaque) -> CuResult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamQuery(stream: Opaque) -> CuResult {
+    count!("cuStreamQuery");
     code(with_driver(|d| d.query_stream(stream as usize as u64)))
 }
 
@@ -944,6 +1006,7 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     event: Opaque,
     flags: c_uint,
 ) -> CuResult {
+    count!("cuStreamWaitEvent");
     code(with_driver(|d| {
         d.wait_event(stream as usize as u64, event as usize as u64, flags)
     }))
@@ -951,6 +1014,7 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetFlags(stream: Opaque, flags: *mut c_uint) -> CuResult {
+    count!("cuStreamGetFlags");
     let compute = |d: &mut Driver| {
         let (f, _) = d.stream_info(stream as usize as u64)?;
         Ok(f)
@@ -961,6 +1025,7 @@ pub unsafe extern "C" fn cuStreamGetFlags(stream: Opaque, flags: *mut c_uint) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetCtx(stream: Opaque, ctx: *mut Opaque) -> CuResult {
+    count!("cuStreamGetCtx");
     let compute = |d: &mut Driver| {
         let (_, c) = d.stream_info(stream as usize as u64)?;
         Ok(c as usize as Opaque)
@@ -971,6 +1036,7 @@ pub unsafe extern "C" fn cuStreamGetCtx(stream: Opaque, ctx: *mut Opaque) -> CuR
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamBeginCapture_v2(stream: Opaque, mode: c_int) -> CuResult {
+    count!("cuStreamBeginCapture_v2");
     code(with_driver(|d| {
         d.begin_capture(stream as usize as u64, mode)
     }))
@@ -978,6 +1044,7 @@ pub unsafe extern "C" fn cuStreamBeginCapture_v2(stream: Opaque, mode: c_int) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamEndCapture(stream: Opaque, graph: *mut Opaque) -> CuResult {
+    count!("cuStreamEndCapture");
     code(with_driver(|d| {
         need(graph)?;
         let result = d.end_capture(stream as usize as u64);
@@ -990,6 +1057,7 @@ pub unsafe extern "C" fn cuStreamEndCapture(stream: Opaque, graph: *mut Opaque) 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamIsCapturing(stream: Opaque, status: *mut c_int) -> CuResult {
+    count!("cuStreamIsCapturing");
     let compute = |d: &mut Driver| {
         let (s, _) = d.capture_status(stream as usize as u64)?;
         Ok(s)
@@ -1042,6 +1110,7 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo(
     status: *mut c_int,
     id: *mut u64,
 ) -> CuResult {
+    count!("cuStreamGetCaptureInfo");
     let null = std::ptr::null_mut();
     capture_info(
         stream,
@@ -1063,6 +1132,7 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
     deps: *mut *const c_void,
     count: *mut usize,
 ) -> CuResult {
+    count!("cuStreamGetCaptureInfo_v2");
     capture_info(stream, status, id, graph, deps, std::ptr::null_mut(), count)
 }
 
@@ -1076,11 +1146,13 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
     edges: *mut *const c_void,
     count: *mut usize,
 ) -> CuResult {
+    count!("cuStreamGetCaptureInfo_v3");
     capture_info(stream, status, id, graph, deps, edges, count)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> CuResult {
+    count!("cuThreadExchangeStreamCaptureMode");
     code(with_driver(|_| {
         need(mode)?;
         // SAFETY: checked non-null; the client's in-out pointer.
@@ -1100,6 +1172,7 @@ pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphDestroy(graph: Opaque) -> CuResult {
+    count!("cuGraphDestroy");
     code(with_driver(|d| {
         d.graphs
             .remove(&(graph as usize as u64))
@@ -1120,6 +1193,7 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
     graph: Opaque,
     flags: u64,
 ) -> CuResult {
+    count!("cuGraphInstantiateWithFlags");
     let compute = |d: &mut Driver| {
         // Auto-free on launch (1) and node priorities (8) change nothing
         // here; upload (2) and device launch (4) are not modelled.
@@ -1137,6 +1211,7 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
 /// was captured.
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphLaunch(exec: Opaque, stream: Opaque) -> CuResult {
+    count!("cuGraphLaunch");
     code(with_driver(|d| {
         d.launch_graph(exec as usize as u64, stream as usize as u64)
     }))
@@ -1150,6 +1225,7 @@ pub unsafe extern "C" fn cuGraphLaunch_ptsz(exec: Opaque, stream: Opaque) -> CuR
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphExecDestroy(exec: Opaque) -> CuResult {
+    count!("cuGraphExecDestroy");
     code(with_driver(|d| {
         d.execs
             .remove(&(exec as usize as u64))
@@ -1167,6 +1243,7 @@ pub unsafe extern "C" fn cuGraphGetNodes(
     nodes: *mut Opaque,
     count: *mut usize,
 ) -> CuResult {
+    count!("cuGraphGetNodes");
     let compute = |d: &mut Driver| {
         if !nodes.is_null() {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
@@ -1184,16 +1261,39 @@ pub unsafe extern "C" fn cuGraphGetNodes(
 /// and inside a capture it is recorded into the graph like other work.
 #[no_mangle]
 pub unsafe extern "C" fn quiltDoubleLaunchOpaqueWork(stream: Opaque) -> CuResult {
+    count!("quiltDoubleLaunchOpaqueWork");
     code(with_driver(|d| {
         let s = d.stream(stream as usize as u64)?;
         d.enqueue(s, Op::Kernel).map(|_| ())
     }))
 }
 
+/// Not a driver call: the driver calls counted so far, as text, a line
+/// `NAME COUNT` per entry point (see `counters.rs`). Like `snprintf`: writes
+/// at most `length - 1` bytes of the text and a NUL into `buffer` (nothing
+/// where it is null or `length` is 0) and returns the text's whole length,
+/// so a caller whose buffer was short calls again with a larger one. Works
+/// before `cuInit`; not counted itself.
+#[no_mangle]
+pub unsafe extern "C" fn quiltDoubleCounts(buffer: *mut c_char, length: usize) -> usize {
+    let text = crate::counters::text();
+    if !buffer.is_null() && length > 0 {
+        let n = text.len().min(length - 1);
+        // SAFETY: the caller gave `length` writable bytes at `buffer`; we
+        // write `n + 1 <= length` of them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buffer, n);
+            put(buffer.add(n), 0);
+        }
+    }
+    text.len()
+}
+
 // --- Events ----------------------------------------------------------------
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(event: *mut Opaque, flags: c_uint) -> CuResult {
+    count!("cuEventCreate");
     let compute = |d: &mut Driver| {
         let e = d.create_event(flags)?;
         Ok(e as usize as Opaque)
@@ -1204,6 +1304,7 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut Opaque, flags: c_uint) -> CuR
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventRecord(event: Opaque, stream: Opaque) -> CuResult {
+    count!("cuEventRecord");
     code(with_driver(|d| {
         d.record_event(event as usize as u64, stream as usize as u64)
     }))
@@ -1224,21 +1325,25 @@ pub unsafe extern "C" fn cuEventRecordWithFlags(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventQuery(event: Opaque) -> CuResult {
+    count!("cuEventQuery");
     code(with_driver(|d| d.query_event(event as usize as u64)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventSynchronize(event: Opaque) -> CuResult {
+    count!("cuEventSynchronize");
     code(with_driver(|d| d.synchronize_event(event as usize as u64)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventDestroy_v2(event: Opaque) -> CuResult {
+    count!("cuEventDestroy_v2");
     code(with_driver(|d| d.destroy_event(event as usize as u64)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Opaque, end: Opaque) -> CuResult {
+    count!("cuEventElapsedTime");
     let compute = |d: &mut Driver| {
         let t = d.elapsed(start as usize as u64, end as usize as u64)?;
         Ok(t)
@@ -1253,12 +1358,14 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Opaque, end: Op
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(_module: *mut Opaque, _image: *const c_void) -> CuResult {
+    count!("cuModuleLoadData");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
 /// See [`cuModuleLoadData`].
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoad(_module: *mut Opaque, _path: *const c_char) -> CuResult {
+    count!("cuModuleLoad");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
@@ -1269,12 +1376,14 @@ pub unsafe extern "C" fn cuModuleGetFunction(
     _module: Opaque,
     _name: *const c_char,
 ) -> CuResult {
+    count!("cuModuleGetFunction");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
 /// See [`cuModuleLoadData`].
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleUnload(_module: Opaque) -> CuResult {
+    count!("cuModuleUnload");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
@@ -1294,6 +1403,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     _params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CuResult {
+    count!("cuLaunchKernel");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
@@ -1304,6 +1414,7 @@ pub unsafe extern "C" fn cuLaunchHostFunc(
     _f: *const c_void,
     _data: *mut c_void,
 ) -> CuResult {
+    count!("cuLaunchHostFunc");
     CUDA_ERROR_NOT_SUPPORTED
 }
 
@@ -1342,6 +1453,7 @@ pub unsafe extern "C" fn cuDeviceComputeCapability(
     minor: *mut c_int,
     device: CuDevice,
 ) -> CuResult {
+    count!("cuDeviceComputeCapability");
     code(with_driver(|d| {
         need(major)?;
         need(minor)?;
@@ -1361,6 +1473,7 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
     device: CuDevice,
     peer: CuDevice,
 ) -> CuResult {
+    count!("cuDeviceCanAccessPeer");
     let compute = |d: &mut Driver| {
         d.device(device)?;
         d.device(peer)?;
@@ -1372,6 +1485,7 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Opaque, flags: c_uint) -> CuResult {
+    count!("cuCtxEnablePeerAccess");
     code(with_driver(|d| {
         d.context()?;
         if flags != 0 || !d.contexts.contains_key(&(peer as usize as u64)) {
@@ -1383,6 +1497,7 @@ pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Opaque, flags: c_uint) -> C
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD16_v2(dst: CuDevicePtr, value: u16, count: usize) -> CuResult {
+    count!("cuMemsetD16_v2");
     code(queue_fill(0, dst, value.to_ne_bytes().to_vec(), count))
 }
 
@@ -1393,6 +1508,7 @@ pub unsafe extern "C" fn cuMemsetD16Async(
     count: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemsetD16Async");
     code(queue_fill(
         stream as usize as u64,
         dst,
@@ -1422,6 +1538,7 @@ fn unified_copy(stream: u64, dst: u64, src: u64, len: usize) -> Call<()> {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpy(dst: CuDevicePtr, src: CuDevicePtr, len: usize) -> CuResult {
+    count!("cuMemcpy");
     code(unified_copy(0, dst, src, len))
 }
 
@@ -1432,6 +1549,7 @@ pub unsafe extern "C" fn cuMemcpyAsync(
     len: usize,
     stream: Opaque,
 ) -> CuResult {
+    count!("cuMemcpyAsync");
     code(unified_copy(stream as usize as u64, dst, src, len))
 }
 
@@ -1443,6 +1561,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
     attribute: c_int,
     ptr: CuDevicePtr,
 ) -> CuResult {
+    count!("cuPointerGetAttribute");
     code(with_driver(|d| {
         need(data)?;
         let (start, size) = d.address_range(ptr).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
@@ -1614,6 +1733,7 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2_ptds(
     src: *const c_void,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyHtoD_v2_ptds");
     code(queue_to_device(STREAM_PER_THREAD, dst, src, len))
 }
 
@@ -1623,6 +1743,7 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2_ptds(
     src: CuDevicePtr,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyDtoH_v2_ptds");
     code(copy_to_host(STREAM_PER_THREAD, dst, src, len))
 }
 
@@ -1632,11 +1753,13 @@ pub unsafe extern "C" fn cuMemcpyDtoD_v2_ptds(
     src: CuDevicePtr,
     len: usize,
 ) -> CuResult {
+    count!("cuMemcpyDtoD_v2_ptds");
     code(queue_device_copy(STREAM_PER_THREAD, dst, src, len))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpy_ptds(dst: CuDevicePtr, src: CuDevicePtr, len: usize) -> CuResult {
+    count!("cuMemcpy_ptds");
     code(unified_copy(STREAM_PER_THREAD, dst, src, len))
 }
 
@@ -1673,6 +1796,7 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
 /// current context).
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: Opaque) -> CuResult {
+    count!("cuCtxSynchronize_v2");
     if !ctx.is_null() && state::current() != Some(ctx as usize as u64) {
         state::push(ctx as usize as u64);
         let r = code(with_driver(|d| {
@@ -1689,6 +1813,7 @@ pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: Opaque) -> CuResult {
 /// the current context).
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice_v2(device: *mut CuDevice, ctx: Opaque) -> CuResult {
+    count!("cuCtxGetDevice_v2");
     let compute = |d: &mut Driver| {
         let c = if ctx.is_null() {
             d.context()?

@@ -23,15 +23,21 @@
 //! graph; `cuGraphInstantiate` and `cuGraphLaunch` replay them on a stream,
 //! where they compute (and fault) as any queued work does.
 //!
+//! Every driver call is counted by entry point (`counters.rs`); the
+//! exported `quiltDoubleCounts` gives the counts to the process that loaded
+//! the double (`quilt-bench live` reads them through `ctypes`).
+//!
 //! It never shadows a real driver: a program reaches it only through a
 //! private directory holding `libcuda.so` and `libcuda.so.1` links, first
 //! on its library path; [`harness`] makes one and runs tests over it.
 
 pub mod abi;
+pub mod counters;
 mod exports;
 pub mod harness;
 mod memory;
 mod os;
+mod peer;
 pub mod rules;
 mod state;
 mod work;
