@@ -31,35 +31,51 @@ fn defined(lib: &std::path::Path) -> Vec<(String, String)> {
         .collect()
 }
 
-#[test]
-fn answers_to_libcudart_so_13_with_versioned_exports() {
-    let lib = common::face();
-    let headers = objdump(&["-p"], &lib);
+/// `lib` answers to `soname`, exports more than `at_least` functions whose
+/// names start with one of `prefixes`, and every export is versioned
+/// `soname`.
+fn answers_to(lib: &std::path::Path, soname: &str, prefixes: &[&str], at_least: usize) {
+    let headers = objdump(&["-p"], lib);
     assert!(
         headers
             .lines()
-            .any(|l| l.contains("SONAME") && l.trim_end().ends_with("libcudart.so.13")),
+            .any(|l| l.contains("SONAME") && l.trim_end().ends_with(soname)),
         "{headers}"
     );
-    let exports = defined(&lib);
-    let cuda: Vec<_> = exports
+    let exports = defined(lib);
+    let api = exports
         .iter()
-        .filter(|(n, _)| n.starts_with("cuda") || n.starts_with("__cuda"))
-        .collect();
-    assert!(cuda.len() > 100, "only {} cuda exports", cuda.len());
+        .filter(|(n, _)| prefixes.iter().any(|p| n.starts_with(p)))
+        .count();
+    assert!(api > at_least, "only {api} exports of {prefixes:?}");
     for (name, version) in &exports {
-        assert_eq!(version, "libcudart.so.13", "{name} is not versioned");
+        assert_eq!(version, soname, "{name} is not versioned");
     }
+}
+
+#[test]
+fn answers_to_libcudart_so_13_with_versioned_exports() {
+    answers_to(&common::face(), "libcudart.so.13", &["cuda", "__cuda"], 100);
+}
+
+#[test]
+fn the_cublas_faces_answer_to_their_sonames_with_versioned_exports() {
+    let blas = common::built("libquilt_cublas.so");
+    answers_to(&blas, "libcublas.so.13", &["cublas"], 150);
+    let lt = common::built("libquilt_cublas_lt.so");
+    answers_to(&lt, "libcublasLt.so.13", &["cublasLt"], 20);
 }
 
 /// Every `cuda*` function the torch wheel's libraries import from
 /// `libcudart.so.13` is exported by the face (where the torch venv exists).
-#[test]
-#[cfg_attr(
-    quilt_no_torch,
-    ignore = "needs the real torch in the venv of scripts/torch-venv.sh (none when quilt-cuda-runtime was built)"
-)]
-fn exports_every_runtime_function_torch_imports() {
+/// Every function the torch wheel's libraries `users` import from
+/// `version` (more than `at_least`) is exported by `face`.
+fn exports_what_torch_imports(
+    face: &std::path::Path,
+    version: &str,
+    users: &[&str],
+    at_least: usize,
+) {
     let Some(venv) = option_env!("QUILT_TORCH_VENV_FOUND") else {
         panic!("build.rs found the torch venv but did not say where");
     };
@@ -69,21 +85,48 @@ fn exports_every_runtime_function_torch_imports() {
         .map(|e| e.unwrap().path().join("site-packages/torch/lib"))
         .find(|p| p.exists())
         .expect("torch/lib in the venv");
-    let exported: std::collections::HashSet<String> = defined(&common::face())
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let exported: std::collections::HashSet<String> =
+        defined(face).into_iter().map(|(n, _)| n).collect();
     let mut imported = std::collections::BTreeSet::new();
-    for lib in ["libtorch_cuda.so", "libc10_cuda.so", "libtorch_python.so"] {
+    for lib in users {
         for line in objdump(&["-T"], &site.join(lib)).lines() {
-            if line.contains("*UND*") && line.contains("libcudart.so.13") {
+            if line.contains("*UND*") && line.contains(&format!("({version})")) {
                 if let Some(name) = line.split_whitespace().last() {
                     imported.insert(name.to_string());
                 }
             }
         }
     }
-    assert!(imported.len() > 50, "{imported:?}");
+    assert!(imported.len() > at_least, "{imported:?}");
     let missing: Vec<_> = imported.iter().filter(|n| !exported.contains(*n)).collect();
-    assert!(missing.is_empty(), "not exported by the face: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "not exported by {}: {missing:?}",
+        face.display()
+    );
+}
+
+#[test]
+#[cfg_attr(
+    quilt_no_torch,
+    ignore = "needs the real torch in the venv of scripts/torch-venv.sh (none when quilt-cuda-runtime was built)"
+)]
+fn exports_every_runtime_function_torch_imports() {
+    let users = ["libtorch_cuda.so", "libc10_cuda.so", "libtorch_python.so"];
+    exports_what_torch_imports(&common::face(), "libcudart.so.13", &users, 50);
+}
+
+/// Every `cublas*` and `cublasLt*` function torch's CUDA libraries import
+/// (`libtorch_cuda_linalg.so`'s too, which the face refuses by name).
+#[test]
+#[cfg_attr(
+    quilt_no_torch,
+    ignore = "needs the real torch in the venv of scripts/torch-venv.sh (none when quilt-cuda-runtime was built)"
+)]
+fn the_cublas_faces_export_every_function_torch_imports() {
+    let users = ["libtorch_cuda.so", "libtorch_cuda_linalg.so"];
+    let blas = common::built("libquilt_cublas.so");
+    exports_what_torch_imports(&blas, "libcublas.so.13", &users, 150);
+    let lt = common::built("libquilt_cublas_lt.so");
+    exports_what_torch_imports(&lt, "libcublasLt.so.13", &users, 15);
 }
