@@ -17,11 +17,14 @@ pub const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
 pub const CUDA_ERROR_NO_DEVICE: CuResult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CuResult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
+pub const CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: CuResult = 217;
 pub const CUDA_ERROR_INVALID_HANDLE: CuResult = 400;
 pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
+pub const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
+pub const CUDA_ERROR_PEER_ACCESS_NOT_ENABLED: CuResult = 705;
 pub const CUDA_ERROR_NOT_PERMITTED: CuResult = 800;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
@@ -67,6 +70,11 @@ pub const ERRORS: &[(CuResult, &str, &str)] = &[
         "invalid device context",
     ),
     (
+        CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        "peer access is not supported across the given devices",
+    ),
+    (
         CUDA_ERROR_INVALID_HANDLE,
         "CUDA_ERROR_INVALID_HANDLE",
         "invalid resource handle",
@@ -90,6 +98,16 @@ pub const ERRORS: &[(CuResult, &str, &str)] = &[
         CUDA_ERROR_ILLEGAL_ADDRESS,
         "CUDA_ERROR_ILLEGAL_ADDRESS",
         "an illegal memory access was encountered",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+        "peer access is already enabled",
+    ),
+    (
+        CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
+        "peer access has not been enabled",
     ),
     (
         CUDA_ERROR_NOT_PERMITTED,

@@ -736,21 +736,21 @@ fn queue_to_device(stream: u64, dst: u64, src: *const c_void, len: usize) -> Cal
             return Ok(());
         }
         need(src)?;
-        d.check_device_range(dst, len as u64, ACCESS_READWRITE)?;
         let s = d.stream(stream)?;
+        let device = d.reach(s, dst, len as u64, ACCESS_READWRITE)?;
         let src = src as usize as u64;
         let op = if d.is_pinned(src, len as u64) {
             Op::Copy {
                 dst,
-                dst_device: true,
+                dst_device: Some(device),
                 src,
-                src_device: false,
+                src_device: None,
                 len: len as u64,
             }
         } else {
             // SAFETY: the client gives `len` readable bytes at `src`.
             let bytes = unsafe { crate::os::read(src, len as u64) };
-            Op::Write { dst, bytes }
+            Op::Write { dst, device, bytes }
         };
         d.enqueue(s, op).map(|_| ())
     })
@@ -765,15 +765,15 @@ fn copy_to_host(stream: u64, dst: *mut c_void, src: u64, len: usize) -> Call<()>
             return Ok(());
         }
         need(dst)?;
-        d.check_device_range(src, len as u64, ACCESS_READ)?;
         let s = d.stream(stream)?;
+        let device = d.reach(s, src, len as u64, ACCESS_READ)?;
         let dst = dst as usize as u64;
         let pinned = d.is_pinned(dst, len as u64);
         let op = Op::Copy {
             dst,
-            dst_device: false,
+            dst_device: None,
             src,
-            src_device: true,
+            src_device: Some(device),
             len: len as u64,
         };
         let seq = d.enqueue(s, op)?;
@@ -784,20 +784,21 @@ fn copy_to_host(stream: u64, dst: *mut c_void, src: u64, len: usize) -> Call<()>
     })
 }
 
-/// Queues a device-to-device copy on `stream`.
+/// Queues a device-to-device copy on `stream`, between devices too
+/// (`peer.rs` says which memory it reaches).
 fn queue_device_copy(stream: u64, dst: u64, src: u64, len: usize) -> Call<()> {
     with_driver(|d| {
         if len == 0 {
             return Ok(());
         }
-        d.check_device_range(dst, len as u64, ACCESS_READWRITE)?;
-        d.check_device_range(src, len as u64, ACCESS_READ)?;
         let s = d.stream(stream)?;
+        let dst_device = d.reach(s, dst, len as u64, ACCESS_READWRITE)?;
+        let src_device = d.reach(s, src, len as u64, ACCESS_READ)?;
         let op = Op::Copy {
             dst,
-            dst_device: true,
+            dst_device: Some(dst_device),
             src,
-            src_device: true,
+            src_device: Some(src_device),
             len: len as u64,
         };
         d.enqueue(s, op).map(|_| ())
@@ -816,8 +817,8 @@ fn queue_fill(stream: u64, dst: u64, pattern: Vec<u8>, count: usize) -> Call<()>
         if len == 0 {
             return Ok(());
         }
-        d.check_device_range(dst, len, ACCESS_READWRITE)?;
         let s = d.stream(stream)?;
+        d.check_device_range(dst, len, d.stream_device(s), ACCESS_READWRITE)?;
         d.enqueue(s, Op::Fill { dst, pattern, len }).map(|_| ())
     })
 }
@@ -1484,18 +1485,6 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: Opaque, flags: c_uint) -> CuResult {
-    count!("cuCtxEnablePeerAccess");
-    code(with_driver(|d| {
-        d.context()?;
-        if flags != 0 || !d.contexts.contains_key(&(peer as usize as u64)) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        Ok(())
-    }))
-}
-
-#[no_mangle]
 pub unsafe extern "C" fn cuMemsetD16_v2(dst: CuDevicePtr, value: u16, count: usize) -> CuResult {
     count!("cuMemsetD16_v2");
     code(queue_fill(0, dst, value.to_ne_bytes().to_vec(), count))
@@ -1566,7 +1555,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
         need(data)?;
         let (start, size) = d.address_range(ptr).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         let ctx = d.context()?;
-        let device = d.context_device()?;
+        let device = d.memory.device_at(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: checked non-null; each attribute's documented type.
         unsafe {
             match attribute {

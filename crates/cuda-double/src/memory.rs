@@ -166,6 +166,26 @@ impl Memory {
         true
     }
 
+    /// The device of the `cuMemAlloc` allocation holding all of
+    /// `[ptr, ptr + len)`, if one does.
+    pub fn alloc_device(&self, ptr: u64, len: u64) -> Option<CuDevice> {
+        let (&start, a) = self.allocs.range(..=ptr).next_back()?;
+        let end = ptr.checked_add(len)?;
+        if end > start + a.size {
+            return None;
+        }
+        self.handles.get(&a.handle).map(|h| h.device)
+    }
+
+    /// The device whose memory is mapped at `ptr`, if any is.
+    pub fn device_at(&self, ptr: u64) -> Option<CuDevice> {
+        let (&start, m) = self.mappings.range(..=ptr).next_back()?;
+        if ptr >= start + m.size {
+            return None;
+        }
+        self.handles.get(&m.handle).map(|h| h.device)
+    }
+
     /// Whether `[ptr, ptr + size)` is mapped throughout (mappings may
     /// start before it and end after it).
     fn fully_mapped(&self, ptr: u64, size: u64) -> bool {

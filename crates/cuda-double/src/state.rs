@@ -1,6 +1,7 @@
 //! The double's driver state: one per process behind one lock, made by
 //! `cuInit`. Devices and contexts live here; memory is in `memory.rs`, streams,
-//! events, queued work and capture in `work.rs`.
+//! events, queued work and capture in `work.rs`, peer access and copies
+//! between devices in `peer.rs`.
 //!
 //! Every handle a client sees (contexts, streams, events, physical handles,
 //! graphs) is a number the double makes up and never reuses, so a handle
@@ -8,7 +9,7 @@
 //! (`CUDA_ERROR_INVALID_HANDLE`), never confused with a newer object.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
@@ -84,6 +85,9 @@ pub struct Driver {
     pub execs: BTreeMap<u64, Vec<Op>>,
     /// Pinned host allocations (`cuMemHostAlloc`): address to size.
     pub host: BTreeMap<u64, Vec<u8>>,
+    /// Peer access enabled (`cuCtxEnablePeerAccess`): from a context to a
+    /// peer context (`peer.rs`).
+    pub peers: BTreeSet<(u64, u64)>,
 }
 
 /// The result of a driver call: a value or a `CUresult` error.
@@ -163,6 +167,7 @@ impl Driver {
             graphs: BTreeMap::new(),
             execs: BTreeMap::new(),
             host: BTreeMap::new(),
+            peers: BTreeSet::new(),
         }
     }
 
@@ -294,6 +299,7 @@ impl Driver {
         self.events.retain(|_, e| e.context != ctx);
         self.legacy.remove(&ctx);
         self.per_thread.retain(|(_, c), _| *c != ctx);
+        self.peers.retain(|&(from, to)| from != ctx && to != ctx);
     }
 
     /// Runs the queued work that is due after this call is counted.

@@ -65,6 +65,8 @@ pub enum Op {
     Write {
         /// Device address.
         dst: u64,
+        /// The device whose access to `dst` the write uses (`peer.rs`).
+        device: CuDevice,
         /// The bytes.
         bytes: Vec<u8>,
     },
@@ -72,12 +74,14 @@ pub enum Op {
     Copy {
         /// Destination.
         dst: u64,
-        /// Whether `dst` is device memory.
-        dst_device: bool,
+        /// Where `dst` is device memory, the device whose access to it the
+        /// copy uses (`peer.rs`); `None` for pinned host memory.
+        dst_device: Option<CuDevice>,
         /// Source.
         src: u64,
-        /// Whether `src` is device memory.
-        src_device: bool,
+        /// Where `src` is device memory, the device whose access to it the
+        /// copy uses; `None` for pinned host memory.
+        src_device: Option<CuDevice>,
         /// Bytes.
         len: u64,
     },
@@ -178,12 +182,13 @@ pub struct Capture {
     pub ops: Vec<Op>,
 }
 
-/// A device address range a queued op touches: start, length, write.
-fn device_ranges(op: &Op) -> Vec<(u64, u64, bool)> {
+/// The device address ranges a queued op touches: start, length, write,
+/// and the device whose access it uses (`None`: the stream's).
+fn device_ranges(op: &Op) -> Vec<(u64, u64, bool, Option<CuDevice>)> {
     match op {
         Op::Marker | Op::Kernel | Op::Wait { .. } => vec![],
-        Op::Write { dst, bytes } => vec![(*dst, bytes.len() as u64, true)],
-        Op::Fill { dst, len, .. } => vec![(*dst, *len, true)],
+        Op::Write { dst, device, bytes } => vec![(*dst, bytes.len() as u64, true, Some(*device))],
+        Op::Fill { dst, len, .. } => vec![(*dst, *len, true, None)],
         Op::Copy {
             dst,
             dst_device,
@@ -192,11 +197,11 @@ fn device_ranges(op: &Op) -> Vec<(u64, u64, bool)> {
             len,
         } => {
             let mut v = Vec::new();
-            if *dst_device {
-                v.push((*dst, *len, true));
+            if let Some(d) = dst_device {
+                v.push((*dst, *len, true, Some(*d)));
             }
-            if *src_device {
-                v.push((*src, *len, false));
+            if let Some(d) = src_device {
+                v.push((*src, *len, false, Some(*d)));
             }
             v
         }
@@ -394,15 +399,19 @@ impl Driver {
     }
 
     /// Runs one op of context `ctx`: a fault where a device range is not
-    /// mapped with the access it needs now.
+    /// mapped with the access it needs now (for the device the op reaches
+    /// it through, `peer.rs`; else the context's).
     fn execute(&mut self, ctx: u64, op: &Op) {
         if self.contexts.get(&ctx).is_none_or(|c| c.poisoned.is_some()) {
             return;
         }
-        let device = self.contexts[&ctx].device;
-        for (ptr, len, write) in device_ranges(op) {
+        let own = self.contexts[&ctx].device;
+        for (ptr, len, write, through) in device_ranges(op) {
             let need = if write { ACCESS_READWRITE } else { ACCESS_READ };
-            if !self.memory.accessible(ptr, len, device, need) {
+            if !self
+                .memory
+                .accessible(ptr, len, through.unwrap_or(own), need)
+            {
                 eprintln!(
                     "quilt-cuda-double: illegal address: queued work {} {len} bytes at {ptr:#x}, not mapped with {} access when it ran; context poisoned",
                     if write { "writes" } else { "reads" },
@@ -417,7 +426,7 @@ impl Driver {
         // gave for `len` bytes (the API's contract).
         match op {
             Op::Marker | Op::Kernel | Op::Wait { .. } => {}
-            Op::Write { dst, bytes } => unsafe { os::write(*dst, bytes) },
+            Op::Write { dst, bytes, .. } => unsafe { os::write(*dst, bytes) },
             Op::Copy { dst, src, len, .. } => unsafe { os::copy(*dst, *src, *len) },
             Op::Fill { dst, pattern, len } => {
                 let bytes: Vec<u8> = pattern
@@ -527,10 +536,16 @@ impl Driver {
     /// `cuCtxSynchronize`.
     pub fn synchronize_context(&mut self) -> Call<()> {
         let ctx = self.context()?;
+        self.synchronize_contexts(&[ctx])
+    }
+
+    /// Runs all work queued in the contexts `ctxs`; refused, invalidating
+    /// the captures, where a stream of one of them captures.
+    pub fn synchronize_contexts(&mut self, ctxs: &[u64]) -> Call<()> {
         let capturing: Vec<u64> = self
             .streams
             .values()
-            .filter(|s| s.context == ctx)
+            .filter(|s| ctxs.contains(&s.context))
             .filter_map(|s| s.capture)
             .collect();
         if !capturing.is_empty() {
@@ -543,13 +558,13 @@ impl Driver {
         let all: Vec<(u64, u64)> = self
             .streams
             .iter()
-            .filter(|(_, st)| st.context == ctx)
+            .filter(|(_, st)| ctxs.contains(&st.context))
             .map(|(&s, st)| (s, st.submitted))
             .collect();
         for (s, seq) in all {
             self.run_until(s, seq);
         }
-        self.sticky(ctx)
+        ctxs.iter().try_for_each(|&ctx| self.sticky(ctx))
     }
 
     /// `cuEventCreate`.
@@ -827,9 +842,14 @@ impl Driver {
     }
 
     /// Checks that `[ptr, ptr + len)` is device memory mapped with `need`
-    /// access for the current context's device now (a copy's argument).
-    pub fn check_device_range(&self, ptr: u64, len: u64, need: c_int) -> Call<()> {
-        let device = self.context_device()?;
+    /// access for `device` now (a fill's or a copy's argument).
+    pub fn check_device_range(
+        &self,
+        ptr: u64,
+        len: u64,
+        device: CuDevice,
+        need: c_int,
+    ) -> Call<()> {
         if len == 0 || self.memory.accessible(ptr, len, device, need) {
             Ok(())
         } else {

@@ -86,6 +86,11 @@ pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) 
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> CudaError {
+    done(device::disable_peer(peer))
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn cudaDriverGetVersion(version: *mut c_int) -> CudaError {
     done((|| {
         let d = driver::get().map_err(|e| e as CudaError)?;

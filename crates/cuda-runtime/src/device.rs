@@ -13,7 +13,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::{Mutex, PoisonError};
 
 use crate::driver::{self, CuDevice, Opaque};
-use crate::errors::{check, Rt, INVALID_DEVICE, INVALID_VALUE};
+use crate::errors::{check, Rt, INVALID_DEVICE, INVALID_VALUE, PEER_ACCESS_UNSUPPORTED};
 use crate::props::DeviceProp;
 
 /// The runtime version the face answers: CUDA 13.2, the wheel's.
@@ -40,6 +40,12 @@ pub fn valid(device: c_int) -> Rt<CuDevice> {
     // SAFETY: a valid out-pointer.
     check(unsafe { (d.cuDeviceGet)(&mut dev, device) }).map_err(|_| INVALID_DEVICE)?;
     Ok(dev)
+}
+
+/// The primary context of device ordinal `device` (`cudaErrorInvalidDevice`
+/// for none), retained once for the process.
+pub fn primary_of(device: c_int) -> Rt<Opaque> {
+    primary(valid(device)?)
 }
 
 /// The primary context of `device`, retained once for the process.
@@ -103,13 +109,34 @@ pub fn current() -> Rt<c_int> {
     Ok(device)
 }
 
-/// `cudaDeviceEnablePeerAccess`: from the current context to `peer`'s.
+/// `cudaDeviceEnablePeerAccess`: from the current context to `peer`'s
+/// primary context. A device that cannot access `peer` (itself) is
+/// `cudaErrorInvalidDevice`, as the runtime reference says.
 pub fn enable_peer(peer: c_int, flags: c_uint) -> Rt<()> {
-    bind()?;
-    let p = primary(valid(peer)?)?;
+    let device = bind()?;
+    let p = primary_of(peer)?;
+    if peer == device {
+        return Err(INVALID_DEVICE);
+    }
     let d = driver::get().map_err(|e| e as c_int)?;
     // SAFETY: a context the driver gave.
-    check(unsafe { (d.cuCtxEnablePeerAccess)(p, flags) })
+    check(unsafe { (d.cuCtxEnablePeerAccess)(p, flags) }).map_err(|e| {
+        if e == PEER_ACCESS_UNSUPPORTED {
+            INVALID_DEVICE
+        } else {
+            e
+        }
+    })
+}
+
+/// `cudaDeviceDisablePeerAccess`: from the current context to `peer`'s
+/// primary context.
+pub fn disable_peer(peer: c_int) -> Rt<()> {
+    bind()?;
+    let p = primary_of(peer)?;
+    let d = driver::get().map_err(|e| e as c_int)?;
+    // SAFETY: a context the driver gave.
+    check(unsafe { (d.cuCtxDisablePeerAccess)(p) })
 }
 
 /// What the face answers for the attributes the double leaves at 0 and

@@ -80,6 +80,7 @@ driver_api! {
     cuCtxGetDevice: fn(*mut CuDevice);
     cuCtxSynchronize: fn();
     cuCtxEnablePeerAccess: fn(Opaque, c_uint);
+    cuCtxDisablePeerAccess: fn(Opaque);
     cuMemAlloc_v2: fn(*mut CuDevicePtr, usize);
     cuMemFree_v2: fn(CuDevicePtr);
     cuMemGetInfo_v2: fn(*mut usize, *mut usize);
@@ -90,6 +91,8 @@ driver_api! {
     cuMemcpyDtoHAsync_v2: fn(*mut c_void, CuDevicePtr, usize, Opaque);
     cuMemcpyDtoDAsync_v2: fn(CuDevicePtr, CuDevicePtr, usize, Opaque);
     cuMemcpyAsync: fn(CuDevicePtr, CuDevicePtr, usize, Opaque);
+    cuMemcpyPeerAsync: fn(CuDevicePtr, Opaque, CuDevicePtr, Opaque, usize, Opaque);
+    cuMemcpyPeer: fn(CuDevicePtr, Opaque, CuDevicePtr, Opaque, usize);
     cuMemsetD8Async: fn(CuDevicePtr, u8, usize, Opaque);
     cuStreamCreateWithPriority: fn(*mut Opaque, c_uint, c_int);
     cuStreamDestroy_v2: fn(Opaque);

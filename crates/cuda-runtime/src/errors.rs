@@ -22,6 +22,7 @@ pub const INVALID_VALUE: CudaError = 1;
 pub const INVALID_CONFIGURATION: CudaError = 9;
 pub const INVALID_DEVICE_FUNCTION: CudaError = 98;
 pub const INVALID_DEVICE: CudaError = 101;
+pub const PEER_ACCESS_UNSUPPORTED: CudaError = 217;
 pub const NOT_READY: CudaError = 600;
 pub const NOT_SUPPORTED: CudaError = 801;
 
@@ -102,6 +103,11 @@ const ERRORS: &[(CudaError, &str, &str)] = &[
     (100, "cudaErrorNoDevice", "no CUDA-capable device is detected"),
     (101, "cudaErrorInvalidDevice", "invalid device ordinal"),
     (201, "cudaErrorDeviceUninitialized", "invalid device context"),
+    (
+        217,
+        "cudaErrorPeerAccessUnsupported",
+        "peer access is not supported between these two devices",
+    ),
     (400, "cudaErrorInvalidResourceHandle", "invalid resource handle"),
     (
         401,
@@ -115,6 +121,8 @@ const ERRORS: &[(CudaError, &str, &str)] = &[
         "cudaErrorIllegalAddress",
         "an illegal memory access was encountered",
     ),
+    (704, "cudaErrorPeerAccessAlreadyEnabled", "peer access is already enabled"),
+    (705, "cudaErrorPeerAccessNotEnabled", "peer access has not been enabled"),
     (800, "cudaErrorNotPermitted", "operation not permitted"),
     (801, "cudaErrorNotSupported", "operation not supported"),
     (

@@ -3,6 +3,14 @@
 //! access it needs; work queued on a stream runs late; a copy into pageable
 //! host memory waits for the stream).
 //!
+//! Copies between devices: `cudaMemcpy(Async)` of kind `Default` or
+//! `DeviceToDevice` pass both pointers to the double, which reaches memory of
+//! another device's `cudaMalloc` through that device (unified addressing:
+//! no peer access needed); `cudaMemcpyPeer(Async)` name both devices, as
+//! `cuMemcpyPeer(Async)` with their primary contexts, which reaches any
+//! memory mapped for its own device (memory torch's expandable segments map
+//! with `cuMemMap` included). Queued on the stream given, in its order.
+//!
 //! `cudaMallocAsync` and `cudaFreeAsync` have no memory pools to use (the
 //! double's devices have none): they allocate like `cudaMalloc`, and free
 //! like `cudaFree`, which first waits for all queued work (stream order
@@ -14,7 +22,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 
-use crate::device::bind;
+use crate::device::{bind, primary_of};
 use crate::driver::{self, CuDevicePtr, Opaque};
 use crate::errors::{check, done, CudaError, Rt, INVALID_VALUE};
 
@@ -158,12 +166,13 @@ pub unsafe extern "C" fn cudaPointerGetAttributes(
     ptr: *const c_void,
 ) -> CudaError {
     done((|| {
-        let device = bind()?;
+        bind()?;
         let d = drv()?;
-        let mut kind: c_uint = 0;
-        // SAFETY: CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2) writes an unsigned int.
+        let mut device: c_int = 0;
+        // SAFETY: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (9) writes an int: the
+        // device whose memory is mapped at `ptr`, where any is.
         let r =
-            unsafe { (d.cuPointerGetAttribute)((&mut kind as *mut c_uint).cast(), 2, ptr as u64) };
+            unsafe { (d.cuPointerGetAttribute)((&mut device as *mut c_int).cast(), 9, ptr as u64) };
         let a = if r == 0 {
             PointerAttributes {
                 kind: 2,
@@ -239,13 +248,38 @@ pub unsafe extern "C" fn cudaMemcpy(
 #[no_mangle]
 pub unsafe extern "C" fn cudaMemcpyPeerAsync(
     dst: *mut c_void,
-    _dst_device: c_int,
+    dst_device: c_int,
     src: *const c_void,
-    _src_device: c_int,
+    src_device: c_int,
     len: usize,
     stream: Opaque,
 ) -> CudaError {
-    done(copy(dst, src, len, DEFAULT, stream))
+    done((|| {
+        bind()?;
+        let (dst_ctx, src_ctx) = (primary_of(dst_device)?, primary_of(src_device)?);
+        let (dst, src) = (dst as usize as u64, src as usize as u64);
+        // SAFETY: the double checks both ranges against its maps.
+        check(unsafe { (drv()?.cuMemcpyPeerAsync)(dst, dst_ctx, src, src_ctx, len, stream) })
+    })())
+}
+
+/// `cudaMemcpyPeer`: serialised with the work of the current device and
+/// both devices (the double returns once the bytes are there).
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemcpyPeer(
+    dst: *mut c_void,
+    dst_device: c_int,
+    src: *const c_void,
+    src_device: c_int,
+    len: usize,
+) -> CudaError {
+    done((|| {
+        bind()?;
+        let (dst_ctx, src_ctx) = (primary_of(dst_device)?, primary_of(src_device)?);
+        let (dst, src) = (dst as usize as u64, src as usize as u64);
+        // SAFETY: the double checks both ranges against its maps.
+        check(unsafe { (drv()?.cuMemcpyPeer)(dst, dst_ctx, src, src_ctx, len) })
+    })())
 }
 
 /// `cudaMemcpy2DAsync`: one copy per row.
