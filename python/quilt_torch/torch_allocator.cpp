@@ -689,8 +689,16 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       C10_CUDA_CHECK(err);
     }
   }
-  cudaError_t memcpyAsync(void* dst, int, const void* src, int, size_t count,
-                          cudaStream_t stream, bool) override {
+  // Between devices, a peer copy: Quilt maps its memory with cuMemMap for its
+  // own device (and the peers QUILT_ALLOC_CONF's peer_access names), which
+  // cudaMemcpyAsync reaches only where the copying device has access, peer
+  // access enabled or not; cudaMemcpyPeerAsync names both devices (torch's
+  // own allocator does the same for its expandable segments).
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device,
+                          size_t count, cudaStream_t stream, bool) override {
+    if (dst_device != src_device) {
+      return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+    }
     return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {

@@ -89,6 +89,46 @@ class SimulatedGpu(unittest.TestCase):
             self.assertEqual(dev.device, torch.device("cuda", 1))
             self.assertTrue(torch.equal(dev.clone().cpu(), host))
 
+    def test_copies_between_devices(self):
+        if torch.cuda.device_count() < 2:
+            self.skipTest("needs two devices (QUILT_CUDA_DOUBLE_DEVICES=2 or more)")
+        one = torch.device("cuda", 1)
+        # .to between devices, both ways, on the source device's stream, after
+        # torch enables peer access: a cudaMemcpyAsync under torch's
+        # allocators (expandable segments first map their memory for the
+        # peer), a cudaMemcpyPeerAsync under Quilt's.
+        for i, n in enumerate([1, 4097, MiB + 5, 9 * MiB + 3]):
+            host = pattern(n, 50 + i)
+            on0 = host.to("cuda:0")
+            on1 = on0.to("cuda:1")
+            self.assertEqual(on1.device, one)
+            back = on1.to("cuda:0")
+            self.assertTrue(torch.equal(on1.cpu(), host), n)
+            self.assertTrue(torch.equal(back.cpu(), host), n)
+        # copy_ both ways, non-blocking, on a side stream of the source
+        # device: the destination device's stream waits for it by event.
+        host = pattern(3 * MiB, 60)
+        on0 = host.to("cuda:0")
+        into1 = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:1")
+        side = torch.cuda.Stream(device=0)
+        with torch.cuda.stream(side):
+            into1.copy_(on0, non_blocking=True)
+        into0 = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda:0")
+        into0.copy_(into1, non_blocking=True)
+        self.assertTrue(torch.equal(into0.cpu(), host))
+        self.assertTrue(torch.equal(into1.cpu(), host))
+        # A transposed (dense) tensor is one memcpy, its bytes kept; a
+        # strided slice goes through torch's copy kernel on the source device
+        # (peer access is on), which computes nothing on the double: only
+        # accepted, its bytes unspecified.
+        grid = pattern(1 << 20, 61).view(1024, 1024)
+        moved = grid.to("cuda:0").t().to("cuda:1")
+        self.assertTrue(torch.equal(moved.cpu(), grid.t()))
+        strided = grid.to("cuda:0")[:, ::2].to("cuda:1")
+        self.assertEqual((strided.device, strided.shape), (one, (1024, 512)))
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+
     def test_side_streams_events_and_record_stream(self):
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
