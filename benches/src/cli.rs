@@ -1,4 +1,5 @@
-//! The `quilt-bench` command line: `ab` (the A/B harness), `sweep`, `scale`
+//! The `quilt-bench` command line: `ab` (the A/B harness), `sweep`, `scale`,
+//! `live` (a PyTorch program on the simulated GPU, [`crate::live_program`])
 //! and `list`.
 //!
 //! Exit status: 0 when every pair was measured; 1 when the run finished and
@@ -11,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 
+use crate::live_program::command::{run_live, LiveArgs};
 use crate::replay::{ReplayConfig, DEFAULT_GPU_LAG_OPS, DEFAULT_SYNC_COST_NS};
 use crate::report::rows::{
     self, distinct, CostModelParameters, Measurement, Outcome, RunParameters,
@@ -51,6 +53,16 @@ pub enum Command {
     /// Host cost per operation of a steady churn as live blocks and streams
     /// grow: one line (and JSON row) per allocator, live count and streams.
     Scale(ScaleArgs),
+    /// Run a PyTorch program on the simulated GPU under each allocator
+    /// (torch's classic caching allocator, its expandable segments, Quilt),
+    /// each in its own process: torch's peak figures, the smallest device on
+    /// which it completes (bisection), driver calls; see docs/benchmarks.md.
+    ///
+    /// Exit status: 0 when every allocator completed on the largest device;
+    /// 1 when the report was written but one did not (the error is in the
+    /// report), or --record failed; 2 when an argument is wrong (a missing
+    /// program, a bad spec).
+    Live(Box<LiveArgs>),
     /// List the built-in workloads with their figures.
     List {
         /// Seed of the generators.
@@ -303,7 +315,7 @@ pub fn parse_capacity(text: &str) -> Result<u64, CliError> {
 
 /// Where a report goes: `--json -` sends the JSON to standard output and
 /// everything else to standard error.
-fn say(json_to_stdout: bool, text: &str) {
+pub(crate) fn say(json_to_stdout: bool, text: &str) {
     if json_to_stdout {
         eprint!("{text}");
     } else {
@@ -331,7 +343,7 @@ fn out(text: &str) {
 
 /// Write `json` to `path` (`-`: standard output); the line saying where it
 /// went, if anywhere.
-fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
+pub(crate) fn write_json(path: &Path, json: &str) -> Result<Option<String>, CliError> {
     if path == Path::new("-") {
         out(&format!("{json}\n"));
         return Ok(None);
@@ -384,6 +396,7 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
 /// Run a parsed command; the report goes to stdout, progress to stderr.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
+        Command::Live(args) => run_live(&args),
         Command::List { seed, sizes } => {
             out(&text::list(seed, sizes));
             Ok(())

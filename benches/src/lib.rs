@@ -11,6 +11,8 @@
 //!   host cost per operation as live blocks and streams grow; [`sweep`]: one
 //!   knob's values as specs; [`latency`]: the driver-call latency
 //!   micro-benchmark (`--example driver_latency`).
+//! - [`live_program`]: the live A/B, a real PyTorch program on the simulated
+//!   GPU under torch's allocators and Quilt (`quilt-bench live`).
 //! - [`allocators`]: the registry of allocators by name and what each can
 //!   do; [`report`]: the outputs, a module each (rows, text, JSON, charts);
 //!   [`cli`]: the `quilt-bench` command line; [`units`]: byte sizes.
@@ -22,6 +24,7 @@ pub mod bisect;
 pub mod cli;
 pub mod latency;
 pub mod live;
+pub mod live_program;
 pub mod races;
 pub mod replay;
 pub mod report;
