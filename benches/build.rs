@@ -8,10 +8,16 @@
 //!   as `#[ignore]`d without (they show as ignored, never as passed). After
 //!   adding `../shared`, rebuild: `touch benches/build.rs`;
 //! - the cfg `no_python3` where no `python3` runs at build time: the tests of
-//!   the Python scripts (`tests/scripts.rs`) are then ignored.
+//!   the Python scripts (`tests/scripts.rs`) are then ignored;
+//! - the cfg `quilt_no_torch` where the torch venv of `scripts/torch-venv.sh`
+//!   is not there (as `crates/torch/build.rs` sets it): the live A/B's tests
+//!   that run torch (`tests/live_program.rs`) are then ignored, with the
+//!   reason as a build warning; else `QUILT_TORCH_VENV_FOUND` names the venv.
 
 use std::path::Path;
 use std::process::Command;
+
+include!("../crates/torch/build/torch_venv.rs");
 
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
@@ -29,6 +35,8 @@ fn main() {
     if !python3 {
         println!("cargo:rustc-cfg=no_python3");
     }
+    println!("cargo:rerun-if-changed=../crates/torch/build/torch_venv.rs");
+    torch_venv_cfg("live A/B tests (tests/live_program.rs)");
     let shared = manifest.join("../../shared/traces");
     let converted = shared.join("converted");
     if converted.join("stats.json").is_file() {
