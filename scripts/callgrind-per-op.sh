@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Instructions and cache misses per operation of Quilt's own calls, by
 # callgrind (valgrind) with its cache simulation: deterministic, unlike wall
-# time on a shared machine. Four rows:
+# time on a shared machine. Four rows by default:
 #   ms10, bert   `quilt-bench ab` on many-streams-10 and bert_large_infer:
 #                Quilt's allocate/free calls (the simulated driver's calls
 #                inside them included), steady state: the run of 4
@@ -9,19 +9,56 @@
 #   scale1, 64   `quilt-bench scale --live 1000` at 1 and 64 streams: the
 #                timed churn (20,000 steps, 40,000 operations; the
 #                simulated driver's calls included).
-# Usage: scripts/callgrind-per-op.sh [BIN] [OUTDIR]
+# With --trace FILE..., one `ab` row per trace instead (steady state, as
+# ms10 and bert). With --sizes, one row per allocator (quilt, classic),
+# block size (2 MiB to 1 GiB) and stream count (1, 4) instead: the timed
+# churn of `quilt-bench sizes` (16 live blocks, 2,000 steps).
+# Usage: scripts/callgrind-per-op.sh [BIN] [OUTDIR] [--trace FILE... | --sizes]
 #   BIN     a quilt-bench binary (default: target/release/quilt-bench)
 #   OUTDIR  where the callgrind files go (default: a new temporary folder)
-# Needs valgrind and ../shared/traces/converted/bert_large_infer.trace.
+# Needs valgrind and, by default, ../shared/traces/converted/bert_large_infer.trace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=${1:-target/release/quilt-bench}
-out=${2:-$(mktemp -d)}
+bin=target/release/quilt-bench
+out=
+mode=rows
+traces=()
+positional=0
+while [ $# -gt 0 ]; do
+    case $1 in
+    --sizes) mode=sizes ;;
+    --trace)
+        mode=traces
+        shift
+        while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do
+            traces+=("$1")
+            shift
+        done
+        continue
+        ;;
+    *)
+        case $positional in
+        0) bin=$1 ;;
+        1) out=$1 ;;
+        *) echo "callgrind-per-op: unexpected argument $1" >&2; exit 2 ;;
+        esac
+        positional=$((positional + 1))
+        ;;
+    esac
+    shift
+done
+out=${out:-$(mktemp -d)}
 mkdir -p "$out"
 bert=../shared/traces/converted/bert_large_infer.trace
 command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 2; }
 [ -x "$bin" ] || { echo "no binary at $bin (cargo build --release -p quilt-bench)" >&2; exit 2; }
-[ -f "$bert" ] || { echo "no trace at $bert" >&2; exit 2; }
+if [ "$mode" = traces ] && [ ${#traces[@]} -eq 0 ]; then
+    echo "callgrind-per-op: --trace needs at least one file" >&2
+    exit 2
+fi
+for t in "${traces[@]}"; do
+    [ -f "$t" ] || { echo "no trace at $t" >&2; exit 2; }
+done
 ab() { # name, then the workload arguments
     local name=$1 it
     shift
@@ -38,15 +75,43 @@ scale() {
         "$bin" scale --allocators quilt --live 1000 --streams "$1" --repeat 1 \
         >/dev/null 2>"$out/scale$1.log"
 }
-ab ms10 --workload many-streams-10 &
-ab bert --trace "$bert" &
-wait
-scale 1 &
-scale 64 &
-wait
-python3 - "$out" "$bert" <<'PY'
+sizes() { # allocator, size, streams
+    valgrind --tool=callgrind --cache-sim=yes --collect-atstart=no \
+        --toggle-collect='*scale::churn*' --callgrind-out-file="$out/size-$1-$2-$3.cg" \
+        "$bin" sizes --allocators "$1" --sizes "$2" --streams "$3" --steps 2000 --repeat 1 \
+        >/dev/null 2>"$out/size-$1-$2-$3.log"
+}
+size_list="2MiB 4MiB 8MiB 16MiB 32MiB 64MiB 128MiB 256MiB 512MiB 1GiB"
+case $mode in
+rows)
+    [ -f "$bert" ] || { echo "no trace at $bert" >&2; exit 2; }
+    ab ms10 --workload many-streams-10 &
+    ab bert --trace "$bert" &
+    wait
+    scale 1 &
+    scale 64 &
+    wait
+    ;;
+traces)
+    for t in "${traces[@]}"; do
+        ab "$(basename "$t" .trace)" --trace "$t"
+    done
+    ;;
+sizes)
+    for a in quilt classic; do
+        for s in $size_list; do
+            sizes "$a" "$s" 1 &
+            sizes "$a" "$s" 4 &
+            wait
+        done
+    done
+    ;;
+esac
+python3 - "$out" "$mode" "$bert" "$size_list" "${traces[@]}" <<'PY'
+import os
 import sys
-out, bert = sys.argv[1], sys.argv[2]
+
+out, mode, bert, size_list, traces = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 
 def collected(path):
     # valgrind's summary: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
@@ -57,14 +122,29 @@ def collected(path):
 
 def row(name, per_op):
     ir, _, _, i1, d1r, d1w = per_op[:6]
-    print(f"{name:8s} {ir:9.0f} {i1:7.1f} {d1r:7.1f} {d1w:7.1f}")
+    print(f"{name:24s} {ir:9.0f} {i1:7.1f} {d1r:7.1f} {d1w:7.1f}")
 
-print(f"{'row':8s} {'instr/op':>9s} {'I1/op':>7s} {'D1r/op':>7s} {'D1w/op':>7s}")
-events = {"ms10": 16250, "bert": sum(1 for _ in open(bert))}
-for name, n in events.items():
+def steady(name, n):
     four, two = collected(f"{out}/{name}.4.log"), collected(f"{out}/{name}.2.log")
     row(name, [(a - b) / (2 * n) for a, b in zip(four, two)])
-for s in (1, 64):
-    row(f"scale{s}", [x / 40000 for x in collected(f"{out}/scale{s}.log")])
+
+def events(path):
+    return sum(1 for _ in open(path))
+
+print(f"{'row':24s} {'instr/op':>9s} {'I1/op':>7s} {'D1r/op':>7s} {'D1w/op':>7s}")
+if mode == "rows":
+    steady("ms10", 16250)
+    steady("bert", events(bert))
+    for s in (1, 64):
+        row(f"scale{s}", [x / 40000 for x in collected(f"{out}/scale{s}.log")])
+elif mode == "traces":
+    for t in traces:
+        steady(os.path.basename(t)[: -len(".trace")] if t.endswith(".trace") else os.path.basename(t), events(t))
+else:
+    for a in ("quilt", "classic"):
+        for streams in (1, 4):
+            for s in size_list.split():
+                name = f"size-{a}-{s}-{streams}"
+                row(f"{a} {s} {streams} streams", [x / 4000 for x in collected(f"{out}/{name}.log")])
 print(f"callgrind files: {out}")
 PY

@@ -57,7 +57,7 @@ fn churn() {
             let mut blocks = Vec::new();
             for steps in [4_000u64, 12_000] {
                 let before = dhat::HeapStats::get().total_blocks;
-                quilt_bench::scale::run_once(name, 1_000, streams, steps, 42).unwrap();
+                quilt_bench::scale::run_once(name, 1_000, streams, None, steps, 42).unwrap();
                 blocks.push(dhat::HeapStats::get().total_blocks - before);
             }
             let per_op = (blocks[1] - blocks[0]) as f64 / (2.0 * 8_000.0);

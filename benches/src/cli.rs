@@ -1,5 +1,5 @@
 //! The `quilt-bench` command line: `ab` (the A/B harness), `sweep`, `scale`,
-//! `live` (a PyTorch program on the simulated GPU, [`crate::live_program`])
+//! `sizes`, `live` (a PyTorch program on the simulated GPU, [`crate::live_program`])
 //! and `list`.
 //!
 //! Exit status: 0 when every pair was measured; 1 when the run finished and
@@ -53,6 +53,10 @@ pub enum Command {
     /// Host cost per operation of a steady churn as live blocks and streams
     /// grow: one line (and JSON row) per allocator, live count and streams.
     Scale(ScaleArgs),
+    /// Host cost per operation against block size: the churn of `scale`
+    /// with every block of one size, one line (and JSON row) per allocator
+    /// and size, against the same allocator at the smallest size.
+    Sizes(SizesArgs),
     /// Run a PyTorch program on the simulated GPU under each allocator
     /// (torch's classic caching allocator, its expandable segments, Quilt),
     /// each in its own process: torch's peak figures, the smallest device on
@@ -98,6 +102,40 @@ pub struct ScaleArgs {
     pub seed: u64,
     /// Write the JSON rows (`allocator`, `live`, `streams`, `ns_per_op`,
     /// `driver_ns_per_op`, `stream_calls_per_op`, ...) here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// Arguments of `quilt-bench sizes`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SizesArgs {
+    /// Allocator specs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "quilt,classic")]
+    pub allocators: Vec<String>,
+    /// Block sizes, with their units, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "2MiB,4MiB,8MiB,16MiB,32MiB,64MiB,128MiB,256MiB,512MiB,1GiB"
+    )]
+    pub sizes: Vec<String>,
+    /// Live blocks kept, all of the point's size.
+    #[arg(long, default_value_t = 16)]
+    pub live: u64,
+    /// Streams the blocks are spread over.
+    #[arg(long, default_value_t = 1)]
+    pub streams: u64,
+    /// Timed steps per point (each a free and an allocate).
+    #[arg(long, default_value_t = 5_000)]
+    pub steps: u64,
+    /// Runs per point, round robin over the points; each point reports the
+    /// median of its runs.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: u32,
+    /// Seed of the choices.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Write the JSON rows (those of `scale`, with `size_bytes`) here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }
@@ -393,6 +431,55 @@ fn run_verdict(outcomes: &[Outcome], capacity: u64) -> Result<(), CliError> {
     }
 }
 
+/// Run `quilt-bench sizes`: the points, their table, their JSON.
+fn run_sizes(args: &SizesArgs) -> Result<(), CliError> {
+    for a in &args.allocators {
+        allocators::check_name(a).map_err(|e| CliError::Usage(e.to_string()))?;
+    }
+    if args.live == 0 || args.streams == 0 || args.steps == 0 || args.repeat == 0 {
+        return Err(CliError::Usage(
+            "--live, --streams, --steps and --repeat must be at least 1".into(),
+        ));
+    }
+    let mut sizes = Vec::new();
+    for s in &args.sizes {
+        match parse_size(s) {
+            Ok(0) => return Err(CliError::Usage(format!("--sizes: {s:?} is no block"))),
+            Ok(bytes) => sizes.push(bytes),
+            Err(e) => return Err(CliError::Usage(format!("--sizes: {s:?}: {e}"))),
+        }
+    }
+    let specs: Vec<scale::PointSpec> = args
+        .allocators
+        .iter()
+        .flat_map(|a| {
+            sizes.iter().map(|&size| scale::PointSpec {
+                allocator: a.clone(),
+                live: args.live,
+                streams: args.streams,
+                size: Some(size),
+            })
+        })
+        .collect();
+    let (points, failed) = scale::run_points(&specs, args.steps, args.seed, args.repeat);
+    out(&text::sizes_table(&points));
+    for f in &failed {
+        out(&format!("failed: {f}\n"));
+    }
+    if let Some(path) = &args.json {
+        let json = json::scale_json(&points).map_err(|e| CliError::Output(e.to_string()))?;
+        out(&write_json_file(path, &json)?);
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Output(format!(
+            "{} point(s) failed",
+            failed.len()
+        )))
+    }
+}
+
 /// Run a parsed command; the report goes to stdout, progress to stderr.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
@@ -422,6 +509,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                             allocator: a.clone(),
                             live,
                             streams,
+                            size: None,
                         });
                     }
                 }
@@ -445,6 +533,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
                 )))
             }
         }
+        Command::Sizes(args) => run_sizes(&args),
         Command::Sweep(args) => {
             let (key, values, parameters, outcomes) = run_sweep(&args)?;
             let to_stdout = json_to_stdout(&args.run);

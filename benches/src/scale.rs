@@ -1,8 +1,9 @@
-//! `quilt-bench scale`: host cost per operation as live blocks and streams
-//! grow. A churn at a steady live set: `live` blocks of mixed sizes (512 B to
-//! 64 MiB) spread round robin over `streams` streams; each step frees a
-//! random live block and allocates a replacement of a fresh size on its
-//! stream. The set is built first (not timed), then `steps` steps are timed
+//! `quilt-bench scale` and `quilt-bench sizes`: host cost per operation as
+//! live blocks and streams grow, or as blocks grow. A churn at a steady live
+//! set: `live` blocks of mixed sizes (512 B to 64 MiB; with `size`, all of
+//! that one size) spread round robin over `streams` streams; each step frees
+//! a random live block and allocates a replacement of a fresh size (the
+//! same size, with `size`) on its stream. The set is built first (not timed), then `steps` steps are timed
 //! as a whole; the simulated GPU runs behind as in a replay.
 //!
 //! The host time is the allocator's: the simulated driver times its own
@@ -55,6 +56,8 @@ pub struct PointSpec {
     pub live: u64,
     /// Streams they are spread over.
     pub streams: u64,
+    /// Every block's size in bytes (`None`: the mixed sizes of [`size`]).
+    pub size: Option<u64>,
 }
 
 /// Run every point of `specs` `repeat` times (at least once), round robin,
@@ -73,7 +76,14 @@ pub fn run_points(
             let Ok(done) = runs else {
                 continue;
             };
-            match run_once(&spec.allocator, spec.live, spec.streams, steps, seed) {
+            match run_once(
+                &spec.allocator,
+                spec.live,
+                spec.streams,
+                spec.size,
+                steps,
+                seed,
+            ) {
                 Ok(run) => done.push(run),
                 Err(e) => {
                     *runs = Err(format!(
@@ -107,6 +117,7 @@ fn point(spec: &PointSpec, steps: u64, runs: &[Run]) -> ScalePoint {
         allocator: spec.allocator.clone(),
         live: spec.live,
         streams: spec.streams,
+        size_bytes: spec.size,
         ns_per_op: median(&runs_ns_per_op),
         runs_ns_per_op,
         event_records_per_op: per_op(driver.count(CallKind::EventRecord), ops),
@@ -147,18 +158,35 @@ fn size(rng: &mut Pcg64Mcg) -> u64 {
 /// Mean bytes of [`size`], for sizing the device.
 const MEAN_SIZE: u64 = 6 << 20;
 
+/// The least device for blocks of one size (`quilt-bench sizes`).
+const FIXED_FLOOR: u64 = 8 << 30;
+
 /// Run one point once: `allocator` with `live` blocks over `streams`
-/// streams, `steps` timed steps (each a free and an allocate); returns the
-/// host nanoseconds per operation and the driver calls of the timed steps.
+/// streams (each of `fixed` bytes, or of the mixed sizes of [`size`]),
+/// `steps` timed steps (each a free and an allocate); returns the host
+/// nanoseconds per operation and the driver calls of the timed steps.
 pub fn run_once(
     allocator: &str,
     live: u64,
     streams: u64,
+    fixed: Option<u64>,
     steps: u64,
     seed: u64,
 ) -> Result<Run, String> {
     let streams = streams.max(1);
-    let capacity = (live.max(16) * MEAN_SIZE * 2).next_power_of_two();
+    // Twice the live set, and room for every stream's segments where the
+    // blocks are of one size (classic carves 20 MiB segments per stream).
+    let floor = if fixed.is_some() { FIXED_FLOOR } else { 0 };
+    let capacity = live
+        .max(16)
+        .saturating_mul(fixed.unwrap_or(MEAN_SIZE))
+        .saturating_mul(2)
+        .max(floor)
+        .checked_next_power_of_two()
+        .ok_or_else(|| {
+            format!("{allocator}: {live} blocks of {fixed:?} bytes overflow a device")
+        })?;
+    let draw = |rng: &mut Pcg64Mcg| fixed.unwrap_or_else(|| size(rng));
     let config = SimConfig {
         time_calls: true,
         ..ReplayConfig::default().sim_config(capacity)
@@ -171,14 +199,14 @@ pub fn run_once(
     for i in 0..live {
         let s = StreamId(i % streams);
         let a = alloc
-            .allocate(size(&mut rng), s)
+            .allocate(draw(&mut rng), s)
             .map_err(|e| format!("{allocator}: building the live set: {e}"))?;
         sim.advance(1);
         blocks.push((a.ptr, s));
     }
     // Draw the steps first, so that the timed loop is the allocator's.
     let plan: Vec<(usize, u64)> = (0..steps)
-        .map(|_| (rng.random_range(0..blocks.len().max(1)), size(&mut rng)))
+        .map(|_| (rng.random_range(0..blocks.len().max(1)), draw(&mut rng)))
         .collect();
     let clock_ns = clock_reading_ns();
     let before = sim.driver_stats();
@@ -264,6 +292,7 @@ mod tests {
             allocator: allocator.to_string(),
             live,
             streams: 4,
+            size: None,
         };
         let (points, failed) = run_points(&[spec("quilt", 200), spec("nope", 10)], 500, 7, 3);
         assert_eq!(failed.len(), 1, "{failed:?}");

@@ -429,6 +429,9 @@ pub struct ScalePoint {
     pub live: u64,
     /// Streams they are spread over.
     pub streams: u64,
+    /// Every block's size in bytes (`quilt-bench sizes`); `None`: the
+    /// mixed sizes of `quilt-bench scale`.
+    pub size_bytes: Option<u64>,
     /// The allocator's host nanoseconds per allocate or free (the simulated
     /// driver's own time taken out): the median over the runs of the mean
     /// over each run's timed steps.

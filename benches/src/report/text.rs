@@ -816,6 +816,63 @@ pub fn scale_table(points: &[ScalePoint]) -> String {
     out
 }
 
+/// The table of `quilt-bench sizes`: one line per point (allocator and
+/// block size), each against the same allocator's point at the smallest size.
+pub fn sizes_table(points: &[ScalePoint]) -> String {
+    let width = points
+        .iter()
+        .map(|p| p.allocator.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("allocator".len());
+    let mut out = format!(
+        "{:<width$} {:>10} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>8}\n",
+        "", "", "", "host", "", "", "host", "sim", "vmm"
+    );
+    out += &format!(
+        "{:<width$} {:>10} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>8}\n",
+        "allocator",
+        "size",
+        "streams",
+        "ns/op",
+        "fastest",
+        "slowest",
+        "/smallest",
+        "ns/op",
+        "calls/op"
+    );
+    for p in points {
+        let smallest = points
+            .iter()
+            .filter(|q| q.allocator == p.allocator && q.streams == p.streams)
+            .min_by_key(|q| q.size_bytes)
+            .unwrap_or(p);
+        let runs = p.runs_ns_per_op.iter().copied();
+        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
+        let slowest = runs.fold(0.0, f64::max);
+        let size = p
+            .size_bytes
+            .map_or_else(|| "mixed".to_string(), |b| size(b).replace(".00", ""));
+        out += &format!(
+            "{:<width$} {:>10} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>8.2}x {:>7.0} {:>8.3}\n",
+            p.allocator,
+            size,
+            p.streams,
+            p.ns_per_op,
+            fastest,
+            slowest,
+            p.ns_per_op / smallest.ns_per_op,
+            p.sim_ns_per_op,
+            p.vmm_calls_per_op,
+        );
+    }
+    out += "host: the allocator's host time per allocate or free (median of the runs), the \
+            simulated\ndriver's own time (sim) taken out; /smallest: against the same \
+            allocator at the smallest size;\nvmm calls: driver VMM calls per operation of \
+            the timed steps (0 once the blocks are mapped).\n";
+    out
+}
+
 /// Upper bounds (inclusive) of the size classes of `list --sizes`.
 const SIZE_CLASSES: [(u64, &str); 5] = [
     (1 << 20, "<=1MiB"),
