@@ -7,34 +7,29 @@
 //! be shared with another block, so the pages between them (its interior)
 //! all get the same values when it is placed or freed. The table keeps a
 //! value per page where pages differ (one column per field, a structure of
-//! arrays: end pages, short interiors, each page's mapping) and a long
-//! interior as one **run** in a B-tree by first page: every page of a run
-//! touched by one block (the block's interior) or by none, with one
-//! `freed_by`, `freed_at` and `cached_at` (a stamp), or each page's own
-//! entries for those (a run whose pages were never freed alike). A block
-//! placed where the last one of its size was finds its interior's run and
-//! changes it in place; one placed elsewhere cuts the runs at its edges and
-//! changes those inside. A page changed alone (an end page, a hazard noted
-//! on it) leaves its run first, taking its values to its own entries. The
-//! runs follow the blocks, are changed in place and are never joined on
-//! their own, so they live in a `BTreeMap` rather than `rangemap`'s maps
-//! (which join neighbours of equal value and change a value only by
-//! replacing its range); `rangemap` keeps the sets that do join:
+//! arrays: the end pages, short interiors, each page's mapping) and keeps a
+//! long interior as one run, in a map of ranges (`rangemap`, over a B-tree):
 //!
-//! - `mapped`: the mapped pages, for counting and listing the mapped or
-//!   unmapped pages of a range without a look at each;
-//! - `fresh`: the pages mapped and touched by no block since, by the tick
-//!   they were mapped at (the pages mapped ahead of an arena's top that no
-//!   block has reached, `backing.rs`);
-//! - `retired`: the retired pages (a `BTreeSet`).
+//! - `inner`: runs of pages each touched by one block alone (an interior of
+//!   at least [`RUN_PAGES`] pages), which read a touch count of 1 whatever
+//!   their `touch` entry says (0);
+//! - `stamps`: runs of pages with one `freed_by`, `freed_at` and
+//!   `cached_at` (an interior freed), which read those values from the run
+//!   instead of their entries; a page changed alone (an end page, a
+//!   mapping) leaves its run first, taking its values with it;
+//! - `mapped`: the mapped pages as runs, for counting and listing the
+//!   mapped or unmapped pages of a range without a look at each;
+//! - `fresh`: the pages mapped and touched by no block since, as runs of
+//!   the tick they were mapped at (the pages mapped ahead of an arena's top
+//!   that no block has reached, `backing.rs`);
+//! - `retired`: the retired pages.
 //!
-//! So placing or freeing a block costs a few B-tree operations, logarithmic
-//! in the runs, not a write per page: a 1 GiB block costs what a 32 MiB one
-//! does. What remains per page is what is done per page anyway (mapping
-//! and unmapping: a driver call each; reading values a page at a time once
-//! after they were written a page at a time) and the walks over whole
-//! arenas (a sleeping tag's, the invariant checker's). [`PageSlot`] is one
-//! page read whole.
+//! So placing or freeing a block costs a few operations on these maps
+//! (logarithmic in the runs), not a write per page: a 1 GiB block costs
+//! what a 16 MiB one does. What remains per page is what is done per page
+//! anyway (mapping and unmapping: a driver call each) and the walks of
+//! whole arenas (statistics of a sleeping tag, the invariant checker).
+//! [`PageSlot`] is one page read whole.
 //!
 //! `page_table_reference.rs` keeps the table it replaced (a value per page
 //! in every column), as the tests' reference: a property test runs both
@@ -43,14 +38,14 @@
 //! Pure bookkeeping, kept consistent by `arena.rs` (its invariants are
 //! stated there).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 use quilt_pool::Page;
 use rangemap::{RangeMap, RangeSet};
 
 /// Interiors of at least this many pages are kept as runs; shorter ones as
-/// a value per page (filling a few entries costs less than a run).
+/// a value per page (a fill of a few entries costs less than a run).
 pub(crate) const RUN_PAGES: u64 = 8;
 
 /// One virtual page, read whole from the table ([`PageTable::get`]).
@@ -83,10 +78,10 @@ impl PageSlot {
     }
 }
 
-/// What touching a span of pages found ([`PageTable::touch_span`]).
+/// What touching a run of pages found ([`PageTable::touch_span`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Touched {
-    /// Pages of the span that are not mapped.
+    /// Pages of the run that are not mapped.
     pub(crate) unmapped: u64,
     /// Pages touched for the first time (touched by no block before).
     pub(crate) first: u64,
@@ -94,7 +89,7 @@ pub(crate) struct Touched {
     pub(crate) first_mapped: u64,
 }
 
-/// What untouching a span of pages did ([`PageTable::untouch_span`]).
+/// What untouching a run of pages did ([`PageTable::untouch_span`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Untouched {
     /// Pages now touched by no block.
@@ -103,7 +98,7 @@ pub(crate) struct Untouched {
     pub(crate) cached: u64,
 }
 
-/// The freed-by values of a page (see [`PageSlot`]).
+/// The freed-by values of a run of pages (see [`PageSlot`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Stamp {
     freed_by: u64,
@@ -111,65 +106,36 @@ struct Stamp {
     cached_at: u64,
 }
 
-impl Stamp {
-    /// Freed by `freed` (if any) at `tick`, the latest tick so far, and
-    /// cached then.
-    fn freed(self, freed: Option<u64>, tick: u64) -> Stamp {
-        match freed {
-            Some(streams) => Stamp {
-                freed_by: self.freed_by | streams,
-                freed_at: tick,
-                cached_at: tick,
-            },
-            None => Stamp {
-                cached_at: tick,
-                ..self
-            },
-        }
-    }
-}
-
-/// A run of pages alike, from its key (its first page) to `end`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Run {
-    /// The page after the run.
-    end: u64,
-    /// Every page is touched by one block (whose interior the run is), or
-    /// every page by none.
-    touched: bool,
-    /// Every page's freed-by values; `None`: each page's own entries.
-    stamp: Option<Stamp>,
-}
-
 /// The pages of one arena (the pages known so far: past them every page
 /// reads as [`PageSlot::default`]). See the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct PageTable {
-    /// Per page: the blocks touching it (0 under a run, which says).
+    /// Per page: the blocks touching it, but for the touch of a run of
+    /// `inner` (0 there).
     touch: Vec<u32>,
     phys: Vec<Option<Page>>,
-    /// Per page, where no run's stamp covers it.
+    /// Per page, where no run of `stamps` covers it.
     freed_by: Vec<u64>,
     freed_at: Vec<u64>,
     cached_at: Vec<u64>,
-    /// The runs, by first page (disjoint).
-    runs: BTreeMap<u64, Run>,
+    inner: RangeSet<u64>,
+    stamps: RangeMap<u64, Stamp>,
     mapped: RangeSet<u64>,
     fresh: RangeMap<u64, u64>,
     /// Pages `fresh` may hold (the union of what it was given since it was
     /// last empty): a touch outside it asks the map nothing.
     fresh_bounds: Range<u64>,
     retired: BTreeSet<u64>,
-    /// Scratch (kept, so that steady state allocates nothing): the runs
-    /// over a span, and the pieces of a run being stamped.
-    found: Vec<(u64, Run)>,
+    /// Scratch: the pieces of a run being stamped, and the `inner` runs
+    /// under a run being untouched (kept, so that steady state allocates
+    /// nothing).
     pieces: Vec<(Range<u64>, Stamp)>,
+    runs: Vec<Range<u64>>,
 }
 
 /// `range` clipped to `to` (empty when they do not overlap).
 fn clip(range: &Range<u64>, to: &Range<u64>) -> Range<u64> {
-    let start = range.start.max(to.start);
-    start..range.end.min(to.end).max(start)
+    range.start.max(to.start)..range.end.min(to.end).max(range.start.max(to.start))
 }
 
 /// The pages `range` as indices.
@@ -178,14 +144,14 @@ fn idx(range: &Range<u64>) -> Range<usize> {
 }
 
 /// Calls `f` with runs of consecutive pages, given in address order, joined.
-struct Joined<F: FnMut(Range<u64>)> {
+struct Runs<F: FnMut(Range<u64>)> {
     open: Option<Range<u64>>,
     f: F,
 }
 
-impl<F: FnMut(Range<u64>)> Joined<F> {
+impl<F: FnMut(Range<u64>)> Runs<F> {
     fn new(f: F) -> Self {
-        Joined { open: None, f }
+        Runs { open: None, f }
     }
 
     fn add(&mut self, r: Range<u64>) {
@@ -215,16 +181,16 @@ impl PageTable {
         self.touch.len()
     }
 
+    /// The runs kept, as (interiors touched, stamps): for the tests.
+    #[cfg(test)]
+    pub(crate) fn run_counts(&self) -> (usize, usize) {
+        (self.inner.len(), self.stamps.len())
+    }
+
     /// No page known (for the invariant checker and the tests).
     #[cfg(any(test, feature = "invariants"))]
     pub(crate) fn is_empty(&self) -> bool {
         self.touch.is_empty()
-    }
-
-    /// The runs kept: for the tests.
-    #[cfg(test)]
-    pub(crate) fn run_count(&self) -> usize {
-        self.runs.len()
     }
 
     /// Know at least `n` pages (the new ones default, unmapped).
@@ -245,20 +211,14 @@ impl PageTable {
         if p >= self.len() as u64 {
             return PageSlot::default();
         }
-        let run = self.run_at(p).map(|(_, r)| r);
-        let i = p as usize;
-        let s = run.and_then(|r| r.stamp).unwrap_or(Stamp {
-            freed_by: self.freed_by[i],
-            freed_at: self.freed_at[i],
-            cached_at: self.cached_at[i],
-        });
+        let s = self.stamp(p);
         PageSlot {
-            touch: self.touch[i] + u32::from(run.is_some_and(|r| r.touched)),
-            phys: self.phys[i],
+            touch: self.touch_of(p),
+            phys: self.phys[p as usize],
             freed_by: s.freed_by,
             freed_at: s.freed_at,
             cached_at: s.cached_at,
-            retired: !self.retired.is_empty() && self.retired.contains(&p),
+            retired: self.is_retired(p),
         }
     }
 
@@ -270,108 +230,43 @@ impl PageTable {
     /// The blocks touching page `p` (known).
     #[inline]
     pub(crate) fn touch_of(&self, p: u64) -> u32 {
-        let run = self.run_at(p).is_some_and(|(_, r)| r.touched);
+        let run = !self.inner.is_empty() && self.inner.contains(&p);
         self.touch[p as usize] + u32::from(run)
     }
 
-    /// The run holding page `p`, with its first page.
-    #[inline]
-    fn run_at(&self, p: u64) -> Option<(u64, Run)> {
-        if self.runs.is_empty() {
-            return None;
-        }
-        self.runs
-            .range(..=p)
-            .next_back()
-            .filter(|(_, r)| r.end > p)
-            .map(|(&s, &r)| (s, r))
+    fn is_retired(&self, p: u64) -> bool {
+        !self.retired.is_empty() && self.retired.contains(&p)
     }
 
-    /// The runs overlapping `first ..= last`, in address order, into
-    /// `self.found`.
-    fn find_runs(&mut self, first: u64, last: u64) {
-        self.found.clear();
-        if self.runs.is_empty() {
+    /// The freed-by values of page `p` (known): its run's, or its own.
+    fn stamp(&self, p: u64) -> Stamp {
+        if !self.stamps.is_empty() {
+            if let Some(&s) = self.stamps.get(&p) {
+                return s;
+            }
+        }
+        let i = p as usize;
+        Stamp {
+            freed_by: self.freed_by[i],
+            freed_at: self.freed_at[i],
+            cached_at: self.cached_at[i],
+        }
+    }
+
+    /// Take page `p` (known) out of its run of `stamps`, if any, its values
+    /// going to its own entries: before a change to that page alone.
+    #[inline]
+    fn detach(&mut self, p: u64) {
+        if self.stamps.is_empty() {
             return;
         }
-        for (&s, &r) in self.runs.range(..=last).rev() {
-            if r.end <= first {
-                break;
-            }
-            self.found.push((s, r));
-        }
-        self.found.reverse();
-    }
-
-    /// No run holds both page `x - 1` and page `x` (one that does is cut
-    /// in two there).
-    fn cut_at(&mut self, x: u64) {
-        if let Some((s, r)) = self.run_at(x) {
-            if s < x {
-                if let Some(head) = self.runs.get_mut(&s) {
-                    head.end = x;
-                }
-                self.runs.insert(x, r);
-            }
-        }
-    }
-
-    /// The values of page `p` of run `r` to its own entries.
-    fn take_out(&mut self, p: u64, r: Run) {
-        let i = p as usize;
-        self.touch[i] = u32::from(r.touched);
-        if let Some(s) = r.stamp {
+        if let Some(&s) = self.stamps.get(&p) {
+            let i = p as usize;
             self.freed_by[i] = s.freed_by;
             self.freed_at[i] = s.freed_at;
             self.cached_at[i] = s.cached_at;
+            self.stamps.remove(p..p + 1);
         }
-    }
-
-    /// Page `p` (known) out of its run, if any, its values to its own
-    /// entries: before a change to that page alone.
-    #[inline]
-    fn detach(&mut self, p: u64) {
-        let Some((s, r)) = self.run_at(p) else {
-            return;
-        };
-        self.take_out(p, r);
-        if s < p {
-            if let Some(head) = self.runs.get_mut(&s) {
-                head.end = p;
-            }
-        } else {
-            self.runs.remove(&s);
-        }
-        if p + 1 < r.end {
-            self.runs.insert(p + 1, r);
-        }
-    }
-
-    /// Page `p` (known) with its freed-by values in its own entries (out of
-    /// a run with a stamp; a run without keeps it).
-    fn own_stamp(&mut self, p: u64) {
-        if self.run_at(p).is_some_and(|(_, r)| r.stamp.is_some()) {
-            self.detach(p);
-        }
-    }
-
-    /// Every page of `range` (known, short) out of the runs.
-    fn detach_range(&mut self, range: &Range<u64>) {
-        if range.is_empty() || self.runs.is_empty() {
-            return;
-        }
-        self.cut_at(range.start);
-        self.cut_at(range.end);
-        let mut found = std::mem::take(&mut self.found);
-        found.clear();
-        found.extend(self.runs.range(range.clone()).map(|(&s, &r)| (s, r)));
-        for &(s, r) in &found {
-            for p in s..r.end {
-                self.take_out(p, r);
-            }
-            self.runs.remove(&s);
-        }
-        self.found = found;
     }
 
     /// Mapped pages among `range` (known).
@@ -432,10 +327,10 @@ impl PageTable {
     /// block since (nor unmapped): the pages cached at `at`, where no page
     /// became cached at that tick but by being mapped.
     pub(crate) fn fresh_since(&self, first: u64, last: u64, at: u64) -> u64 {
+        let range = first..last + 1;
         if self.fresh.is_empty() {
             return 0;
         }
-        let range = first..last + 1;
         self.fresh
             .overlapping(&range)
             .filter(|(_, &tick)| tick == at)
@@ -462,73 +357,37 @@ impl PageTable {
     /// (known), in order.
     pub(crate) fn for_each_freed(&self, first: u64, last: u64, mut f: impl FnMut(u64, u64, u64)) {
         let range = first..last + 1;
-        let own = |q: u64| (self.freed_by[q as usize], self.freed_at[q as usize]);
         let mut p = first;
-        let runs = self
-            .runs
-            .range(..range.end)
-            .rev()
-            .take_while(|(_, r)| r.end > first)
-            .collect::<Vec<_>>();
-        for (&s, r) in runs.into_iter().rev() {
-            let c = clip(&(s..r.end), &range);
-            for q in p..c.start {
-                let (by, at) = own(q);
-                f(q, by, at);
+        if !self.stamps.is_empty() {
+            for (r, s) in self.stamps.overlapping(&range) {
+                let c = clip(r, &range);
+                for q in p..c.start {
+                    f(q, self.freed_by[q as usize], self.freed_at[q as usize]);
+                }
+                for q in c.clone() {
+                    f(q, s.freed_by, s.freed_at);
+                }
+                p = c.end;
             }
-            for q in c.clone() {
-                let (by, at) = r.stamp.map_or_else(|| own(q), |s| (s.freed_by, s.freed_at));
-                f(q, by, at);
-            }
-            p = c.end;
         }
         for q in p..range.end {
-            let (by, at) = own(q);
-            f(q, by, at);
+            f(q, self.freed_by[q as usize], self.freed_at[q as usize]);
         }
     }
 
     /// A block now covers the pages `first ..= last` (known): one touch more
     /// on each. Its interior (the pages between its end pages) is touched by
-    /// no other block, so each is a first touch: its run's, or a fill where
+    /// no other block, so each is a first touch: one run, or a fill where
     /// short. `all_mapped`: every page known is mapped (no page is looked
     /// up).
     pub(crate) fn touch_span(&mut self, first: u64, last: u64, all_mapped: bool) -> Touched {
-        let inner = interior(first, last);
-        let n = inner.end - inner.start;
-        self.find_runs(first, last);
-        let by_run = n >= RUN_PAGES;
-        match self.found[..] {
-            [] if by_run => {
-                self.runs.insert(
-                    inner.start,
-                    Run {
-                        end: inner.end,
-                        touched: true,
-                        stamp: None,
-                    },
-                );
-            }
-            [] => {}
-            // Where the last block of its size was: its interior's run.
-            [(s, r)] if by_run && s == inner.start && r.end == inner.end && !r.touched => {
-                if let Some(run) = self.runs.get_mut(&s) {
-                    run.touched = true;
-                }
-            }
-            _ => {
-                self.detach(first);
-                self.detach(last);
-                if by_run {
-                    self.touch_runs(&inner);
-                } else {
-                    self.detach_range(&inner);
-                }
-            }
-        }
         let mut t = Touched::default();
         let ends = if last > first { 2 } else { 1 };
         for e in [first, last].into_iter().take(ends) {
+            debug_assert!(
+                self.inner.is_empty() || !self.inner.contains(&e),
+                "an end page of a new block lies inside another block"
+            );
             let i = e as usize;
             self.touch[i] += 1;
             let mapped = u64::from(self.phys[i].is_some());
@@ -537,12 +396,17 @@ impl PageTable {
             t.first += first_touch;
             t.first_mapped += first_touch & mapped;
         }
-        if n > 0 {
-            if !by_run {
-                debug_assert!(
-                    self.touch[idx(&inner)].iter().all(|&t| t == 0),
-                    "a page inside a new block is touched"
-                );
+        if last > first + 1 {
+            let inner = first + 1..last;
+            let n = inner.end - inner.start;
+            debug_assert!(
+                self.touch[idx(&inner)].iter().all(|&t| t == 0)
+                    && (self.inner.is_empty() || !self.inner.overlaps(&inner)),
+                "a page inside a new block is touched"
+            );
+            if n >= RUN_PAGES {
+                self.inner.insert(inner.clone());
+            } else {
                 self.touch[idx(&inner)].fill(1);
             }
             let unmapped = if all_mapped {
@@ -558,44 +422,13 @@ impl PageTable {
         t
     }
 
-    /// The interior `inner` of a new block (untouched) touched by runs: the
-    /// runs within it cut at its edges and touched, the pages between them
-    /// (their own entries) a run of their own each.
-    fn touch_runs(&mut self, inner: &Range<u64>) {
-        self.cut_at(inner.start);
-        self.cut_at(inner.end);
-        let mut found = std::mem::take(&mut self.found);
-        found.clear();
-        found.extend(self.runs.range(inner.clone()).map(|(&s, &r)| (s, r)));
-        let mut p = inner.start;
-        let gap = |end| Run {
-            end,
-            touched: true,
-            stamp: None,
-        };
-        for &(s, r) in &found {
-            debug_assert!(!r.touched, "a page inside a new block is touched");
-            if p < s {
-                self.runs.insert(p, gap(s));
-            }
-            if let Some(run) = self.runs.get_mut(&s) {
-                run.touched = true;
-            }
-            p = r.end;
-        }
-        if p < inner.end {
-            self.runs.insert(p, gap(inner.end));
-        }
-        self.found = found;
-    }
-
     /// A block over the pages `first ..= last` (known) is gone: one touch
     /// less on each. With `freed`, those streams freed it at `tick` (the
     /// latest tick so far), which the pages remember. Calls `cached` with
     /// the pages that become cached, in address order, a run at a time.
     /// (As in [`PageTable::touch_span`], the pages between the end pages
-    /// were touched by the block alone, so each becomes untouched: its run
-    /// changed in place, or a fill where short.)
+    /// were touched by the block alone, so each becomes untouched: one run
+    /// of values, or a fill where short.)
     pub(crate) fn untouch_span(
         &mut self,
         first: u64,
@@ -605,31 +438,13 @@ impl PageTable {
         all_mapped: bool,
         cached: impl FnMut(Range<u64>),
     ) -> Untouched {
-        let inner = interior(first, last);
+        let inner = if last > first + 1 {
+            first + 1..last
+        } else {
+            first + 1..first + 1
+        };
         let n = inner.end - inner.start;
-        self.find_runs(first, last);
-        match self.found[..] {
-            [] => self.untouch_own(&inner, freed, tick),
-            // A block's interior: its run, changed in place.
-            [(
-                s,
-                Run {
-                    end,
-                    touched: true,
-                    stamp: Some(stamp),
-                },
-            )] if s == inner.start && end == inner.end => {
-                if let Some(run) = self.runs.get_mut(&s) {
-                    run.touched = false;
-                    run.stamp = Some(stamp.freed(freed, tick));
-                }
-            }
-            _ => {
-                self.detach(first);
-                self.detach(last);
-                self.untouch_runs(&inner, freed, tick);
-            }
-        }
+        self.untouch_counts(first, last, &inner);
         // The end pages, perhaps shared with the blocks beside them.
         let (head_untouched, head_cached) = self.leave(first, freed, tick);
         let (tail_untouched, tail_cached) = if last > first {
@@ -637,131 +452,130 @@ impl PageTable {
         } else {
             (false, false)
         };
+        // The pages between: the same values on each.
+        if n > 0 {
+            let stamped = !self.stamps.is_empty() && self.stamps.overlaps(&inner);
+            if n >= RUN_PAGES || stamped {
+                self.stamp_run(&inner, freed, tick);
+            } else {
+                if let Some(streams) = freed {
+                    for i in idx(&inner) {
+                        self.freed_by[i] |= streams;
+                        self.freed_at[i] = tick;
+                    }
+                }
+                self.cached_at[idx(&inner)].fill(tick);
+            }
+        }
         // The pages that became cached, in address order.
         let inner_cached = if all_mapped {
             n
         } else {
             self.mapped_in(&inner)
         };
-        let mut joined = Joined::new(cached);
+        let mut runs = Runs::new(cached);
         if head_cached {
-            joined.add(first..first + 1);
+            runs.add(first..first + 1);
         }
         if inner_cached == n {
-            joined.add(inner.clone());
+            runs.add(inner.clone());
         } else {
             for r in self.mapped.overlapping(&inner) {
-                joined.add(clip(r, &inner));
+                runs.add(clip(r, &inner));
             }
         }
         if tail_cached {
-            joined.add(last..last + 1);
+            runs.add(last..last + 1);
         }
-        joined.finish();
+        runs.finish();
         Untouched {
             untouched: u64::from(head_untouched) + n + u64::from(tail_untouched),
             cached: u64::from(head_cached) + inner_cached + u64::from(tail_cached),
         }
     }
 
-    /// The pages `range` (known, under no run, each touched once) become
-    /// untouched, freed by `freed` at `tick`: their own entries.
-    fn untouch_own(&mut self, range: &Range<u64>, freed: Option<u64>, tick: u64) {
-        if range.is_empty() {
-            return;
+    /// The touch counts of [`PageTable::untouch_span`] for the interior
+    /// `inner` of `first ..= last`: its pages go to 0 (from their run of
+    /// `inner`, or their own entry); an end page under a run (a block
+    /// shrunk to within a range touched whole: a growable buffer's) moves
+    /// to its own entry, with its touch of 1, for [`PageTable::leave`].
+    fn untouch_counts(&mut self, first: u64, last: u64, inner: &Range<u64>) {
+        let span = first..last + 1;
+        self.runs.clear();
+        if !self.inner.is_empty() {
+            self.runs.extend(self.inner.overlapping(&span).cloned());
         }
-        let entries = &mut self.touch[idx(range)];
-        debug_assert!(
-            entries.iter().all(|&n| n == 1),
-            "a page inside a block is shared"
-        );
-        entries.fill(0);
-        if let Some(streams) = freed {
-            for i in idx(range) {
-                self.freed_by[i] |= streams;
-                self.freed_at[i] = tick;
-            }
+        if !self.runs.is_empty() {
+            self.inner.remove(span);
         }
-        self.cached_at[idx(range)].fill(tick);
-    }
-
-    /// The interior `inner` of a block gone, as [`PageTable::untouch_own`],
-    /// where runs lie: each run within it (cut at its edges) untouched and
-    /// stamped in place (a run without a stamp by its pages' own entries, a
-    /// run per distinct `freed_by` and `freed_at`), the pages between the
-    /// runs by their own entries; then runs alike side by side joined.
-    fn untouch_runs(&mut self, inner: &Range<u64>, freed: Option<u64>, tick: u64) {
-        if inner.is_empty() {
-            return;
-        }
-        self.cut_at(inner.start);
-        self.cut_at(inner.end);
-        let mut found = std::mem::take(&mut self.found);
-        found.clear();
-        found.extend(self.runs.range(inner.clone()).map(|(&s, &r)| (s, r)));
         let mut p = inner.start;
-        for &(s, r) in &found {
-            debug_assert!(r.touched, "a page inside a block is untouched");
-            self.untouch_own(&(p..s), freed, tick);
-            match r.stamp {
-                Some(stamp) => {
-                    if let Some(run) = self.runs.get_mut(&s) {
-                        run.touched = false;
-                        run.stamp = Some(stamp.freed(freed, tick));
-                    }
-                }
-                None => {
-                    self.pieces.clear();
-                    own_pieces(&self.freed_by, &self.freed_at, s..r.end, &mut self.pieces);
-                    for &(ref piece, stamp) in &self.pieces {
-                        self.runs.insert(
-                            piece.start,
-                            Run {
-                                end: piece.end,
-                                touched: false,
-                                stamp: Some(stamp.freed(freed, tick)),
-                            },
-                        );
-                    }
-                }
+        for r in &self.runs {
+            if r.contains(&first) {
+                self.touch[first as usize] = 1;
             }
-            p = r.end;
-        }
-        self.untouch_own(&(p..inner.end.max(p)), freed, tick);
-        self.found = found;
-        self.join_runs(inner);
-    }
-
-    /// Runs alike side by side over `range` (and at its edges) joined.
-    fn join_runs(&mut self, range: &Range<u64>) {
-        let from = self
-            .run_at(range.start.saturating_sub(1))
-            .map_or(range.start, |(s, _)| s);
-        let mut found = std::mem::take(&mut self.found);
-        found.clear();
-        found.extend(self.runs.range(from..=range.end).map(|(&s, &r)| (s, r)));
-        let mut open: Option<(u64, Run)> = None;
-        for &(s, r) in &found {
-            match open {
-                Some((os, o)) if o.end == s && o.touched == r.touched && o.stamp == r.stamp => {
-                    self.runs.remove(&s);
-                    if let Some(run) = self.runs.get_mut(&os) {
-                        run.end = r.end;
-                    }
-                    open = Some((os, Run { end: r.end, ..o }));
-                }
-                _ => open = Some((s, r)),
+            if r.contains(&last) {
+                self.touch[last as usize] = 1;
+            }
+            let c = clip(r, inner);
+            if !c.is_empty() {
+                untouch_entries(&mut self.touch, p..c.start);
+                p = c.end;
             }
         }
-        self.found = found;
+        untouch_entries(&mut self.touch, p..inner.end.max(p));
     }
 
-    /// A block leaves page `p` (known, under no run): one touch less; with
-    /// `freed`, those streams freed it at `tick`. Returns whether the page
-    /// is now untouched, and whether it is now cached (then stamped
-    /// `tick`).
+    /// Stamp the run of pages `range` (known) as freed by `freed` at
+    /// `tick` (the latest tick so far) and cached at `tick`: the run of
+    /// `stamps` over it, one per distinct `freed_by` (the pages' own
+    /// entries, where no run covered them, read once and joined).
+    fn stamp_run(&mut self, range: &Range<u64>, freed: Option<u64>, tick: u64) {
+        self.pieces.clear();
+        let mut p = range.start;
+        for (r, &s) in self.stamps.overlapping(range) {
+            let c = clip(r, range);
+            own_pieces(&self.freed_by, &self.freed_at, p..c.start, &mut self.pieces);
+            self.pieces.push((c.clone(), s));
+            p = c.end;
+        }
+        own_pieces(
+            &self.freed_by,
+            &self.freed_at,
+            p..range.end.max(p),
+            &mut self.pieces,
+        );
+        let stamp = |s: Stamp| match freed {
+            Some(streams) => Stamp {
+                freed_by: s.freed_by | streams,
+                freed_at: tick,
+                cached_at: tick,
+            },
+            None => Stamp {
+                cached_at: tick,
+                ..s
+            },
+        };
+        let one = self.pieces.first().map(|(_, s)| stamp(*s));
+        if self.pieces.iter().all(|(_, s)| Some(stamp(*s)) == one) {
+            if let Some(s) = one {
+                self.stamps.insert(range.clone(), s);
+            }
+            return;
+        }
+        let pieces = std::mem::take(&mut self.pieces);
+        for (r, s) in &pieces {
+            self.stamps.insert(r.clone(), stamp(*s));
+        }
+        self.pieces = pieces;
+    }
+
+    /// A block leaves page `p` (known, its touch in its own entry): one
+    /// touch less; with `freed`, those streams freed it at `tick`. Returns
+    /// whether the page is now untouched, and whether it is now cached
+    /// (then stamped `tick`).
     #[inline]
     fn leave(&mut self, p: u64, freed: Option<u64>, tick: u64) -> (bool, bool) {
+        self.detach(p);
         let i = p as usize;
         self.touch[i] = self.touch[i].saturating_sub(1);
         if let Some(streams) = freed {
@@ -782,7 +596,7 @@ impl PageTable {
         if p >= self.len() as u64 {
             return;
         }
-        self.own_stamp(p);
+        self.detach(p);
         let i = p as usize;
         self.freed_by[i] |= streams;
         self.freed_at[i] = self.freed_at[i].max(tick);
@@ -791,7 +605,7 @@ impl PageTable {
     /// Record that `page` is mapped at page `p` (known, unmapped). Returns
     /// true when the page is cached (no block touches it; then fresh).
     pub(crate) fn set_mapped(&mut self, p: u64, page: Page, tick: u64) -> bool {
-        self.own_stamp(p);
+        self.detach(p);
         let i = p as usize;
         self.phys[i] = Some(page);
         self.mapped.insert(p..p + 1);
@@ -814,7 +628,7 @@ impl PageTable {
     /// there, and whether no block touches the page.
     pub(crate) fn set_unmapped(&mut self, p: u64) -> Option<(Page, bool)> {
         let page = self.phys.get_mut(p as usize)?.take()?;
-        self.own_stamp(p);
+        self.detach(p);
         let i = p as usize;
         self.freed_by[i] = 0;
         self.freed_at[i] = 0;
@@ -827,7 +641,7 @@ impl PageTable {
     /// while its mapping stays. `None` (changing nothing) unless `p` is
     /// cached.
     pub(crate) fn set_retired(&mut self, p: u64) -> Option<Page> {
-        if p >= self.len() as u64 || self.touch_of(p) != 0 || self.retired.contains(&p) {
+        if p >= self.len() as u64 || self.touch_of(p) != 0 || self.is_retired(p) {
             return None;
         }
         let page = self.phys[p as usize].take()?;
@@ -843,7 +657,7 @@ impl PageTable {
         if p >= self.len() as u64 || !self.retired.remove(&p) {
             return false;
         }
-        self.own_stamp(p);
+        self.detach(p);
         let i = p as usize;
         self.freed_by[i] = 0;
         self.freed_at[i] = 0;
@@ -851,13 +665,17 @@ impl PageTable {
     }
 }
 
-/// The pages strictly between `first` and `last` (empty unless two apart).
-fn interior(first: u64, last: u64) -> Range<u64> {
-    if last > first + 1 {
-        first + 1..last
-    } else {
-        first + 1..first + 1
+/// The entries `range` of `touch` (the interior of a block: each 1) go to 0.
+fn untouch_entries(touch: &mut [u32], range: Range<u64>) {
+    if range.is_empty() {
+        return;
     }
+    let entries = &mut touch[idx(&range)];
+    debug_assert!(
+        entries.iter().all(|&n| n == 1),
+        "a page inside a block is shared"
+    );
+    entries.fill(0);
 }
 
 /// The pages `range` by their own entries, as pieces of equal `freed_by`
