@@ -16,8 +16,6 @@ const LAYERS: &[(&str, &[&str])] = &[
             "gap_index",
             "tiling",
             "page_table",
-            "page_table_reference",
-            "reclaim_queue",
             "arena",
             "streams",
             "config",

@@ -10,17 +10,13 @@
 //!   streams' work may still use them (see `tiling.rs`);
 //! - `pages` (`page_table.rs`): for virtual page `p`, how many blocks touch
 //!   it, the pool page mapped there (one handle, mapped whole at offset 0),
-//!   and which streams freed blocks on it since it was mapped, and when: a
-//!   value per page where pages differ, a run where a block's interior
-//!   makes them alike, so that a block costs the same whatever its pages.
+//!   and which streams freed blocks on it since it was mapped, and when.
 //!
 //! Invariants: every page with `touch > 0` is mapped (a block's pages are
 //! always backed); `cached_pages` counts the mapped pages with `touch == 0`,
 //! `touched_pages` those with `touch > 0`, `mapped_pages` the mapped ones,
 //! `retired_pages` the retired ones (never touched, never mapped to a page
 //! of their own; see [`PageSlot::retired`]).
-
-use std::ops::Range;
 
 use quilt_pool::Page;
 
@@ -131,7 +127,11 @@ impl Arena {
 
     /// The end of the last mapped page (0: none is mapped), in bytes.
     pub(crate) fn mapped_end(&self) -> u64 {
-        self.pages.mapped_end() * self.page
+        self.pages
+            .phys
+            .iter()
+            .rposition(Option::is_some)
+            .map_or(0, |p| (p as u64 + 1) * self.page)
     }
 
     /// A page-aligned offset for `len` bytes past everything mapped or
@@ -184,93 +184,189 @@ impl Arena {
         self.pages.get(p)
     }
 
-    /// The blocks touching page `p` (0 past the table).
-    pub(crate) fn touch_of(&self, p: u64) -> u32 {
-        if p < self.pages.len() as u64 {
-            self.pages.touch_of(p)
-        } else {
-            0
-        }
-    }
-
     fn ensure_len(&mut self, last: u64) {
         if self.pages.len() <= last as usize {
             self.pages.grow_to(last as usize + 1);
         }
     }
 
-    /// Every page of the table is mapped.
-    fn all_mapped(&self) -> bool {
-        self.mapped_pages == self.pages.len() as u64
-    }
-
     /// Pages among `off .. off + len` that are not mapped.
     pub(crate) fn unmapped_pages(&self, off: u64, len: u64) -> u64 {
         let (first, last) = self.page_span(off, len);
-        if last < self.pages.len() as u64 && self.all_mapped() {
+        let known = self.pages.len() as u64;
+        if last < known && self.mapped_pages == known {
             return 0; // every page of the table is mapped
         }
-        self.pages.unmapped_count(first, last)
+        let known_part = first.min(known)..(last + 1).min(known);
+        let beyond = (last + 1).saturating_sub(first.max(known));
+        let known_unmapped = self.pages.phys[known_part.start as usize..known_part.end as usize]
+            .iter()
+            .filter(|p| p.is_none())
+            .count() as u64;
+        known_unmapped + beyond
     }
 
     /// Pages `first ..= last` that are not mapped, in order.
     pub(crate) fn unmapped_in(&self, first: u64, last: u64) -> Vec<u64> {
-        self.pages.unmapped_in(first, last)
+        (first..=last)
+            .filter(|&p| self.slot(p).phys.is_none())
+            .collect()
     }
 
     /// A block now covers `off .. off + len`: add one to the touch count of
-    /// its pages. Returns how many of them are not mapped. (Its interior is
-    /// touched by no other block: one run, whatever its pages; see
-    /// `page_table.rs`.)
+    /// its pages. Returns how many of them are not mapped.
+    ///
+    /// Only the block's two end pages can be shared with another block
+    /// (blocks never overlap): the pages between them are touched by no
+    /// other, so each is a first touch and costs a store and, unless every
+    /// page of the table is mapped, a look at its mapping (a large block
+    /// touches hundreds of pages).
     pub(crate) fn touch(&mut self, off: u64, len: u64) -> u64 {
         self.used_to = self.used_to.max(off + len);
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
-        let all_mapped = self.all_mapped();
-        let t = self.pages.touch_span(first, last, all_mapped);
-        self.touched_pages += t.first;
-        self.cached_pages -= t.first_mapped;
-        t.unmapped
+        let all_mapped = self.mapped_pages == self.pages.len() as u64;
+        let (f, l) = (first as usize, last as usize);
+        let touch = &mut self.pages.touch[f..=l];
+        let phys = &self.pages.phys[f..=l];
+        let n = touch.len();
+        let (mut unmapped, mut fresh, mut fresh_mapped) = (0, 0, 0);
+        for i in [0, n - 1].into_iter().take(if n > 1 { 2 } else { 1 }) {
+            touch[i] += 1;
+            let mapped = u64::from(phys[i].is_some());
+            let first_touch = u64::from(touch[i] == 1);
+            unmapped += 1 - mapped;
+            fresh += first_touch;
+            fresh_mapped += first_touch & mapped;
+        }
+        if n > 2 {
+            let inner = 1..n - 1;
+            debug_assert!(
+                touch[inner.clone()].iter().all(|&t| t == 0),
+                "a page inside a new block is touched"
+            );
+            touch[inner.clone()].fill(1);
+            let inner_unmapped = if all_mapped {
+                0
+            } else {
+                phys[inner.clone()].iter().filter(|p| p.is_none()).count() as u64
+            };
+            let inner_len = inner.len() as u64;
+            unmapped += inner_unmapped;
+            fresh += inner_len;
+            fresh_mapped += inner_len - inner_unmapped;
+        }
+        self.touched_pages += fresh;
+        self.cached_pages -= fresh_mapped;
+        unmapped
     }
 
     /// A block over `off .. off + len` is gone: take one from the touch
     /// count of its pages. With `freed`, the block was freed now (at `tick`,
     /// the latest tick so far; not rolled back) by those streams, which the
     /// pages remember. Calls `cached` with the pages that become cached, in
-    /// address order, a run at a time.
+    /// address order, a run at a time. (As in [`Arena::touch`], the pages
+    /// between the block's ends were touched by it alone, so each becomes
+    /// untouched: the same values are written on each.)
     pub(crate) fn untouch(
         &mut self,
         off: u64,
         len: u64,
         freed: Option<u64>,
         tick: u64,
-        cached: impl FnMut(Range<u64>),
+        mut cached: impl FnMut(std::ops::Range<u64>),
     ) {
         let (first, last) = self.page_span(off, len);
         self.ensure_len(last);
-        let all_mapped = self.all_mapped();
-        let u = self
-            .pages
-            .untouch_span(first, last, freed, tick, all_mapped, cached);
-        self.touched_pages -= u.untouched;
-        self.cached_pages += u.cached;
+        let all_mapped = self.mapped_pages == self.pages.len() as u64;
+        let (f, l) = (first as usize, last as usize);
+        let t = &mut self.pages;
+        // The end pages, perhaps shared with the blocks beside them.
+        let (head_untouched, head_cached) = t.leave(f, freed, tick);
+        let (tail_untouched, tail_cached) = if l > f {
+            t.leave(l, freed, tick)
+        } else {
+            (false, false)
+        };
+        // The pages between: touched by this block alone, so the same
+        // values are written on each.
+        let (mut inner_untouched, mut inner_cached) = (0, 0);
+        if l > f + 1 {
+            let inner = f + 1..l;
+            debug_assert!(
+                t.touch[inner.clone()].iter().all(|&n| n == 1),
+                "a page inside a block is shared"
+            );
+            inner_untouched = inner.len() as u64;
+            t.touch[inner.clone()].fill(0);
+            if let Some(streams) = freed {
+                t.note_freed_range(inner.clone(), streams, tick);
+            }
+            if all_mapped {
+                t.cached_at[inner].fill(tick);
+                inner_cached = inner_untouched;
+            } else {
+                // Some may not be mapped (a block taken back before it was
+                // backed): only the mapped ones become cached.
+                for p in inner {
+                    if t.phys[p].is_some() {
+                        t.cached_at[p] = tick;
+                        inner_cached += 1;
+                    }
+                }
+            }
+        }
+        // The pages that became cached, in address order.
+        if head_cached {
+            cached(first..first + 1);
+        }
+        if inner_cached == inner_untouched {
+            if inner_cached > 0 {
+                cached(first + 1..last);
+            }
+        } else {
+            for p in first + 1..last {
+                if t.phys[p as usize].is_some() {
+                    cached(p..p + 1);
+                }
+            }
+        }
+        if tail_cached {
+            cached(last..last + 1);
+        }
+        self.touched_pages -=
+            u64::from(head_untouched) + inner_untouched + u64::from(tail_untouched);
+        self.cached_pages += u64::from(head_cached) + inner_cached + u64::from(tail_cached);
     }
 
     /// Record that `page` is mapped at virtual page `p` (which must be
     /// unmapped). Returns true when the page is cached (no block touches it).
     pub(crate) fn set_mapped(&mut self, p: u64, page: Page, tick: u64) -> bool {
         self.ensure_len(p);
+        let (p, t) = (p as usize, &mut self.pages);
+        t.phys[p] = Some(page);
+        t.freed_by[p] = 0;
+        t.freed_at[p] = 0;
         self.mapped_pages += 1;
-        let cached = self.pages.set_mapped(p, page, tick);
-        self.cached_pages += u64::from(cached);
-        cached
+        if t.touch[p] == 0 {
+            t.cached_at[p] = tick;
+            self.cached_pages += 1;
+            true
+        } else {
+            false
+        }
     }
 
     /// Retire the cached virtual page `p`: its pool page is handed on (and
     /// returned) while its mapping stays until the work freed here is known
     /// complete. `None` (changing nothing) unless `p` is cached.
     pub(crate) fn set_retired(&mut self, p: u64) -> Option<Page> {
-        let page = self.pages.set_retired(p)?;
+        let (p, t) = (p as usize, &mut self.pages);
+        if p >= t.len() || t.touch[p] != 0 || t.retired[p] {
+            return None;
+        }
+        let page = t.phys[p].take()?;
+        t.retired[p] = true;
         self.mapped_pages -= 1;
         self.cached_pages -= 1;
         self.retired_pages += 1;
@@ -279,7 +375,11 @@ impl Arena {
 
     /// The retired virtual page `p` was unmapped.
     pub(crate) fn clear_retired(&mut self, p: u64) {
-        if self.pages.clear_retired(p) {
+        let (p, t) = (p as usize, &mut self.pages);
+        if p < t.len() && t.retired[p] {
+            t.retired[p] = false;
+            t.freed_by[p] = 0;
+            t.freed_at[p] = 0;
             self.retired_pages -= 1;
         }
     }
@@ -287,7 +387,9 @@ impl Arena {
     /// Note that the streams `mask`, at tick `k`, may still use the physical
     /// page now mapped at virtual page `p`.
     pub(crate) fn note_freed(&mut self, p: u64, mask: u64, k: u64) {
-        self.pages.note_freed(p, mask, k);
+        if (p as usize) < self.pages.len() {
+            self.pages.note_freed(p as usize, mask, k);
+        }
     }
 
     /// The retired pages among `off .. off + len`.
@@ -298,29 +400,24 @@ impl Arena {
     ) -> impl Iterator<Item = (u64, PageSlot)> + '_ {
         let (first, last) = self.page_span(off, len);
         let any = self.retired_pages > 0;
-        self.pages
-            .retired_in(first, last)
+        (first..=last)
             .filter(move |_| any)
             .map(|p| (p, self.slot(p)))
+            .filter(|(_, s)| s.retired)
     }
 
     /// Record that virtual page `p` is unmapped; returns the pool page that
     /// was there.
     pub(crate) fn set_unmapped(&mut self, p: u64) -> Option<Page> {
-        let (page, untouched) = self.pages.set_unmapped(p)?;
+        let (p, t) = (p as usize, &mut self.pages);
+        let page = t.phys.get_mut(p)?.take()?;
+        t.freed_by[p] = 0;
+        t.freed_at[p] = 0;
         self.mapped_pages -= 1;
-        if untouched {
+        if t.touch[p] == 0 {
             self.cached_pages -= 1;
         }
         Some(page)
-    }
-
-    /// Pages among `off .. off + len` mapped at tick `at` and touched by no
-    /// block since (pages mapped ahead that no block has reached; see
-    /// `backing.rs`).
-    pub(crate) fn fresh_since(&self, off: u64, len: u64, at: u64) -> u64 {
-        let (first, last) = self.page_span(off, len);
-        self.pages.fresh_since(first, last, at)
     }
 
     /// Note a freed range `off .. off + len` (inside one gap) whose
@@ -359,14 +456,17 @@ impl Arena {
             let existing = self.tiling.gap_hazards(id);
             let mut under = 0; // the first existing hazard not wholly before
             let mut new: Vec<Hazard> = Vec::new();
-            let (page, used_to) = (self.page, self.used_to);
-            self.pages.for_each_freed(first, last, |p, freed_by, tick| {
+            for p in first..=last {
+                let (freed_by, tick) = (
+                    self.pages.freed_by[p as usize],
+                    self.pages.freed_at[p as usize],
+                );
                 if freed_by & bit == 0 || tick <= since {
-                    return;
+                    continue;
                 }
                 let (mut lo, hi) = (
-                    (p * page).max(start),
-                    ((p + 1) * page).min(end).min(used_to),
+                    (p * self.page).max(start),
+                    ((p + 1) * self.page).min(end).min(self.used_to),
                 );
                 // The parts of `lo .. hi` between the existing hazards.
                 while lo < hi {
@@ -390,7 +490,7 @@ impl Arena {
                     }
                     lo = piece_end;
                 }
-            });
+            }
             self.tiling.add_hazards(id, new);
         }
     }
@@ -452,7 +552,8 @@ mod tests {
         let mut a = Arena::new(0, 1000, 100);
         a.pages.grow_to(6);
         for (p, by, at) in [(1, 1, 7), (2, 3, 9), (4, 1, 3), (5, 1, 8)] {
-            a.note_freed(p, by, at);
+            a.pages.freed_by[p] = by;
+            a.pages.freed_at[p] = at;
         }
         let g = a.tiling.find(0).unwrap();
         a.tiling.occupy(g, 500, 100).unwrap();
@@ -476,7 +577,8 @@ mod tests {
         b.pages.grow_to(3);
         b.used_to = 300;
         for (p, at) in [(1, 7), (2, 9)] {
-            b.note_freed(p, 1, at);
+            b.pages.freed_by[p] = 1;
+            b.pages.freed_at[p] = at;
         }
         b.add_hazards_from_pages(1, 5, 7);
         assert_eq!(hazards(&b), vec![(100, 200, 1, 7), (200, 300, 1, 9)]);
@@ -489,7 +591,8 @@ mod tests {
         let mut a = Arena::new(0, 1000, 100);
         a.pages.grow_to(3);
         for p in [1, 2] {
-            a.note_freed(p, 1, 7);
+            a.pages.freed_by[p] = 1;
+            a.pages.freed_at[p] = 7;
         }
         a.used_to = 250;
         a.add_hazards_from_pages(1, 0, 7);

@@ -85,9 +85,8 @@ impl Core {
             let ahead = &at[need.len()..];
             if self.reclaim_queue_kept {
                 let tick = self.tick;
-                for &p in ahead {
-                    self.reclaim_queue.push_back(ai, p..p + 1, tick);
-                }
+                self.reclaim_queue
+                    .extend(ahead.iter().map(|&p| (ai, p, tick)));
             }
             let page = ctx.page;
             self.mapped_ahead = MappedAhead {
@@ -262,7 +261,11 @@ impl MappedAhead {
         if lo >= hi {
             return 0;
         }
-        arena.fresh_since(lo, hi - lo, self.at)
+        let (first, last) = arena.page_span(lo, hi - lo);
+        (first..=last)
+            .map(|p| arena.slot(p))
+            .filter(|s| s.phys.is_some() && s.touch == 0 && s.cached_at == self.at)
+            .count() as u64
     }
 }
 

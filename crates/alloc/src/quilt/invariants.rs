@@ -161,6 +161,7 @@ pub(crate) fn check(
     let valid: HashSet<(usize, u64, u64)> = st
         .reclaim_queue
         .iter()
+        .copied()
         .filter(|&(ai, p, stamp)| {
             st.arenas.get(ai).is_some_and(|a| {
                 let s = a.slot(p);

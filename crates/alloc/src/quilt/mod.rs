@@ -9,8 +9,8 @@
 //!
 //! | layer | files |
 //! |---|---|
-//! | pure pieces | `gap_index` (gaps by size), `tiling` (gaps and blocks of an arena), `page_table` (an arena's pages: a value per page where they differ, runs where a block makes them alike; `page_table_reference`, the tests' reference), `reclaim_queue` (cached pages, oldest first), `arena` (the two together), `streams` (what each stream's work has reached), `config` (the policy as types) |
-//! | the stitching core | `stitch` (arenas, blocks, the cached-page queue (`reclaim_queue`), retired pages, page hazards, frozen arenas), `placement` (where a block goes), `backing` (pages behind it), `reclaim` (cached pages back to the pool), `solo` (hazards left unbuilt while one stream allocates alone) |
+//! | pure pieces | `gap_index` (gaps by size), `tiling` (gaps and blocks of an arena), `page_table` (an arena's pages, a column per field), `arena` (the two together), `streams` (what each stream's work has reached), `config` (the policy as types) |
+//! | the stitching core | `stitch` (arenas, blocks, the cached-page queue, retired pages, page hazards, frozen arenas), `placement` (where a block goes), `backing` (pages behind it), `reclaim` (cached pages back to the pool), `solo` (hazards left unbuilt while one stream allocates alone) |
 //! | features | `growable` (growable buffers), `sleep` (tags, sleep and wake), `offload` (the offload tier), `export` (export pins), `snapshot`, `invariants` |
 //! | the allocator | `allocator` (one lock over the core, the features and the policy), `serving` (its serving API), `ahead` (the map-ahead worker), `growable_buffer` (the owning handle) |
 
@@ -28,12 +28,9 @@ mod invariants;
 mod offload;
 mod own;
 mod page_table;
-#[cfg(test)]
-mod page_table_reference;
 mod placement;
 mod pressure;
 mod reclaim;
-mod reclaim_queue;
 mod segments;
 mod serving;
 mod sleep;

@@ -193,7 +193,7 @@ impl Core {
             for &p in &need {
                 let s = self.arenas[ai].slot(p);
                 if s.is_cached() && s.cached_at == tick {
-                    self.reclaim_queue.push_back(ai, p..p + 1, tick);
+                    self.reclaim_queue.push_back((ai, p, tick));
                 }
             }
         }

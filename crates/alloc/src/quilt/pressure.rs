@@ -53,8 +53,8 @@ impl Core {
 /// already touches.
 pub(super) fn first_touches(arena: &Arena, off: u64, len: u64) -> u64 {
     let (first, last) = arena.page_span(off, len);
-    let shared_first = arena.touch_of(first) > 0;
-    let shared_last = last > first && arena.touch_of(last) > 0;
+    let shared_first = arena.slot(first).touch > 0;
+    let shared_last = last > first && arena.slot(last).touch > 0;
     last - first + 1 - u64::from(shared_first) - u64::from(shared_last)
 }
 

@@ -303,7 +303,7 @@ impl Core {
     #[inline]
     pub(super) fn compact_reclaim_queue(&mut self) {
         // A queue within the least bound needs no sum over the arenas.
-        if self.reclaim_queue.pages() > 1024 {
+        if self.reclaim_queue.len() > 1024 {
             self.compact_long_reclaim_queue();
         }
     }
@@ -312,10 +312,10 @@ impl Core {
     /// (Out of line: every free asks, few queues are that long.)
     #[inline(never)]
     fn compact_long_reclaim_queue(&mut self) {
-        let cached = self.cached_pages();
-        if self.reclaim_queue.pages() > 2 * cached + 1024 {
+        let cached = self.cached_pages() as usize;
+        if self.reclaim_queue.len() > 2 * cached + 1024 {
             let arenas = &self.arenas;
-            self.reclaim_queue.retain(|ai, p, stamp| {
+            self.reclaim_queue.retain(|&(ai, p, stamp)| {
                 let s = arenas[ai].slot(p);
                 s.is_cached() && s.cached_at == stamp
             });

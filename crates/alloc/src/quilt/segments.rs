@@ -29,7 +29,7 @@ pub(crate) fn snapshot(st: &Core, name: &str, page: u64) -> MemorySnapshot {
         for (s, e) in a.gaps().take_while(|&(s, _)| s < high) {
             let e = e.min(high);
             let (f, l) = a.page_span(s, e - s);
-            let mapped = a.unmapped_pages(s, e - s) < l - f + 1;
+            let mapped = (f..=l).any(|p| a.slot(p).phys.is_some());
             blocks.push(BlockInfo {
                 address: a.base + s,
                 size: e - s,
@@ -76,8 +76,17 @@ pub(crate) fn mapped_segments(st: &Core, name: &str, page: u64) -> MemorySnapsho
         let (stream, _) = st.arena_meta[ai];
         // The arena's blocks and gaps, walked once over the runs in order.
         let mut pieces = a.tiling.pieces().peekable();
-        for run in a.pages.mapped_runs() {
-            let (rs, re) = (run.start * page, run.end * page);
+        let mut p = 0usize;
+        while p < a.pages.len() {
+            if a.pages.phys[p].is_none() {
+                p += 1;
+                continue;
+            }
+            let first = p;
+            while p < a.pages.len() && a.pages.phys[p].is_some() {
+                p += 1;
+            }
+            let (rs, re) = (first as u64 * page, p as u64 * page);
             let mut blocks: Vec<BlockInfo> = Vec::new();
             while pieces.next_if(|&(_, e, _)| e <= rs).is_some() {}
             for (s, e, gap) in pieces.clone().take_while(|&(s, _, _)| s < re) {

@@ -16,7 +16,6 @@ use quilt_vmm::{DevicePtr, StreamId};
 
 use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
-use super::reclaim_queue::ReclaimQueue;
 use super::streams::Streams;
 use super::tiling::{Hazard, PieceId, Pruning};
 use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
@@ -157,10 +156,10 @@ pub(crate) struct Core {
     /// The last [`FREED_MEMORY`] pointers freed, in a ring (read only on
     /// the error path, to tell a double free from an unknown pointer).
     freed_recent: FreedRing,
-    /// Pages that became cached, oldest first, with the tick each became
-    /// cached; an entry whose page has since been touched or unmapped (its
+    /// Pages that became cached, oldest first, as (arena, page, tick it became
+    /// cached); an entry whose page has since been touched or unmapped (its
     /// `cached_at` differs) is stale and skipped.
-    pub(crate) reclaim_queue: ReclaimQueue,
+    pub(crate) reclaim_queue: VecDeque<(usize, u64, u64)>,
     /// Whether the reclaim queue is kept: from the first reclaim on (built
     /// then from the page tables). Until then no operation pays for it.
     pub(crate) reclaim_queue_kept: bool,
@@ -472,7 +471,7 @@ impl Core {
         let queue = &mut self.reclaim_queue;
         self.arenas[ai].untouch(off, len, freed, tick, |pages| {
             if kept {
-                queue.push_back(ai, pages, tick);
+                queue.extend(pages.map(|p| (ai, p, tick)));
             }
         });
     }
