@@ -19,14 +19,7 @@ fn the_programs_run_on_the_cpu() {
     };
     let python = std::path::PathBuf::from(venv).join("bin").join("python");
     let out = std::process::Command::new(&python)
-        .args([
-            "-m",
-            "unittest",
-            "discover",
-            "-s",
-            "programs/tests",
-            "-v",
-        ])
+        .args(["-m", "unittest", "discover", "-s", "programs/tests", "-v"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap_or_else(|e| panic!("{} cannot be run: {e}", python.display()));
