@@ -148,6 +148,20 @@ def _setup():
         torch.cuda.memory._record_memory_history(max_entries=int(entries))
 
 
+def _chain():
+    """Run the `sitecustomize` this file shadows on `sys.path`, if any (some
+    distributions' Pythons have one)."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_chain()
 if _DIR:
     _previous_hook = sys.excepthook
     sys.excepthook = _excepthook
