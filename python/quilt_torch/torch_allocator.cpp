@@ -94,6 +94,10 @@ struct QuiltTraceEntry {
   int32_t device, action;
   uint64_t addr, size, stream, time_us;
 };
+struct QuiltPoolBlock {  // crates/torch/src/private_pools.rs, CheckpointBlock
+  uint64_t ptr, size, requested, stream;
+  int32_t live;
+};
 
 // libquilt_torch.so's functions.
 struct Api {
@@ -114,6 +118,10 @@ struct Api {
   void (*empty_cache)();
   void (*record_stream)(void*, void*);
   size_t (*last_error)(char*, size_t);
+  int (*pool_checkpoint)(int, uint64_t, uint64_t, QuiltPoolBlock*, size_t, size_t*);
+  int (*pool_restore)(int, uint64_t, uint64_t, const QuiltPoolBlock*, size_t, uint64_t*, size_t,
+                      size_t*);
+  int (*pool_live_blocks)(int, uint64_t, uint64_t, uint64_t*, size_t, size_t*);
 };
 Api api{};
 bool bound = false;
@@ -177,6 +185,16 @@ struct RelaxedCapture {
   }
   RelaxedCapture(const RelaxedCapture&) = delete;
   RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+};
+
+// A private pool's state for torch.compile's CUDA graph trees
+// (getCheckpointState): its blocks, as libquilt_torch.so listed them.
+struct QuiltPoolState final : cca::AllocatorState {
+  c10::DeviceIndex device;
+  c10::MempoolId_t id;
+  std::vector<QuiltPoolBlock> blocks;
+  QuiltPoolState(c10::DeviceIndex d, c10::MempoolId_t i, std::vector<QuiltPoolBlock> b)
+      : device(d), id(i), blocks(std::move(b)) {}
 };
 
 struct Live {
@@ -631,29 +649,108 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
     // Quilt hands a pool's blocks out whole: none is ever split.
   }
-  // torch.compile's CUDA graph trees check (checkPoolLiveAllocations, at
-  // their first call), checkpoint and restore a private pool's state; Quilt
-  // does none of it and refuses at the first.
-  static std::string graph_trees_refused(const char* piece) {
-    return std::string("Quilt (quilt_torch.enable()) does not support torch.compile's CUDA graph "
-                       "trees (mode=\"reduce-overhead\", backend=\"cudagraphs\"): they need ") +
-           piece +
-           " (the check, checkpoint and restore of a private pool: "
-           "checkPoolLiveAllocations, getCheckpointState, setCheckpointPoolState), which Quilt "
-           "does not implement. Use torch.cuda.graph / make_graphed_callables, or "
-           "torch._inductor.config.triton.cudagraph_trees = False.";
+  // torch.compile's CUDA graph trees (mode="reduce-overhead",
+  // backend="cudagraphs") check a private pool's live blocks, checkpoint its
+  // state and restore it; the pool's books are libquilt_torch.so's
+  // (private_pools.rs).
+
+  // Whether the blocks of the pool handed out now are exactly `expected`.
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<uint64_t> live(expected.size() + 16);
+    for (;;) {
+      size_t n = 0;
+      TORCH_CHECK(api.pool_live_blocks(device, id.first, id.second, live.data(), live.size(),
+                                       &n) == 0,
+                  "Quilt: ", last_error());
+      if (n <= live.size()) {
+        live.resize(n);
+        break;
+      }
+      live.resize(n * 2);
+    }
+    if (live.size() != expected.size()) {
+      return false;
+    }
+    return std::all_of(live.begin(), live.end(), [&](uint64_t p) {
+      return expected.count(reinterpret_cast<void*>(p)) != 0;
+    });
   }
-  bool checkPoolLiveAllocations(c10::DeviceIndex, c10::MempoolId_t,
-                                const std::unordered_set<void*>&) override {
-    TORCH_CHECK(false, graph_trees_refused("checkPoolLiveAllocations"));
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::MempoolId_t id) override {
+    std::vector<QuiltPoolBlock> blocks(64);
+    for (;;) {
+      size_t n = 0;
+      TORCH_CHECK(api.pool_checkpoint(device, id.first, id.second, blocks.data(), blocks.size(),
+                                      &n) == 0,
+                  "Quilt: ", last_error());
+      if (n <= blocks.size()) {
+        blocks.resize(n);
+        break;
+      }
+      blocks.resize(n * 2);
+    }
+    return std::make_shared<QuiltPoolState>(device, id, std::move(blocks));
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
-                                                          c10::MempoolId_t) override {
-    TORCH_CHECK(false, graph_trees_refused("getCheckpointState"));
-  }
-  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
-                                              std::shared_ptr<cca::AllocatorState>) override {
-    TORCH_CHECK(false, graph_trees_refused("setCheckpointPoolState"));
+
+  // The pool put back in `state`: the blocks handed out now are freed (torch
+  // has taken their deleters away), the state's handed-out blocks handed out
+  // again at their addresses, each as a DataPtr with Quilt's deleter.
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> state) override {
+    auto pps = std::dynamic_pointer_cast<QuiltPoolState>(state);
+    TORCH_CHECK(pps != nullptr, "setCheckpointPoolState: not a state of Quilt's pools");
+    TORCH_CHECK(pps->device == device, "setCheckpointPoolState: a state of device ",
+                static_cast<int>(pps->device), " restored on device ", static_cast<int>(device));
+    std::vector<uint64_t> freed(64);
+    for (;;) {
+      size_t n = 0;
+      int rc = api.pool_restore(device, pps->id.first, pps->id.second, pps->blocks.data(),
+                                pps->blocks.size(), freed.data(), freed.size(), &n);
+      if (rc == 2) {
+        freed.resize(n * 2);
+        continue;
+      }
+      TORCH_CHECK(rc == 0, "Quilt: ", last_error());
+      freed.resize(n);
+      break;
+    }
+    cca::CheckpointDelta delta;
+    std::vector<std::pair<void*, Live>> dropped, allocated;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (uint64_t p : freed) {
+        void* ptr = reinterpret_cast<void*>(p);
+        auto it = live_.find(ptr);
+        if (it != live_.end()) {
+          dropped.emplace_back(ptr, it->second);
+          live_.erase(it);
+        }
+        block_context_.erase(ptr);
+        delta.ptrs_freed.push_back(ptr);
+      }
+      for (const auto& b : pps->blocks) {
+        if (b.live == 0) {
+          continue;
+        }
+        void* ptr = reinterpret_cast<void*>(b.ptr);
+        Live l{static_cast<size_t>(b.requested), device, reinterpret_cast<cudaStream_t>(b.stream),
+               {}};
+        live_[ptr] = l;
+        allocated.emplace_back(ptr, l);
+      }
+    }
+    for (auto& [ptr, l] : dropped) {
+      track(cda::TraceEntry::FREE_REQUESTED, device, ptr, l.size, l.stream, pps->id, nullptr);
+      track(cda::TraceEntry::FREE_COMPLETED, device, ptr, l.size, l.stream, pps->id, nullptr);
+    }
+    for (auto& [ptr, l] : allocated) {
+      track(cda::TraceEntry::ALLOC, device, ptr, l.size, l.stream, pps->id, nullptr);
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, &quilt_raw_delete,
+                                         c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   // -- observers, IPC, copies -----------------------------------------------
@@ -826,7 +923,10 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_record_history", a.record_history) &&
             resolve(h, "quilt_empty_cache", a.empty_cache) &&
             resolve(h, "quilt_record_stream", a.record_stream) &&
-            resolve(h, "quilt_last_error", a.last_error);
+            resolve(h, "quilt_last_error", a.last_error) &&
+            resolve(h, "quilt_pool_checkpoint", a.pool_checkpoint) &&
+            resolve(h, "quilt_pool_restore", a.pool_restore) &&
+            resolve(h, "quilt_pool_live_blocks", a.pool_live_blocks);
   if (!ok) {
     write(buf, len, std::string("a function is missing from ") + path);
     return 2;

@@ -576,3 +576,117 @@ pub extern "C" fn quilt_try_set_memory_fraction(fraction: c_double, device: c_in
         library().set_memory_fraction(fraction, device).map(|()| 0)
     })
 }
+
+// -- CUDA graph trees: a private pool checkpointed and restored ------------
+
+/// torch's `getCheckpointState`: the blocks of pool `(first, second)` on
+/// `device` (address order, each with whether it is handed out) into
+/// `out` (of `len`), as many as fit, and how many there are into
+/// `*count`; call again with a larger array when they did not fit. 0 on
+/// success, 1 on error (a pool that does not exist or is released).
+///
+/// # Safety
+///
+/// `out` is null or points to `len` writable `QuiltPoolBlock`s; `count`
+/// is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_checkpoint(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut crate::private_pools::CheckpointBlock,
+    len: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let state = library().pool_checkpoint(device, (first, second))?;
+        // SAFETY: `out`, `len` and `count` as this function's contract says.
+        unsafe {
+            let n = write_array(&state, out, len);
+            write_out(count, n);
+        }
+        Ok(0)
+    })
+}
+
+/// torch's `setCheckpointPoolState`: pool `(first, second)` on `device` put
+/// back in the state `state` (`n` blocks, as `quilt_pool_checkpoint` gave
+/// them): the blocks handed out now are free, then the state's handed-out
+/// blocks are handed out again at their addresses. The freed pointers go
+/// into `freed` (of `freed_len`) and their number into `*freed_count`.
+/// 0 on success; 2 when `freed` is too small (nothing changed;
+/// `*freed_count` says how many there would be); 1 on error (nothing
+/// changed: a pool that does not exist or is released, a state that does
+/// not match the pool).
+///
+/// # Safety
+///
+/// `state` is null (then `n` must be 0) or points to `n` readable
+/// `QuiltPoolBlock`s; `freed` is null or points to `freed_len` writable
+/// `uint64_t`s; `freed_count` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_restore(
+    device: c_int,
+    first: u64,
+    second: u64,
+    state: *const crate::private_pools::CheckpointBlock,
+    n: usize,
+    freed: *mut u64,
+    freed_len: usize,
+    freed_count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let state = if state.is_null() || n == 0 {
+            &[][..]
+        } else {
+            // SAFETY: a non-null `state` points to `n` readable blocks (this
+            // function's contract), read only before this call returns.
+            unsafe { std::slice::from_raw_parts(state, n) }
+        };
+        let freed_ptrs: Vec<u64> =
+            match library().pool_restore(device, (first, second), state, freed_len)? {
+                Ok(r) => r.freed.iter().map(|b| b.ptr).collect(),
+                Err(needed) => {
+                    // SAFETY: `freed_count` as this function's contract says.
+                    unsafe { write_out(freed_count, needed) };
+                    return Ok(2);
+                }
+            };
+        // SAFETY: `freed`, `freed_len` and `freed_count` as this function's
+        // contract says.
+        unsafe {
+            let k = write_array(&freed_ptrs, freed, freed_len);
+            write_out(freed_count, k);
+        }
+        Ok(0)
+    })
+}
+
+/// torch's `checkPoolLiveAllocations`: the blocks of pool `(first, second)`
+/// on `device` handed out now into `out` (of `len`), as many as fit, and
+/// how many there are into `*count`. 0 on success, 1 on error (a pool that
+/// does not exist).
+///
+/// # Safety
+///
+/// `out` is null or points to `len` writable `uint64_t`s; `count` is null
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_live_blocks(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut u64,
+    len: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let live = library().pool_live_blocks(device, (first, second))?;
+        // SAFETY: `out`, `len` and `count` as this function's contract says.
+        unsafe {
+            let k = write_array(&live, out, len);
+            write_out(count, k);
+        }
+        Ok(0)
+    })
+}

@@ -19,7 +19,7 @@ use crate::conf::{self, Backend, LibraryConf};
 use crate::device_stats::{self, Accumulated, QuiltDeviceStats};
 use crate::history::History;
 use crate::listing::{self, QuiltBlock, QuiltSegment, QuiltTraceEntry};
-use crate::private_pools::{Freed, PoolId, PrivatePools};
+use crate::private_pools::{CheckpointBlock, Freed, PoolId, PrivatePools, Restored};
 use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
 
 /// The driver's map and unmap count of `alloc`: the mapped memory changes
@@ -412,6 +412,66 @@ impl Library {
         let d = self.device(device)?;
         let n = lock(&d.pools).use_count(id);
         Ok(n)
+    }
+
+    /// torch's `getCheckpointState`: pool `id`'s blocks and which are
+    /// handed out ([`PrivatePools::checkpoint`]).
+    pub fn pool_checkpoint(&self, device: i32, id: PoolId) -> Result<Vec<CheckpointBlock>, String> {
+        let d = self.device(device)?;
+        let state = lock(&d.pools).checkpoint(id);
+        state
+    }
+
+    /// torch's `setCheckpointPoolState` ([`PrivatePools::restore`]), when
+    /// the blocks it frees are at most `room` (the caller's array):
+    /// `Ok(Err(n))` says that `n` would be, with nothing changed. The
+    /// history shows each block freed and handed out again.
+    pub fn pool_restore(
+        &self,
+        device: i32,
+        id: PoolId,
+        state: &[CheckpointBlock],
+        room: usize,
+    ) -> Result<Result<Restored, usize>, String> {
+        let d = self.device(device)?;
+        let mut pools = lock(&d.pools);
+        let live = pools.live_blocks(id)?.len();
+        if live > room {
+            return Ok(Err(live));
+        }
+        let r = pools.restore(id, state)?;
+        drop(pools);
+        for b in &r.freed {
+            for action in ["free_requested", "free_completed"] {
+                self.history.record(
+                    device,
+                    action,
+                    b.ptr,
+                    b.size,
+                    b.stream,
+                    "quilt_pool_restore",
+                );
+            }
+        }
+        for b in &r.allocated {
+            self.history.record(
+                device,
+                "alloc",
+                b.ptr,
+                b.requested,
+                b.stream,
+                "quilt_pool_restore",
+            );
+        }
+        Ok(Ok(r))
+    }
+
+    /// torch's `checkPoolLiveAllocations`: the blocks of pool `id` handed
+    /// out now ([`PrivatePools::live_blocks`]).
+    pub fn pool_live_blocks(&self, device: i32, id: PoolId) -> Result<Vec<u64>, String> {
+        let d = self.device(device)?;
+        let live = lock(&d.pools).live_blocks(id);
+        live
     }
 
     /// torch's `getDeviceStats`: Quilt's figures in torch's terms
