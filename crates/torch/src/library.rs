@@ -596,22 +596,20 @@ impl Library {
         Err(self.not_freed(ptr))
     }
 
-    /// Why `ptr` is no live block of any device: a double free where an
-    /// allocator remembers freeing it, else an unknown pointer.
+    /// Why `ptr` is no live block of any device (nothing is freed to find
+    /// out: another thread may have been handed the same address since).
     #[cold]
     fn not_freed(&self, ptr: DevicePtr) -> String {
-        if let Err(e) = self.conf() {
-            return e;
-        }
-        let mut why = None;
-        for d in self.existing() {
-            match d.alloc.free(ptr) {
-                Err(e @ AllocError::DoubleFree { .. }) => return e.to_string(),
-                Err(e) => why = why.or(Some(e.to_string())),
-                Ok(()) => {} // freed meanwhile by no one: cannot be, it was not live
+        match self.conf() {
+            Err(e) => e,
+            Ok(_) if self.existing().next().is_none() => {
+                format!("free of {ptr:#x}: no device has allocated anything")
             }
+            Ok(_) => format!(
+                "free of {ptr:#x}, which is no live block of any device (a double free, or a \
+                 pointer Quilt did not hand out)"
+            ),
         }
-        why.unwrap_or_else(|| format!("free of {ptr:#x}: no device has allocated anything"))
     }
 
     /// The history of a free of `ptr` on `d` (`size` and `stream` as torch
