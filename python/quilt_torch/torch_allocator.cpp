@@ -18,11 +18,17 @@
 // torch.OutOfMemoryError is thrown.
 //
 // Every allocator function is a call into libquilt_torch.so's C functions
-// (resolved once with dlsym from the instance ctypes loaded). This file
-// keeps only what needs C++: torch's contexts (GatheredContext), the
-// allocation routing filters of beginAllocateToPool, the observers, and
-// each live pointer's size, device and stream (torch's deleter passes only
-// the pointer).
+// (resolved once with dlsym from the instance ctypes loaded). Quilt keeps
+// the one map of live blocks: torch's deleter passes only the pointer, and
+// quilt_torch_free finds its device and gives back its size and stream.
+// This file keeps only what needs C++: torch's contexts (GatheredContext,
+// while history records them), the allocation routing filters of
+// beginAllocateToPool, the observers and trace trackers, and the streams a
+// block was recorded on (record_stream), each in a table that a counter
+// says is empty, so that an allocation or a free takes no lock of this
+// class while nothing is registered. CUDA's relaxed capture mode is set by
+// Quilt's CUDA backend around the driver calls that need it (none when the
+// allocation is served from mapped memory).
 //
 // Written for the CUDAAllocator interface of torch 2.15 (the only torch it
 // was built and tested against). That interface changes between releases
@@ -80,6 +86,10 @@ struct QuiltAllocation {
   void* ptr;
   uint64_t seq;
 };
+struct QuiltFreed {
+  uint64_t size, stream, seq;
+  int32_t device, kept_by_pool;
+};
 struct QuiltSegment {
   int32_t device;
   uint32_t first_block, block_count;
@@ -102,7 +112,8 @@ struct QuiltPoolBlock {  // crates/torch/src/private_pools.rs, CheckpointBlock
 // libquilt_torch.so's functions.
 struct Api {
   int (*torch_malloc)(size_t, int, void*, int, uint64_t, uint64_t, QuiltAllocation*);
-  int (*torch_free)(void*, size_t, int, void*, uint64_t*);
+  int (*torch_free)(void*, QuiltFreed*);
+  int (*block_size)(void*, uint64_t*);
   int (*device_stats)(int, QuiltDeviceStats*);
   int (*reset_accumulated)(int);
   int (*reset_peak)(int);
@@ -119,8 +130,8 @@ struct Api {
   void (*record_stream)(void*, void*);
   size_t (*last_error)(char*, size_t);
   int (*pool_checkpoint)(int, uint64_t, uint64_t, QuiltPoolBlock*, size_t, size_t*);
-  int (*pool_restore)(int, uint64_t, uint64_t, const QuiltPoolBlock*, size_t, uint64_t*, size_t,
-                      size_t*);
+  int (*pool_restore)(int, uint64_t, uint64_t, const QuiltPoolBlock*, size_t, QuiltPoolBlock*,
+                      size_t, size_t*);
   int (*pool_live_blocks)(int, uint64_t, uint64_t, uint64_t*, size_t, size_t*);
 };
 Api api{};
@@ -164,29 +175,6 @@ void fill(c10::CachingAllocator::StatArray& out, const QuiltStat& s) {
   }
 }
 
-// The calling thread in CUDA's relaxed stream-capture mode while it lives,
-// as torch's own allocator puts it around its cudaMalloc: Quilt may create
-// and map memory for an allocation made during a capture (a graph's private
-// pool is filled then), which the global mode forbids and which would
-// invalidate the capture.
-struct RelaxedCapture {
-  cudaStreamCaptureMode prior = cudaStreamCaptureModeRelaxed;
-  bool exchanged = false;
-  RelaxedCapture() {
-    exchanged = cudaThreadExchangeStreamCaptureMode(&prior) == cudaSuccess;
-    if (!exchanged) {
-      (void)cudaGetLastError();
-    }
-  }
-  ~RelaxedCapture() {
-    if (exchanged) {
-      (void)cudaThreadExchangeStreamCaptureMode(&prior);
-    }
-  }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-};
-
 // A private pool's state for torch.compile's CUDA graph trees
 // (getCheckpointState): its blocks, as libquilt_torch.so listed them.
 struct QuiltPoolState final : cca::AllocatorState {
@@ -195,14 +183,6 @@ struct QuiltPoolState final : cca::AllocatorState {
   std::vector<QuiltPoolBlock> blocks;
   QuiltPoolState(c10::DeviceIndex d, c10::MempoolId_t i, std::vector<QuiltPoolBlock> b)
       : device(d), id(i), blocks(std::move(b)) {}
-};
-
-struct Live {
-  size_t size;
-  c10::DeviceIndex device;
-  cudaStream_t stream;
-  // Other streams it was recorded on (record_stream).
-  std::vector<cudaStream_t> used_on;
 };
 
 void quilt_raw_delete(void* ptr);
@@ -245,7 +225,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(bound, "quilt_torch: the allocator is not bound to libquilt_torch.so");
     bool use_pool = false;
     c10::MempoolId_t pool{0, 0};
-    {
+    if (route_count_.load(std::memory_order_acquire) != 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto& c : routes_) {
         if (c.device == device && c.filter(stream)) {
@@ -261,24 +241,18 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       context = recorder();
     }
     QuiltAllocation a{nullptr, 0};
-    int rc;
-    {
-      RelaxedCapture relaxed;
-      rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
-    }
+    int rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
     if (rc == 1) {
       out_of_memory(size, device, last_error());
     }
     TORCH_CHECK(rc == 0 && a.ptr != nullptr, "Quilt could not allocate ", format_size(size), " (",
                 size, " bytes) on device ", static_cast<int>(device), ": ", last_error());
-    {
+    if (context) {
       std::lock_guard<std::mutex> lock(mutex_);
-      live_[a.ptr] = Live{size, device, stream, {}};
-      if (context) {
-        block_context_[a.ptr] = context;
-        if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
-          remember(a.seq, context);
-        }
+      block_context_[a.ptr] = context;
+      context_count_.store(block_context_.size(), std::memory_order_release);
+      if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
+        remember(a.seq, context);
       }
     }
     track(cda::TraceEntry::ALLOC, device, a.ptr, size, stream, pool, context);
@@ -311,43 +285,45 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     if (ptr == nullptr) {
       return;
     }
-    Live l{};
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = live_.find(ptr);
-      if (it == live_.end()) {
-        TORCH_WARN("quilt_torch: free of ", ptr, ", which Quilt's allocator did not hand out");
-        return;
-      }
-      l = it->second;
-      live_.erase(it);
-      block_context_.erase(ptr);
-    }
     std::shared_ptr<c10::GatheredContext> context;
     auto recorder = recorder_.load();
     if (history_on_.load() && recorder != nullptr && when_.load() == cda::RecordContext::ALL) {
       context = recorder();
     }
-    uint64_t seq = 0;
-    int rc;
-    {
-      RelaxedCapture relaxed;
-      rc = api.torch_free(ptr, l.size, l.device, l.stream, &seq);
-    }
+    QuiltFreed f{};
+    int rc = api.torch_free(ptr, &f);
     if (rc == 1) {
       // A deleter must not throw (it runs in destructors).
       TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
       return;
     }
-    if (rc == 3 && !l.used_on.empty()) {
+    auto stream = reinterpret_cast<cudaStream_t>(f.stream);
+    std::vector<cudaStream_t> used_on;
+    if (recorded_count_.load(std::memory_order_acquire) != 0 ||
+        context_count_.load(std::memory_order_acquire) != 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = recorded_.find(ptr);
+      if (it != recorded_.end()) {
+        used_on = std::move(it->second);
+        recorded_.erase(it);
+        recorded_count_.store(recorded_.size(), std::memory_order_release);
+      }
+      if (block_context_.erase(ptr) != 0) {
+        context_count_.store(block_context_.size(), std::memory_order_release);
+      }
+    }
+    if (rc == 3) {
       // A private pool kept the block, to hand it out again on its own
       // stream: order that stream after the work queued on the streams it
       // was recorded on (Quilt does this for the blocks it gets back).
-      for (cudaStream_t other : l.used_on) {
+      for (cudaStream_t other : used_on) {
+        if (other == stream) {
+          continue;
+        }
         cudaEvent_t done = nullptr;
         if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess) {
           if (cudaEventRecord(done, other) != cudaSuccess ||
-              cudaStreamWaitEvent(l.stream, done, 0) != cudaSuccess) {
+              cudaStreamWaitEvent(stream, done, 0) != cudaSuccess) {
             TORCH_WARN("quilt_torch: ordering the reuse of ", ptr, " after stream ", other,
                        " failed: ", cudaGetErrorString(cudaGetLastError()));
           }
@@ -355,12 +331,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         }
       }
     }
-    if (context && seq != 0) {
+    if (context && f.seq != 0) {
       std::lock_guard<std::mutex> lock(mutex_);
-      remember(seq, context);
+      remember(f.seq, context);
     }
-    track(cda::TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, {0, 0}, context);
-    track(cda::TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, {0, 0}, context);
+    auto device = static_cast<c10::DeviceIndex>(f.device);
+    track(cda::TraceEntry::FREE_REQUESTED, device, ptr, f.size, stream, {0, 0}, context);
+    track(cda::TraceEntry::FREE_COMPLETED, device, ptr, f.size, stream, {0, 0}, context);
   }
 
   // -- lifecycle and settings -----------------------------------------------
@@ -408,10 +385,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
   }
   void* getBaseAllocation(void* ptr, size_t* size) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(ptr);
-    if (it != live_.end() && size != nullptr) {
-      *size = it->second.size;
+    uint64_t n = 0;
+    if (api.block_size(ptr, &n) == 0 && size != nullptr) {
+      *size = static_cast<size_t>(n);
     }
     return ptr;
   }
@@ -420,13 +396,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       return;
     }
     api.record_stream(ptr.get(), stream.stream());
+    // Kept for a private pool's reuse of the block (raw_delete).
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(ptr.get());
-    if (it != live_.end() && it->second.stream != stream.stream() &&
-        std::find(it->second.used_on.begin(), it->second.used_on.end(), stream.stream()) ==
-            it->second.used_on.end()) {
-      it->second.used_on.push_back(stream.stream());
+    auto& used_on = recorded_[ptr.get()];
+    if (std::find(used_on.begin(), used_on.end(), stream.stream()) == used_on.end()) {
+      used_on.push_back(stream.stream());
     }
+    recorded_count_.store(recorded_.size(), std::memory_order_release);
   }
 
   // -- statistics -----------------------------------------------------------
@@ -616,12 +592,14 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(api.pool_incref(device, id.first, id.second) == 0, "Quilt: ", last_error());
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.push_back(Route{device, id, std::move(filter)});
+    route_count_.store(routes_.size(), std::memory_order_release);
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.erase(std::remove_if(routes_.begin(), routes_.end(),
                                  [&](const Route& r) { return r.device == device && r.id == id; }),
                   routes_.end());
+    route_count_.store(routes_.size(), std::memory_order_release);
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     // Called from destructors (CUDAGraph::reset, ~MemPool): never throws.
@@ -703,7 +681,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(pps != nullptr, "setCheckpointPoolState: not a state of Quilt's pools");
     TORCH_CHECK(pps->device == device, "setCheckpointPoolState: a state of device ",
                 static_cast<int>(pps->device), " restored on device ", static_cast<int>(device));
-    std::vector<uint64_t> freed(64);
+    std::vector<QuiltPoolBlock> freed(64);
     for (;;) {
       size_t n = 0;
       int rc = api.pool_restore(device, pps->id.first, pps->id.second, pps->blocks.data(),
@@ -717,36 +695,31 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       break;
     }
     cca::CheckpointDelta delta;
-    std::vector<std::pair<void*, Live>> dropped, allocated;
     {
+      // Freed without their deleters: forget their contexts and streams.
       std::lock_guard<std::mutex> lock(mutex_);
-      for (uint64_t p : freed) {
-        void* ptr = reinterpret_cast<void*>(p);
-        auto it = live_.find(ptr);
-        if (it != live_.end()) {
-          dropped.emplace_back(ptr, it->second);
-          live_.erase(it);
-        }
+      for (const auto& b : freed) {
+        void* ptr = reinterpret_cast<void*>(b.ptr);
+        recorded_.erase(ptr);
         block_context_.erase(ptr);
         delta.ptrs_freed.push_back(ptr);
       }
-      for (const auto& b : pps->blocks) {
-        if (b.live == 0) {
-          continue;
-        }
-        void* ptr = reinterpret_cast<void*>(b.ptr);
-        Live l{static_cast<size_t>(b.requested), device, reinterpret_cast<cudaStream_t>(b.stream),
-               {}};
-        live_[ptr] = l;
-        allocated.emplace_back(ptr, l);
+      recorded_count_.store(recorded_.size(), std::memory_order_release);
+      context_count_.store(block_context_.size(), std::memory_order_release);
+    }
+    for (const auto& b : freed) {
+      void* ptr = reinterpret_cast<void*>(b.ptr);
+      auto stream = reinterpret_cast<cudaStream_t>(b.stream);
+      track(cda::TraceEntry::FREE_REQUESTED, device, ptr, b.requested, stream, pps->id, nullptr);
+      track(cda::TraceEntry::FREE_COMPLETED, device, ptr, b.requested, stream, pps->id, nullptr);
+    }
+    for (const auto& b : pps->blocks) {
+      if (b.live == 0) {
+        continue;
       }
-    }
-    for (auto& [ptr, l] : dropped) {
-      track(cda::TraceEntry::FREE_REQUESTED, device, ptr, l.size, l.stream, pps->id, nullptr);
-      track(cda::TraceEntry::FREE_COMPLETED, device, ptr, l.size, l.stream, pps->id, nullptr);
-    }
-    for (auto& [ptr, l] : allocated) {
-      track(cda::TraceEntry::ALLOC, device, ptr, l.size, l.stream, pps->id, nullptr);
+      void* ptr = reinterpret_cast<void*>(b.ptr);
+      track(cda::TraceEntry::ALLOC, device, ptr, b.requested, reinterpret_cast<cudaStream_t>(b.stream),
+            pps->id, nullptr);
       delta.dataptrs_allocd.emplace_back(ptr, ptr, &quilt_raw_delete,
                                          c10::Device(c10::DeviceType::CUDA, device));
     }
@@ -767,6 +740,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> lock(mutex_);
     trackers_.push_back(std::move(tracker));
+    tracker_count_.store(trackers_.size(), std::memory_order_release);
   }
   cca::ShareableHandle shareIpcHandle(void*) override {
     TORCH_CHECK(false,
@@ -835,6 +809,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void track(cda::TraceEntry::Action action, c10::DeviceIndex device, void* ptr, size_t size,
              cudaStream_t stream, c10::MempoolId_t pool,
              const std::shared_ptr<c10::GatheredContext>& context) {
+    if (tracker_count_.load(std::memory_order_acquire) == 0) {
+      return;
+    }
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -850,9 +827,16 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
   }
 
+  // Guards the tables below; each table's size is also in its counter
+  // (written under the lock), read without it to skip an empty table.
   std::mutex mutex_;
-  std::unordered_map<void*, Live> live_;
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> block_context_;
+  std::atomic<size_t> context_count_{0};
+  // The streams each block was recorded on (record_stream), until its free.
+  std::unordered_map<void*, std::vector<cudaStream_t>> recorded_;
+  std::atomic<size_t> recorded_count_{0};
+  std::atomic<size_t> route_count_{0};
+  std::atomic<size_t> tracker_count_{0};
   std::map<uint64_t, std::shared_ptr<c10::GatheredContext>> trace_context_;
   std::vector<Route> routes_;
   std::vector<cca::OutOfMemoryObserver> observers_;
@@ -909,6 +893,7 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
   Api a{};
   bool ok = resolve(h, "quilt_torch_malloc", a.torch_malloc) &&
             resolve(h, "quilt_torch_free", a.torch_free) &&
+            resolve(h, "quilt_torch_block_size", a.block_size) &&
             resolve(h, "quilt_device_stats", a.device_stats) &&
             resolve(h, "quilt_reset_accumulated_stats", a.reset_accumulated) &&
             resolve(h, "quilt_reset_peak_stats", a.reset_peak) &&

@@ -421,33 +421,67 @@ pub unsafe extern "C" fn quilt_torch_malloc(
     })
 }
 
-/// Give back the block at `ptr` (of `size` bytes, on `device`, allocated on
-/// `stream`): a block of a private pool in use stays the pool's. 0 when it
-/// went back to Quilt, 3 when a private pool kept it (both: the sequence
-/// number of its `free_requested` history entry in `*seq`, 0 when none was
-/// recorded); 1 on error.
+/// What `quilt_torch_free` gave back: the block as torch had it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuiltFreed {
+    /// The bytes torch asked for.
+    pub size: u64,
+    /// The stream it was allocated on.
+    pub stream: u64,
+    /// The sequence number of its `free_requested` history entry (0: none
+    /// recorded).
+    pub seq: u64,
+    /// The device that had allocated it.
+    pub device: i32,
+    /// 1 when a private pool kept it, else 0.
+    pub kept_by_pool: i32,
+}
+
+/// Give back the block at `ptr`, whichever device allocated it (Quilt
+/// knows; torch's deleter passes only the pointer): a block of a private
+/// pool in use stays the pool's. 0 when it went back to Quilt, 3 when a
+/// private pool kept it (both: the block as torch had it in `*out`); 1 on
+/// error (a null, unknown or double-freed pointer: see `quilt_last_error`).
 ///
 /// # Safety
 ///
-/// `seq` is null or points to a writable `uint64_t`.
+/// `out` is null or points to a writable `QuiltFreed`.
 #[no_mangle]
-pub unsafe extern "C" fn quilt_torch_free(
-    ptr: *mut c_void,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-    seq: *mut u64,
-) -> c_int {
+pub unsafe extern "C" fn quilt_torch_free(ptr: *mut c_void, out: *mut QuiltFreed) -> c_int {
     guard(1, || {
-        let (s, kept) = library().torch_free(
-            ptr as usize as u64,
-            size as u64,
-            device,
-            stream as usize as u64,
-        )?;
-        // SAFETY: `seq` as this function's contract says.
-        unsafe { write_out(seq, s) };
-        Ok(if kept { 3 } else { 0 })
+        let f = library().torch_free(ptr as usize as u64)?;
+        let freed = QuiltFreed {
+            size: f.size,
+            stream: f.stream,
+            seq: f.seq,
+            device: f.device,
+            kept_by_pool: c_int::from(f.kept_by_pool),
+        };
+        // SAFETY: `out` as this function's contract says.
+        unsafe { write_out(out, freed) };
+        Ok(if f.kept_by_pool { 3 } else { 0 })
+    })
+}
+
+/// The bytes torch asked for the live block at `ptr` into `*size` (torch's
+/// `getBaseAllocation`). 0 when `ptr` is a live block, 1 when it is not
+/// (nothing written).
+///
+/// # Safety
+///
+/// `size` is null or points to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_torch_block_size(ptr: *mut c_void, size: *mut u64) -> c_int {
+    guard(1, || {
+        Ok(match library().block_size(ptr as usize as u64) {
+            Some(n) => {
+                // SAFETY: `size` as this function's contract says.
+                unsafe { write_out(size, n) };
+                0
+            }
+            None => 1,
+        })
     })
 }
 
@@ -612,8 +646,9 @@ pub unsafe extern "C" fn quilt_pool_checkpoint(
 /// torch's `setCheckpointPoolState`: pool `(first, second)` on `device` put
 /// back in the state `state` (`n` blocks, as `quilt_pool_checkpoint` gave
 /// them): the blocks handed out now are free, then the state's handed-out
-/// blocks are handed out again at their addresses. The freed pointers go
-/// into `freed` (of `freed_len`) and their number into `*freed_count`.
+/// blocks are handed out again at their addresses. The freed blocks (as
+/// torch last had them) go into `freed` (of `freed_len`) and their number
+/// into `*freed_count`.
 /// 0 on success; 2 when `freed` is too small (nothing changed;
 /// `*freed_count` says how many there would be); 1 on error (nothing
 /// changed: a pool that does not exist or is released, a state that does
@@ -623,7 +658,7 @@ pub unsafe extern "C" fn quilt_pool_checkpoint(
 ///
 /// `state` is null (then `n` must be 0) or points to `n` readable
 /// `QuiltPoolBlock`s; `freed` is null or points to `freed_len` writable
-/// `uint64_t`s; `freed_count` is null or writable.
+/// `QuiltPoolBlock`s; `freed_count` is null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn quilt_pool_restore(
     device: c_int,
@@ -631,7 +666,7 @@ pub unsafe extern "C" fn quilt_pool_restore(
     second: u64,
     state: *const crate::private_pools::CheckpointBlock,
     n: usize,
-    freed: *mut u64,
+    freed: *mut crate::private_pools::CheckpointBlock,
     freed_len: usize,
     freed_count: *mut usize,
 ) -> c_int {
@@ -643,19 +678,18 @@ pub unsafe extern "C" fn quilt_pool_restore(
             // function's contract), read only before this call returns.
             unsafe { std::slice::from_raw_parts(state, n) }
         };
-        let freed_ptrs: Vec<u64> =
-            match library().pool_restore(device, (first, second), state, freed_len)? {
-                Ok(r) => r.freed.iter().map(|b| b.ptr).collect(),
-                Err(needed) => {
-                    // SAFETY: `freed_count` as this function's contract says.
-                    unsafe { write_out(freed_count, needed) };
-                    return Ok(2);
-                }
-            };
+        let restored = match library().pool_restore(device, (first, second), state, freed_len)? {
+            Ok(r) => r,
+            Err(needed) => {
+                // SAFETY: `freed_count` as this function's contract says.
+                unsafe { write_out(freed_count, needed) };
+                return Ok(2);
+            }
+        };
         // SAFETY: `freed`, `freed_len` and `freed_count` as this function's
         // contract says.
         unsafe {
-            let k = write_array(&freed_ptrs, freed, freed_len);
+            let k = write_array(&restored.freed, freed, freed_len);
             write_out(freed_count, k);
         }
         Ok(0)

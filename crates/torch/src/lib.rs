@@ -25,14 +25,15 @@
 //!
 //! and, for torch's allocator class (`python/quilt_torch/torch_allocator.cpp`,
 //! which `quilt_torch.enable()` installs as torch's CUDA allocator), plain C
-//! structs ([`device_stats`], [`listing`], [`ffi::QuiltAllocation`]):
+//! structs ([`device_stats`], [`listing`], [`ffi::QuiltAllocation`],
+//! [`ffi::QuiltFreed`]):
 //!
 //! ```c
 //! int    quilt_torch_malloc(size_t size, int device, void* stream, int use_pool,
 //!                           uint64_t pool_first, uint64_t pool_second,
 //!                           QuiltAllocation* out);      // 0, 1 out of memory, 2 error
-//! int    quilt_torch_free(void* ptr, size_t size, int device, void* stream,
-//!                         uint64_t* seq);        // 0, 3 kept by a private pool, 1 error
+//! int    quilt_torch_free(void* ptr, QuiltFreed* out); // 0, 3 kept by a private pool, 1 error
+//! int    quilt_torch_block_size(void* ptr, uint64_t* size); // 0, 1 not a live block
 //! int    quilt_device_stats(int device, QuiltDeviceStats* out);
 //! int    quilt_reset_accumulated_stats(int device);
 //! int    quilt_pool_create_or_incref(int device, uint64_t first, uint64_t second);

@@ -73,7 +73,19 @@ pub struct PoolFigures {
 pub struct PrivatePools {
     pools: BTreeMap<PoolId, Pool>,
     blocks: BTreeMap<u64, Block>,
+    /// The totals, and the free blocks kept now (`kept_bytes`,
+    /// `kept_blocks`), kept as blocks change.
     figures: PoolFigures,
+}
+
+/// A pool's block as torch last had it ([`PrivatePools::free`] gives it
+/// back): what torch asked for and the stream it was handed out on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolBlock {
+    /// The bytes torch asked for.
+    pub requested: u64,
+    /// The stream.
+    pub stream: u64,
 }
 
 fn add(total: &mut (u64, u64), bytes: u64) {
@@ -127,6 +139,8 @@ impl PrivatePools {
         for p in &free {
             if let Some(b) = self.blocks.remove(p) {
                 add(&mut self.figures.released_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
             }
         }
         self.drop_if_empty(id);
@@ -161,14 +175,16 @@ impl PrivatePools {
                 b.live = true;
                 b.requested = size;
                 add(&mut self.figures.reused_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
             }
         }
         Ok(best)
     }
 
-    /// The block at `ptr`, just allocated from Quilt for pool `id`, is the
-    /// pool's, live. An error for a pool not in use or a pointer already
-    /// known.
+    /// The block at `ptr`, just allocated from Quilt for pool `id` (torch
+    /// asked for `size` bytes), is the pool's, live. An error for a pool not
+    /// in use or a pointer already known.
     pub fn adopt(&mut self, id: PoolId, ptr: u64, size: u64, stream: u64) -> Result<(), String> {
         if !self.is_used(id) {
             return Err(format!(
@@ -193,12 +209,17 @@ impl PrivatePools {
         Ok(())
     }
 
-    /// torch frees `ptr`: see [`Freed`]. An error for a pool's block that
-    /// is free already (a double free).
-    pub fn free(&mut self, ptr: u64) -> Result<Freed, String> {
+    /// torch frees `ptr`: see [`Freed`], with the block as torch had it
+    /// when a pool owned it. An error for a pool's block that is free
+    /// already (a double free).
+    pub fn free(&mut self, ptr: u64) -> Result<(Freed, Option<PoolBlock>), String> {
         let Some(b) = self.blocks.get(&ptr).copied() else {
-            return Ok(Freed::NotPooled);
+            return Ok((Freed::NotPooled, None));
         };
+        let had = Some(PoolBlock {
+            requested: b.requested,
+            stream: b.stream,
+        });
         if !b.live {
             return Err(format!(
                 "double free of {ptr:#x}, free in pool {:?} already",
@@ -209,17 +230,33 @@ impl PrivatePools {
             if let Some(b) = self.blocks.get_mut(&ptr) {
                 b.live = false;
                 add(&mut self.figures.kept_total, b.size);
+                self.figures.kept_bytes += b.size;
+                self.figures.kept_blocks += 1;
             }
-            return Ok(Freed::KeptByPool);
+            return Ok((Freed::KeptByPool, had));
         }
         self.blocks.remove(&ptr);
         self.drop_if_empty(b.pool);
-        Ok(Freed::BackToQuilt)
+        Ok((Freed::BackToQuilt, had))
+    }
+
+    /// Whether any pool exists or owns a block: where none does, a free or
+    /// an allocation has nothing to ask the pools.
+    pub fn is_empty(&self) -> bool {
+        self.pools.is_empty() && self.blocks.is_empty()
     }
 
     /// The pool owning `ptr` (live or free), if any.
     pub fn owner(&self, ptr: u64) -> Option<PoolId> {
         self.blocks.get(&ptr).map(|b| b.pool)
+    }
+
+    /// What torch asked for the pool's live block at `ptr`, if it is one.
+    pub fn live_requested(&self, ptr: u64) -> Option<u64> {
+        self.blocks
+            .get(&ptr)
+            .filter(|b| b.live)
+            .map(|b| b.requested)
     }
 
     /// Whether `ptr` is a pool's free block (Quilt has it allocated; torch
@@ -229,7 +266,8 @@ impl PrivatePools {
     }
 
     /// Bytes and number of the free blocks the pools keep: reserved, not
-    /// allocated, in torch's statistics.
+    /// allocated, in torch's statistics. A walk over the blocks (the
+    /// figures keep the same as counters, [`PrivatePools::figures`]).
     pub fn kept_free(&self) -> (u64, u64) {
         self.blocks
             .values()
@@ -237,14 +275,10 @@ impl PrivatePools {
             .fold((0, 0), |(bytes, n), b| (bytes + b.size, n + 1))
     }
 
-    /// The figures for torch's statistics, with what is kept now.
+    /// The figures for torch's statistics, with what is kept now (kept
+    /// as blocks change: no walk).
     pub fn figures(&self) -> PoolFigures {
-        let (kept_bytes, kept_blocks) = self.kept_free();
-        PoolFigures {
-            kept_bytes,
-            kept_blocks,
-            ..self.figures
-        }
+        self.figures
     }
 
     /// Bytes each pool owns (live and free), for pools that own any.
@@ -373,6 +407,8 @@ impl PrivatePools {
             if b.pool == id && b.live {
                 b.live = false;
                 add(&mut self.figures.kept_total, b.size);
+                self.figures.kept_bytes += b.size;
+                self.figures.kept_blocks += 1;
                 out.freed.push(CheckpointBlock {
                     ptr,
                     size: b.size,
@@ -387,6 +423,8 @@ impl PrivatePools {
                 b.live = true;
                 b.requested = c.requested;
                 add(&mut self.figures.reused_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
                 out.allocated.push(*c);
             }
         }
@@ -424,14 +462,23 @@ mod tests {
         p.create_or_incref(A);
         p.create_or_incref(B);
         p.adopt(A, 0x1000, 4096, 7).unwrap();
-        assert_eq!(p.free(0x1000).unwrap(), Freed::KeptByPool);
+        assert_eq!(
+            p.free(0x1000).unwrap(),
+            (
+                Freed::KeptByPool,
+                Some(PoolBlock {
+                    requested: 4096,
+                    stream: 7
+                })
+            )
+        );
         assert_eq!(p.kept_free(), (4096, 1));
         assert_eq!(p.take(B, 4096, 7).unwrap(), None);
         assert_eq!(p.take(A, 4096, 8).unwrap(), None);
         assert_eq!(p.take(A, 4096, 7).unwrap(), Some(0x1000));
         assert!(p.free(0x1000).is_ok());
         assert!(p.free(0x1000).is_err(), "a double free is refused");
-        assert_eq!(p.free(0x9999).unwrap(), Freed::NotPooled);
+        assert_eq!(p.free(0x9999).unwrap(), (Freed::NotPooled, None));
     }
 
     #[test]
@@ -446,7 +493,7 @@ mod tests {
         assert_eq!(p.release(A).unwrap(), vec![0x1000]);
         assert_eq!(p.use_count(A), 0);
         assert!(p.take(A, 16, 0).is_err(), "a released pool takes nothing");
-        assert_eq!(p.free(0x2000).unwrap(), Freed::BackToQuilt);
+        assert_eq!(p.free(0x2000).unwrap().0, Freed::BackToQuilt);
         assert_eq!(p.pool_count(), 0);
         assert!(p.release(A).is_err());
     }
@@ -459,6 +506,14 @@ mod tests {
         p.free(0x1000).unwrap();
         assert_eq!(p.take(A, 1 << 20, 0).unwrap(), None);
         assert_eq!(p.take(A, 40 << 20, 0).unwrap(), Some(0x1000));
+        assert_eq!(
+            p.free(0x1000).unwrap().1,
+            Some(PoolBlock {
+                requested: 40 << 20,
+                stream: 0
+            }),
+            "the free gives torch's request of the last take"
+        );
     }
 
     fn live(p: &PrivatePools, id: PoolId) -> Vec<u64> {
@@ -493,7 +548,7 @@ mod tests {
         assert_eq!(p.kept_free(), (8192 + 4096, 2));
         assert!(p.is_kept_free(0x3000) && p.is_kept_free(0x4000));
         // The restored blocks are freed as any other; the pool hands out its free ones.
-        assert_eq!(p.free(0x1000).unwrap(), Freed::KeptByPool);
+        assert_eq!(p.free(0x1000).unwrap().0, Freed::KeptByPool);
         assert!(p.free(0x1000).is_err(), "a double free is refused");
         assert_eq!(p.take(A, 8192, 7).unwrap(), Some(0x3000));
         // Restoring again gives the same state.
@@ -501,6 +556,7 @@ mod tests {
         assert_eq!(ptrs(&r.freed), vec![0x2000, 0x3000]);
         assert_eq!(live(&p, A), vec![0x1000, 0x2000]);
         let f = p.figures();
+        assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free());
         assert_eq!(
             f.kept_bytes,
             f.kept_total.0 - f.reused_total.0 - f.released_total.0
@@ -570,7 +626,7 @@ mod tests {
         assert_eq!(live(&p, A), vec![0x1000]);
         assert!(p.checkpoint(A).unwrap_err().contains("released"));
         assert!(p.restore(A, &state).unwrap_err().contains("released"));
-        assert_eq!(p.free(0x1000).unwrap(), Freed::BackToQuilt);
+        assert_eq!(p.free(0x1000).unwrap().0, Freed::BackToQuilt);
         assert!(p.live_blocks(A).is_err());
     }
 
@@ -671,7 +727,7 @@ mod tests {
                             continue;
                         }
                         let (ptr, _, _) = held.remove(i % held.len());
-                        match p.free(ptr).unwrap() {
+                        match p.free(ptr).unwrap().0 {
                             Freed::KeptByPool => prop_assert!(p.is_kept_free(ptr)),
                             Freed::NotPooled | Freed::BackToQuilt => {
                                 prop_assert!(quilt.remove(&ptr));
@@ -695,6 +751,7 @@ mod tests {
                     prop_assert_eq!(p.use_count(id), c);
                 }
                 let f = p.figures();
+                prop_assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free(), "the counters against a walk");
                 prop_assert_eq!(
                     f.kept_bytes,
                     f.kept_total.0 - f.reused_total.0 - f.released_total.0
@@ -702,7 +759,7 @@ mod tests {
             }
             // Everything back.
             for (ptr, _, _) in std::mem::take(&mut held) {
-                if p.free(ptr).unwrap() != Freed::KeptByPool {
+                if p.free(ptr).unwrap().0 != Freed::KeptByPool {
                     quilt.remove(&ptr);
                 }
             }
@@ -746,7 +803,7 @@ mod tests {
                 held.push(ptr);
             } else if !held.is_empty() {
                 let ptr = held.remove(i % held.len());
-                assert_eq!(p.free(ptr).unwrap(), Freed::KeptByPool);
+                assert_eq!(p.free(ptr).unwrap().0, Freed::KeptByPool);
             }
         }
     }
@@ -777,6 +834,7 @@ mod tests {
                 prop_assert_eq!(p.is_kept_free(c.ptr), c.live == 0);
             }
             let f = p.figures();
+            prop_assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free(), "the counters against a walk");
             prop_assert_eq!(f.kept_bytes, f.kept_total.0 - f.reused_total.0 - f.released_total.0);
             // torch holds what the checkpoint held; the pool goes on.
             held = at_checkpoint;

@@ -40,7 +40,7 @@ mod streams;
 mod tiling;
 
 pub use crate::stats::ServingStats;
-pub use allocator::QuiltAllocator;
+pub use allocator::{LiveBlock, QuiltAllocator};
 pub use config::{
     AccessGranularity, AheadMode, ArenaLayout, ArenaSharing, EventTiming, MapAhead, OffloadTier,
     Placement, QuiltConfig, ReclaimPolicy, Recycle, SmallBlocks,

@@ -91,6 +91,8 @@ pub(crate) struct BlockRec {
     pub(crate) streams: u64,
     /// Its piece in the arena's tiling.
     pub(crate) piece: PieceId,
+    /// The index of the stream it was allocated on.
+    pub(crate) stream: u32,
 }
 
 /// A solo run (see `solo.rs`): the one stream allocating, whose frees
@@ -559,6 +561,7 @@ impl Core {
                 requested: size,
                 streams: Streams::bit(si),
                 piece,
+                stream: si,
             },
         );
         self.stats.allocated_bytes.increase(rounded);
