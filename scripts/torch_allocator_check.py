@@ -26,8 +26,7 @@ intermediates freed inside the capture included, and two graphs sharing one
 pool never overlap a tensor allocated while they live, and come back after
 they are deleted; make_graphed_callables), ``mempool`` (MemPool and
 use_mem_pool), ``compile_trees`` (torch.compile's CUDA graph trees through
-backend="cudagraphs": refused under Quilt at the first call with a message
-naming what is missing), ``train`` (a small
+backend="cudagraphs": four calls, recorded and replayed), ``train`` (a small
 training loop leaks nothing), ``churn_snapshot`` (torch's own _dump_snapshot
 after churn on two streams with empty_cache, into
 $QUILT_CHECK_SNAPSHOT_DIR, for PyTorch's viewer: node
@@ -340,9 +339,9 @@ def scenario_mempool(torch, quilt):
 
 def scenario_compile_trees(torch, quilt):
     # torch.compile's CUDA graph trees (what mode="reduce-overhead" uses),
-    # through backend="cudagraphs" (no code generation): they work under
-    # torch's allocator and are refused under Quilt at the first call with a
-    # message naming what is missing.
+    # through backend="cudagraphs" (no code generation): warm-up, recording
+    # and replays, checking the private pool's live blocks
+    # (checkPoolLiveAllocations) and checkpointing it (getCheckpointState).
     def f(x):
         return torch.relu(x * 2 + 1)
 
@@ -357,12 +356,7 @@ def scenario_compile_trees(torch, quilt):
         except RuntimeError as e:
             outcome = "refused: " + str(e).split("\n")[0]
             break
-    if quilt:
-        check(calls == 0, "refused only at call {}", calls)
-        check("checkPoolLiveAllocations" in outcome and "reduce-overhead" in outcome, "outcome {}", outcome)
-        outcome = "refused at the first call, naming checkPoolLiveAllocations"
-    else:
-        check(calls == 4, "{} calls", calls)
+    check(calls == 4, "{} calls ({})", calls, outcome)
     emit({"checkpoint": outcome})
 
 
