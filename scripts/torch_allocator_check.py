@@ -18,7 +18,7 @@ python's environment, and fail if it is the checkout's.
 Scenarios: ``apis`` (tensors of many sizes keep their bytes; torch's
 memory_allocated/reserved/max_*, memory_stats, memory_summary,
 reset_peak/accumulated, caching_allocator_alloc/delete, empty_cache, the
-memory fraction, record_stream, memory_snapshot, _record_memory_history with
+memory fraction (0 taken), record_stream, memory_snapshot, _record_memory_history with
 _snapshot/_dump_snapshot and Python stacks agree with the tensors alive),
 ``oom`` (torch.OutOfMemoryError beginning "CUDA out of memory. Tried to
 allocate", num_ooms, the observer; 4 TiB too), ``graphs`` (a graph's memory,
@@ -189,7 +189,17 @@ def scenario_apis(torch, quilt):
     del tensors, src, t
     torch.cuda.empty_cache()
     check(torch.cuda.memory_allocated() == base, "allocated {} after del, {} before", torch.cuda.memory_allocated(), base)
-    emit({"deltas": deltas, "peak_held": True, "fraction": fraction, "python_frames": True, "capped": capped})
+    # A fraction of 0 is taken, as torch takes 0 to 1: nothing more may be held.
+    torch.cuda.set_per_process_memory_fraction(0.0)
+    zero = torch.cuda.get_per_process_memory_fraction()
+    try:
+        torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        zero_capped = False
+    except torch.OutOfMemoryError:
+        zero_capped = True
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    check(zero == 0 and zero_capped, "fraction 0: read back {}, 64 MiB refused: {}", zero, zero_capped)
+    emit({"deltas": deltas, "peak_held": True, "fraction": fraction, "python_frames": True, "capped": capped, "fraction_zero": [zero, zero_capped]})
 
 
 def scenario_oom(torch, quilt):

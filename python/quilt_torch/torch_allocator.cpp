@@ -56,6 +56,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -133,6 +134,7 @@ struct Api {
   int (*pool_restore)(int, uint64_t, uint64_t, const QuiltPoolBlock*, size_t, QuiltPoolBlock*,
                       size_t, size_t*);
   int (*pool_live_blocks)(int, uint64_t, uint64_t, uint64_t*, size_t, size_t*);
+  int (*in_forked_child)();
 };
 Api api{};
 bool bound = false;
@@ -292,6 +294,11 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     QuiltFreed f{};
     int rc = api.torch_free(ptr, &f);
+    if (rc == 1 && api.in_forked_child() != 0) {
+      // A tensor of the parent dying in a forked child: its memory is the
+      // parent's, nothing here frees it.
+      return;
+    }
     if (rc == 1) {
       // A deleter must not throw (it runs in destructors).
       TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
@@ -453,12 +460,16 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       }
       when_.store(when);
       max_entries_ = max_entries;
-      if (clear_history) {
+      // As torch's own: stopping (torch's _record_memory_history(None))
+      // forgets the history and the annotations, as clear_history does.
+      if (clear_history || !enabled) {
         trace_context_.clear();
+        annotations_.clear();
       }
+      trim_annotations();
     }
     recorder_.store(context_recorder);
-    if (clear_history) {
+    if (clear_history || !enabled) {
       api.clear_history();
     }
     TORCH_CHECK(api.record_history(enabled ? 1 : 0, max_entries) == 0, "Quilt: ", last_error());
@@ -482,6 +493,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     annotations_.push_back(std::move(a));
+    trim_annotations();
   }
 
   cca::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool include_traces) override {
@@ -531,7 +543,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       }
       info.segments.push_back(std::move(si));
     }
-    // As torch's own: no history once recording is off.
+    int top = 0;
+    for (const auto& s : segs) top = std::max(top, s.device);
+    // As torch's own: no history once recording is off, one (empty) trace
+    // per device.
+    if (include_traces && !history_on_.load()) {
+      info.device_traces.resize(static_cast<size_t>(std::max<int>(top + 1, c10::cuda::device_count())));
+    }
     if (include_traces && history_on_.load()) {
       std::vector<QuiltTraceEntry> entries(1024);
       for (;;) {
@@ -542,8 +560,6 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         }
         entries.resize(n + 1024);
       }
-      int top = 0;
-      for (const auto& s : segs) top = std::max(top, s.device);
       for (const auto& e : entries) top = std::max(top, e.device);
       int count = std::max<int>(top + 1, c10::cuda::device_count());
       info.device_traces.resize(static_cast<size_t>(count));
@@ -568,7 +584,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         te.time_.t_ = static_cast<time_t>(e.time_us);
         info.device_traces[static_cast<size_t>(e.device)].push_back(std::move(te));
       }
-      info.external_annotations = annotations_;
+      info.external_annotations.assign(annotations_.begin(), annotations_.end());
     }
     const char* conf = std::getenv("QUILT_ALLOC_CONF");
     info.config_metadata.last_allocator_settings =
@@ -795,6 +811,14 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
                                      .count());
   }
 
+  // The last max_entries_ annotations are kept, as torch's ring buffer
+  // keeps them (mutex_ held).
+  void trim_annotations() {
+    while (annotations_.size() > max_entries_) {
+      annotations_.pop_front();
+    }
+  }
+
   // Keep `context` for history entry `seq` (mutex_ held); the oldest go
   // when there are more than the history keeps.
   void remember(uint64_t seq, std::shared_ptr<c10::GatheredContext> context) {
@@ -842,7 +866,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   std::vector<cca::OutOfMemoryObserver> observers_;
   std::vector<cca::OomRejectionObserver> rejection_observers_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
-  std::vector<cda::AnnotationEntry> annotations_;
+  std::deque<cda::AnnotationEntry> annotations_;
   std::set<int> skip_;
   std::atomic<bool> initialized_{false};
   bool enabled_ = true;
@@ -911,7 +935,8 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_last_error", a.last_error) &&
             resolve(h, "quilt_pool_checkpoint", a.pool_checkpoint) &&
             resolve(h, "quilt_pool_restore", a.pool_restore) &&
-            resolve(h, "quilt_pool_live_blocks", a.pool_live_blocks);
+            resolve(h, "quilt_pool_live_blocks", a.pool_live_blocks) &&
+            resolve(h, "quilt_in_forked_child", a.in_forked_child);
   if (!ok) {
     write(buf, len, std::string("a function is missing from ") + path);
     return 2;

@@ -9,6 +9,8 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Once;
 
 use crate::library::library;
 
@@ -54,9 +56,67 @@ pub fn last_error() -> String {
     LAST_ERROR.with(|e| e.borrow().clone())
 }
 
+// -- fork() ------------------------------------------------------------------
+
+/// torch's message for a child that touches CUDA after a `fork()` of a
+/// process that used it (`torch.cuda._lazy_init`), and Quilt's reason.
+pub const FORKED_CHILD: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \
+     multiprocessing, you must use the 'spawn' start method (this process was forked from one \
+     whose Quilt allocator held CUDA state: its contexts, streams and memory are the parent's, \
+     and its locks may have been held by another thread at the fork)";
+
+/// Set in the child of a `fork()` made after [`watch_fork`].
+static FORKED: AtomicBool = AtomicBool::new(false);
+static WATCHING: Once = Once::new();
+
+extern "C" fn forked_child() {
+    // Async-signal-safe: one atomic store.
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// From now on (Quilt holds CUDA state), a child of `fork()` refuses every
+/// C function with [`FORKED_CHILD`] instead of touching that state (whose
+/// locks another thread of the parent may have held: a deadlock). Before
+/// this, a fork is harmless and the child may use Quilt as any process.
+pub fn watch_fork() {
+    WATCHING.call_once(|| {
+        // SAFETY: pthread_atfork with a child handler that only stores an
+        // atomic (async-signal-safe, as a fork handler must be), no prepare
+        // or parent handler; the function lives as long as the process.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if rc != 0 {
+            tracing::warn!(rc, "pthread_atfork failed: a forked child is not guarded");
+        }
+    });
+}
+
+/// Whether this process is the child of a `fork()` of a process whose
+/// Quilt held CUDA state.
+pub fn in_forked_child() -> bool {
+    FORKED.load(Ordering::SeqCst)
+}
+
+/// 1 in the child of a `fork()` of a process whose Quilt held CUDA state
+/// (every other function then fails with torch's message, "Cannot
+/// re-initialize CUDA in forked subprocess"), else 0.
+#[no_mangle]
+pub extern "C" fn quilt_in_forked_child() -> c_int {
+    c_int::from(in_forked_child())
+}
+
 /// Run `f`, keeping its error (or a panic's message) for
-/// `quilt_last_error`; `failed` is what the C caller gets then.
+/// `quilt_last_error`; `failed` is what the C caller gets then. In a forked
+/// child ([`watch_fork`]) `f` is not run: the error is [`FORKED_CHILD`].
 fn guard<T>(failed: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    if in_forked_child() {
+        set_last_error(FORKED_CHILD.to_string());
+        return failed;
+    }
+    guard_anywhere(failed, f)
+}
+
+/// [`guard`] without the forked child's refusal (for `quilt_last_error`).
+fn guard_anywhere<T>(failed: T, f: impl FnOnce() -> Result<T, String>) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => v,
         Ok(Err(message)) => {
@@ -258,7 +318,7 @@ pub extern "C" fn quilt_reset_peak_stats(device: c_int) -> c_int {
     guard(1, || library().reset_peak_stats(device).map(|()| 0))
 }
 
-/// The share of `device` Quilt may hold, in (0, 1].
+/// The share of `device` Quilt may hold, in [0, 1] (0: none).
 #[no_mangle]
 pub extern "C" fn quilt_set_memory_fraction(fraction: c_double, device: c_int) {
     guard((), || library().set_memory_fraction(fraction, device))
@@ -293,7 +353,7 @@ pub unsafe extern "C" fn quilt_stats_json(device: c_int, buf: *mut c_char, len: 
 #[no_mangle]
 pub unsafe extern "C" fn quilt_last_error(buf: *mut c_char, len: usize) -> usize {
     // SAFETY: `buf` and `len` as this function's contract says.
-    guard(0, || Ok(unsafe { write_c_string(&last_error(), buf, len) }))
+    guard_anywhere(0, || Ok(unsafe { write_c_string(&last_error(), buf, len) }))
 }
 
 /// Start (non-zero `enabled`, keeping the last `max_entries` actions per
@@ -602,12 +662,36 @@ pub extern "C" fn quilt_clear_history() -> c_int {
 }
 
 /// As `quilt_set_memory_fraction`, saying whether it took: 0 on success, 1
-/// when refused (a fraction outside (0, 1], one below what live blocks
+/// when refused (a fraction outside [0, 1], one below what live blocks
 /// hold; see `quilt_last_error`).
 #[no_mangle]
 pub extern "C" fn quilt_try_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
     guard(1, || {
         library().set_memory_fraction(fraction, device).map(|()| 0)
+    })
+}
+
+/// Check `QUILT_ALLOC_CONF` and that its backend can start, creating no
+/// device's allocator (on CUDA no context is made): the JSON text
+/// `{"backend": "cuda"}`, or `{"error": "..."}` (also kept for
+/// `quilt_last_error`), into `buf` (`snprintf` style).
+///
+/// # Safety
+///
+/// `buf` is null (then `len` must be 0) or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_check_configuration(buf: *mut c_char, len: usize) -> usize {
+    guard(0, || {
+        let json = match library().check_configuration() {
+            Ok(backend) => serde_json::json!({ "backend": backend }).to_string(),
+            Err(e) => {
+                let json = serde_json::json!({ "error": e }).to_string();
+                set_last_error(e);
+                json
+            }
+        };
+        // SAFETY: `buf` and `len` as this function's contract says.
+        Ok(unsafe { write_c_string(&json, buf, len) })
     })
 }
 

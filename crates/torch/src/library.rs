@@ -390,6 +390,8 @@ impl Library {
                     let c = Arc::new(CudaVmm::new(index as usize).map_err(|e| {
                         format!("device {index}: the CUDA backend is unavailable: {e}")
                     })?);
+                    // CUDA state from here on: a forked child must not touch it.
+                    crate::ffi::watch_fork();
                     (c.clone(), Some(c))
                 }
                 Backend::Host => (
@@ -675,6 +677,20 @@ impl Library {
         let d = self.device(device)?;
         let n = lock(&d.pools).use_count(id);
         Ok(n)
+    }
+
+    /// `quilt_check_configuration`: the configuration parses and its
+    /// backend can start, checked without creating any device's allocator
+    /// (on CUDA: the driver and device 0 are asked, with no context made,
+    /// so a process that never uses device 0 has none there). Returns the
+    /// backend's name.
+    pub fn check_configuration(&self) -> Result<&'static str, String> {
+        let conf = self.conf()?;
+        if conf.backend == Backend::Cuda {
+            CudaVmm::check_device(0)
+                .map_err(|e| format!("device 0: the CUDA backend is unavailable: {e}"))?;
+        }
+        Ok(conf.backend.name())
     }
 
     /// torch's `getCheckpointState`: pool `id`'s blocks and which are

@@ -544,7 +544,54 @@ fn device_flag(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> boo
     cu::device_get_attribute(attribute, device).is_ok_and(|v| v != 0)
 }
 
+/// Device `ordinal` as [`CudaVmm::new`] checks it, without a context: the
+/// driver is there with every symbol Quilt calls, `cuInit` succeeds, the
+/// device exists and manages virtual memory. Returns its ordinal as the
+/// driver takes it, its handle and the device count.
+fn open_device(ordinal: usize) -> Result<(c_int, sys::CUdevice, c_int)> {
+    if !cu::library_present() {
+        return Err(unavailable(Unavailability::NoDriver));
+    }
+    let missing = cu::missing_symbols(DRIVER_SYMBOLS);
+    if !missing.is_empty() {
+        return Err(unavailable(Unavailability::MissingSymbols { missing }));
+    }
+    // From here on libcuda is present and exports every symbol we call.
+    check_setup("cuInit", cu::init())?;
+    let count = check_setup("cuDeviceGetCount", cu::device_get_count())?;
+    let ordinal_c = c_int::try_from(ordinal)
+        .ok()
+        .filter(|o| *o < count)
+        .ok_or_else(|| {
+            unavailable(Unavailability::NoSuchDevice {
+                ordinal,
+                count: count.unsigned_abs(),
+            })
+        })?;
+    let device = check_setup("cuDeviceGet", cu::device_get(ordinal_c))?;
+    let vmm_supported = check_setup(
+        "cuDeviceGetAttribute",
+        cu::device_get_attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            device,
+        ),
+    )?;
+    if vmm_supported == 0 {
+        return Err(unavailable(Unavailability::NoVmm { ordinal }));
+    }
+    Ok((ordinal_c, device, count))
+}
+
 impl CudaVmm {
+    /// Whether device `ordinal` could be opened ([`CudaVmm::new`]'s checks
+    /// of the driver and the device), without opening it: no context is
+    /// created or retained (a process that never uses the device pays
+    /// nothing on it). Returns the number of devices.
+    pub fn check_device(ordinal: usize) -> Result<usize> {
+        let (_, _, count) = open_device(ordinal)?;
+        Ok(count.unsigned_abs() as usize)
+    }
+
     /// Opens device `ordinal`.
     ///
     /// Errors ([`VmmError::Unavailable`], with the reason): no `libcuda` on
@@ -552,36 +599,7 @@ impl CudaVmm {
     /// is out of range; the device lacks virtual memory management; the
     /// primary context or the granularity could not be had.
     pub fn new(ordinal: usize) -> Result<CudaVmm> {
-        if !cu::library_present() {
-            return Err(unavailable(Unavailability::NoDriver));
-        }
-        let missing = cu::missing_symbols(DRIVER_SYMBOLS);
-        if !missing.is_empty() {
-            return Err(unavailable(Unavailability::MissingSymbols { missing }));
-        }
-        // From here on libcuda is present and exports every symbol we call.
-        check_setup("cuInit", cu::init())?;
-        let count = check_setup("cuDeviceGetCount", cu::device_get_count())?;
-        let ordinal_c = c_int::try_from(ordinal)
-            .ok()
-            .filter(|o| *o < count)
-            .ok_or_else(|| {
-                unavailable(Unavailability::NoSuchDevice {
-                    ordinal,
-                    count: count.unsigned_abs(),
-                })
-            })?;
-        let device = check_setup("cuDeviceGet", cu::device_get(ordinal_c))?;
-        let vmm_supported = check_setup(
-            "cuDeviceGetAttribute",
-            cu::device_get_attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-                device,
-            ),
-        )?;
-        if vmm_supported == 0 {
-            return Err(unavailable(Unavailability::NoVmm { ordinal }));
-        }
+        let (ordinal_c, device, count) = open_device(ordinal)?;
         let name =
             cu::device_get_name(device).unwrap_or_else(|_| String::from("unknown CUDA device"));
         let total_memory = check_setup("cuDeviceTotalMem", cu::device_total_mem(device))?;
