@@ -135,6 +135,7 @@ struct Api {
                       size_t, size_t*);
   int (*pool_live_blocks)(int, uint64_t, uint64_t, uint64_t*, size_t, size_t*);
   int (*in_forked_child)();
+  int (*enable_peer_access)(int, int);
 };
 Api api{};
 bool bound = false;
@@ -775,12 +776,17 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     } else {
       C10_CUDA_CHECK(err);
     }
+    // cudaDeviceEnablePeerAccess does not reach memory mapped with
+    // cuMemMap: Quilt maps every page of dev_to_access for dev as well, now
+    // and from now on (torch's expandable segments do the same).
+    TORCH_CHECK(api.enable_peer_access(dev_to_access, dev) == 0, "Quilt: ", last_error());
   }
   // Between devices, a peer copy: Quilt maps its memory with cuMemMap for its
-  // own device (and the peers QUILT_ALLOC_CONF's peer_access names), which
-  // cudaMemcpyAsync reaches only where the copying device has access, peer
-  // access enabled or not; cudaMemcpyPeerAsync names both devices (torch's
-  // own allocator does the same for its expandable segments).
+  // own device (and the peers QUILT_ALLOC_CONF's peer_access names, and
+  // those enablePeerAccess added), which cudaMemcpyAsync reaches only where
+  // the copying device has access; cudaMemcpyPeerAsync names both devices,
+  // with access or without (torch's own allocator does the same for its
+  // expandable segments when peer access is off).
   cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device,
                           size_t count, cudaStream_t stream, bool) override {
     if (dst_device != src_device) {
@@ -936,7 +942,8 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_pool_checkpoint", a.pool_checkpoint) &&
             resolve(h, "quilt_pool_restore", a.pool_restore) &&
             resolve(h, "quilt_pool_live_blocks", a.pool_live_blocks) &&
-            resolve(h, "quilt_in_forked_child", a.in_forked_child);
+            resolve(h, "quilt_in_forked_child", a.in_forked_child) &&
+            resolve(h, "quilt_enable_peer_access", a.enable_peer_access);
   if (!ok) {
     write(buf, len, std::string("a function is missing from ") + path);
     return 2;

@@ -5,7 +5,9 @@ touches CUDA gets torch's "Cannot re-initialize CUDA in forked subprocess"
 (from Quilt too) rather than a deadlock; the history's annotations are
 bounded by ``max_entries`` and go with ``_record_memory_history(None)`` and
 ``clear_history``; under Quilt, a tensor of a sleeping tag freed is given
-back at the wake. Those that need a process of their own run one
+back at the wake; torch's peer access between two devices reaches every
+page mapped before and after (``cuMemGetAccess``). Those that need a
+process of their own run one
 (``sys.executable`` with this environment, so on the same simulated GPU and
 allocator).
 """
@@ -182,6 +184,43 @@ class Deployment(unittest.TestCase):
         finally:
             memory._record_memory_history(enabled=None)
         del t
+
+    @unittest.skipIf(ALLOCATOR == "classic", "cudaMalloc memory is reached through the contexts' peer access, not per mapping")
+    def test_peer_access_maps_every_page_for_the_peer_now_and_later(self):
+        if torch.cuda.device_count() < 2:
+            self.skipTest("needs two devices (QUILT_CUDA_DOUBLE_DEVICES=2 or more)")
+        cu = ctypes.CDLL("libcuda.so.1")
+
+        class Location(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+        def readwrite(device, t):
+            """Whether ``device`` may read and write every 2 MiB of ``t``."""
+            flags = ctypes.c_ulonglong()
+            where = Location(1, device)  # CU_MEM_LOCATION_TYPE_DEVICE
+            ptr = t.data_ptr()
+            for at in range(ptr, ptr + t.numel() * t.element_size(), 2 * MiB):
+                rc = cu.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(where), ctypes.c_ulonglong(at))
+                if rc != 0 or flags.value != 3:  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                    return False
+            return True
+
+        host = torch.arange(6 * MiB, dtype=torch.int64).remainder(251).to(torch.uint8)
+        on0 = host.to("cuda:0")
+        on1 = torch.empty(6 * MiB, dtype=torch.uint8, device="cuda:1")
+        before = (readwrite(1, on0), readwrite(0, on1))
+        # A copy between the devices makes torch enable peer access both
+        # ways (enablePeerAccess): a kernel of either device may then touch
+        # the other's memory, which must be mapped for it.
+        on1.copy_(on0)
+        on0.copy_(on1)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.equal(on1.cpu(), host))
+        self.assertTrue(readwrite(1, on0), "device 0's memory mapped before is not mapped for device 1")
+        self.assertTrue(readwrite(0, on1), "device 1's memory mapped before is not mapped for device 0")
+        later = torch.empty(9 * MiB, dtype=torch.uint8, device="cuda:0")
+        self.assertTrue(readwrite(1, later), "device 0's memory mapped afterwards is not mapped for device 1")
+        self.assertEqual(before[0] and before[1], False, "peer access was there before any copy")
 
     @unittest.skipIf(ALLOCATOR != "quilt", "tags are quilt_torch's")
     def test_a_sleeping_tags_tensor_freed_is_given_back_at_the_wake(self):

@@ -695,6 +695,15 @@ pub unsafe extern "C" fn quilt_check_configuration(buf: *mut c_char, len: usize)
     })
 }
 
+/// torch's `enablePeerAccess(peer, device)`: device `peer` gets read-write
+/// access to every page of `device`'s memory, mapped now or later. 0 on
+/// success, 1 on error (a device index that is not one, `peer` being
+/// `device`, a driver failure).
+#[no_mangle]
+pub extern "C" fn quilt_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    guard(1, || library().enable_peer_access(device, peer).map(|()| 0))
+}
+
 // -- CUDA graph trees: a private pool checkpointed and restored ------------
 
 /// torch's `getCheckpointState`: the blocks of pool `(first, second)` on

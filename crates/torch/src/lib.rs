@@ -21,6 +21,8 @@
 //! int    quilt_sleep(const char* tag, int flags); // 1: discard, 2: release
 //! int    quilt_wake(const char* tag);
 //! int    quilt_is_asleep(const char* tag);   // 1, 0, or -1 on error
+//! size_t quilt_check_configuration(char* buf, size_t len); // JSON, no context made
+//! int    quilt_in_forked_child(void);        // 1 after fork() of a process using CUDA
 //! ```
 //!
 //! and, for torch's allocator class (`python/quilt_torch/torch_allocator.cpp`,
@@ -45,7 +47,19 @@
 //! size_t quilt_history_since(uint64_t seq, QuiltTraceEntry* out, size_t len);
 //! int    quilt_clear_history(void);
 //! int    quilt_try_set_memory_fraction(double fraction, int device); // 0, or 1 refused
+//! int    quilt_enable_peer_access(int device, int peer);
+//! int    quilt_pool_checkpoint(int device, uint64_t first, uint64_t second,
+//!                              QuiltPoolBlock* out, size_t len, size_t* count);
+//! int    quilt_pool_restore(int device, uint64_t first, uint64_t second,
+//!                           const QuiltPoolBlock* state, size_t n, QuiltPoolBlock* freed,
+//!                           size_t freed_len, size_t* freed_count); // 0, 2 freed too small, 1 error
+//! int    quilt_pool_live_blocks(int device, uint64_t first, uint64_t second,
+//!                               uint64_t* out, size_t len, size_t* count);
 //! ```
+//!
+//! After a `fork()` of a process whose Quilt holds CUDA state, every
+//! function but `quilt_last_error` and `quilt_in_forked_child` fails in the
+//! child with torch's "Cannot re-initialize CUDA in forked subprocess".
 //!
 //! torch's private pools (CUDA graphs, `torch.cuda.MemPool`) are kept in
 //! front of Quilt ([`private_pools`]).

@@ -693,6 +693,19 @@ impl Library {
         Ok(conf.backend.name())
     }
 
+    /// torch's `enablePeerAccess(peer, device)`: device `peer` may reach
+    /// `device`'s memory, every page mapped now and later
+    /// ([`QuiltAllocator::add_peer_access`], as torch's expandable
+    /// segments' `addPeerAccess`).
+    pub fn enable_peer_access(&self, device: i32, peer: i32) -> Result<(), String> {
+        let d = self.device(device)?;
+        let peer =
+            u32::try_from(peer).map_err(|_| format!("device {peer} is not a device index"))?;
+        d.alloc
+            .add_peer_access(peer)
+            .map_err(|e| format!("device {device}: access for device {peer}: {e}"))
+    }
+
     /// torch's `getCheckpointState`: pool `id`'s blocks and which are
     /// handed out ([`PrivatePools::checkpoint`]).
     pub fn pool_checkpoint(&self, device: i32, id: PoolId) -> Result<Vec<CheckpointBlock>, String> {

@@ -28,6 +28,7 @@ mod invariants;
 mod offload;
 mod own;
 mod page_table;
+mod peers;
 mod placement;
 mod pressure;
 mod reclaim;
