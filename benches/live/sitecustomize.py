@@ -14,7 +14,8 @@ Set by the bench:
   `PYTORCH_CUDA_ALLOC_CONF`) or `quilt` (`quilt_torch.enable()` here, before
   the program runs, with the bench's `QUILT_ALLOC_CONF`);
 - `QUILT_LIVE_RECORD_ENTRIES`: record torch's memory history
-  (`torch.cuda.memory._record_memory_history(max_entries=N)`) from the start,
+  (`torch.cuda.memory._record_memory_history(context=None, max_entries=N)`:
+  no tracebacks) from the start,
   and write `torch.cuda.memory._snapshot()` pickled as `<pid>.pickle` beside
   the report at exit.
 
@@ -145,7 +146,13 @@ def _setup():
     if entries:
         import torch
 
-        torch.cuda.memory._record_memory_history(max_entries=int(entries))
+        # No tracebacks (context=None): the trace needs each event's action,
+        # address, size and stream only, and the frames torch records by
+        # default made a 365 MB snapshot of a generation loop that the
+        # importer then held in memory many times over.
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context=None, max_entries=int(entries)
+        )
 
 
 def _chain():
