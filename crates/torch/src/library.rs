@@ -678,7 +678,7 @@ impl Library {
     /// torch's `getDeviceStats`: Quilt's figures in torch's terms
     /// ([`device_stats::torch_stats`]), from counters kept as blocks change
     /// (Quilt's, the pools', and the segments counted again only when the
-    /// mapping changed, [`Device::segment_count`]): no walk over the blocks.
+    /// mapping changed): no walk over the blocks.
     pub fn device_stats(&self, device: i32) -> Result<QuiltDeviceStats, String> {
         let d = self.device(device)?;
         let raw = d.alloc.stats();
