@@ -25,7 +25,10 @@ under
 
 each in a process of its own, all on the same device: by default the
 project's simulated GPU (``scripts/simulated-gpu.sh``, after ``cargo build
---release``), or a real one with ``--device real``. ``--rounds`` rounds
+--release``), or a real one with ``--device real``. Time is the measuring
+thread's CPU time by default (``--clock thread``: what the allocator's path
+costs the calling thread, robust against other work on a shared machine;
+the work is all on that thread), or wall time (``--clock wall``). ``--rounds`` rounds
 alternate the allocators (the order reversed every other round), so that a
 change in the machine's load falls on all of them; within a process each
 size runs ``--repeats`` batches of ``--pairs`` pairs after a warm-up batch
@@ -61,17 +64,20 @@ def human(n):
     return "{} B".format(n)
 
 
-def pairs_per_second(torch, pairs, repeats):
+CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
+
+
+def pairs_per_second(torch, pairs, repeats, clock):
     out = {}
     for size in SIZES:
         torch.empty(size, dtype=torch.uint8, device="cuda")  # warm-up
         batches = []
         for _ in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(pairs):
                 t = torch.empty(size, dtype=torch.uint8, device="cuda")
                 del t
-            batches.append(pairs / (time.perf_counter() - start))
+            batches.append(pairs / (clock() - start))
         batches = batches[1:]  # the first batch warms the cache up
         out[str(size)] = {
             "median_pairs_per_s": statistics.median(batches),
@@ -80,7 +86,7 @@ def pairs_per_second(torch, pairs, repeats):
     return out
 
 
-def statistics_calls(torch, live, calls, repeats):
+def statistics_calls(torch, live, calls, repeats, clock):
     """Microseconds per statistics call with `live` tensors alive."""
     made = [
         torch.empty(512 << (i % 8), dtype=torch.uint8, device="cuda")
@@ -101,10 +107,10 @@ def statistics_calls(torch, live, calls, repeats):
         f()  # warm-up
         batches = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 f()
-            batches.append((time.perf_counter() - start) / calls * 1e6)
+            batches.append((clock() - start) / calls * 1e6)
         out[name] = {"median_us": statistics.median(batches), "batches": batches}
     del kept
     return out
@@ -121,11 +127,12 @@ def child(allocator, args):
 
     torch.cuda.init()
     out = {"allocator": allocator}
+    clock = CLOCKS[args.clock]
     if not args.skip_pairs:
-        out["sizes"] = pairs_per_second(torch, args.pairs, args.repeats)
+        out["sizes"] = pairs_per_second(torch, args.pairs, args.repeats, clock)
         assert torch.cuda.memory_allocated() == 0, "a tensor was left allocated"
     if not args.skip_stats:
-        out["stats"] = statistics_calls(torch, args.live, args.calls, args.repeats)
+        out["stats"] = statistics_calls(torch, args.live, args.calls, args.repeats, clock)
     print(json.dumps(out))
 
 
@@ -147,7 +154,7 @@ def run(allocator, args):
     if allocator == "quilt":
         env.setdefault("QUILT_ALLOC_CONF", "backend:cuda")
     cmd = [python(), os.path.abspath(__file__), "--child", allocator]
-    for flag in ("pairs", "repeats", "live", "calls"):
+    for flag in ("pairs", "repeats", "live", "calls", "clock"):
         cmd += ["--" + flag, str(getattr(args, flag))]
     if args.skip_pairs:
         cmd.append("--skip-pairs")
@@ -185,12 +192,14 @@ def main():
                         help="comma-separated, classic first (default: all three)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds, one process per allocator each")
-    parser.add_argument("--pairs", type=int, default=2000, help="pairs per batch")
+    parser.add_argument("--pairs", type=int, default=20000, help="pairs per batch")
     parser.add_argument("--repeats", type=int, default=5, help="batches per size (and per statistics call)")
     parser.add_argument("--live", type=int, default=20000, help="live tensors for the statistics calls")
     parser.add_argument("--calls", type=int, default=500, help="statistics calls per batch")
     parser.add_argument("--skip-pairs", action="store_true", help="statistics calls only")
     parser.add_argument("--skip-stats", action="store_true", help="pairs only")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
+                        help="the measuring thread's CPU time (default) or wall time")
     parser.add_argument("--device", choices=["simulated", "real"], default="simulated")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
@@ -208,11 +217,12 @@ def main():
     commit = git_commit()
     others = allocators[1:]
     summary = {"device": args.device, "commit": commit, "rounds": args.rounds,
-               "pairs": args.pairs, "repeats": args.repeats, "allocators": allocators}
+               "pairs": args.pairs, "repeats": args.repeats, "clock": args.clock,
+               "allocators": allocators}
     if not args.skip_pairs:
-        print("torch.empty/del pairs per second ({} device, commit {}, {} alternating rounds, "
-              "each the median of {} batches of {} pairs)".format(
-                  args.device, commit, args.rounds, args.repeats, args.pairs))
+        print("torch.empty/del pairs per second of {} time ({} device, commit {}, {} alternating "
+              "rounds, each the median of {} batches of {} pairs)".format(
+                  args.clock, args.device, commit, args.rounds, args.repeats, args.pairs))
         header = "{:>9} " + " ".join("{:>12}" for _ in allocators) + "".join(
             "  {:>26}" for _ in others)
         print(header.format("size", *allocators,
@@ -238,9 +248,9 @@ def main():
     if not args.skip_stats:
         live = results["classic"][0]["stats"]["live_tensors"]
         print()
-        print("microseconds per statistics call with {:,} live tensors ({} device, commit {}, "
-              "{} alternating rounds, each the median of {} batches of {} calls)".format(
-                  live, args.device, commit, args.rounds, args.repeats, args.calls))
+        print("microseconds of {} time per statistics call with {:,} live tensors ({} device, "
+              "commit {}, {} alternating rounds, each the median of {} batches of {} calls)".format(
+                  args.clock, live, args.device, commit, args.rounds, args.repeats, args.calls))
         header = "{:>17} " + " ".join("{:>12}" for _ in allocators) + "".join(
             "  {:>26}" for _ in others)
         print(header.format("call", *allocators,

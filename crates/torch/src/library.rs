@@ -769,7 +769,7 @@ impl Library {
     /// torch's `getDeviceStats`: Quilt's figures in torch's terms
     /// ([`device_stats::torch_stats`]), from counters kept as blocks change
     /// (Quilt's, the pools', and the segments counted again only when the
-    /// mapping changed, [`Device::segment_count`]): no walk over the blocks.
+    /// mapping changed): no walk over the blocks.
     pub fn device_stats(&self, device: i32) -> Result<QuiltDeviceStats, String> {
         let d = self.device(device)?;
         let raw = d.alloc.stats();
@@ -898,7 +898,9 @@ impl Library {
         self.history.clear();
     }
 
-    /// Record in the history how `d`'s mapped memory changed, if it did.
+    /// Record in the history how `d`'s mapped memory changed, if it did
+    /// (inlined: while recording is off, one load at the call site).
+    #[inline]
     fn sync_segments(&self, d: &Device, source: &'static str) {
         if self.history.is_on() {
             self.history.sync_segments(
