@@ -18,6 +18,7 @@ import contextlib
 import os
 import random
 import time
+import warnings
 
 # Before transformers is imported anywhere: configurations are built in code
 # and weights are random, so nothing may be fetched.
@@ -92,6 +93,14 @@ def host_tokens(gen, vocab, batch, length):
     return torch.randint(vocab, (batch, length), generator=gen)
 
 
+def to_device(t, dev):
+    """A host tensor on `dev` as a data loader with pin_memory=True hands it
+    over: pinned, then copied without blocking the host."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def unmasked_sdpa():
     """Registers transformers' own SDPA attention under a name that its mask
     builder does not know, and returns that name.
@@ -113,14 +122,18 @@ def unmasked_sdpa():
 def shapes_only(dev):
     """On a CUDA device, makes every synchronising read of device memory by
     the host an error (torch.cuda.set_sync_debug_mode("error")): `.item()`,
-    `bool(t)`, `.tolist()`, `nonzero`, a blocking copy to the host. Inside,
+    `bool(t)`, `.tolist()`, `nonzero`, a blocking copy (so host tensors go
+    to the device through `to_device`). Inside,
     no decision of the program or of a library can depend on a value a
     kernel computed. No-op elsewhere."""
     if dev.type != "cuda":
         yield
         return
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():
+        # "Synchronization debug mode is a prototype feature ..."
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:

@@ -54,8 +54,9 @@ def padded_batch(gen, lengths, vocab, labels, multiple=8):
 
 
 def attention_mask(keep, has_padding, dev):
-    """What transformers' SDPA mask builder makes of the 2-D mask: nothing
-    where no example is padded, else the batch x 1 x length x length mask."""
+    """What transformers' SDPA mask builder makes of the 2-D mask (on the
+    device): nothing where no example is padded, else the batch x 1 x length
+    x length mask."""
     if not has_padding:
         return None
     batch, width = keep.shape
@@ -64,7 +65,7 @@ def attention_mask(keep, has_padding, dev):
         q_length=width,
         kv_length=width,
         mask_function=bidirectional_mask_function,
-        attention_mask=keep.to(dev, torch.bool),
+        attention_mask=keep.to(torch.bool),
         allow_is_causal_skip=False,
         allow_is_bidirectional_skip=False,
         device=dev,
@@ -72,7 +73,7 @@ def attention_mask(keep, has_padding, dev):
 
 
 def main():
-    p = _common.parser(__doc__, steps=12)
+    p = _common.parser(__doc__, steps=24)
     p.add_argument("--batch", type=int, default=32, help="examples per batch (default 32)")
     p.add_argument("--median-len", type=int, default=96, help="median example length (default 96)")
     p.add_argument("--max-len", type=int, default=512, help="longest example (default 512)")
@@ -114,12 +115,13 @@ def main():
         for lengths in schedule:
             ids, types, keep, targets = padded_batch(data, lengths, config.vocab_size, args.labels)
             widths.append(ids.shape[1])
+            keep = _common.to_device(keep, dev)
             mask = attention_mask(keep, min(lengths) < ids.shape[1], dev)
             out = model(
-                input_ids=ids.to(dev),
-                token_type_ids=types.to(dev),
+                input_ids=_common.to_device(ids, dev),
+                token_type_ids=_common.to_device(types, dev),
                 attention_mask=mask,
-                labels=targets.to(dev),
+                labels=_common.to_device(targets, dev),
             )
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

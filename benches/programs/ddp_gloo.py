@@ -67,7 +67,7 @@ def worker(rank, args, port, results):
 
     total = torch.zeros((), device=dev)
     for length in lengths:
-        ids = _common.host_tokens(data, args.vocab, args.batch, length).to(dev)
+        ids = _common.to_device(_common.host_tokens(data, args.vocab, args.batch, length), dev)
         loss = ddp(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

@@ -89,7 +89,7 @@ def main():
     total = torch.zeros((), device=dev)
     with _common.shapes_only(dev):
         for length in lengths:
-            ids = _common.host_tokens(data, args.vocab, args.batch, length).to(dev)
+            ids = _common.to_device(_common.host_tokens(data, args.vocab, args.batch, length), dev)
             with _common.autocast(dev, args.amp):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()

@@ -74,7 +74,7 @@ def serve(model, schedule, new_tokens, vocab, gen, dev):
     """Generates every round of the schedule; returns the tokens generated."""
     made = 0
     for batch, length in schedule:
-        prompt = _common.host_tokens(gen, vocab, batch, length).to(dev)
+        prompt = _common.to_device(_common.host_tokens(gen, vocab, batch, length), dev)
         sequences = generate(model, prompt, new_tokens)
         made += sequences.shape[0] * (sequences.shape[1] - length)
         del sequences
@@ -91,10 +91,10 @@ def add_model_arguments(p, hidden, layers, heads, kv_heads, mlp):
 
 def add_serving_arguments(p, rounds):
     p.add_argument("--rounds", type=int, default=rounds, help=f"batches served (default {rounds})")
-    p.add_argument("--batches", default="1,2,4,8,16", help="batch sizes to draw from (default 1,2,4,8,16)")
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="batch sizes to draw from (default 1,2,4,8,16,32)")
     p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (default 16)")
-    p.add_argument("--max-prompt", type=int, default=1024, help="longest prompt (default 1024)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per round (default 32)")
+    p.add_argument("--max-prompt", type=int, default=2048, help="longest prompt (default 2048)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per round (default 64)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights (default bfloat16)")
 
@@ -125,7 +125,7 @@ def check_model(p, args):
 def main():
     p = _common.parser(__doc__)
     add_model_arguments(p, hidden=1024, layers=8, heads=16, kv_heads=4, mlp=2816)
-    add_serving_arguments(p, rounds=6)
+    add_serving_arguments(p, rounds=16)
     args = p.parse_args()
     check_model(p, args)
     batches = check_serving(p, args)

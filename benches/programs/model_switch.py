@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 def main():
     p = _common.parser(__doc__)
-    llama.add_serving_arguments(p, rounds=3)
+    llama.add_serving_arguments(p, rounds=6)
     p.add_argument("--first-hidden", type=int, default=1024, help="first model's width (default 1024)")
     p.add_argument("--first-mlp", type=int, default=2816, help="first model's MLP width (default 2816)")
     p.add_argument("--second-hidden", type=int, default=1536, help="second model's width (default 1536)")

@@ -24,16 +24,15 @@ import torch  # noqa: E402
 from transformers import ViTConfig, ViTForImageClassification  # noqa: E402
 
 
-def host_images(gen, batch, size, pin):
-    """One batch of images and labels on the host, pinned where asked."""
-    images = torch.randn(batch, 3, size, size, generator=gen)
-    return images.pin_memory() if pin else images
+def host_images(gen, batch, size):
+    """One batch of images on the host."""
+    return torch.randn(batch, 3, size, size, generator=gen)
 
 
 def main():
-    p = _common.parser(__doc__, steps=4)
-    p.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
-    p.add_argument("--last-batch", type=int, default=20, help="images in the last step (default 20; 0: none)")
+    p = _common.parser(__doc__, steps=6)
+    p.add_argument("--batch", type=int, default=64, help="images per step (default 64)")
+    p.add_argument("--last-batch", type=int, default=40, help="images in the last step (default 40; 0: none)")
     p.add_argument("--image", type=int, default=224, help="image side in pixels (default 224)")
     p.add_argument("--patch", type=int, default=16, help="patch side in pixels (default 16)")
     p.add_argument("--layers", type=int, default=6, help="encoder layers (default 6)")
@@ -54,7 +53,6 @@ def main():
     _common.seeded(args.seed)
     dev = _common.device_of(args.device)
     data = torch.Generator().manual_seed(args.seed)
-    pin = dev.type == "cuda"
     batches = [args.batch] * args.steps + ([args.last_batch] if args.last_batch else [])
 
     config = ViTConfig(
@@ -75,8 +73,8 @@ def main():
     total = torch.zeros((), device=dev)
     with _common.shapes_only(dev):
         for batch in batches:
-            images = host_images(data, batch, args.image, pin).to(dev, non_blocking=True)
-            labels = torch.randint(args.classes, (batch,), generator=data).to(dev)
+            images = _common.to_device(host_images(data, batch, args.image), dev)
+            labels = _common.to_device(torch.randint(args.classes, (batch,), generator=data), dev)
             with _common.autocast(dev, args.amp):
                 loss = model(pixel_values=images, labels=labels).loss
             loss.backward()

@@ -112,6 +112,23 @@ _BUILD_HINT = (
 
 # Guards the lazily created, process-wide objects below.
 _lock = threading.Lock()
+# Held through the whole of enable(): two threads calling it at once build
+# and install the allocator class once, and both get the same one.
+_enable_lock = threading.Lock()
+
+
+def _after_fork_in_child():
+    # Another thread of the parent may have held these at the fork: the
+    # child starts with fresh ones (the C library refuses to touch the
+    # parent's CUDA state there, with torch's "Cannot re-initialize CUDA in
+    # forked subprocess").
+    global _lock, _enable_lock
+    _lock = threading.Lock()
+    _enable_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _lib = None  # the ctypes.CDLL, once loaded
 _pluggable = None  # the torch CUDAPluggableAllocator, once created
 _enabled = None  # the allocator passed to change_current_allocator, if any
@@ -174,6 +191,10 @@ def _declare(lib):
         "quilt_set_memory_fraction": ([ctypes.c_double, i32], None),
         # size_t quilt_stats_json(int device, char* buf, size_t len)
         "quilt_stats_json": ([i32, ctypes.c_char_p, size], size),
+        # size_t quilt_check_configuration(char* buf, size_t len)
+        "quilt_check_configuration": ([ctypes.c_char_p, size], size),
+        # int quilt_in_forked_child(void)
+        "quilt_in_forked_child": ([], i32),
         # size_t quilt_last_error(char* buf, size_t len)
         "quilt_last_error": ([ctypes.c_char_p, size], size),
         # int quilt_record_history(int enabled, size_t max_entries)
@@ -484,14 +505,16 @@ def _function_address(name):
 def check_configuration():
     """Check ``QUILT_ALLOC_CONF`` and the backend the way :func:`enable` does.
 
-    Returns Quilt's statistics of device 0 (creating its allocator).
+    Returns ``{"backend": NAME}``. No device's allocator is created: on
+    CUDA the driver and device 0 are asked, without making a context, so a
+    process that only ever uses ``cuda:1`` has no context on device 0.
 
     Raises:
         ConfigurationError: a bad key or value, or ``backend:sim`` (whose
             pointers address no memory: the first copy would crash).
         QuiltError: the backend is unavailable (no CUDA driver, for one).
     """
-    stats = memory_stats(0)
+    stats = json.loads(_read_string(_library().quilt_check_configuration))
     error = stats.get("error")
     if error:
         if "QUILT_ALLOC_CONF=" in error:
@@ -530,8 +553,9 @@ def enable():
     graphs and ``torch.cuda.MemPool`` get private pools.
 
     Call this first thing, before any CUDA tensor is created. Calling it
-    again (also after ``importlib.reload(quilt_torch)``) returns the same
-    :class:`TorchAllocator`.
+    again (also after ``importlib.reload(quilt_torch)``, or from several
+    threads at once: one builds and installs, the others wait for it)
+    returns the same :class:`TorchAllocator`.
 
     Raises:
         ConfigurationError: a bad ``QUILT_ALLOC_CONF``, or ``backend:sim``.
@@ -542,8 +566,14 @@ def enable():
         RuntimeError: if torch is missing.
         FileNotFoundError: if the library does not exist.
     """
-    global _enabled
     torch = _import_torch()
+    with _enable_lock:
+        return _enable(torch)
+
+
+def _enable(torch):
+    """:func:`enable`, with ``_enable_lock`` held."""
+    global _enabled
     with _lock:
         if _enabled is None:
             # A reloaded module finds what its earlier self installed.
@@ -659,6 +689,8 @@ def memory_stats(device=None):
     lib = _library()
     stats = json.loads(_read_string(lib.quilt_stats_json, _device_index(device)))
     if "error" in stats:
+        if lib.quilt_in_forked_child():
+            raise QuiltError(stats["error"])
         return stats
     for key in _FLAT_STATS:
         value = stats.get(key)

@@ -18,11 +18,17 @@
 // torch.OutOfMemoryError is thrown.
 //
 // Every allocator function is a call into libquilt_torch.so's C functions
-// (resolved once with dlsym from the instance ctypes loaded). This file
-// keeps only what needs C++: torch's contexts (GatheredContext), the
-// allocation routing filters of beginAllocateToPool, the observers, and
-// each live pointer's size, device and stream (torch's deleter passes only
-// the pointer).
+// (resolved once with dlsym from the instance ctypes loaded). Quilt keeps
+// the one map of live blocks: torch's deleter passes only the pointer, and
+// quilt_torch_free finds its device and gives back its size and stream.
+// This file keeps only what needs C++: torch's contexts (GatheredContext,
+// while history records them), the allocation routing filters of
+// beginAllocateToPool, the observers and trace trackers, and the streams a
+// block was recorded on (record_stream), each in a table that a counter
+// says is empty, so that an allocation or a free takes no lock of this
+// class while nothing is registered. CUDA's relaxed capture mode is set by
+// Quilt's CUDA backend around the driver calls that need it (none when the
+// allocation is served from mapped memory).
 //
 // Written for the CUDAAllocator interface of torch 2.15 (the only torch it
 // was built and tested against). That interface changes between releases
@@ -50,6 +56,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -80,6 +87,10 @@ struct QuiltAllocation {
   void* ptr;
   uint64_t seq;
 };
+struct QuiltFreed {
+  uint64_t size, stream, seq;
+  int32_t device, kept_by_pool;
+};
 struct QuiltSegment {
   int32_t device;
   uint32_t first_block, block_count;
@@ -94,11 +105,16 @@ struct QuiltTraceEntry {
   int32_t device, action;
   uint64_t addr, size, stream, time_us;
 };
+struct QuiltPoolBlock {  // crates/torch/src/private_pools.rs, CheckpointBlock
+  uint64_t ptr, size, requested, stream;
+  int32_t live;
+};
 
 // libquilt_torch.so's functions.
 struct Api {
   int (*torch_malloc)(size_t, int, void*, int, uint64_t, uint64_t, QuiltAllocation*);
-  int (*torch_free)(void*, size_t, int, void*, uint64_t*);
+  int (*torch_free)(void*, QuiltFreed*);
+  int (*block_size)(void*, uint64_t*);
   int (*device_stats)(int, QuiltDeviceStats*);
   int (*reset_accumulated)(int);
   int (*reset_peak)(int);
@@ -114,6 +130,12 @@ struct Api {
   void (*empty_cache)();
   void (*record_stream)(void*, void*);
   size_t (*last_error)(char*, size_t);
+  int (*pool_checkpoint)(int, uint64_t, uint64_t, QuiltPoolBlock*, size_t, size_t*);
+  int (*pool_restore)(int, uint64_t, uint64_t, const QuiltPoolBlock*, size_t, QuiltPoolBlock*,
+                      size_t, size_t*);
+  int (*pool_live_blocks)(int, uint64_t, uint64_t, uint64_t*, size_t, size_t*);
+  int (*in_forked_child)();
+  int (*enable_peer_access)(int, int);
 };
 Api api{};
 bool bound = false;
@@ -156,35 +178,14 @@ void fill(c10::CachingAllocator::StatArray& out, const QuiltStat& s) {
   }
 }
 
-// The calling thread in CUDA's relaxed stream-capture mode while it lives,
-// as torch's own allocator puts it around its cudaMalloc: Quilt may create
-// and map memory for an allocation made during a capture (a graph's private
-// pool is filled then), which the global mode forbids and which would
-// invalidate the capture.
-struct RelaxedCapture {
-  cudaStreamCaptureMode prior = cudaStreamCaptureModeRelaxed;
-  bool exchanged = false;
-  RelaxedCapture() {
-    exchanged = cudaThreadExchangeStreamCaptureMode(&prior) == cudaSuccess;
-    if (!exchanged) {
-      (void)cudaGetLastError();
-    }
-  }
-  ~RelaxedCapture() {
-    if (exchanged) {
-      (void)cudaThreadExchangeStreamCaptureMode(&prior);
-    }
-  }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-};
-
-struct Live {
-  size_t size;
+// A private pool's state for torch.compile's CUDA graph trees
+// (getCheckpointState): its blocks, as libquilt_torch.so listed them.
+struct QuiltPoolState final : cca::AllocatorState {
   c10::DeviceIndex device;
-  cudaStream_t stream;
-  // Other streams it was recorded on (record_stream).
-  std::vector<cudaStream_t> used_on;
+  c10::MempoolId_t id;
+  std::vector<QuiltPoolBlock> blocks;
+  QuiltPoolState(c10::DeviceIndex d, c10::MempoolId_t i, std::vector<QuiltPoolBlock> b)
+      : device(d), id(i), blocks(std::move(b)) {}
 };
 
 void quilt_raw_delete(void* ptr);
@@ -227,7 +228,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(bound, "quilt_torch: the allocator is not bound to libquilt_torch.so");
     bool use_pool = false;
     c10::MempoolId_t pool{0, 0};
-    {
+    if (route_count_.load(std::memory_order_acquire) != 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto& c : routes_) {
         if (c.device == device && c.filter(stream)) {
@@ -243,24 +244,18 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       context = recorder();
     }
     QuiltAllocation a{nullptr, 0};
-    int rc;
-    {
-      RelaxedCapture relaxed;
-      rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
-    }
+    int rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
     if (rc == 1) {
       out_of_memory(size, device, last_error());
     }
     TORCH_CHECK(rc == 0 && a.ptr != nullptr, "Quilt could not allocate ", format_size(size), " (",
                 size, " bytes) on device ", static_cast<int>(device), ": ", last_error());
-    {
+    if (context) {
       std::lock_guard<std::mutex> lock(mutex_);
-      live_[a.ptr] = Live{size, device, stream, {}};
-      if (context) {
-        block_context_[a.ptr] = context;
-        if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
-          remember(a.seq, context);
-        }
+      block_context_[a.ptr] = context;
+      context_count_.store(block_context_.size(), std::memory_order_release);
+      if (a.seq != 0 && when_.load() >= cda::RecordContext::ALLOC) {
+        remember(a.seq, context);
       }
     }
     track(cda::TraceEntry::ALLOC, device, a.ptr, size, stream, pool, context);
@@ -293,43 +288,50 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     if (ptr == nullptr) {
       return;
     }
-    Live l{};
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = live_.find(ptr);
-      if (it == live_.end()) {
-        TORCH_WARN("quilt_torch: free of ", ptr, ", which Quilt's allocator did not hand out");
-        return;
-      }
-      l = it->second;
-      live_.erase(it);
-      block_context_.erase(ptr);
-    }
     std::shared_ptr<c10::GatheredContext> context;
     auto recorder = recorder_.load();
     if (history_on_.load() && recorder != nullptr && when_.load() == cda::RecordContext::ALL) {
       context = recorder();
     }
-    uint64_t seq = 0;
-    int rc;
-    {
-      RelaxedCapture relaxed;
-      rc = api.torch_free(ptr, l.size, l.device, l.stream, &seq);
+    QuiltFreed f{};
+    int rc = api.torch_free(ptr, &f);
+    if (rc == 1 && api.in_forked_child() != 0) {
+      // A tensor of the parent dying in a forked child: its memory is the
+      // parent's, nothing here frees it.
+      return;
     }
     if (rc == 1) {
       // A deleter must not throw (it runs in destructors).
       TORCH_WARN("quilt_torch: freeing ", ptr, " failed: ", last_error());
       return;
     }
-    if (rc == 3 && !l.used_on.empty()) {
+    auto stream = reinterpret_cast<cudaStream_t>(f.stream);
+    std::vector<cudaStream_t> used_on;
+    if (recorded_count_.load(std::memory_order_acquire) != 0 ||
+        context_count_.load(std::memory_order_acquire) != 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = recorded_.find(ptr);
+      if (it != recorded_.end()) {
+        used_on = std::move(it->second);
+        recorded_.erase(it);
+        recorded_count_.store(recorded_.size(), std::memory_order_release);
+      }
+      if (block_context_.erase(ptr) != 0) {
+        context_count_.store(block_context_.size(), std::memory_order_release);
+      }
+    }
+    if (rc == 3) {
       // A private pool kept the block, to hand it out again on its own
       // stream: order that stream after the work queued on the streams it
       // was recorded on (Quilt does this for the blocks it gets back).
-      for (cudaStream_t other : l.used_on) {
+      for (cudaStream_t other : used_on) {
+        if (other == stream) {
+          continue;
+        }
         cudaEvent_t done = nullptr;
         if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess) {
           if (cudaEventRecord(done, other) != cudaSuccess ||
-              cudaStreamWaitEvent(l.stream, done, 0) != cudaSuccess) {
+              cudaStreamWaitEvent(stream, done, 0) != cudaSuccess) {
             TORCH_WARN("quilt_torch: ordering the reuse of ", ptr, " after stream ", other,
                        " failed: ", cudaGetErrorString(cudaGetLastError()));
           }
@@ -337,12 +339,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         }
       }
     }
-    if (context && seq != 0) {
+    if (context && f.seq != 0) {
       std::lock_guard<std::mutex> lock(mutex_);
-      remember(seq, context);
+      remember(f.seq, context);
     }
-    track(cda::TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, {0, 0}, context);
-    track(cda::TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, {0, 0}, context);
+    auto device = static_cast<c10::DeviceIndex>(f.device);
+    track(cda::TraceEntry::FREE_REQUESTED, device, ptr, f.size, stream, {0, 0}, context);
+    track(cda::TraceEntry::FREE_COMPLETED, device, ptr, f.size, stream, {0, 0}, context);
   }
 
   // -- lifecycle and settings -----------------------------------------------
@@ -390,10 +393,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
   }
   void* getBaseAllocation(void* ptr, size_t* size) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(ptr);
-    if (it != live_.end() && size != nullptr) {
-      *size = it->second.size;
+    uint64_t n = 0;
+    if (api.block_size(ptr, &n) == 0 && size != nullptr) {
+      *size = static_cast<size_t>(n);
     }
     return ptr;
   }
@@ -402,13 +404,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       return;
     }
     api.record_stream(ptr.get(), stream.stream());
+    // Kept for a private pool's reuse of the block (raw_delete).
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(ptr.get());
-    if (it != live_.end() && it->second.stream != stream.stream() &&
-        std::find(it->second.used_on.begin(), it->second.used_on.end(), stream.stream()) ==
-            it->second.used_on.end()) {
-      it->second.used_on.push_back(stream.stream());
+    auto& used_on = recorded_[ptr.get()];
+    if (std::find(used_on.begin(), used_on.end(), stream.stream()) == used_on.end()) {
+      used_on.push_back(stream.stream());
     }
+    recorded_count_.store(recorded_.size(), std::memory_order_release);
   }
 
   // -- statistics -----------------------------------------------------------
@@ -459,12 +461,16 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       }
       when_.store(when);
       max_entries_ = max_entries;
-      if (clear_history) {
+      // As torch's own: stopping (torch's _record_memory_history(None))
+      // forgets the history and the annotations, as clear_history does.
+      if (clear_history || !enabled) {
         trace_context_.clear();
+        annotations_.clear();
       }
+      trim_annotations();
     }
     recorder_.store(context_recorder);
-    if (clear_history) {
+    if (clear_history || !enabled) {
       api.clear_history();
     }
     TORCH_CHECK(api.record_history(enabled ? 1 : 0, max_entries) == 0, "Quilt: ", last_error());
@@ -488,6 +494,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     annotations_.push_back(std::move(a));
+    trim_annotations();
   }
 
   cca::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool include_traces) override {
@@ -537,7 +544,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       }
       info.segments.push_back(std::move(si));
     }
-    // As torch's own: no history once recording is off.
+    int top = 0;
+    for (const auto& s : segs) top = std::max(top, s.device);
+    // As torch's own: no history once recording is off, one (empty) trace
+    // per device.
+    if (include_traces && !history_on_.load()) {
+      info.device_traces.resize(static_cast<size_t>(std::max<int>(top + 1, c10::cuda::device_count())));
+    }
     if (include_traces && history_on_.load()) {
       std::vector<QuiltTraceEntry> entries(1024);
       for (;;) {
@@ -548,8 +561,6 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         }
         entries.resize(n + 1024);
       }
-      int top = 0;
-      for (const auto& s : segs) top = std::max(top, s.device);
       for (const auto& e : entries) top = std::max(top, e.device);
       int count = std::max<int>(top + 1, c10::cuda::device_count());
       info.device_traces.resize(static_cast<size_t>(count));
@@ -574,7 +585,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
         te.time_.t_ = static_cast<time_t>(e.time_us);
         info.device_traces[static_cast<size_t>(e.device)].push_back(std::move(te));
       }
-      info.external_annotations = annotations_;
+      info.external_annotations.assign(annotations_.begin(), annotations_.end());
     }
     const char* conf = std::getenv("QUILT_ALLOC_CONF");
     info.config_metadata.last_allocator_settings =
@@ -598,12 +609,14 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(api.pool_incref(device, id.first, id.second) == 0, "Quilt: ", last_error());
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.push_back(Route{device, id, std::move(filter)});
+    route_count_.store(routes_.size(), std::memory_order_release);
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.erase(std::remove_if(routes_.begin(), routes_.end(),
                                  [&](const Route& r) { return r.device == device && r.id == id; }),
                   routes_.end());
+    route_count_.store(routes_.size(), std::memory_order_release);
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     // Called from destructors (CUDAGraph::reset, ~MemPool): never throws.
@@ -631,29 +644,103 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
     // Quilt hands a pool's blocks out whole: none is ever split.
   }
-  // torch.compile's CUDA graph trees check (checkPoolLiveAllocations, at
-  // their first call), checkpoint and restore a private pool's state; Quilt
-  // does none of it and refuses at the first.
-  static std::string graph_trees_refused(const char* piece) {
-    return std::string("Quilt (quilt_torch.enable()) does not support torch.compile's CUDA graph "
-                       "trees (mode=\"reduce-overhead\", backend=\"cudagraphs\"): they need ") +
-           piece +
-           " (the check, checkpoint and restore of a private pool: "
-           "checkPoolLiveAllocations, getCheckpointState, setCheckpointPoolState), which Quilt "
-           "does not implement. Use torch.cuda.graph / make_graphed_callables, or "
-           "torch._inductor.config.triton.cudagraph_trees = False.";
+  // torch.compile's CUDA graph trees (mode="reduce-overhead",
+  // backend="cudagraphs") check a private pool's live blocks, checkpoint its
+  // state and restore it; the pool's books are libquilt_torch.so's
+  // (private_pools.rs).
+
+  // Whether the blocks of the pool handed out now are exactly `expected`.
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<uint64_t> live(expected.size() + 16);
+    for (;;) {
+      size_t n = 0;
+      TORCH_CHECK(api.pool_live_blocks(device, id.first, id.second, live.data(), live.size(),
+                                       &n) == 0,
+                  "Quilt: ", last_error());
+      if (n <= live.size()) {
+        live.resize(n);
+        break;
+      }
+      live.resize(n * 2);
+    }
+    if (live.size() != expected.size()) {
+      return false;
+    }
+    return std::all_of(live.begin(), live.end(), [&](uint64_t p) {
+      return expected.count(reinterpret_cast<void*>(p)) != 0;
+    });
   }
-  bool checkPoolLiveAllocations(c10::DeviceIndex, c10::MempoolId_t,
-                                const std::unordered_set<void*>&) override {
-    TORCH_CHECK(false, graph_trees_refused("checkPoolLiveAllocations"));
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::MempoolId_t id) override {
+    std::vector<QuiltPoolBlock> blocks(64);
+    for (;;) {
+      size_t n = 0;
+      TORCH_CHECK(api.pool_checkpoint(device, id.first, id.second, blocks.data(), blocks.size(),
+                                      &n) == 0,
+                  "Quilt: ", last_error());
+      if (n <= blocks.size()) {
+        blocks.resize(n);
+        break;
+      }
+      blocks.resize(n * 2);
+    }
+    return std::make_shared<QuiltPoolState>(device, id, std::move(blocks));
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
-                                                          c10::MempoolId_t) override {
-    TORCH_CHECK(false, graph_trees_refused("getCheckpointState"));
-  }
-  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
-                                              std::shared_ptr<cca::AllocatorState>) override {
-    TORCH_CHECK(false, graph_trees_refused("setCheckpointPoolState"));
+
+  // The pool put back in `state`: the blocks handed out now are freed (torch
+  // has taken their deleters away), the state's handed-out blocks handed out
+  // again at their addresses, each as a DataPtr with Quilt's deleter.
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> state) override {
+    auto pps = std::dynamic_pointer_cast<QuiltPoolState>(state);
+    TORCH_CHECK(pps != nullptr, "setCheckpointPoolState: not a state of Quilt's pools");
+    TORCH_CHECK(pps->device == device, "setCheckpointPoolState: a state of device ",
+                static_cast<int>(pps->device), " restored on device ", static_cast<int>(device));
+    std::vector<QuiltPoolBlock> freed(64);
+    for (;;) {
+      size_t n = 0;
+      int rc = api.pool_restore(device, pps->id.first, pps->id.second, pps->blocks.data(),
+                                pps->blocks.size(), freed.data(), freed.size(), &n);
+      if (rc == 2) {
+        freed.resize(n * 2);
+        continue;
+      }
+      TORCH_CHECK(rc == 0, "Quilt: ", last_error());
+      freed.resize(n);
+      break;
+    }
+    cca::CheckpointDelta delta;
+    {
+      // Freed without their deleters: forget their contexts and streams.
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& b : freed) {
+        void* ptr = reinterpret_cast<void*>(b.ptr);
+        recorded_.erase(ptr);
+        block_context_.erase(ptr);
+        delta.ptrs_freed.push_back(ptr);
+      }
+      recorded_count_.store(recorded_.size(), std::memory_order_release);
+      context_count_.store(block_context_.size(), std::memory_order_release);
+    }
+    for (const auto& b : freed) {
+      void* ptr = reinterpret_cast<void*>(b.ptr);
+      auto stream = reinterpret_cast<cudaStream_t>(b.stream);
+      track(cda::TraceEntry::FREE_REQUESTED, device, ptr, b.requested, stream, pps->id, nullptr);
+      track(cda::TraceEntry::FREE_COMPLETED, device, ptr, b.requested, stream, pps->id, nullptr);
+    }
+    for (const auto& b : pps->blocks) {
+      if (b.live == 0) {
+        continue;
+      }
+      void* ptr = reinterpret_cast<void*>(b.ptr);
+      track(cda::TraceEntry::ALLOC, device, ptr, b.requested, reinterpret_cast<cudaStream_t>(b.stream),
+            pps->id, nullptr);
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, &quilt_raw_delete,
+                                         c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   // -- observers, IPC, copies -----------------------------------------------
@@ -670,6 +757,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> lock(mutex_);
     trackers_.push_back(std::move(tracker));
+    tracker_count_.store(trackers_.size(), std::memory_order_release);
   }
   cca::ShareableHandle shareIpcHandle(void*) override {
     TORCH_CHECK(false,
@@ -688,12 +776,17 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     } else {
       C10_CUDA_CHECK(err);
     }
+    // cudaDeviceEnablePeerAccess does not reach memory mapped with
+    // cuMemMap: Quilt maps every page of dev_to_access for dev as well, now
+    // and from now on (torch's expandable segments do the same).
+    TORCH_CHECK(api.enable_peer_access(dev_to_access, dev) == 0, "Quilt: ", last_error());
   }
   // Between devices, a peer copy: Quilt maps its memory with cuMemMap for its
-  // own device (and the peers QUILT_ALLOC_CONF's peer_access names), which
-  // cudaMemcpyAsync reaches only where the copying device has access, peer
-  // access enabled or not; cudaMemcpyPeerAsync names both devices (torch's
-  // own allocator does the same for its expandable segments).
+  // own device (and the peers QUILT_ALLOC_CONF's peer_access names, and
+  // those enablePeerAccess added), which cudaMemcpyAsync reaches only where
+  // the copying device has access; cudaMemcpyPeerAsync names both devices,
+  // with access or without (torch's own allocator does the same for its
+  // expandable segments when peer access is off).
   cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device,
                           size_t count, cudaStream_t stream, bool) override {
     if (dst_device != src_device) {
@@ -724,6 +817,14 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
                                      .count());
   }
 
+  // The last max_entries_ annotations are kept, as torch's ring buffer
+  // keeps them (mutex_ held).
+  void trim_annotations() {
+    while (annotations_.size() > max_entries_) {
+      annotations_.pop_front();
+    }
+  }
+
   // Keep `context` for history entry `seq` (mutex_ held); the oldest go
   // when there are more than the history keeps.
   void remember(uint64_t seq, std::shared_ptr<c10::GatheredContext> context) {
@@ -738,6 +839,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   void track(cda::TraceEntry::Action action, c10::DeviceIndex device, void* ptr, size_t size,
              cudaStream_t stream, c10::MempoolId_t pool,
              const std::shared_ptr<c10::GatheredContext>& context) {
+    if (tracker_count_.load(std::memory_order_acquire) == 0) {
+      return;
+    }
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -753,15 +857,22 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
   }
 
+  // Guards the tables below; each table's size is also in its counter
+  // (written under the lock), read without it to skip an empty table.
   std::mutex mutex_;
-  std::unordered_map<void*, Live> live_;
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> block_context_;
+  std::atomic<size_t> context_count_{0};
+  // The streams each block was recorded on (record_stream), until its free.
+  std::unordered_map<void*, std::vector<cudaStream_t>> recorded_;
+  std::atomic<size_t> recorded_count_{0};
+  std::atomic<size_t> route_count_{0};
+  std::atomic<size_t> tracker_count_{0};
   std::map<uint64_t, std::shared_ptr<c10::GatheredContext>> trace_context_;
   std::vector<Route> routes_;
   std::vector<cca::OutOfMemoryObserver> observers_;
   std::vector<cca::OomRejectionObserver> rejection_observers_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
-  std::vector<cda::AnnotationEntry> annotations_;
+  std::deque<cda::AnnotationEntry> annotations_;
   std::set<int> skip_;
   std::atomic<bool> initialized_{false};
   bool enabled_ = true;
@@ -812,6 +923,7 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
   Api a{};
   bool ok = resolve(h, "quilt_torch_malloc", a.torch_malloc) &&
             resolve(h, "quilt_torch_free", a.torch_free) &&
+            resolve(h, "quilt_torch_block_size", a.block_size) &&
             resolve(h, "quilt_device_stats", a.device_stats) &&
             resolve(h, "quilt_reset_accumulated_stats", a.reset_accumulated) &&
             resolve(h, "quilt_reset_peak_stats", a.reset_peak) &&
@@ -826,7 +938,12 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_record_history", a.record_history) &&
             resolve(h, "quilt_empty_cache", a.empty_cache) &&
             resolve(h, "quilt_record_stream", a.record_stream) &&
-            resolve(h, "quilt_last_error", a.last_error);
+            resolve(h, "quilt_last_error", a.last_error) &&
+            resolve(h, "quilt_pool_checkpoint", a.pool_checkpoint) &&
+            resolve(h, "quilt_pool_restore", a.pool_restore) &&
+            resolve(h, "quilt_pool_live_blocks", a.pool_live_blocks) &&
+            resolve(h, "quilt_in_forked_child", a.in_forked_child) &&
+            resolve(h, "quilt_enable_peer_access", a.enable_peer_access);
   if (!ok) {
     write(buf, len, std::string("a function is missing from ") + path);
     return 2;

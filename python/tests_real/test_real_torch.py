@@ -12,7 +12,8 @@ compiling against this torch and loading; enable() checking the
 configuration and installing it as torch's CUDA allocator (or refusing,
 installing nothing); torch's own C entry points that need no device
 (statistics, peak and accumulated resets, empty_cache, the memory fraction,
-snapshots, the private pools' begin/end/release, the graph-tree checkpoint)
+snapshots, the private pools' begin/end/release, the graph trees' check,
+checkpoint and restore of a pool)
 reaching Quilt; the class's allocation path (called as torch's allocate()
 would) throwing torch's c10::OutOfMemoryError with torch's message and
 Quilt's verdict; and torch's
@@ -216,15 +217,40 @@ def scenario_pools():
     kind, c, msg = try_malloc(4 * MiB)
     check(c != a, "a block kept by a pool in use was handed out outside it")
     allocator_lib().quilt_allocator_free(c)
+    # The CUDA graph trees' calls (torch.compile(mode="reduce-overhead")):
+    # the pool's live blocks checked, its state checkpointed and restored.
+    torch._C._cuda_beginAllocateToPool(0, pool)
+    _, d, msg = try_malloc(4 * MiB)
+    check(d == a, "the pool did not reuse its block: {}", msg)
+    _, e, msg = try_malloc(2 * MiB)
+    check(e not in (None, 0, a), "a second block of the pool: {}", msg)
+    torch._C._cuda_endAllocateToPool(0, pool)
+    torch._C._cuda_releasePool(0, pool)  # the use of this begin
+    check(torch._C._cuda_checkPoolLiveAllocations(0, pool, {d, e}), "live blocks not {d, e}")
+    check(not torch._C._cuda_checkPoolLiveAllocations(0, pool, {d}), "a live block missed")
+    check(not torch._C._cuda_checkPoolLiveAllocations(0, pool, {d, e, 0x1000}), "a pointer not live counted")
+    state = torch._C._cuda_getCheckpointState(0, pool)
+    allocator_lib().quilt_allocator_free(e)
+    check(torch._C._cuda_checkPoolLiveAllocations(0, pool, {d}), "e still live after its free")
+    allocated = torch_stats(torch)["allocated_bytes.all.current"]
+    # No stale storages, no storages to give deleters to: the restored
+    # blocks stay allocated until freed by their pointers.
+    torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+    check(torch._C._cuda_checkPoolLiveAllocations(0, pool, {d, e}), "the restore did not hand e out again")
+    stats = torch_stats(torch)
+    check(stats["allocated_bytes.all.current"] == allocated + 2 * MiB, "allocated after the restore: {}", stats["allocated_bytes.all.current"])
+    allocator_lib().quilt_allocator_free(d)
+    allocator_lib().quilt_allocator_free(e)
+    check(torch._C._cuda_checkPoolLiveAllocations(0, pool, set()), "live blocks after their frees")
     torch._C._cuda_releasePool(0, pool)
     check(qt._library().quilt_pool_use_count(0, 0, 77) == 0, "use count after release")
     torch._C._cuda_emptyCache()
     check(reserved() == 0, "the pool's memory did not come back: {} reserved", reserved())
     try:
         torch._C._cuda_getCheckpointState(0, pool)
-        raise AssertionError("getCheckpointState answered")
+        raise AssertionError("getCheckpointState of a pool that is gone answered")
     except RuntimeError as exc:
-        check("reduce-overhead" in str(exc) and "getCheckpointState" in str(exc), "{}", exc)
+        check("could not find pool" in str(exc), "{}", exc)
 
 
 def scenario_oom():
@@ -560,8 +586,48 @@ def scenario_viz(kind):
     print("{} events, {} viewer states checked, actions {}".format(len(trace), states, sorted(set(actions))))
 
 
+def scenario_enable_from_threads():
+    """enable() called from four threads at once checks, builds and
+    installs the allocator class once; every thread gets the same
+    TorchAllocator."""
+    import threading
+    import time
+
+    qt = quilt()
+    calls = {"check": 0, "build": 0}
+    check_configuration, allocator_library = qt.check_configuration, qt._allocator_library
+
+    def slow_check():
+        calls["check"] += 1
+        time.sleep(0.5)  # the others arrive meanwhile
+        return check_configuration()
+
+    def counted_build(torch):
+        calls["build"] += 1
+        return allocator_library(torch)
+
+    qt.check_configuration, qt._allocator_library = slow_check, counted_build
+    start = threading.Barrier(4)
+    got = []
+
+    def call():
+        start.wait()
+        got.append(qt.enable())
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check(len(got) == 4 and all(a is got[0] for a in got), "different allocators: {}", got)
+    check(calls == {"check": 1, "build": 1}, "enable() ran its steps {}", calls)
+    check(got[0].installed(), "not installed")
+    check(qt.enable() is got[0], "a later enable() gave another")
+
+
 SCENARIOS = {
     "loads": scenario_loads,
+    "enable_from_threads": scenario_enable_from_threads,
     "enable": scenario_enable,
     "pools": scenario_pools,
     "oom": scenario_oom,
@@ -597,6 +663,9 @@ class RealTorchTest(unittest.TestCase):
 
     def test_enable_installs_quilt_as_torchs_allocator_and_torchs_apis_reach_it(self):
         run(self, "enable", HOST)
+
+    def test_enable_from_four_threads_at_once_installs_once(self):
+        run(self, "enable_from_threads", HOST)
 
     def test_private_pools_keep_their_memory_until_released(self):
         run(self, "pools", HOST)

@@ -1,7 +1,7 @@
 """torch's own allocator against Quilt's allocator class, on the simulated
 GPU: every scenario of ``scripts/torch_allocator_check.py`` (torch's memory
 APIs, out of memory, CUDA graphs and their private pools, MemPool, the graph
-trees' checkpoint, a training loop), each in a process of its own under
+trees, a training loop), each in a process of its own under
 torch's allocator and under ``quilt_torch.enable()``, and what they report
 compared.
 
@@ -23,7 +23,6 @@ import torch_allocator_check  # noqa: E402  (the scenarios and their runner)
 # What may differ between torch's allocator and Quilt, and why.
 MAY_DIFFER = {
     "quilt_verdict": "Quilt's out-of-memory message ends with its verdict",
-    "checkpoint": "Quilt refuses the CUDA graph trees' checkpoint (torch.compile reduce-overhead)",
     "extras": "quilt_torch's own functions run under Quilt only",
     "late_enable": "enable() after CUDA was used is tried under Quilt only",
 }
@@ -65,9 +64,9 @@ class AllocatorScenarios(unittest.TestCase):
     def test_mempool(self):
         self.compare("mempool")
 
-    def test_graph_trees_checkpoint_is_refused_by_name(self):
+    def test_graph_trees_run(self):
         r = self.compare("compile_trees")
-        self.assertEqual(r["quilt"]["checkpoint"], "refused at the first call, naming checkPoolLiveAllocations")
+        self.assertEqual(r["quilt"]["checkpoint"], "works")
 
     def test_torch_snapshot_after_churn_on_two_streams(self):
         r = self.compare("churn_snapshot")

@@ -60,13 +60,16 @@ fn draw(
         .max()
         .unwrap_or(0) as f64
         / MIB;
-    let y_max = rows
+    let values: Vec<f64> = rows
         .iter()
         .flat_map(|r| bars(r, recorded))
         .flatten()
-        .fold(alloc, f64::max)
-        .max(1.0)
-        * 1.15;
+        .collect();
+    let y_max = values.iter().copied().fold(alloc, f64::max).max(1.0) * 1.12;
+    // The axis starts below the lowest bar (each bar carries its value), so
+    // that differences of a few percent are visible.
+    let lowest = values.iter().copied().fold(alloc, f64::min);
+    let y_min = (lowest * 0.8 / 100.0).floor() * 100.0;
     let width = (rows.len().max(1) as u32 * 220 + 120).max(800);
     let root = SVGBackend::new(path, (width, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
@@ -79,7 +82,7 @@ fn draw(
         .margin(12)
         .x_label_area_size(42)
         .y_label_area_size(72)
-        .build_cartesian_2d(0f64..groups, 0f64..y_max)
+        .build_cartesian_2d(0f64..groups, y_min..y_max)
         .map_err(|e| e.to_string())?;
     let names: Vec<String> = rows.iter().map(|r| r.allocator.clone()).collect();
     chart
@@ -94,7 +97,7 @@ fn draw(
                 String::new()
             }
         })
-        .y_desc("MiB")
+        .y_desc(format!("MiB (axis from {y_min:.0})"))
         .draw()
         .map_err(|e| e.to_string())?;
     let shown = if recorded.is_some() { 3 } else { 2 };
@@ -108,11 +111,22 @@ fn draw(
                 let v = bars(r, recorded)[s]?;
                 let x0 = i as f64 + 0.1 + s as f64 * w;
                 Some(Rectangle::new(
-                    [(x0, 0.0), (x0 + w * 0.9, v)],
+                    [(x0, y_min), (x0 + w * 0.9, v)],
                     color.filled(),
                 ))
             })
             .collect();
+        let labels: Vec<Text<(f64, f64), String>> = rows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let v = bars(r, recorded)[s]?;
+                let x0 = i as f64 + 0.1 + s as f64 * w;
+                let at = (x0 + w * 0.15, v + (y_max - y_min) * 0.02);
+                Some(Text::new(format!("{v:.0}"), at, ("sans-serif", 13)))
+            })
+            .collect();
+        chart.draw_series(labels).map_err(|e| e.to_string())?;
         chart
             .draw_series(rects)
             .map_err(|e| e.to_string())?
@@ -129,7 +143,7 @@ fn draw(
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()

@@ -6,6 +6,7 @@
 
 use super::record::Recorded;
 use super::Row;
+use crate::units::size_text;
 
 /// Specs up to this many characters share their row's line; longer ones go
 /// on a line of their own above it.
@@ -159,11 +160,11 @@ fn run_line(rows: &[Row], ctx: &RunContext) -> String {
         .find(|r| r.largest.completed)
         .map(|r| r.largest.figures.peak_allocated_bytes);
     format!(
-        "{}: simulated GPU, {} device(s), largest {} MiB, step {} MiB{}{}\n",
+        "{}: simulated GPU, {} device(s), largest {}, step {}{}{}\n",
         ctx.command,
         ctx.devices,
-        mib(ctx.max_memory),
-        mib(ctx.step),
+        size_text(ctx.max_memory),
+        size_text(ctx.step),
         if ctx.bisect { "" } else { ", no bisection" },
         alloc.map_or_else(String::new, |a| format!("; peak allocated {} MiB", mib(a)))
     )

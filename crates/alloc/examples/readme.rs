@@ -1,4 +1,4 @@
-//! The README's example, on the simulated device (80 GiB, no GPU needed):
+//! The example of docs/library.md, on the simulated device (80 GiB, no GPU needed):
 //! Quilt behind the `DeviceAllocator` trait, a block by address, an owning
 //! `Buffer`, and the memory summary.
 //!

@@ -46,7 +46,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "the allocator",
-        &["ahead", "allocator", "serving", "growable_buffer", "mod"],
+        &[
+            "ahead",
+            "allocator",
+            "serving",
+            "peers",
+            "growable_buffer",
+            "mod",
+        ],
     ),
 ];
 

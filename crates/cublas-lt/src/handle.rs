@@ -81,7 +81,7 @@ pub unsafe extern "C" fn cublasLtDestroy(handle: *mut c_void) -> Status {
 }
 
 /// The face's own entry point for `libcublas.so.13`: checks `handle` and
-/// `stream` as [`cublasLtMatmul`](crate::matmul::cublasLtMatmul) does and
+/// `stream` as `cublasLtMatmul` does and
 /// queues one operation's opaque work on `stream`.
 #[no_mangle]
 pub unsafe extern "C" fn quiltCublasLtEnqueue(handle: *const c_void, stream: Opaque) -> Status {

@@ -88,8 +88,20 @@ struct Gemm {
     ldb: c_int,
     ldc: c_int,
     batch: c_int,
-    scalars: bool,
-    arrays: bool,
+    /// `alpha` and `beta`.
+    scalars: [*const c_void; 2],
+    /// `A`, `B` and `C`.
+    arrays: [*const c_void; 3],
+}
+
+impl Gemm {
+    /// Scalars present, and the matrices where the product reads them.
+    fn present(&self) -> bool {
+        let [a, b, c] = self.arrays;
+        self.scalars.iter().all(|p| !p.is_null())
+            && !c.is_null()
+            && (self.k == 0 || (!a.is_null() && !b.is_null()))
+    }
 }
 
 fn gemm(h: Handle, g: Gemm) -> Answer<()> {
@@ -100,8 +112,16 @@ fn gemm(h: Handle, g: Gemm) -> Answer<()> {
     require(leading(g.ldb, if g.tb == 0 { g.k } else { g.n }))?;
     require(leading(g.ldc, g.m))?;
     let empty = g.m == 0 || g.n == 0 || g.batch == 0;
-    require(empty || (g.scalars && g.arrays))?;
+    require(empty || g.present())?;
     run(h, empty)
+}
+
+/// A GEMM whose types are given (`Ex`): the matrices' types, and the
+/// compute type and algorithm where the call takes them.
+fn gemm_ex(h: Handle, g: Gemm, types: [c_int; 3], compute_algo: Option<(c_int, c_int)>) -> Status {
+    let known = types.into_iter().all(data_type)
+        && compute_algo.is_none_or(|(compute, algo)| compute_type(compute) && gemm_algo(algo));
+    status(require(known).and_then(|()| gemm(h, g)))
 }
 
 /// `cudaDataType_t` values (`library_types.h`).
@@ -132,8 +152,8 @@ macro_rules! gemm_v2 {
         ) -> Status {
             status(gemm(h, Gemm {
                 ta, tb, m, n, k, lda, ldb, ldc, batch: 1,
-                scalars: !alpha.is_null() && !beta.is_null(),
-                arrays: !c.is_null() && (k == 0 || (!a.is_null() && !b.is_null())),
+                scalars: [alpha.cast(), beta.cast()],
+                arrays: [a, b, c.cast_const()],
             }))
         }
     )*};
@@ -157,8 +177,8 @@ macro_rules! gemm_strided_batched {
         ) -> Status {
             status(gemm(h, Gemm {
                 ta, tb, m, n, k, lda, ldb, ldc, batch,
-                scalars: !alpha.is_null() && !beta.is_null(),
-                arrays: !c.is_null() && (k == 0 || (!a.is_null() && !b.is_null())),
+                scalars: [alpha.cast(), beta.cast()],
+                arrays: [a, b, c.cast_const()],
             }))
         }
     )*};
@@ -190,26 +210,20 @@ pub unsafe extern "C" fn cublasSgemmEx(
     c_type: c_int,
     ldc: c_int,
 ) -> Status {
-    status(
-        require(data_type(a_type) && data_type(b_type) && data_type(c_type)).and_then(|()| {
-            gemm(
-                h,
-                Gemm {
-                    ta,
-                    tb,
-                    m,
-                    n,
-                    k,
-                    lda,
-                    ldb,
-                    ldc,
-                    batch: 1,
-                    scalars: !alpha.is_null() && !beta.is_null(),
-                    arrays: !c.is_null() && (k == 0 || (!a.is_null() && !b.is_null())),
-                },
-            )
-        }),
-    )
+    let g = Gemm {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        lda,
+        ldb,
+        ldc,
+        batch: 1,
+        scalars: [alpha.cast(), beta.cast()],
+        arrays: [a, b, c.cast_const()],
+    };
+    gemm_ex(h, g, [a_type, b_type, c_type], None)
 }
 
 #[no_mangle]
@@ -234,27 +248,20 @@ pub unsafe extern "C" fn cublasGemmEx(
     compute: c_int,
     algo: c_int,
 ) -> Status {
-    let types = data_type(a_type) && data_type(b_type) && data_type(c_type);
-    status(
-        require(types && compute_type(compute) && gemm_algo(algo)).and_then(|()| {
-            gemm(
-                h,
-                Gemm {
-                    ta,
-                    tb,
-                    m,
-                    n,
-                    k,
-                    lda,
-                    ldb,
-                    ldc,
-                    batch: 1,
-                    scalars: !alpha.is_null() && !beta.is_null(),
-                    arrays: !c.is_null() && (k == 0 || (!a.is_null() && !b.is_null())),
-                },
-            )
-        }),
-    )
+    let g = Gemm {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        lda,
+        ldb,
+        ldc,
+        batch: 1,
+        scalars: [alpha.cast(), beta.cast()],
+        arrays: [a, b, c.cast_const()],
+    };
+    gemm_ex(h, g, [a_type, b_type, c_type], Some((compute, algo)))
 }
 
 #[no_mangle]
@@ -283,27 +290,20 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     compute: c_int,
     algo: c_int,
 ) -> Status {
-    let types = data_type(a_type) && data_type(b_type) && data_type(c_type);
-    status(
-        require(types && compute_type(compute) && gemm_algo(algo)).and_then(|()| {
-            gemm(
-                h,
-                Gemm {
-                    ta,
-                    tb,
-                    m,
-                    n,
-                    k,
-                    lda,
-                    ldb,
-                    ldc,
-                    batch,
-                    scalars: !alpha.is_null() && !beta.is_null(),
-                    arrays: !c.is_null() && (k == 0 || (!a.is_null() && !b.is_null())),
-                },
-            )
-        }),
-    )
+    let g = Gemm {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        lda,
+        ldb,
+        ldc,
+        batch,
+        scalars: [alpha.cast(), beta.cast()],
+        arrays: [a, b, c.cast_const()],
+    };
+    gemm_ex(h, g, [a_type, b_type, c_type], Some((compute, algo)))
 }
 
 fn gemv(

@@ -8,7 +8,7 @@
 //! views, the state history selected back to its first event.
 //!
 //! PyTorch's viewer is not in the repository (it is PyTorch's code; see the
-//! README's "Snapshots"), so this test is always ignored and is run by hand:
+//! docs/pytorch.md's "Snapshots"), so this test is always ignored and is run by hand:
 //!
 //!     cargo test --release -p quilt-cuda-runtime --test viewer_torch -- --ignored
 //!

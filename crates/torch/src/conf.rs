@@ -23,9 +23,16 @@ pub use quilt_alloc::settings::{Backend, FrontEnd, LibrarySettings as LibraryCon
 /// the memory limit's.
 pub const VALID_KEYS: &[&str] = &settings::LIBRARY_FRONT_KEYS;
 
-/// A memory fraction in (0, 1] (`quilt_set_memory_fraction`), or why not.
+/// A memory fraction set at run time (`quilt_set_memory_fraction`, torch's
+/// `set_per_process_memory_fraction`), in [0, 1] as torch takes it (0: no
+/// memory may be held), or why not. `QUILT_ALLOC_CONF`'s `memory_fraction`
+/// stays in (0, 1].
 pub fn check_fraction(f: f64) -> Result<f64, String> {
-    settings::check_fraction(f).map_err(|e| e.to_string())
+    if f == 0.0 {
+        return Ok(0.0);
+    }
+    settings::check_fraction(f)
+        .map_err(|e| format!("{e}; set_per_process_memory_fraction also takes 0"))
 }
 
 /// Parse `QUILT_ALLOC_CONF`'s text (empty: every default). The error starts
@@ -77,6 +84,21 @@ mod tests {
             assert!(e.contains(expect), "{text}: {e}");
             assert!(e.starts_with("QUILT_ALLOC_CONF=\""), "{e}");
         }
+    }
+
+    #[test]
+    fn a_fraction_set_at_run_time_is_in_0_to_1_as_torch_takes_it() {
+        for f in [0.0, -0.0, 1e-9, 0.5, 1.0] {
+            assert_eq!(check_fraction(f).unwrap(), f.abs());
+        }
+        for f in [-0.1, 1.0001, f64::NAN, f64::INFINITY] {
+            let e = check_fraction(f).unwrap_err();
+            assert!(e.contains("memory_fraction") && e.contains("0"), "{f}: {e}");
+        }
+        assert!(
+            parse("memory_fraction:0").is_err(),
+            "the configuration's stays in (0, 1]"
+        );
     }
 
     #[test]

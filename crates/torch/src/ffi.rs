@@ -9,6 +9,8 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Once;
 
 use crate::library::library;
 
@@ -54,9 +56,67 @@ pub fn last_error() -> String {
     LAST_ERROR.with(|e| e.borrow().clone())
 }
 
+// -- fork() ------------------------------------------------------------------
+
+/// torch's message for a child that touches CUDA after a `fork()` of a
+/// process that used it (`torch.cuda._lazy_init`), and Quilt's reason.
+pub const FORKED_CHILD: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \
+     multiprocessing, you must use the 'spawn' start method (this process was forked from one \
+     whose Quilt allocator held CUDA state: its contexts, streams and memory are the parent's, \
+     and its locks may have been held by another thread at the fork)";
+
+/// Set in the child of a `fork()` made after [`watch_fork`].
+static FORKED: AtomicBool = AtomicBool::new(false);
+static WATCHING: Once = Once::new();
+
+extern "C" fn forked_child() {
+    // Async-signal-safe: one atomic store.
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// From now on (Quilt holds CUDA state), a child of `fork()` refuses every
+/// C function with [`FORKED_CHILD`] instead of touching that state (whose
+/// locks another thread of the parent may have held: a deadlock). Before
+/// this, a fork is harmless and the child may use Quilt as any process.
+pub fn watch_fork() {
+    WATCHING.call_once(|| {
+        // SAFETY: pthread_atfork with a child handler that only stores an
+        // atomic (async-signal-safe, as a fork handler must be), no prepare
+        // or parent handler; the function lives as long as the process.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        if rc != 0 {
+            tracing::warn!(rc, "pthread_atfork failed: a forked child is not guarded");
+        }
+    });
+}
+
+/// Whether this process is the child of a `fork()` of a process whose
+/// Quilt held CUDA state.
+pub fn in_forked_child() -> bool {
+    FORKED.load(Ordering::SeqCst)
+}
+
+/// 1 in the child of a `fork()` of a process whose Quilt held CUDA state
+/// (every other function then fails with torch's message, "Cannot
+/// re-initialize CUDA in forked subprocess"), else 0.
+#[no_mangle]
+pub extern "C" fn quilt_in_forked_child() -> c_int {
+    c_int::from(in_forked_child())
+}
+
 /// Run `f`, keeping its error (or a panic's message) for
-/// `quilt_last_error`; `failed` is what the C caller gets then.
+/// `quilt_last_error`; `failed` is what the C caller gets then. In a forked
+/// child ([`watch_fork`]) `f` is not run: the error is [`FORKED_CHILD`].
 fn guard<T>(failed: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    if in_forked_child() {
+        set_last_error(FORKED_CHILD.to_string());
+        return failed;
+    }
+    guard_anywhere(failed, f)
+}
+
+/// [`guard`] without the forked child's refusal (for `quilt_last_error`).
+fn guard_anywhere<T>(failed: T, f: impl FnOnce() -> Result<T, String>) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => v,
         Ok(Err(message)) => {
@@ -258,7 +318,7 @@ pub extern "C" fn quilt_reset_peak_stats(device: c_int) -> c_int {
     guard(1, || library().reset_peak_stats(device).map(|()| 0))
 }
 
-/// The share of `device` Quilt may hold, in (0, 1].
+/// The share of `device` Quilt may hold, in [0, 1] (0: none).
 #[no_mangle]
 pub extern "C" fn quilt_set_memory_fraction(fraction: c_double, device: c_int) {
     guard((), || library().set_memory_fraction(fraction, device))
@@ -293,7 +353,7 @@ pub unsafe extern "C" fn quilt_stats_json(device: c_int, buf: *mut c_char, len: 
 #[no_mangle]
 pub unsafe extern "C" fn quilt_last_error(buf: *mut c_char, len: usize) -> usize {
     // SAFETY: `buf` and `len` as this function's contract says.
-    guard(0, || Ok(unsafe { write_c_string(&last_error(), buf, len) }))
+    guard_anywhere(0, || Ok(unsafe { write_c_string(&last_error(), buf, len) }))
 }
 
 /// Start (non-zero `enabled`, keeping the last `max_entries` actions per
@@ -421,33 +481,67 @@ pub unsafe extern "C" fn quilt_torch_malloc(
     })
 }
 
-/// Give back the block at `ptr` (of `size` bytes, on `device`, allocated on
-/// `stream`): a block of a private pool in use stays the pool's. 0 when it
-/// went back to Quilt, 3 when a private pool kept it (both: the sequence
-/// number of its `free_requested` history entry in `*seq`, 0 when none was
-/// recorded); 1 on error.
+/// What `quilt_torch_free` gave back: the block as torch had it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuiltFreed {
+    /// The bytes torch asked for.
+    pub size: u64,
+    /// The stream it was allocated on.
+    pub stream: u64,
+    /// The sequence number of its `free_requested` history entry (0: none
+    /// recorded).
+    pub seq: u64,
+    /// The device that had allocated it.
+    pub device: i32,
+    /// 1 when a private pool kept it, else 0.
+    pub kept_by_pool: i32,
+}
+
+/// Give back the block at `ptr`, whichever device allocated it (Quilt
+/// knows; torch's deleter passes only the pointer): a block of a private
+/// pool in use stays the pool's. 0 when it went back to Quilt, 3 when a
+/// private pool kept it (both: the block as torch had it in `*out`); 1 on
+/// error (a null, unknown or double-freed pointer: see `quilt_last_error`).
 ///
 /// # Safety
 ///
-/// `seq` is null or points to a writable `uint64_t`.
+/// `out` is null or points to a writable `QuiltFreed`.
 #[no_mangle]
-pub unsafe extern "C" fn quilt_torch_free(
-    ptr: *mut c_void,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-    seq: *mut u64,
-) -> c_int {
+pub unsafe extern "C" fn quilt_torch_free(ptr: *mut c_void, out: *mut QuiltFreed) -> c_int {
     guard(1, || {
-        let (s, kept) = library().torch_free(
-            ptr as usize as u64,
-            size as u64,
-            device,
-            stream as usize as u64,
-        )?;
-        // SAFETY: `seq` as this function's contract says.
-        unsafe { write_out(seq, s) };
-        Ok(if kept { 3 } else { 0 })
+        let f = library().torch_free(ptr as usize as u64)?;
+        let freed = QuiltFreed {
+            size: f.size,
+            stream: f.stream,
+            seq: f.seq,
+            device: f.device,
+            kept_by_pool: c_int::from(f.kept_by_pool),
+        };
+        // SAFETY: `out` as this function's contract says.
+        unsafe { write_out(out, freed) };
+        Ok(if f.kept_by_pool { 3 } else { 0 })
+    })
+}
+
+/// The bytes torch asked for the live block at `ptr` into `*size` (torch's
+/// `getBaseAllocation`). 0 when `ptr` is a live block, 1 when it is not
+/// (nothing written).
+///
+/// # Safety
+///
+/// `size` is null or points to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_torch_block_size(ptr: *mut c_void, size: *mut u64) -> c_int {
+    guard(1, || {
+        Ok(match library().block_size(ptr as usize as u64) {
+            Some(n) => {
+                // SAFETY: `size` as this function's contract says.
+                unsafe { write_out(size, n) };
+                0
+            }
+            None => 1,
+        })
     })
 }
 
@@ -568,11 +662,158 @@ pub extern "C" fn quilt_clear_history() -> c_int {
 }
 
 /// As `quilt_set_memory_fraction`, saying whether it took: 0 on success, 1
-/// when refused (a fraction outside (0, 1], one below what live blocks
+/// when refused (a fraction outside [0, 1], one below what live blocks
 /// hold; see `quilt_last_error`).
 #[no_mangle]
 pub extern "C" fn quilt_try_set_memory_fraction(fraction: c_double, device: c_int) -> c_int {
     guard(1, || {
         library().set_memory_fraction(fraction, device).map(|()| 0)
+    })
+}
+
+/// Check `QUILT_ALLOC_CONF` and that its backend can start, creating no
+/// device's allocator (on CUDA no context is made): the JSON text
+/// `{"backend": "cuda"}`, or `{"error": "..."}` (also kept for
+/// `quilt_last_error`), into `buf` (`snprintf` style).
+///
+/// # Safety
+///
+/// `buf` is null (then `len` must be 0) or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_check_configuration(buf: *mut c_char, len: usize) -> usize {
+    guard(0, || {
+        let json = match library().check_configuration() {
+            Ok(backend) => serde_json::json!({ "backend": backend }).to_string(),
+            Err(e) => {
+                let json = serde_json::json!({ "error": e }).to_string();
+                set_last_error(e);
+                json
+            }
+        };
+        // SAFETY: `buf` and `len` as this function's contract says.
+        Ok(unsafe { write_c_string(&json, buf, len) })
+    })
+}
+
+/// torch's `enablePeerAccess(peer, device)`: device `peer` gets read-write
+/// access to every page of `device`'s memory, mapped now or later. 0 on
+/// success, 1 on error (a device index that is not one, `peer` being
+/// `device`, a driver failure).
+#[no_mangle]
+pub extern "C" fn quilt_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    guard(1, || library().enable_peer_access(device, peer).map(|()| 0))
+}
+
+// -- CUDA graph trees: a private pool checkpointed and restored ------------
+
+/// torch's `getCheckpointState`: the blocks of pool `(first, second)` on
+/// `device` (address order, each with whether it is handed out) into
+/// `out` (of `len`), as many as fit, and how many there are into
+/// `*count`; call again with a larger array when they did not fit. 0 on
+/// success, 1 on error (a pool that does not exist or is released).
+///
+/// # Safety
+///
+/// `out` is null or points to `len` writable `QuiltPoolBlock`s; `count`
+/// is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_checkpoint(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut crate::private_pools::CheckpointBlock,
+    len: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let state = library().pool_checkpoint(device, (first, second))?;
+        // SAFETY: `out`, `len` and `count` as this function's contract says.
+        unsafe {
+            let n = write_array(&state, out, len);
+            write_out(count, n);
+        }
+        Ok(0)
+    })
+}
+
+/// torch's `setCheckpointPoolState`: pool `(first, second)` on `device` put
+/// back in the state `state` (`n` blocks, as `quilt_pool_checkpoint` gave
+/// them): the blocks handed out now are free, then the state's handed-out
+/// blocks are handed out again at their addresses. The freed blocks (as
+/// torch last had them) go into `freed` (of `freed_len`) and their number
+/// into `*freed_count`.
+/// 0 on success; 2 when `freed` is too small (nothing changed;
+/// `*freed_count` says how many there would be); 1 on error (nothing
+/// changed: a pool that does not exist or is released, a state that does
+/// not match the pool).
+///
+/// # Safety
+///
+/// `state` is null (then `n` must be 0) or points to `n` readable
+/// `QuiltPoolBlock`s; `freed` is null or points to `freed_len` writable
+/// `QuiltPoolBlock`s; `freed_count` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_restore(
+    device: c_int,
+    first: u64,
+    second: u64,
+    state: *const crate::private_pools::CheckpointBlock,
+    n: usize,
+    freed: *mut crate::private_pools::CheckpointBlock,
+    freed_len: usize,
+    freed_count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let state = if state.is_null() || n == 0 {
+            &[][..]
+        } else {
+            // SAFETY: a non-null `state` points to `n` readable blocks (this
+            // function's contract), read only before this call returns.
+            unsafe { std::slice::from_raw_parts(state, n) }
+        };
+        let restored = match library().pool_restore(device, (first, second), state, freed_len)? {
+            Ok(r) => r,
+            Err(needed) => {
+                // SAFETY: `freed_count` as this function's contract says.
+                unsafe { write_out(freed_count, needed) };
+                return Ok(2);
+            }
+        };
+        // SAFETY: `freed`, `freed_len` and `freed_count` as this function's
+        // contract says.
+        unsafe {
+            let k = write_array(&restored.freed, freed, freed_len);
+            write_out(freed_count, k);
+        }
+        Ok(0)
+    })
+}
+
+/// torch's `checkPoolLiveAllocations`: the blocks of pool `(first, second)`
+/// on `device` handed out now into `out` (of `len`), as many as fit, and
+/// how many there are into `*count`. 0 on success, 1 on error (a pool that
+/// does not exist).
+///
+/// # Safety
+///
+/// `out` is null or points to `len` writable `uint64_t`s; `count` is null
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quilt_pool_live_blocks(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut u64,
+    len: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(1, || {
+        let live = library().pool_live_blocks(device, (first, second))?;
+        // SAFETY: `out`, `len` and `count` as this function's contract says.
+        unsafe {
+            let k = write_array(&live, out, len);
+            write_out(count, k);
+        }
+        Ok(0)
     })
 }

@@ -192,12 +192,15 @@ impl History {
     }
 
     /// Whether recording is on.
+    #[inline]
     pub fn is_on(&self) -> bool {
         self.enabled.load(Ordering::Acquire)
     }
 
     /// Record `action` on `device`, caused by the C function `source`, if
     /// recording. Returns the entry's sequence number (0: not recorded).
+    /// Inlined: while recording is off, one load at the call site.
+    #[inline]
     pub fn record(
         &self,
         device: i32,
@@ -210,6 +213,20 @@ impl History {
         if !self.is_on() {
             return 0;
         }
+        self.push(device, action, addr, size, stream, source)
+    }
+
+    /// [`History::record`] while recording.
+    #[inline(never)]
+    fn push(
+        &self,
+        device: i32,
+        action: &'static str,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        source: &'static str,
+    ) -> u64 {
         let time_us = now_us();
         match self.book.lock() {
             Ok(mut b) => b.push(

@@ -21,18 +21,21 @@
 //! int    quilt_sleep(const char* tag, int flags); // 1: discard, 2: release
 //! int    quilt_wake(const char* tag);
 //! int    quilt_is_asleep(const char* tag);   // 1, 0, or -1 on error
+//! size_t quilt_check_configuration(char* buf, size_t len); // JSON, no context made
+//! int    quilt_in_forked_child(void);        // 1 after fork() of a process using CUDA
 //! ```
 //!
 //! and, for torch's allocator class (`python/quilt_torch/torch_allocator.cpp`,
 //! which `quilt_torch.enable()` installs as torch's CUDA allocator), plain C
-//! structs ([`device_stats`], [`listing`], [`ffi::QuiltAllocation`]):
+//! structs ([`device_stats`], [`listing`], [`ffi::QuiltAllocation`],
+//! [`ffi::QuiltFreed`]):
 //!
 //! ```c
 //! int    quilt_torch_malloc(size_t size, int device, void* stream, int use_pool,
 //!                           uint64_t pool_first, uint64_t pool_second,
 //!                           QuiltAllocation* out);      // 0, 1 out of memory, 2 error
-//! int    quilt_torch_free(void* ptr, size_t size, int device, void* stream,
-//!                         uint64_t* seq);        // 0, 3 kept by a private pool, 1 error
+//! int    quilt_torch_free(void* ptr, QuiltFreed* out); // 0, 3 kept by a private pool, 1 error
+//! int    quilt_torch_block_size(void* ptr, uint64_t* size); // 0, 1 not a live block
 //! int    quilt_device_stats(int device, QuiltDeviceStats* out);
 //! int    quilt_reset_accumulated_stats(int device);
 //! int    quilt_pool_create_or_incref(int device, uint64_t first, uint64_t second);
@@ -44,7 +47,19 @@
 //! size_t quilt_history_since(uint64_t seq, QuiltTraceEntry* out, size_t len);
 //! int    quilt_clear_history(void);
 //! int    quilt_try_set_memory_fraction(double fraction, int device); // 0, or 1 refused
+//! int    quilt_enable_peer_access(int device, int peer);
+//! int    quilt_pool_checkpoint(int device, uint64_t first, uint64_t second,
+//!                              QuiltPoolBlock* out, size_t len, size_t* count);
+//! int    quilt_pool_restore(int device, uint64_t first, uint64_t second,
+//!                           const QuiltPoolBlock* state, size_t n, QuiltPoolBlock* freed,
+//!                           size_t freed_len, size_t* freed_count); // 0, 2 freed too small, 1 error
+//! int    quilt_pool_live_blocks(int device, uint64_t first, uint64_t second,
+//!                               uint64_t* out, size_t len, size_t* count);
 //! ```
+//!
+//! After a `fork()` of a process whose Quilt holds CUDA state, every
+//! function but `quilt_last_error` and `quilt_in_forked_child` fails in the
+//! child with torch's "Cannot re-initialize CUDA in forked subprocess".
 //!
 //! torch's private pools (CUDA graphs, `torch.cuda.MemPool`) are kept in
 //! front of Quilt ([`private_pools`]).

@@ -4,9 +4,11 @@
 //! wake. Every function returns a
 //! `Result` whose error is the message `quilt_last_error` gives back.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, SleepMode, SleepPages};
 use quilt_alloc::{AllocError, DeviceAllocator};
@@ -19,14 +21,47 @@ use crate::conf::{self, Backend, LibraryConf};
 use crate::device_stats::{self, Accumulated, QuiltDeviceStats};
 use crate::history::History;
 use crate::listing::{self, QuiltBlock, QuiltSegment, QuiltTraceEntry};
-use crate::private_pools::{Freed, PoolId, PrivatePools};
+use crate::private_pools::{
+    CheckpointBlock, Freed, PoolBlock, PoolFigures, PoolId, PrivatePools, Restored,
+};
 use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
+
+/// The most devices the library serves: indices 0 to `MAX_DEVICES - 1`.
+pub const MAX_DEVICES: usize = 256;
 
 /// The driver's map and unmap count of `alloc`: the mapped memory changes
 /// only when it moves ([`History::sync_segments`]).
 fn map_mark(alloc: &QuiltAllocator) -> u64 {
-    let d = alloc.stats().driver;
+    let d = alloc.vmm().driver_stats();
     d.count(CallKind::Map) + d.count(CallKind::Unmap)
+}
+
+/// The driver calls that can change the segments a snapshot shows (maps,
+/// unmaps, reservations and their frees: every change of a page's mapping
+/// or of an arena is one), counted: while it stands, so do the segments.
+fn segments_mark(alloc: &QuiltAllocator) -> u64 {
+    let d = alloc.vmm().driver_stats();
+    [
+        CallKind::Map,
+        CallKind::Unmap,
+        CallKind::Reserve,
+        CallKind::AddressFree,
+    ]
+    .iter()
+    .map(|&k| d.count(k))
+    .sum()
+}
+
+/// The segments of a device's mapped memory, as last counted
+/// ([`Device::segment_count`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct MappedRuns {
+    /// The [`segments_mark`] they were counted at (`None`: never counted).
+    mark: Option<u64>,
+    /// The runs of mapped memory (the joined GPU segments).
+    runs: u64,
+    /// Their bytes.
+    bytes: u64,
 }
 
 /// One device: its driver backend and its allocator.
@@ -37,14 +72,59 @@ pub struct Device {
     alloc: QuiltAllocator,
     /// The most segments a statistics call or a snapshot has shown.
     segment_peak: AtomicU64,
-    /// torch's private pools (CUDA graphs, `MemPool`) on this device.
+    /// The segments of the mapped memory, counted again only when the
+    /// mapping changed.
+    mapped_runs: Mutex<MappedRuns>,
+    /// torch's private pools (CUDA graphs, `MemPool`) on this device; only
+    /// through [`Device::pools`].
     pools: Mutex<PrivatePools>,
+    /// Whether `pools` holds a pool or a block: an allocation or a free
+    /// outside a pool asks the pools nothing (takes no lock) while none does.
+    pools_in_use: AtomicBool,
     /// Requests larger than Quilt could ever map (torch counts them as out
     /// of memory; Quilt refuses them as invalid sizes).
     too_large: AtomicU64,
     /// The accumulated figures at torch's last `resetAccumulatedStats`.
     accumulated_base: Mutex<Accumulated>,
 }
+
+/// The pools of a device, locked; dropping it updates
+/// [`Device::pools_in_use`].
+struct PoolsGuard<'a> {
+    pools: MutexGuard<'a, PrivatePools>,
+    in_use: &'a AtomicBool,
+}
+
+impl Deref for PoolsGuard<'_> {
+    type Target = PrivatePools;
+    fn deref(&self) -> &PrivatePools {
+        &self.pools
+    }
+}
+
+impl DerefMut for PoolsGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PrivatePools {
+        &mut self.pools
+    }
+}
+
+impl Drop for PoolsGuard<'_> {
+    fn drop(&mut self) {
+        self.in_use.store(!self.pools.is_empty(), Ordering::Release);
+    }
+}
+
+thread_local! {
+    /// The stream this thread last named to a CUDA device: (the adoption
+    /// generation, the device's address, the caller's handle, its id).
+    static ADOPTED: Cell<(u64, usize, u64, StreamId)> =
+        const { Cell::new((0, 0, 0, StreamId(0))) };
+}
+
+/// Bumped whenever an adopted stream may have gone stale (a stream
+/// forgotten, a device created, perhaps where a dropped one lay): each
+/// thread's [`ADOPTED`] holds only for the generation it was made in.
+static ADOPTION_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Device {
     /// The memory a snapshot shows, and its segment count (current, peak).
@@ -57,16 +137,119 @@ impl Device {
             .max(count);
         (memory, count, peak)
     }
-}
 
-impl Device {
-    /// The caller's stream as a `StreamId` of this device's backend.
-    fn stream(&self, raw: u64) -> StreamId {
-        match &self.cuda {
-            Some(c) => c.adopt_stream(raw),
-            None => StreamId(raw),
+    /// The segments a snapshot would show with `reserved` bytes reserved
+    /// ([`snapshot::segment_count`]), and their peak, without walking the
+    /// blocks: the runs of mapped memory are counted again only when a map,
+    /// an unmap or a reservation was made since they were last counted
+    /// ([`segments_mark`]). The mark is read before the count, so a change
+    /// made meanwhile is counted at the next call.
+    fn segment_count(&self, reserved: u64) -> (u64, u64) {
+        let mark = segments_mark(&self.alloc);
+        let runs = {
+            let mut c = lock(&self.mapped_runs);
+            if c.mark != Some(mark) {
+                let joined = snapshot::joined(self.alloc.gpu_segments());
+                *c = MappedRuns {
+                    mark: Some(mark),
+                    runs: joined.segments.len() as u64,
+                    bytes: joined.segments.iter().map(|s| s.total_size).sum(),
+                };
+            }
+            *c
+        };
+        let count = runs.runs + u64::from(reserved > runs.bytes);
+        let peak = self
+            .segment_peak
+            .fetch_max(count, Ordering::Relaxed)
+            .max(count);
+        (count, peak)
+    }
+
+    /// The private pools, locked.
+    fn pools(&self) -> PoolsGuard<'_> {
+        PoolsGuard {
+            pools: lock(&self.pools),
+            in_use: &self.pools_in_use,
         }
     }
+
+    /// The caller's stream as a `StreamId` of this device's backend: on
+    /// CUDA, adopted ([`CudaVmm::adopt_stream`]) the first time this
+    /// thread names it (again after a change of [`ADOPTION_GENERATION`]).
+    fn stream(&self, raw: u64) -> StreamId {
+        let Some(c) = &self.cuda else {
+            return StreamId(raw);
+        };
+        let generation = ADOPTION_GENERATION.load(Ordering::Acquire);
+        let me = self as *const Device as usize;
+        ADOPTED.with(|a| {
+            let (g, device, handle, id) = a.get();
+            if (g, device, handle) == (generation, me, raw) {
+                return id;
+            }
+            let id = c.adopt_stream(raw);
+            a.set((generation, me, raw, id));
+            id
+        })
+    }
+
+    /// The caller's handle of the stream `id` ([`Device::stream`] the other
+    /// way): a thread's per-thread default stream is `0x2` again.
+    fn raw_stream(&self, id: StreamId) -> u64 {
+        match &self.cuda {
+            // Per-thread ids are `2 + 8n`, which no stream pointer is.
+            Some(c) if id.0 > 2 && id.0 % 8 == 2 && c.per_thread_owner(id).is_some() => {
+                quilt_vmm::cuda::CU_STREAM_PER_THREAD
+            }
+            _ => id.0,
+        }
+    }
+
+    /// Give back `ptr` if this device allocated it (a pool's block stays
+    /// the pool's): what torch asked for, its stream, and whether a pool
+    /// kept it; `None` when this device did not allocate it (nothing
+    /// changed).
+    fn free_owned(&self, ptr: DevicePtr) -> Result<Option<(PoolBlock, bool)>, String> {
+        if self.pools_in_use.load(Ordering::Acquire) {
+            let mut pools = self.pools();
+            match pools.free(ptr)? {
+                (Freed::KeptByPool, Some(b)) => return Ok(Some((b, true))),
+                (Freed::BackToQuilt, Some(b)) => {
+                    self.alloc.free(ptr).map_err(|e| e.to_string())?;
+                    return Ok(Some((b, false)));
+                }
+                _ => {}
+            }
+        }
+        match self.alloc.free_owned(ptr) {
+            Ok(Some(b)) => Ok(Some((
+                PoolBlock {
+                    requested: b.requested,
+                    stream: self.raw_stream(b.stream),
+                },
+                false,
+            ))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// What [`Library::torch_free`] gave back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TorchFreed {
+    /// The device that had allocated it.
+    pub device: i32,
+    /// The bytes torch asked for.
+    pub size: u64,
+    /// The stream it was allocated on (the caller's handle).
+    pub stream: u64,
+    /// The sequence number of its `free_requested` history entry (0 when
+    /// history is off).
+    pub seq: u64,
+    /// Whether a private pool kept it.
+    pub kept_by_pool: bool,
 }
 
 /// Why [`Library::torch_malloc`] failed.
@@ -89,12 +272,11 @@ impl MallocFailure {
 }
 
 /// The bytes Quilt may hold on `d` (its limit) and what of them it does not
-/// hold now: the device's total and free memory in torch's out-of-memory
-/// message and observers.
-fn device_memory(d: &Device) -> (u64, u64) {
+/// hold now (`reserved` held): the device's total and free memory in
+/// torch's out-of-memory message and observers.
+fn device_memory(d: &Device, reserved: u64) -> (u64, u64) {
     let p = d.alloc.pool_stats();
     let total = p.limit_pages * p.page_size;
-    let reserved = d.alloc.stats().reserved_bytes.current;
     (total, total.saturating_sub(reserved))
 }
 
@@ -102,7 +284,12 @@ fn device_memory(d: &Device) -> (u64, u64) {
 pub struct Library {
     conf_text: String,
     conf: Result<LibraryConf, String>,
-    devices: Mutex<BTreeMap<i32, Arc<Device>>>,
+    /// Each device, by index, once created: found without a lock.
+    devices: Box<[OnceLock<Device>]>,
+    /// Taken to create a device (creations one at a time).
+    creating: Mutex<()>,
+    /// One past the highest index of a device created.
+    devices_top: AtomicUsize,
     /// Memory fractions set for devices not created yet.
     fractions: Mutex<BTreeMap<i32, f64>>,
     history: History,
@@ -164,7 +351,9 @@ impl Library {
         Library {
             conf_text: conf_text.to_string(),
             conf: conf::parse(conf_text),
-            devices: Mutex::new(BTreeMap::new()),
+            devices: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            creating: Mutex::new(()),
+            devices_top: AtomicUsize::new(0),
             fractions: Mutex::new(BTreeMap::new()),
             history: History::default(),
         }
@@ -177,14 +366,23 @@ impl Library {
     }
 
     /// The device `index`, created on first use.
-    fn device(&self, index: i32) -> Result<Arc<Device>, String> {
+    fn device(&self, index: i32) -> Result<&Device, String> {
         let conf = self.conf()?;
-        if index < 0 {
-            return Err(format!("device {index} is not a device index"));
+        let slot = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+            .ok_or_else(|| {
+                format!(
+                    "device {index} is not a device index (Quilt serves devices 0 to {})",
+                    MAX_DEVICES - 1
+                )
+            })?;
+        if let Some(d) = slot.get() {
+            return Ok(d);
         }
-        let mut devices = lock(&self.devices);
-        if let Some(d) = devices.get(&index) {
-            return Ok(d.clone());
+        let _creating = lock(&self.creating);
+        if let Some(d) = slot.get() {
+            return Ok(d);
         }
         let (vmm, cuda): (Arc<dyn Vmm>, Option<Arc<CudaVmm>>) =
             match conf.backend {
@@ -192,6 +390,8 @@ impl Library {
                     let c = Arc::new(CudaVmm::new(index as usize).map_err(|e| {
                         format!("device {index}: the CUDA backend is unavailable: {e}")
                     })?);
+                    // CUDA state from here on: a forked child must not touch it.
+                    crate::ffi::watch_fork();
                     (c.clone(), Some(c))
                 }
                 Backend::Host => (
@@ -220,21 +420,38 @@ impl Library {
         }
         let alloc = QuiltAllocator::new(vmm, config)
             .map_err(|e| format!("device {index}: cannot build the allocator: {e}"))?;
-        let d = Arc::new(Device {
+        let d = slot.get_or_init(|| Device {
             index,
             cuda,
             alloc,
             segment_peak: AtomicU64::new(0),
+            mapped_runs: Mutex::new(MappedRuns::default()),
             pools: Mutex::new(PrivatePools::default()),
+            pools_in_use: AtomicBool::new(false),
             too_large: AtomicU64::new(0),
             accumulated_base: Mutex::new(Accumulated::default()),
         });
-        devices.insert(index, d.clone());
+        // Streams adopted for a device that lay at this address before.
+        ADOPTION_GENERATION.fetch_add(1, Ordering::AcqRel);
+        self.devices_top
+            .fetch_max(index as usize + 1, Ordering::AcqRel);
         Ok(d)
     }
 
-    fn existing(&self) -> Vec<Arc<Device>> {
-        lock(&self.devices).values().cloned().collect()
+    /// The device `index` if it was created.
+    fn created(&self, index: i32) -> Option<&Device> {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+            .and_then(OnceLock::get)
+    }
+
+    /// The devices created so far, by index.
+    fn existing(&self) -> impl Iterator<Item = &Device> {
+        let top = self.devices_top.load(Ordering::Acquire);
+        self.devices[..top.min(MAX_DEVICES)]
+            .iter()
+            .filter_map(OnceLock::get)
     }
 
     /// `quilt_malloc`: a block of `size` bytes on `device`, ordered on `stream`.
@@ -278,7 +495,7 @@ impl Library {
         }
         let d = self.device(device).map_err(MallocFailure::other)?;
         let s = d.stream(stream);
-        let mut pools = pool.map(|_| lock(&d.pools));
+        let mut pools = pool.map(|_| d.pools());
         if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
             if let Some(ptr) = p.take(id, size, stream).map_err(MallocFailure::other)? {
                 let seq = self
@@ -291,7 +508,7 @@ impl Library {
             Some(t) => d.alloc.allocate_tagged(size, s, t),
             None => d.alloc.allocate(size, s),
         };
-        self.sync_segments(&d, "quilt_malloc");
+        self.sync_segments(d, "quilt_malloc");
         match made {
             Ok(a) => {
                 if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
@@ -320,7 +537,8 @@ impl Library {
                     }
                     AllocError::InvalidSize { size: n, .. } if *n > quilt_alloc::MAX_ALLOCATION => {
                         d.too_large.fetch_add(1, Ordering::Relaxed);
-                        let (_, free) = device_memory(&d);
+                        let reserved = d.alloc.stats().reserved_bytes.current;
+                        let (_, free) = device_memory(d, reserved);
                         self.history
                             .record(device, "oom", free, size, stream, "quilt_malloc");
                         true
@@ -335,53 +553,100 @@ impl Library {
         }
     }
 
-    /// `quilt_free`: give back the block at `ptr` of `device`.
+    /// `quilt_free`: give back the block at `ptr` of `device` (`size` and
+    /// `stream` are the caller's, for the history).
     pub fn free(&self, ptr: DevicePtr, size: u64, device: i32, stream: u64) -> Result<(), String> {
-        self.torch_free(ptr, size, device, stream).map(|_| ())
-    }
-
-    /// `quilt_free` and torch's allocator class's free: a block of a used
-    /// private pool stays the pool's (free, for the pool's later
-    /// allocations); any other goes back to Quilt. Returns the sequence
-    /// number of its `free_requested` history entry (0 when history is off)
-    /// and whether a pool kept it.
-    pub fn torch_free(
-        &self,
-        ptr: DevicePtr,
-        size: u64,
-        device: i32,
-        stream: u64,
-    ) -> Result<(u64, bool), String> {
         if ptr == 0 {
             return Err("free of a null pointer".into());
         }
-        let existing = lock(&self.devices).get(&device).cloned();
-        let Some(d) = existing else {
+        let Some(d) = self.created(device) else {
             self.conf()?;
             return Err(format!(
                 "free of {ptr:#x} on device {device}, which has allocated nothing"
             ));
         };
-        let mut pools = lock(&d.pools);
-        let freed = pools.free(ptr)?;
-        if freed != Freed::KeptByPool {
-            d.alloc.free(ptr).map_err(|e| e.to_string())?;
+        if d.free_owned(ptr)?.is_none() {
+            // Not a live block: the allocator tells a double free from an
+            // unknown pointer.
+            return d.alloc.free(ptr).map_err(|e| e.to_string());
         }
-        drop(pools);
+        self.record_free(d, ptr, size, stream);
+        Ok(())
+    }
+
+    /// torch's allocator class's free: the device that allocated `ptr` gives
+    /// it back (the devices asked in turn, each a lookup in its own blocks
+    /// until one has it); a block of a used private pool stays the pool's
+    /// (free, for the pool's later allocations); any other goes back to
+    /// Quilt. Returns what torch asked for, its device and stream, the
+    /// sequence number of its `free_requested` history entry (0 when
+    /// history is off) and whether a pool kept it.
+    pub fn torch_free(&self, ptr: DevicePtr) -> Result<TorchFreed, String> {
+        if ptr == 0 {
+            return Err("free of a null pointer".into());
+        }
+        for d in self.existing() {
+            if let Some((b, kept_by_pool)) = d.free_owned(ptr)? {
+                let seq = self.record_free(d, ptr, b.requested, b.stream);
+                return Ok(TorchFreed {
+                    device: d.index,
+                    size: b.requested,
+                    stream: b.stream,
+                    seq,
+                    kept_by_pool,
+                });
+            }
+        }
+        Err(self.not_freed(ptr))
+    }
+
+    /// Why `ptr` is no live block of any device (nothing is freed to find
+    /// out: another thread may have been handed the same address since).
+    #[cold]
+    fn not_freed(&self, ptr: DevicePtr) -> String {
+        match self.conf() {
+            Err(e) => e,
+            Ok(_) if self.existing().next().is_none() => {
+                format!("free of {ptr:#x}: no device has allocated anything")
+            }
+            Ok(_) => format!(
+                "free of {ptr:#x}, which is no live block of any device (a double free, or a \
+                 pointer Quilt did not hand out)"
+            ),
+        }
+    }
+
+    /// The history of a free of `ptr` on `d` (`size` and `stream` as torch
+    /// had them): its `free_requested` entry's sequence number (0 when off).
+    fn record_free(&self, d: &Device, ptr: DevicePtr, size: u64, stream: u64) -> u64 {
         let seq = self
             .history
-            .record(device, "free_requested", ptr, size, stream, "quilt_free");
+            .record(d.index, "free_requested", ptr, size, stream, "quilt_free");
         self.history
-            .record(device, "free_completed", ptr, size, stream, "quilt_free");
-        self.sync_segments(&d, "quilt_free");
-        Ok((seq, freed == Freed::KeptByPool))
+            .record(d.index, "free_completed", ptr, size, stream, "quilt_free");
+        self.sync_segments(d, "quilt_free");
+        seq
+    }
+
+    /// The bytes torch asked for the live block at `ptr` (torch's
+    /// `getBaseAllocation`), on whichever device has it; `None` for any
+    /// other pointer.
+    pub fn block_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.existing().find_map(|d| {
+            if d.pools_in_use.load(Ordering::Acquire) {
+                if let Some(n) = d.pools().live_requested(ptr) {
+                    return Some(n);
+                }
+            }
+            d.alloc.block(ptr).map(|b| b.requested)
+        })
     }
 
     /// torch's `createOrIncrefPool` (and `beginAllocateToPool`, which uses
     /// the pool once more): see [`PrivatePools::create_or_incref`].
     pub fn pool_create_or_incref(&self, device: i32, id: PoolId) -> Result<(), String> {
         let d = self.device(device)?;
-        lock(&d.pools).create_or_incref(id);
+        d.pools().create_or_incref(id);
         Ok(())
     }
 
@@ -389,14 +654,14 @@ impl Library {
     /// blocks go back to Quilt ([`PrivatePools::release`]).
     pub fn pool_release(&self, device: i32, id: PoolId) -> Result<(), String> {
         let d = self.device(device)?;
-        let back = lock(&d.pools).release(id)?;
+        let back = d.pools().release(id)?;
         let mut errors = Vec::new();
         for ptr in back {
             if let Err(e) = d.alloc.free(ptr) {
                 errors.push(format!("{ptr:#x}: {e}"));
             }
         }
-        self.sync_segments(&d, "quilt_pool_release");
+        self.sync_segments(d, "quilt_pool_release");
         if errors.is_empty() {
             Ok(())
         } else {
@@ -414,23 +679,131 @@ impl Library {
         Ok(n)
     }
 
+    /// `quilt_check_configuration`: the configuration parses and its
+    /// backend can start, checked without creating any device's allocator
+    /// (on CUDA: the driver and device 0 are asked, with no context made,
+    /// so a process that never uses device 0 has none there). Returns the
+    /// backend's name.
+    pub fn check_configuration(&self) -> Result<&'static str, String> {
+        let conf = self.conf()?;
+        if conf.backend == Backend::Cuda {
+            CudaVmm::check_device(0)
+                .map_err(|e| format!("device 0: the CUDA backend is unavailable: {e}"))?;
+        }
+        Ok(conf.backend.name())
+    }
+
+    /// torch's `enablePeerAccess(peer, device)`: device `peer` may reach
+    /// `device`'s memory, every page mapped now and later
+    /// ([`QuiltAllocator::add_peer_access`], as torch's expandable
+    /// segments' `addPeerAccess`).
+    pub fn enable_peer_access(&self, device: i32, peer: i32) -> Result<(), String> {
+        let d = self.device(device)?;
+        let peer =
+            u32::try_from(peer).map_err(|_| format!("device {peer} is not a device index"))?;
+        d.alloc
+            .add_peer_access(peer)
+            .map_err(|e| format!("device {device}: access for device {peer}: {e}"))
+    }
+
+    /// torch's `getCheckpointState`: pool `id`'s blocks and which are
+    /// handed out ([`PrivatePools::checkpoint`]).
+    pub fn pool_checkpoint(&self, device: i32, id: PoolId) -> Result<Vec<CheckpointBlock>, String> {
+        let d = self.device(device)?;
+        let state = d.pools().checkpoint(id);
+        state
+    }
+
+    /// torch's `setCheckpointPoolState` ([`PrivatePools::restore`]), when
+    /// the blocks it frees are at most `room` (the caller's array):
+    /// `Ok(Err(n))` says that `n` would be, with nothing changed. The
+    /// history shows each block freed and handed out again.
+    pub fn pool_restore(
+        &self,
+        device: i32,
+        id: PoolId,
+        state: &[CheckpointBlock],
+        room: usize,
+    ) -> Result<Result<Restored, usize>, String> {
+        let d = self.device(device)?;
+        let mut pools = d.pools();
+        let live = pools.live_blocks(id)?.len();
+        if live > room {
+            return Ok(Err(live));
+        }
+        let r = pools.restore(id, state)?;
+        drop(pools);
+        for b in &r.freed {
+            for action in ["free_requested", "free_completed"] {
+                self.history.record(
+                    device,
+                    action,
+                    b.ptr,
+                    b.requested,
+                    b.stream,
+                    "quilt_pool_restore",
+                );
+            }
+        }
+        for b in &r.allocated {
+            self.history.record(
+                device,
+                "alloc",
+                b.ptr,
+                b.requested,
+                b.stream,
+                "quilt_pool_restore",
+            );
+        }
+        Ok(Ok(r))
+    }
+
+    /// torch's `checkPoolLiveAllocations`: the blocks of pool `id` handed
+    /// out now ([`PrivatePools::live_blocks`]).
+    pub fn pool_live_blocks(&self, device: i32, id: PoolId) -> Result<Vec<u64>, String> {
+        let d = self.device(device)?;
+        let live = d.pools().live_blocks(id);
+        live
+    }
+
     /// torch's `getDeviceStats`: Quilt's figures in torch's terms
-    /// ([`device_stats::torch_stats`]).
+    /// ([`device_stats::torch_stats`]), from counters kept as blocks change
+    /// (Quilt's, the pools', and the segments counted again only when the
+    /// mapping changed): no walk over the blocks.
     pub fn device_stats(&self, device: i32) -> Result<QuiltDeviceStats, String> {
         let d = self.device(device)?;
-        let (_, segments, segment_peak) = d.memory();
         let raw = d.alloc.stats();
-        let pools = lock(&d.pools).figures();
-        let (total, free) = device_memory(&d);
+        let segments = d.segment_count(raw.reserved_bytes.current);
+        Ok(self.torch_stats(d, &raw, segments))
+    }
+
+    /// [`Library::device_stats`] with the segments counted by walking every
+    /// block of the device, as a snapshot does (its figures must be the
+    /// same: for tests and checks).
+    pub fn device_stats_walked(&self, device: i32) -> Result<QuiltDeviceStats, String> {
+        let d = self.device(device)?;
+        let (_, segments, peak) = d.memory();
+        let raw = d.alloc.stats();
+        Ok(self.torch_stats(d, &raw, (segments, peak)))
+    }
+
+    fn torch_stats(
+        &self,
+        d: &Device,
+        raw: &quilt_alloc::AllocatorStats,
+        segments: (u64, u64),
+    ) -> QuiltDeviceStats {
+        let pools: PoolFigures = lock(&d.pools).figures();
+        let memory = device_memory(d, raw.reserved_bytes.current);
         let base = *lock(&d.accumulated_base);
-        Ok(device_stats::torch_stats(
-            &raw,
+        device_stats::torch_stats(
+            raw,
             &pools,
-            (segments, segment_peak),
-            (total, free),
+            segments,
+            memory,
             d.too_large.load(Ordering::Relaxed),
             &base,
-        ))
+        )
     }
 
     /// torch's `resetAccumulatedStats`: the totals (allocated, freed, out
@@ -471,7 +844,7 @@ impl Library {
             if device.is_some_and(|i| i != d.index) {
                 continue;
             }
-            self.sync_segments(&d, "quilt_segments");
+            self.sync_segments(d, "quilt_segments");
             let (memory, _, _) = d.memory();
             let pools = lock(&d.pools);
             listing::segments(&memory, &pools, &mut segs, &mut blocks);
@@ -499,7 +872,7 @@ impl Library {
     fn history_for_viewer(&self) -> Vec<QuiltTraceEntry> {
         let mut starts = BTreeMap::new();
         for d in self.existing() {
-            self.sync_segments(&d, "quilt_segments");
+            self.sync_segments(d, "quilt_segments");
             let (memory, _, _) = d.memory();
             let pools = lock(&d.pools);
             starts.insert(
@@ -525,7 +898,9 @@ impl Library {
         self.history.clear();
     }
 
-    /// Record in the history how `d`'s mapped memory changed, if it did.
+    /// Record in the history how `d`'s mapped memory changed, if it did
+    /// (inlined: while recording is off, one load at the call site).
+    #[inline]
     fn sync_segments(&self, d: &Device, source: &'static str) {
         if self.history.is_on() {
             self.history.sync_segments(
@@ -541,7 +916,6 @@ impl Library {
     pub fn empty_cache(&self) -> Result<(), String> {
         let errors: Vec<String> = self
             .existing()
-            .iter()
             .filter_map(|d| {
                 let done = d.alloc.empty_cache();
                 self.sync_segments(d, "quilt_empty_cache");
@@ -566,12 +940,15 @@ impl Library {
                 "forget_stream of {stream:#x}: the legacy default stream cannot be forgotten"
             ));
         }
-        for d in self.existing() {
+        let forgotten = self.existing().try_for_each(|d| {
             d.alloc
                 .forget_stream(d.stream(stream))
-                .map_err(|e| format!("forget_stream of {stream:#x} on device {}: {e}", d.index))?;
-        }
-        Ok(())
+                .map_err(|e| format!("forget_stream of {stream:#x} on device {}: {e}", d.index))
+        });
+        // Every thread adopts its streams anew (this one may be adopted
+        // again, a new stream with the same handle).
+        ADOPTION_GENERATION.fetch_add(1, Ordering::AcqRel);
+        forgotten
     }
 
     /// `quilt_record_stream`: the block at `ptr` is used on `stream` too.
@@ -598,11 +975,10 @@ impl Library {
         if device < 0 {
             return Err(format!("device {device} is not a device index"));
         }
-        let existing = lock(&self.devices).get(&device).cloned();
-        match existing {
+        match self.created(device) {
             Some(d) => {
                 let done = d.alloc.set_memory_limit(MemoryLimit::Fraction(f));
-                self.sync_segments(&d, "quilt_set_memory_fraction");
+                self.sync_segments(d, "quilt_set_memory_fraction");
                 if done.is_ok() {
                     lock(&self.fractions).insert(device, f);
                 }
@@ -621,7 +997,7 @@ impl Library {
     pub fn reset_peak_stats(&self, device: i32) -> Result<(), String> {
         let d = self.device(device)?;
         d.alloc.reset_peak_stats().map_err(|e| e.to_string())?;
-        let (_, segments, _) = d.memory();
+        let (segments, _) = d.segment_count(d.alloc.stats().reserved_bytes.current);
         d.segment_peak.store(segments, Ordering::Relaxed);
         Ok(())
     }
@@ -630,8 +1006,8 @@ impl Library {
     pub fn stats_json(&self, device: i32) -> Result<String, String> {
         let conf = self.conf()?;
         let d = self.device(device)?;
-        let (_, segments, segment_peak) = d.memory();
         let s = d.alloc.stats();
+        let (segments, segment_peak) = d.segment_count(s.reserved_bytes.current);
         let stat = |x: &quilt_alloc::Stat| {
             serde_json::json!({
                 "current": x.current, "peak": x.peak, "allocated": x.allocated, "freed": x.freed
@@ -686,7 +1062,7 @@ impl Library {
     }
 
     /// The devices whose allocator knows `tag`, with whether it sleeps there.
-    fn tag_devices(&self, tag: &str) -> Result<Vec<(Arc<Device>, bool)>, String> {
+    fn tag_devices(&self, tag: &str) -> Result<Vec<(&Device, bool)>, String> {
         self.conf()?;
         check_tag(tag)?;
         let mut out = Vec::new();
@@ -719,7 +1095,7 @@ impl Library {
         for (d, asleep) in devices {
             if !asleep {
                 let done = d.alloc.sleep_with(tag, mode, pages);
-                self.sync_segments(&d, "quilt_sleep");
+                self.sync_segments(d, "quilt_sleep");
                 done.map_err(|e| format!("device {}: {e}", d.index))?;
             }
         }
@@ -739,7 +1115,7 @@ impl Library {
         for (d, asleep) in devices {
             if asleep {
                 let done = d.alloc.wake(tag);
-                self.sync_segments(&d, "quilt_wake");
+                self.sync_segments(d, "quilt_wake");
                 done.map_err(|e| format!("device {}: {e}", d.index))?;
             }
         }
@@ -768,7 +1144,7 @@ impl Library {
     /// The snapshot of every device, as a pickle (PyTorch's layout).
     pub fn snapshot_pickle(&self) -> Result<Vec<u8>, String> {
         self.conf()?;
-        let existing = self.existing();
+        let existing: Vec<&Device> = self.existing().collect();
         for d in &existing {
             // The history ends where the snapshot is: PyTorch's viewer
             // replays it backwards from the segments.

@@ -27,6 +27,8 @@ struct Block {
     pool: PoolId,
     /// The bytes Quilt allocated for it.
     size: u64,
+    /// The bytes torch asked for when it was last handed out.
+    requested: u64,
     /// The stream it was allocated on: it is reused only there.
     stream: u64,
     /// Handed out now (false: free, kept by the pool).
@@ -71,7 +73,19 @@ pub struct PoolFigures {
 pub struct PrivatePools {
     pools: BTreeMap<PoolId, Pool>,
     blocks: BTreeMap<u64, Block>,
+    /// The totals, and the free blocks kept now (`kept_bytes`,
+    /// `kept_blocks`), kept as blocks change.
     figures: PoolFigures,
+}
+
+/// A pool's block as torch last had it ([`PrivatePools::free`] gives it
+/// back): what torch asked for and the stream it was handed out on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolBlock {
+    /// The bytes torch asked for.
+    pub requested: u64,
+    /// The stream.
+    pub stream: u64,
 }
 
 fn add(total: &mut (u64, u64), bytes: u64) {
@@ -125,6 +139,8 @@ impl PrivatePools {
         for p in &free {
             if let Some(b) = self.blocks.remove(p) {
                 add(&mut self.figures.released_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
             }
         }
         self.drop_if_empty(id);
@@ -157,15 +173,18 @@ impl PrivatePools {
         if let Some(p) = best {
             if let Some(b) = self.blocks.get_mut(&p) {
                 b.live = true;
+                b.requested = size;
                 add(&mut self.figures.reused_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
             }
         }
         Ok(best)
     }
 
-    /// The block at `ptr`, just allocated from Quilt for pool `id`, is the
-    /// pool's, live. An error for a pool not in use or a pointer already
-    /// known.
+    /// The block at `ptr`, just allocated from Quilt for pool `id` (torch
+    /// asked for `size` bytes), is the pool's, live. An error for a pool not
+    /// in use or a pointer already known.
     pub fn adopt(&mut self, id: PoolId, ptr: u64, size: u64, stream: u64) -> Result<(), String> {
         if !self.is_used(id) {
             return Err(format!(
@@ -182,6 +201,7 @@ impl PrivatePools {
             Block {
                 pool: id,
                 size,
+                requested: size,
                 stream,
                 live: true,
             },
@@ -189,12 +209,17 @@ impl PrivatePools {
         Ok(())
     }
 
-    /// torch frees `ptr`: see [`Freed`]. An error for a pool's block that
-    /// is free already (a double free).
-    pub fn free(&mut self, ptr: u64) -> Result<Freed, String> {
+    /// torch frees `ptr`: see [`Freed`], with the block as torch had it
+    /// when a pool owned it. An error for a pool's block that is free
+    /// already (a double free).
+    pub fn free(&mut self, ptr: u64) -> Result<(Freed, Option<PoolBlock>), String> {
         let Some(b) = self.blocks.get(&ptr).copied() else {
-            return Ok(Freed::NotPooled);
+            return Ok((Freed::NotPooled, None));
         };
+        let had = Some(PoolBlock {
+            requested: b.requested,
+            stream: b.stream,
+        });
         if !b.live {
             return Err(format!(
                 "double free of {ptr:#x}, free in pool {:?} already",
@@ -205,17 +230,33 @@ impl PrivatePools {
             if let Some(b) = self.blocks.get_mut(&ptr) {
                 b.live = false;
                 add(&mut self.figures.kept_total, b.size);
+                self.figures.kept_bytes += b.size;
+                self.figures.kept_blocks += 1;
             }
-            return Ok(Freed::KeptByPool);
+            return Ok((Freed::KeptByPool, had));
         }
         self.blocks.remove(&ptr);
         self.drop_if_empty(b.pool);
-        Ok(Freed::BackToQuilt)
+        Ok((Freed::BackToQuilt, had))
+    }
+
+    /// Whether any pool exists or owns a block: where none does, a free or
+    /// an allocation has nothing to ask the pools.
+    pub fn is_empty(&self) -> bool {
+        self.pools.is_empty() && self.blocks.is_empty()
     }
 
     /// The pool owning `ptr` (live or free), if any.
     pub fn owner(&self, ptr: u64) -> Option<PoolId> {
         self.blocks.get(&ptr).map(|b| b.pool)
+    }
+
+    /// What torch asked for the pool's live block at `ptr`, if it is one.
+    pub fn live_requested(&self, ptr: u64) -> Option<u64> {
+        self.blocks
+            .get(&ptr)
+            .filter(|b| b.live)
+            .map(|b| b.requested)
     }
 
     /// Whether `ptr` is a pool's free block (Quilt has it allocated; torch
@@ -225,7 +266,8 @@ impl PrivatePools {
     }
 
     /// Bytes and number of the free blocks the pools keep: reserved, not
-    /// allocated, in torch's statistics.
+    /// allocated, in torch's statistics. A walk over the blocks (the
+    /// figures keep the same as counters, [`PrivatePools::figures`]).
     pub fn kept_free(&self) -> (u64, u64) {
         self.blocks
             .values()
@@ -233,14 +275,10 @@ impl PrivatePools {
             .fold((0, 0), |(bytes, n), b| (bytes + b.size, n + 1))
     }
 
-    /// The figures for torch's statistics, with what is kept now.
+    /// The figures for torch's statistics, with what is kept now (kept
+    /// as blocks change: no walk).
     pub fn figures(&self) -> PoolFigures {
-        let (kept_bytes, kept_blocks) = self.kept_free();
-        PoolFigures {
-            kept_bytes,
-            kept_blocks,
-            ..self.figures
-        }
+        self.figures
     }
 
     /// Bytes each pool owns (live and free), for pools that own any.
@@ -255,6 +293,156 @@ impl PrivatePools {
     /// The pools that exist (used, or released with live blocks).
     pub fn pool_count(&self) -> usize {
         self.pools.len()
+    }
+}
+
+/// One block of a pool as a checkpoint keeps it ([`PrivatePools::checkpoint`]),
+/// laid out as the C struct `QuiltPoolBlock` of torch's allocator class.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CheckpointBlock {
+    /// Its address.
+    pub ptr: u64,
+    /// The bytes Quilt allocated for it.
+    pub size: u64,
+    /// The bytes torch asked for when it was last handed out.
+    pub requested: u64,
+    /// The stream it belongs to.
+    pub stream: u64,
+    /// 1: handed out at the checkpoint; 0: free, kept by the pool.
+    pub live: i32,
+}
+
+/// What [`PrivatePools::restore`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// The blocks that were handed out and are now free (without torch
+    /// freeing them): torch's `CheckpointDelta::ptrs_freed`.
+    pub freed: Vec<CheckpointBlock>,
+    /// The blocks handed out again, at the checkpoint's addresses: torch's
+    /// `CheckpointDelta::dataptrs_allocd`. A block may be in both.
+    pub allocated: Vec<CheckpointBlock>,
+}
+
+/// CUDA graph trees (`torch.compile(mode="reduce-overhead")`): a pool's
+/// state checkpointed and restored, and its live blocks checked, with the
+/// semantics of torch's `getCheckpointState`, `setCheckpointPoolState` and
+/// `checkPoolLiveAllocations`. A pool's blocks never leave it while it is
+/// used, so a checkpoint is the list of its blocks and whether each was
+/// handed out.
+impl PrivatePools {
+    fn known(&self, id: PoolId, what: &str) -> Result<(), String> {
+        match self.pools.get(&id) {
+            None => Err(format!("{what}: could not find pool {id:?}")),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn used(&self, id: PoolId, what: &str) -> Result<(), String> {
+        self.known(id, what)?;
+        if !self.is_used(id) {
+            return Err(format!(
+                "{what}: pool {id:?} is released (a freeable pool is not checkpointed)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The state of pool `id`: each of its blocks, in address order, with
+    /// whether it is handed out (torch's `getCheckpointState`). An error for
+    /// a pool that does not exist or is released.
+    pub fn checkpoint(&self, id: PoolId) -> Result<Vec<CheckpointBlock>, String> {
+        self.used(id, "getCheckpointState")?;
+        Ok(self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.pool == id)
+            .map(|(&ptr, b)| CheckpointBlock {
+                ptr,
+                size: b.size,
+                requested: b.requested,
+                stream: b.stream,
+                live: i32::from(b.live),
+            })
+            .collect())
+    }
+
+    /// Put pool `id` back in the state `state` ([`PrivatePools::checkpoint`]
+    /// gave it): every block handed out now is free, then every block
+    /// handed out at the checkpoint is handed out again, at its address
+    /// (torch's `setCheckpointPoolState`). Blocks the pool gained since stay
+    /// the pool's, free. An error, with nothing changed, for a pool that
+    /// does not exist or is released, or a state whose blocks are not the
+    /// pool's as they were (another pool's, another size or stream, or
+    /// listed twice).
+    pub fn restore(&mut self, id: PoolId, state: &[CheckpointBlock]) -> Result<Restored, String> {
+        self.used(id, "setCheckpointPoolState")?;
+        let mut seen = std::collections::BTreeSet::new();
+        for c in state {
+            if !seen.insert(c.ptr) {
+                return Err(format!(
+                    "setCheckpointPoolState: {:#x} is listed twice in the state of pool {id:?}",
+                    c.ptr
+                ));
+            }
+            match self.blocks.get(&c.ptr) {
+                Some(b) if b.pool == id && b.size == c.size && b.stream == c.stream => {}
+                Some(b) => {
+                    return Err(format!(
+                        "setCheckpointPoolState: {:#x} of pool {id:?} ({} bytes on stream {:#x}) \
+                         is now pool {:?}'s, {} bytes on stream {:#x}",
+                        c.ptr, c.size, c.stream, b.pool, b.size, b.stream
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "setCheckpointPoolState: {:#x} of pool {id:?} is no block of a pool now",
+                        c.ptr
+                    ))
+                }
+            }
+        }
+        let mut out = Restored::default();
+        for (&ptr, b) in self.blocks.iter_mut() {
+            if b.pool == id && b.live {
+                b.live = false;
+                add(&mut self.figures.kept_total, b.size);
+                self.figures.kept_bytes += b.size;
+                self.figures.kept_blocks += 1;
+                out.freed.push(CheckpointBlock {
+                    ptr,
+                    size: b.size,
+                    requested: b.requested,
+                    stream: b.stream,
+                    live: 0,
+                });
+            }
+        }
+        for c in state.iter().filter(|c| c.live != 0) {
+            if let Some(b) = self.blocks.get_mut(&c.ptr) {
+                b.live = true;
+                b.requested = c.requested;
+                add(&mut self.figures.reused_total, b.size);
+                self.figures.kept_bytes -= b.size;
+                self.figures.kept_blocks -= 1;
+                out.allocated.push(*c);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The blocks of pool `id` handed out now, in address order (torch's
+    /// `checkPoolLiveAllocations` compares them with the tensors it knows).
+    /// An error for a pool that does not exist (a released pool with live
+    /// blocks exists until they are freed).
+    pub fn live_blocks(&self, id: PoolId) -> Result<Vec<u64>, String> {
+        self.known(id, "checkPoolLiveAllocations")?;
+        Ok(self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.pool == id && b.live)
+            .map(|(&p, _)| p)
+            .collect())
     }
 }
 
@@ -274,14 +462,23 @@ mod tests {
         p.create_or_incref(A);
         p.create_or_incref(B);
         p.adopt(A, 0x1000, 4096, 7).unwrap();
-        assert_eq!(p.free(0x1000).unwrap(), Freed::KeptByPool);
+        assert_eq!(
+            p.free(0x1000).unwrap(),
+            (
+                Freed::KeptByPool,
+                Some(PoolBlock {
+                    requested: 4096,
+                    stream: 7
+                })
+            )
+        );
         assert_eq!(p.kept_free(), (4096, 1));
         assert_eq!(p.take(B, 4096, 7).unwrap(), None);
         assert_eq!(p.take(A, 4096, 8).unwrap(), None);
         assert_eq!(p.take(A, 4096, 7).unwrap(), Some(0x1000));
         assert!(p.free(0x1000).is_ok());
         assert!(p.free(0x1000).is_err(), "a double free is refused");
-        assert_eq!(p.free(0x9999).unwrap(), Freed::NotPooled);
+        assert_eq!(p.free(0x9999).unwrap(), (Freed::NotPooled, None));
     }
 
     #[test]
@@ -296,7 +493,7 @@ mod tests {
         assert_eq!(p.release(A).unwrap(), vec![0x1000]);
         assert_eq!(p.use_count(A), 0);
         assert!(p.take(A, 16, 0).is_err(), "a released pool takes nothing");
-        assert_eq!(p.free(0x2000).unwrap(), Freed::BackToQuilt);
+        assert_eq!(p.free(0x2000).unwrap().0, Freed::BackToQuilt);
         assert_eq!(p.pool_count(), 0);
         assert!(p.release(A).is_err());
     }
@@ -309,6 +506,128 @@ mod tests {
         p.free(0x1000).unwrap();
         assert_eq!(p.take(A, 1 << 20, 0).unwrap(), None);
         assert_eq!(p.take(A, 40 << 20, 0).unwrap(), Some(0x1000));
+        assert_eq!(
+            p.free(0x1000).unwrap().1,
+            Some(PoolBlock {
+                requested: 40 << 20,
+                stream: 0
+            }),
+            "the free gives torch's request of the last take"
+        );
+    }
+
+    fn live(p: &PrivatePools, id: PoolId) -> Vec<u64> {
+        p.live_blocks(id).unwrap()
+    }
+
+    #[test]
+    fn a_restore_frees_what_is_live_and_hands_back_what_was_live_at_the_same_addresses() {
+        let mut p = PrivatePools::default();
+        p.create_or_incref(A);
+        p.adopt(A, 0x1000, 4096, 7).unwrap(); // live at the checkpoint
+        p.adopt(A, 0x2000, 4096, 7).unwrap(); // live at the checkpoint, and after
+        p.adopt(A, 0x3000, 8192, 7).unwrap();
+        p.free(0x3000).unwrap(); // free at the checkpoint
+        let state = p.checkpoint(A).unwrap();
+        assert_eq!(
+            state.iter().map(|c| (c.ptr, c.live)).collect::<Vec<_>>(),
+            vec![(0x1000, 1), (0x2000, 1), (0x3000, 0)]
+        );
+        // Since: 0x1000 freed, 0x3000 handed out again, 0x4000 new.
+        p.free(0x1000).unwrap();
+        assert_eq!(p.take(A, 8192, 7).unwrap(), Some(0x3000));
+        p.adopt(A, 0x4000, 4096, 7).unwrap();
+        assert_eq!(live(&p, A), vec![0x2000, 0x3000, 0x4000]);
+
+        let r = p.restore(A, &state).unwrap();
+        let ptrs = |v: &[CheckpointBlock]| v.iter().map(|c| c.ptr).collect::<Vec<_>>();
+        assert_eq!(ptrs(&r.freed), vec![0x2000, 0x3000, 0x4000]);
+        assert_eq!(ptrs(&r.allocated), vec![0x1000, 0x2000]);
+        assert_eq!(live(&p, A), vec![0x1000, 0x2000]);
+        // What was free at the checkpoint, and what came since, is the pool's, free.
+        assert_eq!(p.kept_free(), (8192 + 4096, 2));
+        assert!(p.is_kept_free(0x3000) && p.is_kept_free(0x4000));
+        // The restored blocks are freed as any other; the pool hands out its free ones.
+        assert_eq!(p.free(0x1000).unwrap().0, Freed::KeptByPool);
+        assert!(p.free(0x1000).is_err(), "a double free is refused");
+        assert_eq!(p.take(A, 8192, 7).unwrap(), Some(0x3000));
+        // Restoring again gives the same state.
+        let r = p.restore(A, &state).unwrap();
+        assert_eq!(ptrs(&r.freed), vec![0x2000, 0x3000]);
+        assert_eq!(live(&p, A), vec![0x1000, 0x2000]);
+        let f = p.figures();
+        assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free());
+        assert_eq!(
+            f.kept_bytes,
+            f.kept_total.0 - f.reused_total.0 - f.released_total.0
+        );
+    }
+
+    #[test]
+    fn a_restore_touches_only_its_pool() {
+        let mut p = PrivatePools::default();
+        p.create_or_incref(A);
+        p.create_or_incref(B);
+        p.adopt(A, 0x1000, 4096, 0).unwrap();
+        p.adopt(B, 0x2000, 4096, 0).unwrap();
+        let state = p.checkpoint(A).unwrap();
+        p.adopt(B, 0x3000, 4096, 0).unwrap();
+        p.restore(A, &state).unwrap();
+        assert_eq!(live(&p, B), vec![0x2000, 0x3000]);
+        assert_eq!(live(&p, A), vec![0x1000]);
+    }
+
+    #[test]
+    fn a_state_that_no_longer_matches_the_pool_is_refused_and_changes_nothing() {
+        let mut p = PrivatePools::default();
+        p.create_or_incref(A);
+        p.create_or_incref(B);
+        p.adopt(A, 0x1000, 4096, 0).unwrap();
+        p.adopt(B, 0x2000, 4096, 0).unwrap();
+        p.adopt(A, 0x5000, 4096, 0).unwrap();
+        let state = p.checkpoint(A).unwrap();
+        let with = |f: &dyn Fn(&mut CheckpointBlock)| {
+            let mut s = state.clone();
+            f(&mut s[0]);
+            s
+        };
+        let bad = [
+            with(&|c| c.ptr = 0x2000), // another pool's block
+            with(&|c| c.ptr = 0x9000), // no block at all
+            with(&|c| c.size = 8192),  // another size
+            with(&|c| c.stream = 3),   // another stream
+            with(&|c| c.ptr = 0x5000), // listed twice
+        ];
+        p.free(0x5000).unwrap();
+        for s in &bad {
+            let e = p.restore(A, s).unwrap_err();
+            assert!(e.contains("setCheckpointPoolState"), "{e}");
+            assert_eq!(live(&p, A), vec![0x1000], "nothing changed");
+        }
+        assert!(
+            p.restore(B, &[]).is_ok(),
+            "an empty state frees the pool's blocks"
+        );
+        assert_eq!(live(&p, B), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn unknown_and_released_pools_are_not_checkpointed() {
+        let mut p = PrivatePools::default();
+        assert!(p.checkpoint(A).unwrap_err().contains("could not find pool"));
+        assert!(p.restore(A, &[]).is_err());
+        assert!(p.live_blocks(A).is_err());
+        p.create_or_incref(A);
+        assert_eq!(p.checkpoint(A).unwrap(), vec![]);
+        p.adopt(A, 0x1000, 4096, 0).unwrap();
+        let state = p.checkpoint(A).unwrap();
+        p.release(A).unwrap();
+        // Released, with a live block: it exists until the block is freed.
+        assert_eq!(live(&p, A), vec![0x1000]);
+        assert!(p.checkpoint(A).unwrap_err().contains("released"));
+        assert!(p.restore(A, &state).unwrap_err().contains("released"));
+        assert_eq!(p.free(0x1000).unwrap().0, Freed::BackToQuilt);
+        assert!(p.live_blocks(A).is_err());
     }
 
     #[derive(Clone, Debug)]
@@ -408,7 +727,7 @@ mod tests {
                             continue;
                         }
                         let (ptr, _, _) = held.remove(i % held.len());
-                        match p.free(ptr).unwrap() {
+                        match p.free(ptr).unwrap().0 {
                             Freed::KeptByPool => prop_assert!(p.is_kept_free(ptr)),
                             Freed::NotPooled | Freed::BackToQuilt => {
                                 prop_assert!(quilt.remove(&ptr));
@@ -432,6 +751,7 @@ mod tests {
                     prop_assert_eq!(p.use_count(id), c);
                 }
                 let f = p.figures();
+                prop_assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free(), "the counters against a walk");
                 prop_assert_eq!(
                     f.kept_bytes,
                     f.kept_total.0 - f.reused_total.0 - f.released_total.0
@@ -439,7 +759,7 @@ mod tests {
             }
             // Everything back.
             for (ptr, _, _) in std::mem::take(&mut held) {
-                if p.free(ptr).unwrap() != Freed::KeptByPool {
+                if p.free(ptr).unwrap().0 != Freed::KeptByPool {
                     quilt.remove(&ptr);
                 }
             }
@@ -454,5 +774,88 @@ mod tests {
             prop_assert_eq!(p.pool_count(), 0);
             prop_assert_eq!(p.kept_free(), (0, 0));
         }
+    }
+
+    /// One pool's allocations and frees, as (is an allocation, size in MiB,
+    /// stream, which held block to free).
+    fn pool_ops() -> impl Strategy<Value = Vec<(bool, u64, u64, usize)>> {
+        prop::collection::vec((any::<bool>(), 1..5u64, 0..2u64, 0..32usize), 0..40)
+    }
+
+    fn run_pool_ops(
+        p: &mut PrivatePools,
+        ops: &[(bool, u64, u64, usize)],
+        held: &mut Vec<u64>,
+        next: &mut u64,
+    ) {
+        for &(alloc, mib, stream, i) in ops {
+            if alloc {
+                let size = mib << 20;
+                let ptr = match p.take(A, size, stream).unwrap() {
+                    Some(ptr) => ptr,
+                    None => {
+                        *next += 8 << 20;
+                        p.adopt(A, *next, size, stream).unwrap();
+                        *next
+                    }
+                };
+                assert!(!held.contains(&ptr), "{ptr:#x} handed out twice");
+                held.push(ptr);
+            } else if !held.is_empty() {
+                let ptr = held.remove(i % held.len());
+                assert_eq!(p.free(ptr).unwrap().0, Freed::KeptByPool);
+            }
+        }
+    }
+
+    proptest! {
+        /// Whatever happened since a checkpoint, a restore leaves handed
+        /// out exactly the blocks handed out at the checkpoint, at their
+        /// addresses; everything else the pool has is free and serves its
+        /// later allocations; the figures still add up.
+        #[test]
+        fn a_restore_gives_back_the_checkpoint(before in pool_ops(), after in pool_ops(), later in pool_ops()) {
+            let mut p = PrivatePools::default();
+            p.create_or_incref(A);
+            let mut held = Vec::new();
+            let mut next = 0x10_0000u64;
+            run_pool_ops(&mut p, &before, &mut held, &mut next);
+            let state = p.checkpoint(A).unwrap();
+            let mut at_checkpoint = held.clone();
+            at_checkpoint.sort_unstable();
+            run_pool_ops(&mut p, &after, &mut held, &mut next);
+            let r = p.restore(A, &state).unwrap();
+            let mut now_live = held.clone();
+            now_live.sort_unstable();
+            prop_assert_eq!(r.freed.iter().map(|c| c.ptr).collect::<Vec<_>>(), now_live);
+            prop_assert_eq!(r.allocated.iter().map(|c| c.ptr).collect::<Vec<_>>(), at_checkpoint.clone());
+            prop_assert_eq!(p.live_blocks(A).unwrap(), at_checkpoint.clone());
+            for c in &state {
+                prop_assert_eq!(p.is_kept_free(c.ptr), c.live == 0);
+            }
+            let f = p.figures();
+            prop_assert_eq!((f.kept_bytes, f.kept_blocks), p.kept_free(), "the counters against a walk");
+            prop_assert_eq!(f.kept_bytes, f.kept_total.0 - f.reused_total.0 - f.released_total.0);
+            // torch holds what the checkpoint held; the pool goes on.
+            held = at_checkpoint;
+            run_pool_ops(&mut p, &later, &mut held, &mut next);
+            held.sort_unstable();
+            prop_assert_eq!(p.live_blocks(A).unwrap(), held.clone());
+            for ptr in held {
+                p.free(ptr).unwrap();
+            }
+            let mut back = p.release(A).unwrap();
+            back.sort_unstable();
+            prop_assert_eq!(back, adopted_up_to(next));
+            prop_assert_eq!(p.pool_count(), 0);
+        }
+    }
+
+    /// Every block adopted from 0x10_0000 + 8 MiB up to `last`.
+    fn adopted_up_to(last: u64) -> Vec<u64> {
+        (1..)
+            .map(|k| 0x10_0000u64 + k * (8 << 20))
+            .take_while(|&a| a <= last)
+            .collect()
     }
 }

@@ -5,9 +5,12 @@
 
 use std::ffi::{c_char, c_void, CString};
 
+use quilt_torch::device_stats::QuiltDeviceStats;
 use quilt_torch::ffi::{
-    quilt_dump_snapshot, quilt_empty_cache, quilt_free, quilt_last_error, quilt_malloc,
-    quilt_record_history, quilt_record_stream, quilt_set_memory_fraction, quilt_stats_json,
+    quilt_device_stats, quilt_dump_snapshot, quilt_empty_cache, quilt_free, quilt_last_error,
+    quilt_malloc, quilt_record_history, quilt_record_stream, quilt_set_memory_fraction,
+    quilt_stats_json, quilt_torch_block_size, quilt_torch_free, quilt_torch_malloc,
+    QuiltAllocation, QuiltFreed,
 };
 
 const MIB: usize = 1 << 20;
@@ -110,4 +113,63 @@ fn every_exported_function() {
     assert_eq!(stats()["reserved_bytes"]["current"], 0);
     assert_eq!(quilt_record_history(0, 0), 0);
     let _ = std::fs::remove_dir_all(dir);
+    quilt_set_memory_fraction(1.0, 0);
+    torch_allocator_class_functions();
+}
+
+/// What torch's allocator class calls: an allocation on devices 0 and 1, a
+/// free by the pointer alone (the device, size and stream come back from
+/// Quilt), the block's size, torch's statistics.
+fn torch_allocator_class_functions() {
+    let malloc = |size: usize, device: i32, stream: usize| {
+        let mut a = QuiltAllocation::default();
+        // SAFETY: `a` is a writable `QuiltAllocation`.
+        let rc =
+            unsafe { quilt_torch_malloc(size, device, stream as *mut c_void, 0, 0, 0, &mut a) };
+        assert_eq!(rc, 0, "{}", last_error());
+        a.ptr
+    };
+    let free = |ptr: *mut c_void| {
+        let mut f = QuiltFreed::default();
+        // SAFETY: `f` is a writable `QuiltFreed`.
+        let rc = unsafe { quilt_torch_free(ptr, &mut f) };
+        (rc, f)
+    };
+    let device_stats = |device: i32| {
+        let mut s = QuiltDeviceStats::default();
+        // SAFETY: `s` is a writable `QuiltDeviceStats`.
+        assert_eq!(unsafe { quilt_device_stats(device, &mut s) }, 0);
+        s
+    };
+    let a = malloc(1000, 0, 0x30);
+    let b = malloc(3 * MIB, 1, 0x40);
+    assert_eq!(device_stats(1).allocation.current, 1);
+    let mut size = 0u64;
+    // SAFETY: `size` is a writable `uint64_t`.
+    assert_eq!(unsafe { quilt_torch_block_size(b, &mut size) }, 0);
+    assert_eq!(size, 3 * MIB as u64);
+    assert_eq!(
+        free(b),
+        (
+            0,
+            QuiltFreed {
+                size: 3 * MIB as u64,
+                stream: 0x40,
+                seq: 0,
+                device: 1,
+                kept_by_pool: 0
+            }
+        )
+    );
+    assert_eq!(free(a).1.device, 0);
+    assert_eq!(device_stats(0).allocation.current, 0);
+    assert_eq!(device_stats(1).allocated_bytes.current, 0);
+    // A pointer that is no live block: an error, nothing written.
+    let (rc, f) = free(a);
+    assert_eq!((rc, f), (1, QuiltFreed::default()));
+    assert!(last_error().contains("no live block"), "{}", last_error());
+    assert_eq!(free(std::ptr::null_mut()).0, 1);
+    assert!(last_error().contains("null"));
+    // SAFETY: `size` is a writable `uint64_t`.
+    assert_eq!(unsafe { quilt_torch_block_size(a, &mut size) }, 1);
 }

@@ -164,6 +164,37 @@ fn memory_fraction_limits_a_device_before_and_after_its_creation() {
 }
 
 #[test]
+fn a_memory_fraction_of_0_is_taken_as_torch_takes_it() {
+    // torch's set_per_process_memory_fraction takes 0 to 1: at 0 nothing
+    // more may be held, before or after the device is created.
+    let lib = Library::new("backend:host,capacity:256MiB");
+    lib.set_memory_fraction(0.0, 1).unwrap();
+    assert_eq!(lib.memory_fraction(1).unwrap(), 0.0);
+    let refused = lib.malloc(MIB, 1, 0).unwrap_err();
+    assert!(refused.contains("out of memory"), "{refused}");
+    let p = lib.malloc(4 * MIB, 0, 0).unwrap();
+    assert!(
+        lib.set_memory_fraction(0.0, 0)
+            .unwrap_err()
+            .contains("below"),
+        "a live block holds memory"
+    );
+    lib.free(p, 4 * MIB, 0, 0).unwrap();
+    // Nothing live: the cached pages go back and the fraction is taken.
+    lib.set_memory_fraction(0.0, 0).unwrap();
+    assert_eq!(lib.memory_fraction(0).unwrap(), 0.0);
+    assert_eq!(stats(&lib)["capacity_bytes"].as_u64().unwrap(), 0);
+    let refused = lib.malloc(MIB, 0, 0).unwrap_err();
+    assert!(refused.contains("out of memory"), "{refused}");
+    lib.set_memory_fraction(1.0, 0).unwrap();
+    let p = lib.malloc(MIB, 0, 0).unwrap();
+    lib.free(p, MIB, 0, 0).unwrap();
+    for bad in [-0.5, 1.5, f64::NAN] {
+        assert!(lib.set_memory_fraction(bad, 0).is_err(), "{bad}");
+    }
+}
+
+#[test]
 fn a_memory_fraction_raised_at_run_time_is_honoured() {
     // The arena's address space is sized from the device, not the limit
     // in force at the first request: after starting at 3 % of an 8 GiB

@@ -38,6 +38,17 @@
 //!   gets instead). [`Vmm::forget_stream`] drops an adopted stream: its
 //!   handle is never passed to the driver again.
 //! - [`Vmm::stream_is_capturing`] asks `cuStreamIsCapturing`.
+//! - Calls that CUDA forbids while a capture runs in global mode (on any
+//!   thread) or in thread-local mode (on the calling one) — memory
+//!   management, synchronisations, event queries, host copies — run in the
+//!   relaxed capture mode (`cuThreadExchangeStreamCaptureMode` before and,
+//!   unless the thread was relaxed already, after), as PyTorch's caching
+//!   allocator puts its `cudaMalloc` under a capture: an allocation made
+//!   during a capture (a graph's private pool filled then) leaves the
+//!   capture valid. The exchange is made only around such a call, so an
+//!   operation that makes none (an allocation served from mapped memory)
+//!   makes no exchange. What relaxed mode still refuses (synchronising or
+//!   querying the capturing stream itself) the allocator never asks.
 //! - `map` follows CUDA's documented rule ([`MapRule::WholeHandle`], always:
 //!   the offset "currently must be zero", and a mapping covers its handle
 //!   whole); the ledger refuses anything else before the driver sees it.
@@ -127,6 +138,8 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuCtxPushCurrent_v2",
     "cuCtxPopCurrent_v2",
     "cuCtxSynchronize",
+    // the thread's stream capture mode
+    "cuThreadExchangeStreamCaptureMode",
     // virtual memory management
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
@@ -281,6 +294,78 @@ impl CurrentContext {
             _thread_bound: PhantomData,
         })
     }
+}
+
+/// The calling thread in CUDA's relaxed stream-capture mode while the guard
+/// lives, its own mode restored after (nothing to restore when it was
+/// relaxed already). Not `Send`: the mode is the thread's.
+#[must_use = "the thread is relaxed only while the guard lives"]
+struct RelaxedCapture {
+    /// The mode to restore; `None` when it was relaxed already or the
+    /// exchange failed (then the call goes on in the thread's own mode).
+    prior: Option<sys::CUstreamCaptureMode>,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl RelaxedCapture {
+    fn enter() -> RelaxedCapture {
+        let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        let prior = match cu::thread_exchange_stream_capture_mode(relaxed) {
+            Ok(mode) if mode != relaxed => Some(mode),
+            Ok(_) => None,
+            Err(r) => {
+                tracing::debug!(
+                    code = r as u32,
+                    "cuThreadExchangeStreamCaptureMode failed: the call runs in the thread's mode"
+                );
+                None
+            }
+        };
+        RelaxedCapture {
+            prior,
+            _thread_bound: PhantomData,
+        }
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mode) = self.prior {
+            if let Err(r) = cu::thread_exchange_stream_capture_mode(mode) {
+                tracing::warn!(
+                    code = r as u32,
+                    "cuThreadExchangeStreamCaptureMode failed: the thread's capture mode was not restored"
+                );
+            }
+        }
+    }
+}
+
+/// What a driver call runs under ([`CudaVmm::bind`]): the primary context
+/// current and, for a call CUDA forbids under a global or thread-local
+/// capture ([`forbidden_under_strict_capture`]), the relaxed capture mode.
+/// Fields drop in order: the mode is restored, then the context popped.
+#[must_use = "the call's context holds only while the guard lives"]
+struct Bound {
+    _relaxed: Option<RelaxedCapture>,
+    _context: CurrentContext,
+}
+
+/// Whether CUDA forbids a call of `kind` while a capture in global mode
+/// runs (on any thread) or one in thread-local mode runs on the calling
+/// thread, unless the thread is in relaxed mode: memory management,
+/// synchronisations, event queries, copies from or to the host. Recording
+/// an event, a stream waiting for one, asking whether a stream captures and
+/// `cuMemGetInfo` are legal under any capture.
+fn forbidden_under_strict_capture(kind: CallKind) -> bool {
+    !matches!(
+        kind,
+        CallKind::EventRecord
+            | CallKind::EventDestroy
+            | CallKind::StreamWaitEvent
+            | CallKind::StreamIsCapturing
+            | CallKind::MemInfo
+    )
 }
 
 impl Drop for CurrentContext {
@@ -459,7 +544,54 @@ fn device_flag(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> boo
     cu::device_get_attribute(attribute, device).is_ok_and(|v| v != 0)
 }
 
+/// Device `ordinal` as [`CudaVmm::new`] checks it, without a context: the
+/// driver is there with every symbol Quilt calls, `cuInit` succeeds, the
+/// device exists and manages virtual memory. Returns its ordinal as the
+/// driver takes it, its handle and the device count.
+fn open_device(ordinal: usize) -> Result<(c_int, sys::CUdevice, c_int)> {
+    if !cu::library_present() {
+        return Err(unavailable(Unavailability::NoDriver));
+    }
+    let missing = cu::missing_symbols(DRIVER_SYMBOLS);
+    if !missing.is_empty() {
+        return Err(unavailable(Unavailability::MissingSymbols { missing }));
+    }
+    // From here on libcuda is present and exports every symbol we call.
+    check_setup("cuInit", cu::init())?;
+    let count = check_setup("cuDeviceGetCount", cu::device_get_count())?;
+    let ordinal_c = c_int::try_from(ordinal)
+        .ok()
+        .filter(|o| *o < count)
+        .ok_or_else(|| {
+            unavailable(Unavailability::NoSuchDevice {
+                ordinal,
+                count: count.unsigned_abs(),
+            })
+        })?;
+    let device = check_setup("cuDeviceGet", cu::device_get(ordinal_c))?;
+    let vmm_supported = check_setup(
+        "cuDeviceGetAttribute",
+        cu::device_get_attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            device,
+        ),
+    )?;
+    if vmm_supported == 0 {
+        return Err(unavailable(Unavailability::NoVmm { ordinal }));
+    }
+    Ok((ordinal_c, device, count))
+}
+
 impl CudaVmm {
+    /// Whether device `ordinal` could be opened ([`CudaVmm::new`]'s checks
+    /// of the driver and the device), without opening it: no context is
+    /// created or retained (a process that never uses the device pays
+    /// nothing on it). Returns the number of devices.
+    pub fn check_device(ordinal: usize) -> Result<usize> {
+        let (_, _, count) = open_device(ordinal)?;
+        Ok(count.unsigned_abs() as usize)
+    }
+
     /// Opens device `ordinal`.
     ///
     /// Errors ([`VmmError::Unavailable`], with the reason): no `libcuda` on
@@ -467,36 +599,7 @@ impl CudaVmm {
     /// is out of range; the device lacks virtual memory management; the
     /// primary context or the granularity could not be had.
     pub fn new(ordinal: usize) -> Result<CudaVmm> {
-        if !cu::library_present() {
-            return Err(unavailable(Unavailability::NoDriver));
-        }
-        let missing = cu::missing_symbols(DRIVER_SYMBOLS);
-        if !missing.is_empty() {
-            return Err(unavailable(Unavailability::MissingSymbols { missing }));
-        }
-        // From here on libcuda is present and exports every symbol we call.
-        check_setup("cuInit", cu::init())?;
-        let count = check_setup("cuDeviceGetCount", cu::device_get_count())?;
-        let ordinal_c = c_int::try_from(ordinal)
-            .ok()
-            .filter(|o| *o < count)
-            .ok_or_else(|| {
-                unavailable(Unavailability::NoSuchDevice {
-                    ordinal,
-                    count: count.unsigned_abs(),
-                })
-            })?;
-        let device = check_setup("cuDeviceGet", cu::device_get(ordinal_c))?;
-        let vmm_supported = check_setup(
-            "cuDeviceGetAttribute",
-            cu::device_get_attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-                device,
-            ),
-        )?;
-        if vmm_supported == 0 {
-            return Err(unavailable(Unavailability::NoVmm { ordinal }));
-        }
+        let (ordinal_c, device, count) = open_device(ordinal)?;
         let name =
             cu::device_get_name(device).unwrap_or_else(|_| String::from("unknown CUDA device"));
         let total_memory = check_setup("cuDeviceTotalMem", cu::device_total_mem(device))?;
@@ -673,9 +776,16 @@ impl CudaVmm {
     }
 
     /// Makes the primary context current on the calling thread until the
-    /// returned guard drops (which restores the thread's previous context).
-    fn bind(&self, call: CallKind) -> Result<CurrentContext> {
-        CurrentContext::enter(self.context.as_raw()).map_err(|r| driver_error(call, r))
+    /// returned guard drops (which restores the thread's previous context),
+    /// and for a call of a kind CUDA forbids under a strict capture the
+    /// thread's relaxed capture mode too ([`Bound`]).
+    fn bind(&self, call: CallKind) -> Result<Bound> {
+        let context =
+            CurrentContext::enter(self.context.as_raw()).map_err(|r| driver_error(call, r))?;
+        Ok(Bound {
+            _relaxed: forbidden_under_strict_capture(call).then(RelaxedCapture::enter),
+            _context: context,
+        })
     }
 
     /// Runs `op` on the ledger, under its lock, as one timed and counted

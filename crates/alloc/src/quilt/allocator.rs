@@ -64,6 +64,18 @@ pub struct QuiltAllocator {
     pub(super) ahead: ahead::Worker,
 }
 
+/// A live block as [`QuiltAllocator::block`] and
+/// [`QuiltAllocator::free_owned`] describe it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveBlock {
+    /// The bytes it covers (the rounded size).
+    pub size: u64,
+    /// The bytes asked for.
+    pub requested: u64,
+    /// The stream it was allocated on.
+    pub stream: StreamId,
+}
+
 /// What the allocator and its map-ahead worker share: the worker holds a
 /// `Weak` of it, so dropping the allocator stops the worker.
 #[derive(Debug)]
@@ -353,6 +365,56 @@ impl QuiltAllocator {
                 }
             }
             l.core.forget_stream(ctx, stream)
+        })
+    }
+
+    /// The live block at `ptr`, if there is one (a hash lookup under the
+    /// lock; `None` for any other pointer, without building an error).
+    pub fn block(&self, ptr: DevicePtr) -> Option<LiveBlock> {
+        let l = self.shared.lock().ok()?;
+        let core = &l.state.core;
+        core.blocks.get(&ptr).map(|b| LiveBlock {
+            size: b.size,
+            requested: b.requested,
+            stream: core.streams.id(b.stream),
+        })
+    }
+
+    /// [`DeviceAllocator::free`] of `ptr` when it is a live block of this
+    /// allocator, saying what the block was; `Ok(None)`, nothing changed
+    /// and no error built, when it is not one (for a caller with one
+    /// allocator per device that asks each in turn; [`DeviceAllocator::free`]
+    /// then tells a double free from an unknown pointer). One lock, one
+    /// lookup more than `free`'s own.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{LiveBlock, QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(1000, StreamId(7))?;
+    /// let freed = alloc.free_owned(a.ptr)?;
+    /// assert_eq!(freed, Some(LiveBlock { size: a.size, requested: 1000, stream: StreamId(7) }));
+    /// assert_eq!(alloc.free_owned(a.ptr)?, None); // freed already: not live
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn free_owned(&self, ptr: DevicePtr) -> Result<Option<LiveBlock>, AllocError> {
+        self.with(|l, ctx| {
+            let Some(b) = l.core.blocks.get(&ptr) else {
+                return Ok(None);
+            };
+            let block = LiveBlock {
+                size: b.size,
+                requested: b.requested,
+                stream: l.core.streams.id(b.stream),
+            };
+            if !l.exports.defers_free(ptr)? {
+                l.core.free(ctx, ptr)?;
+            }
+            Ok(Some(block))
         })
     }
 

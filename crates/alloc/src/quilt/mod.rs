@@ -28,6 +28,7 @@ mod invariants;
 mod offload;
 mod own;
 mod page_table;
+mod peers;
 mod placement;
 mod pressure;
 mod reclaim;
@@ -40,7 +41,7 @@ mod streams;
 mod tiling;
 
 pub use crate::stats::ServingStats;
-pub use allocator::QuiltAllocator;
+pub use allocator::{LiveBlock, QuiltAllocator};
 pub use config::{
     AccessGranularity, AheadMode, ArenaLayout, ArenaSharing, EventTiming, MapAhead, OffloadTier,
     Placement, QuiltConfig, ReclaimPolicy, Recycle, SmallBlocks,

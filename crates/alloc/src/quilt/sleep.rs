@@ -15,8 +15,11 @@
 //! that leaves the tag asleep with its host copy intact; a driver failure
 //! half-way leaves it asleep too, and a later wake maps only what is still
 //! unmapped. While asleep a tag refuses new members and every operation on
-//! its members (free, resize, record-stream, release) with
-//! [`AllocError::TagState`]: its arenas are frozen in the core.
+//! its members but a free (resize, record-stream, release) with
+//! [`AllocError::TagState`]: its arenas are frozen in the core. A member
+//! freed while its tag sleeps is freed when the tag wakes (its contents are
+//! not copied back): until then it counts as allocated, and its host copy
+//! is kept.
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -411,22 +414,27 @@ impl Tags {
             core.sync_stats(ctx);
             mapped?;
         }
-        // The contents, back at the same addresses.
+        // The contents, back at the same addresses (not those of members
+        // freed meanwhile).
         if let Some(Some(s)) = self.asleep.get(t as usize) {
             for c in &s.saved {
-                copy_back(ctx, c)?;
+                if !core.freed_asleep.contains(&c.ptr) {
+                    copy_back(ctx, c)?;
+                }
             }
         }
         let sleeping = self.asleep.get_mut(t as usize).and_then(Option::take);
         for &ai in &arenas {
             core.thaw(ai);
         }
+        // The members freed while it slept.
+        let freed = core.free_thawed(ctx, &arenas);
         if let Some(s) = sleeping {
             self.sleeping -= 1;
             self.counts.bytes_restored += s.saved.iter().map(|c| c.len).sum::<u64>();
         }
         self.counts.wakes += 1;
         core.sync_arena_stats(ctx);
-        Ok(())
+        freed
     }
 }

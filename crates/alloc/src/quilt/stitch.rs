@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::FxHashSet;
 
 use quilt_pool::{MemoryLimit, PageId, PagePool, PoolError};
 use quilt_vmm::{DevicePtr, StreamId};
@@ -91,6 +92,8 @@ pub(crate) struct BlockRec {
     pub(crate) streams: u64,
     /// Its piece in the arena's tiling.
     pub(crate) piece: PieceId,
+    /// The index of the stream it was allocated on.
+    pub(crate) stream: u32,
 }
 
 /// A solo run (see `solo.rs`): the one stream allocating, whose frees
@@ -189,9 +192,12 @@ pub(crate) struct Core {
     /// its own.
     pub(crate) free_arena_slots: Vec<usize>,
     /// Frozen arenas (their memory is away: a sleeping tag's), with the
-    /// name of what froze them: their blocks may not be freed, recorded or
-    /// resized until they thaw.
+    /// name of what froze them: their blocks may not be recorded or resized
+    /// until they thaw; a free waits for the thaw (`freed_asleep`).
     pub(crate) frozen: HashMap<usize, String>,
+    /// Blocks of frozen arenas that were freed while their tag slept: they
+    /// are freed when it wakes ([`Core::free_thawed`]).
+    pub(crate) freed_asleep: FxHashSet<DevicePtr>,
     /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
     /// reclaimed for other use: the first class of cached pages reclaimed.
     pub(crate) spare_pages_reclaimed: u64,
@@ -559,6 +565,7 @@ impl Core {
                 requested: size,
                 streams: Streams::bit(si),
                 piece,
+                stream: si,
             },
         );
         self.stats.allocated_bytes.increase(rounded);
@@ -633,10 +640,46 @@ impl Core {
         if !self.frozen.is_empty() {
             // Only while something is frozen: the free path pays nothing else.
             if let Some(b) = self.blocks.get(&ptr) {
-                self.check_not_frozen(b.arena)?;
+                if self.frozen.contains_key(&b.arena) {
+                    // A sleeping tag's block: its memory is away, so it is
+                    // freed when the tag wakes (once: a second free is a
+                    // double free).
+                    if !self.freed_asleep.insert(ptr) {
+                        return Err(AllocError::DoubleFree { ptr });
+                    }
+                    return Ok(());
+                }
             }
         }
         self.free_now(ctx, ptr)
+    }
+
+    /// Free the blocks of `arenas`, just thawed, that were freed while they
+    /// were frozen.
+    pub(crate) fn free_thawed(
+        &mut self,
+        ctx: &Ctx<'_>,
+        arenas: &[usize],
+    ) -> Result<(), AllocError> {
+        if self.freed_asleep.is_empty() {
+            return Ok(());
+        }
+        let mut due: Vec<DevicePtr> = self
+            .freed_asleep
+            .iter()
+            .copied()
+            .filter(|p| {
+                self.blocks
+                    .get(p)
+                    .is_some_and(|b| arenas.contains(&b.arena))
+            })
+            .collect();
+        due.sort_unstable();
+        for ptr in due {
+            self.freed_asleep.remove(&ptr);
+            self.free_now(ctx, ptr)?;
+        }
+        Ok(())
     }
 
     /// Forget `stream`: its owner is destroying it (see

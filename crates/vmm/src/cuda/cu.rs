@@ -159,6 +159,20 @@ pub(crate) fn ctx_get_current() -> CuResult<Context> {
     ok(unsafe { sys::cuCtxGetCurrent(&mut current) }, current)
 }
 
+/// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's stream
+/// capture mode to `mode` and returns the mode it had.
+pub(crate) fn thread_exchange_stream_capture_mode(
+    mode: sys::CUstreamCaptureMode,
+) -> CuResult<sys::CUstreamCaptureMode> {
+    let mut exchanged = mode;
+    // SAFETY: a valid in-out pointer; the call only reads and writes this
+    // thread's capture mode.
+    ok(
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut exchanged) },
+        exchanged,
+    )
+}
+
 /// `cuCtxPushCurrent`.
 ///
 /// # Safety
