@@ -56,7 +56,7 @@ pub struct PointSpec {
     pub live: u64,
     /// Streams they are spread over.
     pub streams: u64,
-    /// Every block's size in bytes (`None`: the mixed sizes of [`size`]).
+    /// Every block's size in bytes (`None`: the mixed sizes of `size`).
     pub size: Option<u64>,
 }
 
@@ -162,7 +162,7 @@ const MEAN_SIZE: u64 = 6 << 20;
 const FIXED_FLOOR: u64 = 8 << 30;
 
 /// Run one point once: `allocator` with `live` blocks over `streams`
-/// streams (each of `fixed` bytes, or of the mixed sizes of [`size`]),
+/// streams (each of `fixed` bytes, or of the mixed sizes of `size`),
 /// `steps` timed steps (each a free and an allocate); returns the host
 /// nanoseconds per operation and the driver calls of the timed steps.
 pub fn run_once(
