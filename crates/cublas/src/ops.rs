@@ -68,10 +68,11 @@ fn leading(ld: c_int, rows: c_int) -> bool {
     ld >= rows.max(1)
 }
 
-/// Queues the work unless the problem is empty.
+/// Queues the work unless the problem is empty (the caller has checked
+/// the handle).
 fn run(h: Handle, empty: bool) -> Answer<()> {
     if empty {
-        handle::settings(h).map(|_| ())
+        Ok(())
     } else {
         handle::enqueue(h)
     }
