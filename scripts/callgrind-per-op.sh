@@ -9,8 +9,10 @@
 #   scale1, 64   `quilt-bench scale --live 1000` at 1 and 64 streams: the
 #                timed churn (20,000 steps, 40,000 operations; the
 #                simulated driver's calls included).
-# With --trace FILE..., one `ab` row per trace instead (steady state, as
-# ms10 and bert). With --sizes, one row per allocator (quilt, classic),
+# With --trace FILE..., two `ab` rows per trace instead (steady state, as
+# ms10 and bert): Quilt's calls and classic's (the caching allocator's
+# allocate/free, the simulated driver's calls inside them included), and
+# their ratio. With --sizes, one row per allocator (quilt, classic),
 # block size (2 MiB to 1 GiB) and stream count (1, 4) instead: the timed
 # churn of `quilt-bench sizes` (16 live blocks, 2,000 steps).
 # Usage: scripts/callgrind-per-op.sh [BIN] [OUTDIR] [--trace FILE... | --sizes]
@@ -60,12 +62,15 @@ for t in "${traces[@]}"; do
     [ -f "$t" ] || { echo "no trace at $t" >&2; exit 2; }
 done
 ab() { # name, then the workload arguments
-    local name=$1 it
-    shift
+    ab_of quilt QuiltAllocator "$@"
+}
+ab_of() { # allocator, its type, name, then the workload arguments
+    local allocator=$1 type=$2 name=$3 it
+    shift 3
     for it in 2 4; do
         valgrind --tool=callgrind --cache-sim=yes --collect-atstart=no \
-            --toggle-collect='<*QuiltAllocator as quilt_alloc::api::DeviceAllocator>::*' \
-            --callgrind-out-file="$out/$name.$it.cg" "$bin" ab "$@" --allocators quilt \
+            --toggle-collect="<*$type as quilt_alloc::api::DeviceAllocator>::*" \
+            --callgrind-out-file="$out/$name.$it.cg" "$bin" ab "$@" --allocators "$allocator" \
             --iterations "$it" --jobs 1 --no-bisect >/dev/null 2>"$out/$name.$it.log"
     done
 }
@@ -94,7 +99,9 @@ rows)
     ;;
 traces)
     for t in "${traces[@]}"; do
-        ab "$(basename "$t" .trace)" --trace "$t"
+        ab "$(basename "$t" .trace)" --trace "$t" &
+        ab_of classic CachingAllocator "classic-$(basename "$t" .trace)" --trace "$t" &
+        wait
     done
     ;;
 sizes)
@@ -124,9 +131,11 @@ def row(name, per_op):
     ir, _, _, i1, d1r, d1w = per_op[:6]
     print(f"{name:24s} {ir:9.0f} {i1:7.1f} {d1r:7.1f} {d1w:7.1f}")
 
-def steady(name, n):
+def steady(name, n, label=None):
     four, two = collected(f"{out}/{name}.4.log"), collected(f"{out}/{name}.2.log")
-    row(name, [(a - b) / (2 * n) for a, b in zip(four, two)])
+    per_op = [(a - b) / (2 * n) for a, b in zip(four, two)]
+    row(label or name, per_op)
+    return per_op[0]
 
 def events(path):
     return sum(1 for _ in open(path))
@@ -138,8 +147,15 @@ if mode == "rows":
     for s in (1, 64):
         row(f"scale{s}", [x / 40000 for x in collected(f"{out}/scale{s}.log")])
 elif mode == "traces":
+    ratios = []
     for t in traces:
-        steady(os.path.basename(t)[: -len(".trace")] if t.endswith(".trace") else os.path.basename(t), events(t))
+        name = os.path.basename(t)[: -len(".trace")] if t.endswith(".trace") else os.path.basename(t)
+        quilt = steady(name, events(t))
+        classic = steady(f"classic-{name}", events(t), f"  classic")
+        ratios.append(quilt / classic)
+        print(f"  {'quilt/classic':22s} {quilt / classic:9.2f}")
+    ratios.sort()
+    print(f"quilt/classic instr/op: median {ratios[len(ratios) // 2]:.2f} (upper), max {ratios[-1]:.2f}")
 else:
     for a in ("quilt", "classic"):
         for streams in (1, 4):
