@@ -113,14 +113,14 @@ def scenario_loads():
     import torch
 
     qt = quilt()
-    lib = qt._allocator_library(torch)
+    lib = qt._bridge.allocator_library(torch)
     version = lib.quilt_allocator_torch_version().decode()
     check(torch.__version__.startswith(version), "compiled against {}, running {}", version, torch.__version__)
     for name in ("quilt_allocator_install", "quilt_allocator_try_malloc", "quilt_allocator_free"):
         check(hasattr(lib, name), "the allocator class lacks {}", name)
     for name in ("quilt_torch_malloc", "quilt_torch_free", "quilt_device_stats", "quilt_segments",
                  "quilt_history_since", "quilt_pool_create_or_incref", "quilt_pool_release"):
-        check(qt._function_address(name), "the library lacks {}", name)
+        check(qt._install._function_address(name), "the library lacks {}", name)
     check(lib.quilt_allocator_installed() == 0, "installed before enable()")
     torch.cuda.memory.CUDAPluggableAllocator(qt.library_path(), "quilt_malloc", "quilt_free")
 
@@ -288,9 +288,9 @@ def scenario_broken_source():
 
     qt = quilt()
     broken = os.path.join(tempfile.mkdtemp(prefix="quilt-broken-"), "torch_allocator.cpp")
-    with open(qt._ALLOCATOR_SOURCE) as f, open(broken, "w") as g:
+    with open(qt._bridge._ALLOCATOR_SOURCE) as f, open(broken, "w") as g:
         g.write(f.read().replace("void init(int /*device_count*/) override", "void init(int, int) override"))
-    qt._ALLOCATOR_SOURCE = broken
+    qt._bridge._ALLOCATOR_SOURCE = broken
     try:
         qt.enable()
         raise AssertionError("enable() installed a class that does not compile")
@@ -298,7 +298,7 @@ def scenario_broken_source():
         message = str(exc)
     for word in ("torch " + torch.__version__, "failed", "nothing was installed", "error"):
         check(word in message, "the message lacks {!r}: {}", word, message[:600])
-    check(getattr(torch.cuda.memory, qt._ENABLED_ATTR, None) is None, "marked as enabled")
+    check(getattr(torch.cuda.memory, qt._install._ENABLED_ATTR, None) is None, "marked as enabled")
 
 
 def scenario_refuse(expect_type, *words):
@@ -314,9 +314,9 @@ def scenario_refuse(expect_type, *words):
         raise AssertionError("enable() accepted QUILT_ALLOC_CONF={}".format(os.environ["QUILT_ALLOC_CONF"]))
     for word in words:
         check(word in message, "the message lacks {!r}: {}", word, message)
-    lib = qt._allocator if qt._allocator is not None else None
+    lib = qt._bridge._allocator
     check(lib is None or lib.quilt_allocator_installed() == 0, "a refused enable() installed the allocator")
-    check(getattr(torch.cuda.memory, qt._ENABLED_ATTR, None) is None, "marked as enabled")
+    check(getattr(torch.cuda.memory, qt._install._ENABLED_ATTR, None) is None, "marked as enabled")
 
 
 # -- snapshots and torch's viewer -------------------------------------------
@@ -595,7 +595,7 @@ def scenario_enable_from_threads():
 
     qt = quilt()
     calls = {"check": 0, "build": 0}
-    check_configuration, allocator_library = qt.check_configuration, qt._allocator_library
+    check_configuration, allocator_library = qt._install.check_configuration, qt._bridge.allocator_library
 
     def slow_check():
         calls["check"] += 1
@@ -606,7 +606,7 @@ def scenario_enable_from_threads():
         calls["build"] += 1
         return allocator_library(torch)
 
-    qt.check_configuration, qt._allocator_library = slow_check, counted_build
+    qt._install.check_configuration, qt._bridge.allocator_library = slow_check, counted_build
     start = threading.Barrier(4)
     got = []
 

@@ -99,7 +99,7 @@ class Deployment(unittest.TestCase):
         try:
             time.sleep(0.05)
             if ALLOCATOR == "quilt":
-                held = quilt_torch._lock
+                held = quilt_torch._clib._lock
                 held.acquire()  # as another thread inside quilt_torch would
             try:
                 pid = os.fork()
