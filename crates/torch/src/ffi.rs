@@ -21,6 +21,23 @@ thread_local! {
     static CURRENT_TAG: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
+/// The version of the C ABI that this library, torch's allocator class
+/// (`python/quilt_torch/torch_allocator.cpp`) and the Python package share:
+/// the functions and structs of the header `python/quilt_torch/quilt_torch.h`,
+/// which cbindgen generates from this crate (`tests/header.rs` fails while it
+/// is stale). The class and the package check it when they load the library,
+/// so that a library and a package of different builds refuse each other
+/// rather than misread a struct. Raise it with any change to an exported
+/// function or struct.
+pub const QUILT_TORCH_ABI_VERSION: u32 = 1;
+
+/// The C ABI version this library was built with
+/// ([`QUILT_TORCH_ABI_VERSION`]).
+#[no_mangle]
+pub extern "C" fn quilt_abi_version() -> u32 {
+    QUILT_TORCH_ABI_VERSION
+}
+
 /// The calling thread's current tag, as `quilt_current_tag` gives it.
 pub fn current_tag() -> Option<String> {
     CURRENT_TAG.with(|t| t.borrow().clone())
