@@ -713,6 +713,13 @@ impl Library {
         }
     }
 
+    /// torch's `setNoSplit` ([`PrivatePools::set_no_split`]).
+    pub fn pool_set_no_split(&self, device: i32, id: PoolId) -> Result<(), String> {
+        let d = self.device(device)?;
+        let done = d.pools().set_no_split(id);
+        done
+    }
+
     /// torch's `getPoolUseCount`.
     pub fn pool_use_count(&self, device: i32, id: PoolId) -> Result<u32, String> {
         let d = self.device(device)?;

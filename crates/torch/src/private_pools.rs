@@ -113,6 +113,8 @@ fn free_key(ptr: u64, b: &Block) -> FreeKey {
 #[derive(Debug, Default)]
 struct Pool {
     use_count: u32,
+    /// torch's `setNoSplit`: its blocks are its segments, handed out whole.
+    no_split: bool,
 }
 
 /// What happens to a freed pointer ([`PrivatePools::free`]).
@@ -213,6 +215,23 @@ impl PrivatePools {
     /// Whether `id` exists and is used (allocations may go into it).
     pub fn is_used(&self, id: PoolId) -> bool {
         self.use_count(id) > 0
+    }
+
+    /// torch's `setNoSplit`: pool `id` hands its segments out whole, never
+    /// split nor merged (a segment serves a request when it does not waste
+    /// more than the request or 1 MiB, whichever is more). An error for a
+    /// pool that does not exist.
+    pub fn set_no_split(&mut self, id: PoolId) -> Result<(), String> {
+        let pool = self
+            .pools
+            .get_mut(&id)
+            .ok_or_else(|| format!("setNoSplit of pool {id:?}, which does not exist"))?;
+        pool.no_split = true;
+        Ok(())
+    }
+
+    fn is_no_split(&self, id: PoolId) -> bool {
+        self.pools.get(&id).is_some_and(|p| p.no_split)
     }
 
     /// torch's `releasePool`: one use fewer. At 0 the addresses of the
@@ -324,7 +343,9 @@ impl PrivatePools {
         };
         self.free_blocks.remove(&free_key(ptr, &b));
         let rest = b.size - want;
-        let split = if b.small {
+        let split = if self.is_no_split(b.pool) {
+            false
+        } else if b.small {
             rest >= MIN_BLOCK
         } else {
             rest > SMALL_REQUEST
@@ -356,9 +377,14 @@ impl PrivatePools {
         }
         let want = block_size(size);
         let small = is_small(want);
+        let most = if self.is_no_split(id) {
+            want.saturating_add(want.max(SMALL_REQUEST))
+        } else {
+            u64::MAX
+        };
         let found = self
             .free_blocks
-            .range((id, stream, small, want, 0)..=(id, stream, small, u64::MAX, u64::MAX))
+            .range((id, stream, small, want, 0)..=(id, stream, small, most, u64::MAX))
             .next()
             .map(|k| k.4);
         Ok(found.filter(|&ptr| self.carve(ptr, size)))
@@ -371,7 +397,7 @@ impl PrivatePools {
     /// None for a small request or where no such block is.
     pub fn extension(&self, id: PoolId, size: u64, stream: u64) -> Option<(u64, u64)> {
         let want = block_size(size);
-        if is_small(want) {
+        if is_small(want) || self.is_no_split(id) {
             return None;
         }
         let (t, ptr) = self
@@ -506,6 +532,10 @@ impl PrivatePools {
         let Some(mut b) = self.blocks.get(&ptr).copied() else {
             return ptr;
         };
+        if self.is_no_split(b.pool) {
+            self.insert_free(ptr, b);
+            return ptr;
+        }
         let end = ptr + b.size;
         let mut start = ptr;
         if let Some((&p, prev)) = self.blocks.range(..ptr).next_back() {
@@ -1001,7 +1031,7 @@ mod tests {
                     return Err(format!("free block {ptr:#x} is not indexed"));
                 }
                 if let Some(n) = p.blocks.get(&(ptr + b.size)) {
-                    if b.merges_with(n) {
+                    if b.merges_with(n) && !p.is_no_split(b.pool) {
                         return Err(format!(
                             "free blocks {ptr:#x} and {:#x} not merged",
                             ptr + b.size
@@ -1245,6 +1275,35 @@ mod tests {
         assert_eq!(p.free(s + 4 * MIB).unwrap().0, Freed::Released(vec![s]));
         assert_eq!(p.pool_count(), 0);
         assert!(p.is_empty());
+        check_books(&p).unwrap();
+    }
+
+    #[test]
+    fn a_no_split_pool_hands_its_segments_out_whole() {
+        let mut p = PrivatePools::default();
+        assert!(p.set_no_split(A).is_err(), "no such pool");
+        p.create_or_incref(A);
+        p.set_no_split(A).unwrap();
+        let s = 0x4000_0000u64;
+        p.adopt(A, s, 16 * MIB, 9 * MIB, 0).unwrap();
+        p.adopt(A, s + 16 * MIB, 4 * MIB, 4 * MIB, 0).unwrap();
+        assert_eq!(p.figures().live.0, 20 * MIB, "not split");
+        assert_eq!(p.extension(A, 64 * MIB, 0), None);
+        p.free(s).unwrap();
+        p.free(s + 16 * MIB).unwrap();
+        assert_eq!(p.kept_free(), (20 * MIB, 2), "side by side, not merged");
+        assert_eq!(
+            p.take(A, 5 * MIB, 0).unwrap(),
+            None,
+            "16 MiB wastes too much for 5"
+        );
+        assert_eq!(p.take(A, 8 * MIB, 0).unwrap(), Some(s));
+        assert_eq!(p.take(A, 3 * MIB, 0).unwrap(), Some(s + 16 * MIB));
+        check_books(&p).unwrap();
+        let state = p.checkpoint(A).unwrap();
+        p.free(s).unwrap();
+        p.restore(A, &state).unwrap();
+        assert_eq!(p.checkpoint(A).unwrap(), state);
         check_books(&p).unwrap();
     }
 
