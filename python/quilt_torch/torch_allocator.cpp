@@ -121,6 +121,7 @@ struct Api {
   int (*pool_incref)(int, uint64_t, uint64_t);
   int (*pool_release)(int, uint64_t, uint64_t);
   int (*pool_use_count)(int, uint64_t, uint64_t);
+  int (*pool_set_no_split)(int, uint64_t, uint64_t);
   double (*get_fraction)(int);
   int (*try_set_fraction)(double, int);
   size_t (*segments)(int, QuiltSegment*, size_t, QuiltBlock*, size_t, size_t*);
@@ -641,8 +642,10 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     // Quilt serves an out of memory from its own pages only: a pool's free
     // blocks stay the pool's. (Called from ~MemPool: never throws.)
   }
-  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
-    // Quilt hands a pool's blocks out whole: none is ever split.
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    // The pool hands its segments out whole, never split (Quilt splits and
+    // merges the blocks of other pools as torch does).
+    TORCH_CHECK(api.pool_set_no_split(device, id.first, id.second) == 0, "Quilt: ", last_error());
   }
   // torch.compile's CUDA graph trees (mode="reduce-overhead",
   // backend="cudagraphs") check a private pool's live blocks, checkpoint its
@@ -930,6 +933,7 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_pool_create_or_incref", a.pool_incref) &&
             resolve(h, "quilt_pool_release", a.pool_release) &&
             resolve(h, "quilt_pool_use_count", a.pool_use_count) &&
+            resolve(h, "quilt_pool_set_no_split", a.pool_set_no_split) &&
             resolve(h, "quilt_get_memory_fraction", a.get_fraction) &&
             resolve(h, "quilt_try_set_memory_fraction", a.try_set_fraction) &&
             resolve(h, "quilt_segments", a.segments) &&

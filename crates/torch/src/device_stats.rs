@@ -3,9 +3,9 @@
 //! (`python/quilt_torch/torch_allocator.cpp`) copies into torch's.
 //!
 //! Quilt has no small and large pools: the figures are the `all` ones.
-//! What Quilt counts as allocated but torch as freed, the free blocks kept by
-//! private pools ([`PoolFigures`]), is moved from allocated and active to
-//! reserved-but-free. The segments are those a snapshot shows. The totals
+//! Quilt counts a private pool's segments as allocated; torch counts the
+//! blocks the pool hands out of them ([`PoolFigures`]): the free blocks a
+//! pool keeps are reserved but not allocated. The segments are those a snapshot shows. The totals
 //! (`allocated`, `freed`, and the counts of out of memory, retries and
 //! driver allocations) count from torch's last `resetAccumulatedStats`.
 
@@ -87,32 +87,32 @@ fn i(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// The nine statistics of `raw`, with the pools' kept blocks moved from
-/// allocated and active (bytes: `bytes`, blocks: `blocks`) to free, in
-/// [`QuiltDeviceStats`] order.
+/// The nine statistics of `raw`, with the pools' segments (which Quilt
+/// counts as allocated and active) replaced by the blocks the pools hand
+/// out, in [`QuiltDeviceStats`] order.
 fn adjusted(raw: &AllocatorStats, pools: &PoolFigures) -> [Stat; 9] {
-    let bytes = |s: &Stat| Stat {
-        current: s.current.saturating_sub(pools.kept_bytes),
+    let bytes = |s: &Stat, live: u64| Stat {
+        current: (s.current + live).saturating_sub(pools.segments.0),
         peak: s.peak,
-        allocated: s.allocated + pools.reused_total.0,
-        freed: s.freed + pools.kept_total.0.saturating_sub(pools.released_total.0),
+        allocated: (s.allocated + pools.handed_total.0).saturating_sub(pools.segments_total.0),
+        freed: (s.freed + pools.returned_total.0).saturating_sub(pools.segments_freed_total.0),
     };
     let blocks = |s: &Stat| Stat {
-        current: s.current.saturating_sub(pools.kept_blocks),
+        current: (s.current + pools.live.1).saturating_sub(pools.segments.1),
         peak: s.peak,
-        allocated: s.allocated + pools.reused_total.1,
-        freed: s.freed + pools.kept_total.1.saturating_sub(pools.released_total.1),
+        allocated: (s.allocated + pools.handed_total.1).saturating_sub(pools.segments_total.1),
+        freed: (s.freed + pools.returned_total.1).saturating_sub(pools.segments_freed_total.1),
     };
     [
         blocks(&raw.allocation),
         raw.segment,
         blocks(&raw.active),
         raw.inactive_split,
-        bytes(&raw.allocated_bytes),
+        bytes(&raw.allocated_bytes, pools.live.0),
         raw.reserved_bytes,
-        bytes(&raw.active_bytes),
+        bytes(&raw.active_bytes, pools.live.0),
         raw.inactive_split_bytes,
-        bytes(&raw.requested_bytes),
+        bytes(&raw.requested_bytes, pools.live_requested),
     ]
 }
 
@@ -196,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn kept_pool_blocks_are_reserved_not_allocated_and_totals_reset() {
+    fn pool_segments_count_their_handed_out_blocks_and_totals_reset() {
         let raw = AllocatorStats {
             allocated_bytes: stat(10 << 20, 12 << 20, 30 << 20),
             reserved_bytes: stat(16 << 20, 16 << 20, 16 << 20),
@@ -204,12 +204,17 @@ mod tests {
             num_ooms: 2,
             ..AllocatorStats::default()
         };
+        // One of Quilt's three blocks is a pool's segment of 8 MiB, with
+        // three blocks of 4 MiB in all handed out of it now.
         let pools = PoolFigures {
+            segments: (8 << 20, 1),
+            live: (4 << 20, 3),
+            live_requested: 3 << 20,
             kept_bytes: 4 << 20,
-            kept_blocks: 1,
-            kept_total: (6 << 20, 2),
-            reused_total: (2 << 20, 1),
-            released_total: (0, 0),
+            segments_total: (8 << 20, 1),
+            segments_freed_total: (0, 0),
+            handed_total: (6 << 20, 5),
+            returned_total: (2 << 20, 2),
         };
         let s = torch_stats(
             &raw,
@@ -224,8 +229,9 @@ mod tests {
             s.allocated_bytes.allocated - s.allocated_bytes.freed,
             s.allocated_bytes.current
         );
-        assert_eq!(s.allocation.current, 2);
-        assert_eq!(s.allocation.allocated - s.allocation.freed, 2);
+        assert_eq!(s.allocation.current, 5);
+        assert_eq!(s.allocation.allocated - s.allocation.freed, 5);
+        assert_eq!(s.pool_kept_bytes, 4 << 20);
         assert_eq!(s.reserved_bytes.current, 16 << 20);
         assert!(s.reserved_bytes.current >= s.allocated_bytes.current);
         assert_eq!((s.segment.current, s.segment.peak), (2, 3));

@@ -605,6 +605,17 @@ pub extern "C" fn quilt_pool_release(device: c_int, first: u64, second: u64) -> 
     })
 }
 
+/// torch's `setNoSplit`: the pool hands its segments out whole. 0 on
+/// success, 1 on error (a pool that does not exist).
+#[no_mangle]
+pub extern "C" fn quilt_pool_set_no_split(device: c_int, first: u64, second: u64) -> c_int {
+    guard(1, || {
+        library()
+            .pool_set_no_split(device, (first, second))
+            .map(|()| 0)
+    })
+}
+
 /// torch's `getPoolUseCount`; -1 on error.
 #[no_mangle]
 pub extern "C" fn quilt_pool_use_count(device: c_int, first: u64, second: u64) -> c_int {

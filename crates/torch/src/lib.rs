@@ -41,6 +41,7 @@
 //! int    quilt_pool_create_or_incref(int device, uint64_t first, uint64_t second);
 //! int    quilt_pool_release(int device, uint64_t first, uint64_t second);
 //! int    quilt_pool_use_count(int device, uint64_t first, uint64_t second);
+//! int    quilt_pool_set_no_split(int device, uint64_t first, uint64_t second);
 //! double quilt_get_memory_fraction(int device);
 //! size_t quilt_segments(int device, QuiltSegment* segs, size_t seg_len,
 //!                       QuiltBlock* blocks, size_t block_len, size_t* blocks_needed);

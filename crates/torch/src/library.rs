@@ -22,7 +22,7 @@ use crate::device_stats::{self, Accumulated, QuiltDeviceStats};
 use crate::history::History;
 use crate::listing::{self, QuiltBlock, QuiltSegment, QuiltTraceEntry};
 use crate::private_pools::{
-    CheckpointBlock, Freed, PoolBlock, PoolFigures, PoolId, PrivatePools, Restored,
+    self, CheckpointBlock, Freed, PoolBlock, PoolFigures, PoolId, PrivatePools, Restored,
 };
 use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
 
@@ -215,8 +215,10 @@ impl Device {
             let mut pools = self.pools();
             match pools.free(ptr)? {
                 (Freed::KeptByPool, Some(b)) => return Ok(Some((b, true))),
-                (Freed::BackToQuilt, Some(b)) => {
-                    self.alloc.free(ptr).map_err(|e| e.to_string())?;
+                (Freed::Released(segments), Some(b)) => {
+                    for s in segments {
+                        self.alloc.free(s).map_err(|e| e.to_string())?;
+                    }
                     return Ok(Some((b, false)));
                 }
                 _ => {}
@@ -504,15 +506,54 @@ impl Library {
                 return Ok((ptr, seq));
             }
         }
+        // Into a pool: first, a segment right after a free block at the end
+        // of the pool's memory, so that the two serve the request; Quilt
+        // places it where it will, so one placed elsewhere (handed out to
+        // nobody yet) goes back at once.
+        if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
+            if let Some((end, extra)) = p.extension(id, size, stream) {
+                let made = match tag {
+                    Some(t) => d.alloc.allocate_tagged(extra, s, t),
+                    None => d.alloc.allocate(extra, s),
+                };
+                if let Ok(a) = made {
+                    if a.ptr == end {
+                        p.adopt_free(id, a.ptr, extra, stream)
+                            .map_err(MallocFailure::other)?;
+                        if let Some(ptr) = p.take(id, size, stream).map_err(MallocFailure::other)? {
+                            self.sync_segments(d, "quilt_malloc");
+                            let seq = self.history.record(
+                                device,
+                                "alloc",
+                                ptr,
+                                size,
+                                stream,
+                                "quilt_malloc",
+                            );
+                            return Ok((ptr, seq));
+                        }
+                    } else {
+                        d.alloc
+                            .free(a.ptr)
+                            .map_err(|e| MallocFailure::other(e.to_string()))?;
+                    }
+                }
+            }
+        }
+        // Into a pool: a segment the pool carves its blocks from.
+        let quilt_size = match pool {
+            Some(_) => private_pools::segment_size(size),
+            None => size,
+        };
         let made = match tag {
-            Some(t) => d.alloc.allocate_tagged(size, s, t),
-            None => d.alloc.allocate(size, s),
+            Some(t) => d.alloc.allocate_tagged(quilt_size, s, t),
+            None => d.alloc.allocate(quilt_size, s),
         };
         self.sync_segments(d, "quilt_malloc");
         match made {
             Ok(a) => {
                 if let (Some(id), Some(p)) = (pool, pools.as_mut()) {
-                    if let Err(e) = p.adopt(id, a.ptr, size, stream) {
+                    if let Err(e) = p.adopt(id, a.ptr, quilt_size, size, stream) {
                         let _ = d.alloc.free(a.ptr);
                         return Err(MallocFailure::other(e));
                     }
@@ -670,6 +711,13 @@ impl Library {
                 errors.join("; ")
             ))
         }
+    }
+
+    /// torch's `setNoSplit` ([`PrivatePools::set_no_split`]).
+    pub fn pool_set_no_split(&self, device: i32, id: PoolId) -> Result<(), String> {
+        let d = self.device(device)?;
+        let done = d.pools().set_no_split(id);
+        done
     }
 
     /// torch's `getPoolUseCount`.
@@ -877,7 +925,14 @@ impl Library {
             let pools = lock(&d.pools);
             starts.insert(
                 d.index,
-                snapshot::viewer_start(&memory, |a| pools.is_kept_free(a)),
+                snapshot::viewer_start(&memory, |a| {
+                    pools.pieces(a).map(|ps| {
+                        ps.iter()
+                            .filter(|p| p.live && p.begins)
+                            .map(|p| (p.ptr, p.requested))
+                            .collect()
+                    })
+                }),
             );
         }
         let traces = snapshot::viewer_replay::for_viewer(&self.history.entries(), &starts);
@@ -957,6 +1012,21 @@ impl Library {
             return Err("record_stream of a null pointer".into());
         }
         for d in self.existing() {
+            // A block of a pool's segment: the segment is used on `stream`
+            // (when it goes back to Quilt, Quilt waits for that work).
+            let segments = if d.pools_in_use.load(Ordering::Acquire) {
+                d.pools().segments_under(ptr)
+            } else {
+                Vec::new()
+            };
+            if !segments.is_empty() {
+                for s in segments {
+                    d.alloc
+                        .record_stream(s, d.stream(stream))
+                        .map_err(|e| e.to_string())?;
+                }
+                return Ok(());
+            }
             match d.alloc.record_stream(ptr, d.stream(stream)) {
                 Ok(()) => return Ok(()),
                 Err(AllocError::UnknownPointer { .. }) => continue,

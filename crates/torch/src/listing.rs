@@ -102,8 +102,8 @@ pub fn trace_entry(device: i32, t: &TraceEntry) -> QuiltTraceEntry {
     }
 }
 
-/// Append `memory`'s segments and blocks to `segs` and `blocks`; the free
-/// blocks `pools` keep are [`BLOCK_INACTIVE`].
+/// Append `memory`'s segments and blocks to `segs` and `blocks`; a private
+/// pool's segment shows the pool's blocks, the free ones [`BLOCK_INACTIVE`].
 pub fn segments(
     memory: &DeviceMemory,
     pools: &PrivatePools,
@@ -113,8 +113,23 @@ pub fn segments(
     for s in &memory.segments.segments {
         let first = blocks.len();
         for b in &s.blocks {
+            if b.state == BlockState::Active {
+                if let Some(pieces) = pools.pieces(b.address) {
+                    // A pool's segment: its blocks, handed out or free.
+                    blocks.extend(pieces.iter().map(|p| QuiltBlock {
+                        address: p.ptr,
+                        size: p.size,
+                        requested: p.requested,
+                        state: if p.live {
+                            BLOCK_ACTIVE_ALLOCATED
+                        } else {
+                            BLOCK_INACTIVE
+                        },
+                    }));
+                    continue;
+                }
+            }
             let state = match b.state {
-                BlockState::Active if pools.is_kept_free(b.address) => BLOCK_INACTIVE,
                 BlockState::Active => BLOCK_ACTIVE_ALLOCATED,
                 BlockState::PendingFree => BLOCK_ACTIVE_PENDING_FREE,
                 BlockState::Inactive | BlockState::Unmapped => BLOCK_INACTIVE,
@@ -167,7 +182,7 @@ mod tests {
     use quilt_vmm::StreamId;
 
     #[test]
-    fn blocks_tile_their_segments_and_kept_pool_blocks_are_free() {
+    fn blocks_tile_their_segments_and_pool_segments_show_their_blocks() {
         let block = |address, size, state| BlockInfo {
             address,
             size,
@@ -195,8 +210,8 @@ mod tests {
         };
         let mut pools = PrivatePools::default();
         pools.create_or_incref((1, 0));
-        pools.adopt((1, 0), 0x2000, 0x1000, 7).unwrap();
-        pools.free(0x2000).unwrap();
+        // A pool's segment, carved: its blocks replace Quilt's one.
+        pools.adopt((1, 0), 0x2000, 0x1000, 0x700, 7).unwrap();
         let (mut segs, mut blocks) = (Vec::new(), Vec::new());
         segments(&memory, &pools, &mut segs, &mut blocks);
         assert_eq!(segs.len(), 2);
@@ -210,10 +225,18 @@ mod tests {
             states,
             [
                 BLOCK_ACTIVE_ALLOCATED,
+                BLOCK_ACTIVE_ALLOCATED,
                 BLOCK_INACTIVE,
                 BLOCK_INACTIVE,
                 BLOCK_INACTIVE
             ]
+        );
+        assert_eq!(
+            blocks[1..3]
+                .iter()
+                .map(|b| (b.address, b.size, b.requested))
+                .collect::<Vec<_>>(),
+            [(0x2000, 0x800, 0x700), (0x2800, 0x800, 0)]
         );
         assert_eq!(action_number("segment_unmap"), 6);
         assert_eq!(action_number("oom"), 8);

@@ -197,11 +197,12 @@ fn trace_entry(t: &TraceEntry) -> Value {
 
 /// What PyTorch's viewer starts its replay of `memory`'s device from: the
 /// segments a snapshot shows (the pool's unmapped pages as the segment at
-/// address 0 included) and the live blocks, less those `kept_free` says
-/// are shown `inactive` (free blocks a private pool keeps).
+/// address 0 included) and the live blocks, those of a private pool's
+/// segment as `pool_live` gives them for its address (the pool's blocks
+/// handed out, as address and bytes asked for).
 pub fn viewer_start(
     memory: &DeviceMemory,
-    kept_free: impl Fn(u64) -> bool,
+    pool_live: impl Fn(u64) -> Option<Vec<(u64, u64)>>,
 ) -> viewer_replay::ViewerStart {
     let mut start = viewer_replay::ViewerStart::default();
     for s in &memory.segments.segments {
@@ -210,16 +211,16 @@ pub fn viewer_start(
             size: s.total_size,
             stream: s.stream.0,
         });
-        start.blocks.extend(
-            s.blocks
-                .iter()
-                .filter(|b| match b.state {
-                    BlockState::Active => !kept_free(b.address),
-                    BlockState::PendingFree => true,
-                    BlockState::Inactive | BlockState::Unmapped => false,
-                })
-                .map(|b| (b.address, b.requested)),
-        );
+        for b in &s.blocks {
+            match b.state {
+                BlockState::Active => match pool_live(b.address) {
+                    Some(live) => start.blocks.extend(live),
+                    None => start.blocks.push((b.address, b.requested)),
+                },
+                BlockState::PendingFree => start.blocks.push((b.address, b.requested)),
+                BlockState::Inactive | BlockState::Unmapped => {}
+            }
+        }
     }
     if memory.unmapped_pool_bytes > 0 {
         start.segments.push(Run {
@@ -240,7 +241,7 @@ pub fn snapshot(
 ) -> Value {
     let shown: BTreeMap<i32, viewer_replay::ViewerStart> = devices
         .iter()
-        .map(|d| (d.device, viewer_start(d, |_| false)))
+        .map(|d| (d.device, viewer_start(d, |_| None)))
         .collect();
     let traces = viewer_replay::for_viewer(traces, &shown);
     let mut segments = Vec::new();
