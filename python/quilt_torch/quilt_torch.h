@@ -18,24 +18,24 @@
 #define QUILT_TORCH_ABI_VERSION 1
 
 // The most devices the library serves: indices 0 to `MAX_DEVICES - 1`.
-#define MAX_DEVICES 256
+#define QUILT_MAX_DEVICES 256
 
 // `quilt_sleep`'s flag: drop the contents instead of copying them to host
 // memory ([`SleepMode::Discard`]).
-#define SLEEP_DISCARD 1
+#define QUILT_SLEEP_DISCARD 1
 
 // `quilt_sleep`'s flag: release the pages to the device (`cuMemRelease`)
 // instead of keeping them in Quilt's pool ([`SleepPages::ReleaseToDevice`]).
-#define SLEEP_RELEASE 2
+#define QUILT_SLEEP_RELEASE 2
 
 // A block's state: handed out.
-#define BLOCK_ACTIVE_ALLOCATED 0
+#define QUILT_BLOCK_ACTIVE_ALLOCATED 0
 
 // Freed, waiting for another stream's work.
-#define BLOCK_ACTIVE_PENDING_FREE 1
+#define QUILT_BLOCK_ACTIVE_PENDING_FREE 1
 
 // Free.
-#define BLOCK_INACTIVE 2
+#define QUILT_BLOCK_INACTIVE 2
 
 // What `quilt_torch_malloc` made.
 typedef struct QuiltAllocation {
@@ -162,10 +162,10 @@ typedef struct QuiltTraceEntry {
 
 // One block of a pool as a checkpoint keeps it ([`PrivatePools::checkpoint`]),
 // laid out as the C struct `QuiltPoolBlock` of torch's allocator class.
-typedef struct CheckpointBlock {
+typedef struct QuiltPoolBlock {
   // Its address.
   uint64_t ptr;
-  // The bytes Quilt allocated for it.
+  // Its bytes.
   uint64_t size;
   // The bytes torch asked for when it was last handed out.
   uint64_t requested;
@@ -173,7 +173,7 @@ typedef struct CheckpointBlock {
   uint64_t stream;
   // 1: handed out at the checkpoint; 0: free, kept by the pool.
   int32_t live;
-} CheckpointBlock;
+} QuiltPoolBlock;
 
 #ifdef __cplusplus
 extern "C" {
@@ -352,6 +352,10 @@ int quilt_pool_create_or_incref(int device, uint64_t first, uint64_t second);
 // torch's `releasePool`. 0 on success, 1 on error.
 int quilt_pool_release(int device, uint64_t first, uint64_t second);
 
+// torch's `setNoSplit`: the pool hands its segments out whole. 0 on
+// success, 1 on error (a pool that does not exist).
+int quilt_pool_set_no_split(int device, uint64_t first, uint64_t second);
+
 // torch's `getPoolUseCount`; -1 on error.
 int quilt_pool_use_count(int device, uint64_t first, uint64_t second);
 
@@ -419,7 +423,7 @@ int quilt_enable_peer_access(int device, int peer);
 int quilt_pool_checkpoint(int device,
                           uint64_t first,
                           uint64_t second,
-                          struct CheckpointBlock *out,
+                          struct QuiltPoolBlock *out,
                           size_t len,
                           size_t *count);
 
@@ -442,9 +446,9 @@ int quilt_pool_checkpoint(int device,
 int quilt_pool_restore(int device,
                        uint64_t first,
                        uint64_t second,
-                       const struct CheckpointBlock *state,
+                       const struct QuiltPoolBlock *state,
                        size_t n,
-                       struct CheckpointBlock *freed,
+                       struct QuiltPoolBlock *freed,
                        size_t freed_len,
                        size_t *freed_count);
 

@@ -5,12 +5,8 @@ addresses."""
 
 import contextlib
 
-from ._clib import check, last_error, library, read_string
+from ._clib import check, constant, last_error, library, read_string
 from .errors import QuiltError
-
-# quilt_sleep's flags.
-_SLEEP_DISCARD = 1
-_SLEEP_RELEASE = 2
 
 
 def _tag_bytes(name):
@@ -83,7 +79,9 @@ def sleep(name, offload=True, release=False):
             the message says which.
     """
     encoded = _tag_bytes(name)
-    flags = (0 if offload else _SLEEP_DISCARD) | (_SLEEP_RELEASE if release else 0)
+    flags = (0 if offload else constant("QUILT_SLEEP_DISCARD")) | (
+        constant("QUILT_SLEEP_RELEASE") if release else 0
+    )
     check(library().quilt_sleep(encoded, flags), "quilt_sleep({!r})".format(name))
 
 
