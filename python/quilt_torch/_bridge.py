@@ -4,6 +4,7 @@ once against the installed torch, cached, and loaded."""
 import ctypes
 import os
 
+from ._clib import HEADER
 from .errors import BridgeError
 
 # The environment variable naming the folder where the allocator class is
@@ -97,8 +98,8 @@ def allocator_library(torch):
             "allocator (c10/cuda/CUDACachingAllocator.h), which Quilt's allocator class "
             "is compiled against; a CUDA build of torch has them".format(version, torch_dir)
         )
-    with open(_ALLOCATOR_SOURCE, "rb") as f:
-        source = f.read()
+    with open(_ALLOCATOR_SOURCE, "rb") as f, open(HEADER, "rb") as h:
+        source = f.read() + b"\0" + h.read()  # the class and the ABI it includes
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), torch_dir.encode(), str(abi).encode()])
@@ -125,7 +126,7 @@ def allocator_library(torch):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         command = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC",
-                   "-D_GLIBCXX_USE_CXX11_ABI={}".format(abi), "-I", include]
+                   "-D_GLIBCXX_USE_CXX11_ABI={}".format(abi), "-I", os.path.dirname(HEADER), "-I", include]
         for d in cuda_dirs:
             command += ["-idirafter", d]
         command += [
