@@ -188,11 +188,9 @@ impl Hazard {
     /// Whether any of `memory` is memory this hazard's work may touch,
     /// whatever address it is mapped at now (a page moved under pressure).
     fn shares_memory(&self, memory: &[(u64, u64, u64)]) -> bool {
-        self.memory.iter().any(|&(m, s, e)| {
-            memory
-                .iter()
-                .any(|&(n, t, f)| m == n && s < f && t < e)
-        })
+        self.memory
+            .iter()
+            .any(|&(m, s, e)| memory.iter().any(|&(n, t, f)| m == n && s < f && t < e))
     }
 }
 
