@@ -123,6 +123,29 @@ fn an_allocator_blind_to_streams_is_caught_and_the_first_race_named() {
     assert_eq!((r.races, r.first_race), (0, None));
 }
 
+#[test]
+fn quilt_orders_a_block_on_the_rest_of_a_page_moved_under_pressure() {
+    // 20 MiB, ten pages: stream 1 fills them and frees 0..4 and 6..8 MiB
+    // (its work still queued); stream 2's 5 MiB fits no gap, so the three
+    // cached pages are moved under it at the top (20..25 MiB, its last page
+    // half used); stream 3's 1 MiB goes beside it, on the other half of
+    // that page: memory stream 1's work used, at another address. Found on
+    // `family-003` near its minimum capacity (`crates/alloc/tests/
+    // moved_page_hazards.rs` has the same steps against the allocator).
+    let t = trace(
+        "a 0 4194304 1\na 1 2097152 1\na 2 2097152 1\na 3 12582912 1\nf 0\nf 2\n\
+         a 4 5242880 2\na 5 1048576 3\nf 1\nf 3\nf 4\nf 5\n",
+    );
+    for allocator in ["quilt", "quilt:events=at_free"] {
+        let r = replay_fresh(&t, allocator, 20 << 20, &config(1)).unwrap();
+        assert!(r.completed, "{allocator}");
+        assert_eq!(r.races, 0, "{allocator}: {:?}", r.first_race);
+        // Stream 2 and stream 3 each wait for stream 1.
+        let waits = r.driver.count(quilt_vmm::CallKind::StreamWaitEvent);
+        assert_eq!(waits, 2, "{allocator}");
+    }
+}
+
 /// A loop as pipelined inference runs it: blocks made on a side stream
 /// (a copy), used on the compute stream (`record_stream`) and freed there,
 /// beside activations made and freed on the compute stream, with sizes and

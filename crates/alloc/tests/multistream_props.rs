@@ -23,9 +23,10 @@
 //!   keeps its physical backing (same handle, same offset) until the probe
 //!   completes; every page of a live block stays mapped.
 //! - **No reuse before the work is ordered.** An allocation on stream S that
-//!   overlaps a pending probe of another stream T is ordered after it: once S
-//!   is caught up, the probe has completed (S waited on T's work, or the
-//!   allocator synchronised T).
+//!   overlaps a pending probe of another stream T, by address or by the
+//!   simulated memory behind it (a page moved to another address under
+//!   pressure), is ordered after it: once S is caught up, the probe has
+//!   completed (S waited on T's work, or the allocator synchronised T).
 //! - **(b) Waits only where needed.** An allocation issues a
 //!   `cuStreamWaitEvent` only when its block overlaps memory that another
 //!   stream's work may still use (a pending probe of another stream); with
@@ -168,19 +169,37 @@ struct Live {
 }
 
 /// Memory that `stream`'s work may still touch until `probe` completes:
-/// `[start, end)` and the backing of each of its pages when it was freed.
+/// `[start, end)`, the backing of each of its pages when it was freed, and
+/// the simulated memory behind it then (`(memory, start, end)`).
 struct Hazard {
     start: u64,
     end: u64,
     stream: u64,
     probe: EventId,
     backing: Vec<(u64, Option<(PhysHandle, u64)>)>,
+    memory: Vec<(u64, u64, u64)>,
 }
 
 impl Hazard {
     fn overlaps(&self, start: u64, end: u64) -> bool {
         self.start < end && start < self.end
     }
+
+    /// Whether any of `memory` is memory this hazard's work may touch,
+    /// whatever address it is mapped at now (a page moved under pressure).
+    fn shares_memory(&self, memory: &[(u64, u64, u64)]) -> bool {
+        self.memory
+            .iter()
+            .any(|&(m, s, e)| memory.iter().any(|&(n, t, f)| m == n && s < f && t < e))
+    }
+}
+
+/// The simulated memory behind `start .. end`, as `(memory, start, end)`.
+fn memory_under(sim: &SimVmm, start: u64, end: u64) -> Vec<(u64, u64, u64)> {
+    sim.memory_pieces(start, end - start)
+        .into_iter()
+        .map(|p| (p.memory, p.offset, p.offset + p.len))
+        .collect()
 }
 
 struct Harness {
@@ -245,11 +264,13 @@ impl Harness {
         for (&p, l) in self.live.range(..end).rev().take(1) {
             prop_assert!(p + l.size <= start, "{:#x} overlaps live {:#x}", start, p);
         }
-        // Memory another stream's work may still touch, under the new block.
+        // Memory another stream's work may still touch, under the new
+        // block's addresses or behind them.
+        let memory = memory_under(&self.sim, start, end);
         let mut risky = Vec::new();
         for h in &self.hazards {
             if h.stream != stream
-                && h.overlaps(start, end)
+                && (h.overlaps(start, end) || h.shares_memory(&memory))
                 && !self.sim.event_query(h.probe).unwrap()
             {
                 risky.push(h.probe);
@@ -314,6 +335,7 @@ impl Harness {
         let backing: Vec<_> = pages(start, end)
             .map(|p| (p, self.sim.translate(p)))
             .collect();
+        let memory = memory_under(&self.sim, start, end);
         let users: BTreeSet<u64> = l.uses.iter().copied().chain([l.stream]).collect();
         for s in users {
             self.sim.queue_work(StreamId(s));
@@ -324,6 +346,7 @@ impl Harness {
                 stream: s,
                 probe,
                 backing: backing.clone(),
+                memory: memory.clone(),
             });
         }
         self.a.free(ptr).unwrap();

@@ -9,21 +9,24 @@ use quilt_vmm::VmmError;
 
 use super::config::AccessGranularity;
 use super::stitch::{pool_err, Core, Ctx, Kind, MappedAhead, PagesFor};
+use super::tiling::{Hazard, PieceId};
 use crate::error::AllocError;
 
 impl Core {
     /// Back the unmapped virtual pages `need` of arena `ai` (a block's on
-    /// stream `t`) with pool pages: one map per page, one set-access per
-    /// contiguous range. A retired page among them is unmapped first (its
-    /// work completed, by a synchronisation if need be: placement avoids
-    /// this); a pool page with a hazard orders `t` after that work first.
+    /// stream `t`, its piece `block` where the caller has it) with pool
+    /// pages: one map per page, one set-access per contiguous range. A
+    /// retired page among them is unmapped first (its work completed, by a
+    /// synchronisation if need be: placement avoids this); a pool page with
+    /// a hazard orders `t` after that work first, and the hazard stays over
+    /// the rest of the page ([`Core::keep_page_hazard`]).
     pub(super) fn back_pages(
         &mut self,
         ctx: &Ctx<'_>,
         ai: usize,
         size: u64,
         need: &[u64],
-        t: u32,
+        (t, block): (u32, Option<PieceId>),
     ) -> Result<(), AllocError> {
         let tick = self.tick;
         for &p in need {
@@ -96,19 +99,54 @@ impl Core {
                 at: self.tick,
             };
         }
-        // A page now mapped here (the block's, or left mapped by a failed
-        // undo) carries its hazard in its slot from now on; the pages given
-        // back keep theirs.
+        // A page now mapped here carries its hazard from now on: over the
+        // rest of the page beside the block, or in its slot where a failed
+        // undo left it mapped; the pages given back keep theirs.
         for (&p, pg) in need.iter().zip(&pages) {
             if self.arenas[ai].slot(p).phys == Some(*pg) {
-                if let Some((mask, k)) = self.page_hazards.remove(&pg.id) {
+                if let Some(hazard) = self.page_hazards.remove(&pg.id) {
                     if result.is_err() {
-                        self.arenas[ai].note_freed(p, mask, k);
+                        self.arenas[ai].note_freed(p, hazard.0, hazard.1);
+                    } else {
+                        self.keep_page_hazard(ai, p, hazard, block);
                     }
                 }
             }
         }
         result
+    }
+
+    /// The pool page just mapped at virtual page `p` of arena `ai` carried
+    /// the hazard `(streams, k)`: work of those streams up to tick `k`, at
+    /// another address, may still use it. The block it was taken for
+    /// ordered its stream after that work, but a block rarely fills its
+    /// page: the rest lies in the gaps beside it (no other block touches a
+    /// page that was unmapped), where the next block may be placed on the
+    /// same memory, on another stream. So the hazard goes over the page's
+    /// part in those gaps (the gaps beside `block`, or found from the
+    /// arena's start without it), joined to any hazard there; and on a
+    /// page no block touches (mapped ahead of a growable buffer), into its
+    /// slot too, which reclaim reads.
+    fn keep_page_hazard(
+        &mut self,
+        ai: usize,
+        p: u64,
+        (streams, k): (u64, u64),
+        block: Option<PieceId>,
+    ) {
+        let a = &mut self.arenas[ai];
+        let page = a.page;
+        let gaps = match block {
+            Some(b) => a.tiling.beside(b),
+            None => [a.gap_at(p * page), a.gap_at((p + 1) * page - 1)],
+        };
+        for gap in gaps.into_iter().flatten() {
+            a.tiling
+                .add_hazard_over(gap, Hazard::over(p * page, page, streams, k));
+        }
+        if a.slot(p).touch == 0 {
+            a.note_freed(p, streams, k);
+        }
     }
 
     /// The virtual pages of arena `ai` to map ahead of a block whose new

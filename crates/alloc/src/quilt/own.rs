@@ -67,7 +67,7 @@ impl Core {
             let hazard = self.arenas[ai].tiling.hazard_union(gap, from, to - from);
             self.set_extent(ai, from, to, None);
             if !need.is_empty() {
-                let backed = self.back_pages(ctx, ai, requested, &need, si);
+                let backed = self.back_pages(ctx, ai, requested, &need, (si, None));
                 if backed.is_err() {
                     self.set_extent(ai, to, from, None);
                     // The range gets back its hazards, as one.
@@ -187,7 +187,7 @@ impl Core {
             return Ok(0);
         }
         self.tick += 1;
-        let backed = self.back_pages(ctx, ai, n * ctx.page, &need, si);
+        let backed = self.back_pages(ctx, ai, n * ctx.page, &need, (si, None));
         let tick = self.tick;
         if self.reclaim_queue_kept {
             for &p in &need {

@@ -620,7 +620,7 @@ impl Core {
     ) -> Result<(), AllocError> {
         let (first, last) = self.arenas[ai].page_span(off, rounded);
         let need = self.arenas[ai].unmapped_in(first, last);
-        let backed = self.back_pages(ctx, ai, size, &need, si);
+        let backed = self.back_pages(ctx, ai, size, &need, (si, Some(piece)));
         if backed.is_err() {
             self.undo_occupy(ai, piece, off, rounded, hazard);
         }

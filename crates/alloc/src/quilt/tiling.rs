@@ -422,6 +422,86 @@ impl Tiling {
         self.slots[id as usize].pruned = NEVER;
     }
 
+    /// Note the hazard `h` over the part of gap `id` it covers, whatever
+    /// hazards lie there already: where it overlaps one, the two become one
+    /// naming the streams of both at the later tick (asking no less of any
+    /// stream than either did); elsewhere it is added as it is. Nothing
+    /// when `id` is no gap or `h` misses it.
+    pub(crate) fn add_hazard_over(&mut self, id: PieceId, h: Hazard) {
+        let Some((start, end)) = self.gap(id) else {
+            return;
+        };
+        let h = Hazard {
+            start: h.start.max(start),
+            end: h.end.min(end),
+            ..h
+        };
+        if h.start >= h.end || h.streams == 0 {
+            return;
+        }
+        let old = self.list_to_fill(id);
+        let mut list = Vec::with_capacity(old.len() + 3);
+        // The part of `h` from here on is not in `list` yet.
+        let mut from = h.start;
+        for &x in &old {
+            if x.end <= h.start {
+                list.push(x);
+                continue;
+            }
+            if x.start >= h.end {
+                if from < h.end {
+                    list.push(Hazard { start: from, ..h });
+                    from = h.end;
+                }
+                list.push(x);
+                continue;
+            }
+            if from < x.start {
+                list.push(Hazard {
+                    start: from,
+                    end: x.start,
+                    ..h
+                });
+            }
+            if x.streams | h.streams == x.streams && x.tick >= h.tick {
+                // It asks all that `h` does: kept whole.
+                from = x.end.min(h.end);
+                list.push(x);
+                continue;
+            }
+            if x.start < h.start {
+                list.push(Hazard { end: h.start, ..x });
+            }
+            let both = Hazard {
+                start: x.start.max(h.start),
+                end: x.end.min(h.end),
+                streams: x.streams | h.streams,
+                tick: x.tick.max(h.tick),
+            };
+            from = both.end;
+            list.push(both);
+            if x.end > h.end {
+                list.push(Hazard { start: h.end, ..x });
+            }
+        }
+        if from < h.end {
+            list.push(Hazard { start: from, ..h });
+        }
+        self.spare(old);
+        self.slots[id as usize].hazards = list;
+        self.slots[id as usize].pruned = NEVER;
+    }
+
+    /// The pieces right before and after piece `id` (`None` at the arena's
+    /// ends, or when `id` is no piece).
+    pub(crate) fn beside(&self, id: PieceId) -> [Option<PieceId>; 2] {
+        let Some(p) = self.get(id) else {
+            return [None, None];
+        };
+        let live = |n: PieceId| self.get(n).is_some().then_some(n);
+        [live(p.prev), live(p.next)]
+    }
+
     /// Insert `h` in gap `id`'s list; false (nothing done) when `id` is no
     /// gap or `h` is empty.
     fn insert_hazard(&mut self, id: PieceId, h: Hazard) -> bool {
@@ -1062,6 +1142,52 @@ mod tests {
         let joined = t.find(0).unwrap();
         prune(&mut t, joined, 2, 1);
         assert_eq!(walks.replace(0), 1, "the left part was pruned at 1 only");
+        t.check(1000).unwrap();
+    }
+
+    #[test]
+    fn a_hazard_over_others_joins_them_where_they_overlap_and_stays_in_its_gap() {
+        // A block at 500..600 of a 1000-byte arena: gaps 0..500, 600..1000.
+        let mut t = Tiling::new(1000);
+        let whole = t.find(0).unwrap();
+        let b = t.occupy(whole, 500, 100).unwrap();
+        let (left, right) = (t.find(0).unwrap(), t.find(600).unwrap());
+        assert_eq!(t.beside(b), [Some(left), Some(right)]);
+        assert_eq!(t.beside(left), [None, Some(b)]);
+        t.add_hazard(left, Hazard::over(0, 100, 0b001, 3));
+        t.add_hazard(left, Hazard::over(150, 100, 0b010, 9));
+        t.add_hazard(left, Hazard::over(300, 50, 0b100, 4));
+        // 50..400 over them, and past the gap's end (cut at 500).
+        t.add_hazard_over(left, Hazard::over(50, 900, 0b1000, 5));
+        let got: Vec<(u64, u64, u64, u64)> = t
+            .gap_hazards(left)
+            .iter()
+            .map(|h| (h.start, h.end, h.streams, h.tick))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 50, 0b0001, 3),
+                (50, 100, 0b1001, 5),
+                (100, 150, 0b1000, 5),
+                (150, 250, 0b1010, 9),
+                (250, 300, 0b1000, 5),
+                (300, 350, 0b1100, 5),
+                (350, 500, 0b1000, 5),
+            ]
+        );
+        // Inside one hazard; then on a gap without any; a block takes none.
+        t.add_hazard_over(left, Hazard::over(160, 10, 0b10, 1));
+        assert_eq!(t.gap_hazards(left)[3], Hazard::over(150, 100, 0b1010, 9));
+        assert_eq!(
+            t.gap_hazards(left).len(),
+            7,
+            "asking no more, it changes nothing"
+        );
+        t.add_hazard_over(right, Hazard::over(0, 700, 0b1, 2));
+        assert_eq!(t.gap_hazards(right), [Hazard::over(600, 100, 0b1, 2)]);
+        t.add_hazard_over(b, Hazard::over(500, 100, 0b1, 2));
+        assert!(t.gap_hazards(b).is_empty());
         t.check(1000).unwrap();
     }
 
