@@ -37,7 +37,12 @@ fn the_c_header_is_what_cbindgen_makes_of_the_crate() {
         quilt_torch::ffi::QUILT_TORCH_ABI_VERSION
     );
     assert!(text.contains(&version), "the header lacks `{version}`");
-    for name in ["quilt_malloc", "quilt_torch_malloc", "quilt_abi_version", "QuiltDeviceStats"] {
+    for name in [
+        "quilt_malloc",
+        "quilt_torch_malloc",
+        "quilt_abi_version",
+        "QuiltDeviceStats",
+    ] {
         assert!(text.contains(name), "the header lacks {name}");
     }
 }
