@@ -96,6 +96,14 @@ pub(crate) struct BlockRec {
     pub(crate) stream: u32,
 }
 
+/// A free held for the streams its block was recorded on (see `held.rs`):
+/// the block, and the tick of its free.
+#[derive(Clone, Debug)]
+pub(crate) struct HeldFree {
+    pub(crate) block: BlockRec,
+    pub(crate) tick: u64,
+}
+
 /// A solo run (see `solo.rs`): the one stream allocating, whose frees
 /// leave no hazard, since `since`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,6 +206,10 @@ pub(crate) struct Core {
     /// Blocks of frozen arenas that were freed while their tag slept: they
     /// are freed when it wakes ([`Core::free_thawed`]).
     pub(crate) freed_asleep: FxHashSet<DevicePtr>,
+    /// Freed blocks recorded on other streams whose work was not known
+    /// complete at the free: held, still occupied, until it is (see
+    /// `held.rs`).
+    pub(crate) held: HashMap<DevicePtr, HeldFree>,
     /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
     /// reclaimed for other use: the first class of cached pages reclaimed.
     pub(crate) spare_pages_reclaimed: u64,
@@ -450,7 +462,7 @@ impl Core {
         self.stats.num_stream_waits = self.streams.waits;
     }
 
-    fn remember_freed(&mut self, ptr: DevicePtr) {
+    pub(super) fn remember_freed(&mut self, ptr: DevicePtr) {
         self.freed_recent.push(ptr);
     }
 
@@ -510,6 +522,20 @@ impl Core {
     /// group's own arena, so that its pages are never shared with other
     /// blocks (a frozen group arena refuses).
     pub(crate) fn allocate_in(
+        &mut self,
+        ctx: &Ctx<'_>,
+        size: u64,
+        stream: StreamId,
+        group: Option<u32>,
+    ) -> Result<Allocation, AllocError> {
+        if self.held.is_empty() {
+            return self.allocate_once(ctx, size, stream, group);
+        }
+        self.allocate_releasing_held(ctx, size, stream, group)
+    }
+
+    /// [`Core::allocate_in`]'s one try.
+    pub(super) fn allocate_once(
         &mut self,
         ctx: &Ctx<'_>,
         size: u64,
@@ -717,6 +743,22 @@ impl Core {
             return Err(self.not_live(ptr));
         };
         self.tick += 1;
+        let b = match self.hold_free(ctx, ptr, b) {
+            Ok(()) => return Ok(()),
+            Err(b) => b,
+        };
+        self.stats.allocated_bytes.decrease(b.size);
+        self.stats.allocation.decrease(1);
+        self.stats.requested_bytes.decrease(b.requested);
+        self.remember_freed(ptr);
+        self.vacate(ctx, b);
+        Ok(())
+    }
+
+    /// Vacate the freed block `b` at this tick (its allocated statistics
+    /// already lowered): its range becomes free memory, with a hazard of
+    /// its streams' work where several streams exist.
+    pub(super) fn vacate(&mut self, ctx: &Ctx<'_>, b: BlockRec) {
         let tick = self.tick;
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
@@ -736,15 +778,10 @@ impl Core {
         if track {
             self.leave_hazard(&b, tick);
         }
-        self.stats.allocated_bytes.decrease(b.size);
-        self.stats.allocation.decrease(1);
         self.stats.active_bytes.decrease(b.size);
         self.stats.active.decrease(1);
-        self.stats.requested_bytes.decrease(b.requested);
-        self.remember_freed(ptr);
         self.compact_reclaim_queue();
         self.sync_one_arena_stats(ctx, ai);
-        Ok(())
     }
 
     /// Vacate the freed block `b`, leaving a hazard of its streams' work up
@@ -787,6 +824,7 @@ impl Core {
     /// Release every cached and retired page (synchronising the streams
     /// whose work may still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
+        self.release_held_completing(ctx)?;
         self.tick += 1;
         let r = self
             .reclaim(ctx, u64::MAX, Reclaim::Drain)
