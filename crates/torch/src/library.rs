@@ -1055,6 +1055,7 @@ impl Library {
             "num_alloc_retries": s.num_alloc_retries,
             "num_ooms": s.num_ooms,
             "num_stream_waits": s.num_stream_waits,
+            "num_recorded_frees_forced": s.num_recorded_frees_forced,
             "cached_bytes": d.alloc.cached_bytes(),
             "driver_calls": calls,
         });
