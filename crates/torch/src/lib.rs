@@ -45,6 +45,7 @@
 //! size_t quilt_segments(int device, QuiltSegment* segs, size_t seg_len,
 //!                       QuiltBlock* blocks, size_t block_len, size_t* blocks_needed);
 //! size_t quilt_history_since(uint64_t seq, QuiltTraceEntry* out, size_t len);
+//! uint64_t quilt_history_last_seq(void);
 //! int    quilt_clear_history(void);
 //! int    quilt_try_set_memory_fraction(double fraction, int device); // 0, or 1 refused
 //! int    quilt_enable_peer_access(int device, int peer);

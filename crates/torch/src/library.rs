@@ -852,6 +852,12 @@ impl Library {
         Ok((segs, blocks))
     }
 
+    /// `quilt_history_last_seq`: the sequence number of the last history
+    /// entry recorded so far (0: none).
+    pub fn history_last_seq(&self) -> u64 {
+        self.history.last_seq()
+    }
+
     /// The history entries after sequence number `seq`, in recording order.
     /// From 0 (a snapshot's whole history), as PyTorch's viewer must read
     /// them against the segments shown now
