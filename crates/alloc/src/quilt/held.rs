@@ -126,18 +126,34 @@ impl Core {
     /// their free is known complete, learning it first (one query per
     /// stream at most); nothing while `stream` captures a CUDA graph.
     fn release_held_done(&mut self, ctx: &Ctx<'_>, stream: StreamId) {
-        self.tick += 1;
-        let tick = self.tick;
+        // Asked at the allocation's own tick (the one `allocate_once` takes
+        // next), so that what this learns of a stream, placement does not
+        // ask again.
+        let tick = self.tick + 1;
         let si = self.stream_index(stream);
         if self.streams.capturing(ctx.vmm, si, tick) {
             return;
         }
+        // Oldest first: a stream found running holds every later free of
+        // it too, which is then not asked about.
+        let mut order: Vec<(u64, DevicePtr)> =
+            self.held.iter().map(|(&ptr, h)| (h.tick, ptr)).collect();
+        order.sort_unstable();
+        let mut running = 0u64;
         let mut done: Vec<DevicePtr> = Vec::new();
-        for (&ptr, h) in &self.held {
+        for (at, ptr) in order {
+            let Some(h) = self.held.get(&ptr) else {
+                continue;
+            };
+            let others = recorded(&h.block);
+            if others & running != 0 {
+                continue;
+            }
             let mut complete = true;
-            for s in self.streams.in_mask(recorded(&h.block)) {
-                self.streams.learn(ctx.vmm, s, h.tick, tick);
-                if !self.streams.is_done(s, h.tick) {
+            for s in self.streams.in_mask(others) {
+                self.streams.learn(ctx.vmm, s, at, tick);
+                if !self.streams.is_done(s, at) {
+                    running |= Streams::bit(s);
                     complete = false;
                     break;
                 }
