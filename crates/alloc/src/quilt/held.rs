@@ -80,7 +80,12 @@ impl Core {
         if any_capturing {
             return Err(b);
         }
-        for s in self.streams.in_mask(others) {
+        // An event on each of its streams, covering its work up to the
+        // free: the recorded streams' tell when the block may be freed for
+        // good; its own stream's, when another stream reaches for the
+        // block once it is vacated (its hazard is of the work up to the
+        // free, and an event recorded only then would cover much more).
+        for s in self.streams.in_mask(b.streams) {
             self.streams
                 .note_free(ctx.vmm, s, tick, EventTiming::AtFree);
         }
@@ -165,10 +170,11 @@ impl Core {
         done.sort_unstable();
         for ptr in done {
             if let Some(mut h) = self.held.remove(&ptr) {
-                // Its recorded work is done: only its own stream's remains.
+                // Its recorded work is done: only its own stream's remains,
+                // up to the free.
                 h.block.streams = Streams::bit(h.block.stream);
                 self.tick += 1;
-                self.vacate(ctx, h.block);
+                self.vacate_at(ctx, h.block, h.tick);
             }
         }
     }
@@ -181,7 +187,7 @@ impl Core {
         for (_, h) in all {
             self.stats.num_recorded_frees_forced += 1;
             self.tick += 1;
-            self.vacate(ctx, h.block);
+            self.vacate_at(ctx, h.block, h.tick);
         }
     }
 
@@ -208,7 +214,7 @@ impl Core {
             if let Some(mut h) = self.held.remove(&ptr) {
                 h.block.streams = Streams::bit(h.block.stream);
                 self.tick += 1;
-                self.vacate(ctx, h.block);
+                self.vacate_at(ctx, h.block, h.tick);
             }
         }
         Ok(())

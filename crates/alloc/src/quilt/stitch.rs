@@ -759,7 +759,14 @@ impl Core {
     /// already lowered): its range becomes free memory, with a hazard of
     /// its streams' work where several streams exist.
     pub(super) fn vacate(&mut self, ctx: &Ctx<'_>, b: BlockRec) {
-        let tick = self.tick;
+        self.vacate_at(ctx, b, self.tick);
+    }
+
+    /// [`Core::vacate`] of a block freed at tick `freed_at`, its streams
+    /// told of the free then (a held free, see `held.rs`): the hazard it
+    /// leaves covers their work up to that free, not to this tick.
+    pub(super) fn vacate_at(&mut self, ctx: &Ctx<'_>, b: BlockRec, freed_at: u64) {
+        let tick = freed_at;
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
@@ -767,6 +774,9 @@ impl Core {
             self.arenas[ai].vacate_block(b.piece);
         }
         for s in self.streams.in_mask(b.streams) {
+            if freed_at != self.tick {
+                break; // told at the free
+            }
             // With events at frees, a solo run's frees record theirs too
             // (not `track`): the hazards built from the pages when the run
             // ends carry these frees' ticks, and only an event recorded at
