@@ -6,8 +6,9 @@
 //! to the next block placed over it behind a wait for those streams: safe,
 //! but it chains `s` (or whichever stream reuses it) to them where PyTorch
 //! gives fresh memory and lets the streams overlap. So such a free records
-//! an event on each recorded stream (covering its work up to the free) and
-//! is *held*: the block stays occupied (no longer allocated, still active,
+//! an event on each of the block's streams (covering its work up to the
+//! free; its own stream's tells a later reuse by another stream how far to
+//! wait) and is *held*: the block stays occupied (no longer allocated, still active,
 //! a snapshot shows it pending free) and the next block gets other memory.
 //! Each allocation while frees are held first learns whether those events
 //! completed (one query per stream at most, as placement learns them) and
@@ -47,7 +48,7 @@ fn recorded(b: &BlockRec) -> u64 {
 impl Core {
     /// Hold the free of block `b` at `ptr` (at this tick) when it was
     /// recorded on other streams whose work is not known complete: an
-    /// event recorded on each, the allocated statistics lowered, the block
+    /// event recorded on each of its streams, the allocated statistics lowered, the block
     /// kept occupied. Gives the block back when it is not held.
     pub(super) fn hold_free(
         &mut self,
