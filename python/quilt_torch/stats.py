@@ -64,7 +64,11 @@ def memory_stats(device=None):
     ``requested_bytes``, ``allocation``, ``segment`` (the segments a snapshot
     shows) and ``active`` are dicts with ``current`` and ``peak``;
     ``physical_chunk`` counts Quilt's physical allocations; ``num_ooms``,
-    ``num_alloc_retries`` and ``num_stream_waits`` are counts;
+    ``num_alloc_retries``, ``num_stream_waits`` and
+    ``num_recorded_frees_forced`` (frees of blocks recorded on other streams
+    with ``record_stream``, released before that work was done because memory
+    ran out: reused behind a wait; otherwise such a free is held until the
+    work is done, as PyTorch's allocator does) are counts;
     ``driver_calls`` maps driver calls to counts; ``device``, ``allocator``,
     ``backend`` and ``capacity_bytes`` describe the allocator. For a device
     never used the dict may instead be ``{"device": N, "error": "..."}``.

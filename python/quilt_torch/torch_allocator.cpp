@@ -68,6 +68,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -93,6 +94,7 @@ struct Api {
   decltype(&::quilt_try_set_memory_fraction) try_set_fraction;
   decltype(&::quilt_segments) segments;
   decltype(&::quilt_history_since) history_since;
+  decltype(&::quilt_history_last_seq) history_last_seq;
   decltype(&::quilt_clear_history) clear_history;
   decltype(&::quilt_record_history) record_history;
   decltype(&::quilt_empty_cache) empty_cache;
@@ -157,6 +159,21 @@ struct QuiltPoolState final : cca::AllocatorState {
 
 void quilt_raw_delete(void* ptr);
 
+// torch.cuda.memory._set_memory_metadata's value on this thread.
+thread_local std::string thread_metadata;
+
+// The deleter of a tensor allocated while the caching allocator was
+// disabled (torch.cuda.caching_allocator_enable(False)): cudaFree, as
+// torch's own allocator's uncached_delete. A deleter must not throw.
+void quilt_uncached_delete(void* ptr) {
+  cudaError_t e = cudaFree(ptr);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_WARN("quilt_torch: cudaFree of uncached memory ", ptr, " failed: ",
+               cudaGetErrorString(e));
+  }
+}
+
 class QuiltCudaAllocator final : public cca::CUDAAllocator {
  public:
   // -- allocation -----------------------------------------------------------
@@ -164,6 +181,13 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex device = -1;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    if (!enabled_.load(std::memory_order_relaxed) && size != 0) {
+      // The caching allocator disabled: straight from the runtime, as
+      // torch's own allocator does, freed by cudaFree.
+      void* p = nullptr;
+      C10_CUDA_CHECK(cudaMalloc(&p, size));
+      return {p, p, &quilt_uncached_delete, c10::Device(c10::DeviceType::CUDA, device)};
+    }
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
     void* p = malloc_on(size, device, stream);
     return {p, p, &quilt_raw_delete, c10::Device(c10::DeviceType::CUDA, device)};
@@ -174,15 +198,37 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   }
 
   void* raw_alloc(size_t nbytes) override {
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      return uncached_alloc(nbytes);
+    }
     c10::DeviceIndex device = -1;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     return malloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      return uncached_alloc(nbytes);
+    }
     c10::DeviceIndex device = -1;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     return malloc_on(nbytes, device, stream);
+  }
+
+  // raw_alloc while the caching allocator is disabled: cudaMalloc, as
+  // torch's own allocator does (no statistics, no history); raw_delete
+  // gives it back with cudaFree, whether or not the allocator was enabled
+  // again meanwhile.
+  void* uncached_alloc(size_t nbytes) {
+    if (nbytes == 0) {
+      return nullptr;
+    }
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&p, nbytes));
+    std::lock_guard<std::mutex> lock(mutex_);
+    uncached_.insert(p);
+    uncached_count_.store(uncached_.size(), std::memory_order_release);
+    return p;
   }
 
   // A block of `size` bytes on `device` ordered on `stream`, into the
@@ -211,7 +257,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       context = recorder();
     }
     QuiltAllocation a{nullptr, 0};
-    int rc = api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
+    int rc = labelled([&] {
+      return api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
+    });
     if (rc == 1) {
       out_of_memory(size, device, last_error());
     }
@@ -255,13 +303,27 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     if (ptr == nullptr) {
       return;
     }
+    if (uncached_count_.load(std::memory_order_acquire) != 0) {
+      bool uncached = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (uncached_.erase(ptr) != 0) {
+          uncached = true;
+          uncached_count_.store(uncached_.size(), std::memory_order_release);
+        }
+      }
+      if (uncached) {
+        quilt_uncached_delete(ptr);
+        return;
+      }
+    }
     std::shared_ptr<c10::GatheredContext> context;
     auto recorder = recorder_.load();
     if (history_on_.load() && recorder != nullptr && when_.load() == cda::RecordContext::ALL) {
       context = recorder();
     }
     QuiltFreed f{};
-    int rc = api.torch_free(ptr, &f);
+    int rc = labelled([&] { return api.torch_free(ptr, &f); });
     if (rc == 1 && api.in_forked_child() != 0) {
       // A tensor of the parent dying in a forked child: its memory is the
       // parent's, nothing here frees it.
@@ -324,10 +386,61 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     return initialized_;
   }
   void enable(bool value) override {
-    enabled_ = value;
+    enabled_.store(value, std::memory_order_relaxed);
   }
   bool isEnabled() const override {
-    return enabled_;
+    return enabled_.load(std::memory_order_relaxed);
+  }
+
+  // -- user metadata (torch.cuda.memory._set_memory_metadata) ----------------
+
+  bool supportsUserMetadata() override {
+    return true;
+  }
+  // Thread-local, as torch's: the history entries that this thread's
+  // calls record (allocations, frees, the segment changes they make,
+  // empty_cache's) carry it.
+  void setUserMetadata(const std::string& metadata) override {
+    thread_metadata = metadata;
+  }
+  std::string getUserMetadata() override {
+    return thread_metadata;
+  }
+
+  // Runs `call` (which may record history entries); while this thread has
+  // user metadata and history is on, the entries it recorded (the sequence
+  // numbers after the last one before it, up to the last one after it) are
+  // labelled with the metadata.
+  template <typename F>
+  auto labelled(F&& call) -> decltype(call()) {
+    if (thread_metadata.empty() || !history_on_.load(std::memory_order_acquire)) {
+      return call();
+    }
+    uint64_t before = api.history_last_seq();
+    struct Label {
+      QuiltCudaAllocator* self;
+      uint64_t before;
+      ~Label() {
+        uint64_t after = api.history_last_seq();
+        if (after > before) {
+          std::lock_guard<std::mutex> lock(self->mutex_);
+          self->labels_[after] = {before, thread_metadata};
+          while (self->labels_.size() > std::max<size_t>(self->max_entries_, 1024)) {
+            self->labels_.erase(self->labels_.begin());
+          }
+        }
+      }
+    } label{this, before};
+    return call();
+  }
+
+  // The user metadata of history entry `seq` (mutex_ held).
+  std::string metadata_at(uint64_t seq) const {
+    auto it = labels_.lower_bound(seq);
+    if (it != labels_.end() && it->second.first < seq) {
+      return it->second.second;
+    }
+    return std::string();
   }
   std::string name() override {
     return "quilt";
@@ -348,7 +461,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     // A private pool's memory goes back when the pool is released
     // (releasePool); Quilt's cache is one for every pool.
     if (mempool_id.first == 0 && mempool_id.second == 0) {
-      api.empty_cache();
+      labelled([&] { api.empty_cache(); });
     }
   }
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
@@ -548,7 +661,8 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
           context = freeing[e.addr];
         }
         cda::TraceEntry te(action, static_cast<c10::DeviceIndex>(e.device), e.addr, e.size,
-                           reinterpret_cast<void*>(e.stream), {0, 0}, 0, context);
+                           reinterpret_cast<void*>(e.stream), {0, 0}, 0, context, "",
+                           metadata_at(e.seq));
         te.time_.t_ = static_cast<time_t>(e.time_us);
         info.device_traces[static_cast<size_t>(e.device)].push_back(std::move(te));
       }
@@ -820,7 +934,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       trackers = trackers_;
     }
     cda::TraceEntry te(action, device, reinterpret_cast<size_t>(ptr), size, stream, pool,
-                       c10::getApproximateTime(), context);
+                       c10::getApproximateTime(), context, "", getUserMetadata());
     for (auto& t : trackers) {
       t(te);
     }
@@ -834,6 +948,12 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   // The streams each block was recorded on (record_stream), until its free.
   std::unordered_map<void*, std::vector<cudaStream_t>> recorded_;
   std::atomic<size_t> recorded_count_{0};
+  // Memory raw_alloc took from cudaMalloc while the allocator was disabled.
+  std::unordered_set<void*> uncached_;
+  std::atomic<size_t> uncached_count_{0};
+  // The user metadata of history entries, by runs of sequence numbers:
+  // the last of a run -> (the one before its first, the metadata).
+  std::map<uint64_t, std::pair<uint64_t, std::string>> labels_;
   std::atomic<size_t> route_count_{0};
   std::atomic<size_t> tracker_count_{0};
   std::map<uint64_t, std::shared_ptr<c10::GatheredContext>> trace_context_;
@@ -844,7 +964,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
   std::deque<cda::AnnotationEntry> annotations_;
   std::set<int> skip_;
   std::atomic<bool> initialized_{false};
-  bool enabled_ = true;
+  std::atomic<bool> enabled_{true};
   std::atomic<bool> history_on_{false};
   std::atomic<cda::CreateContextFn> recorder_{nullptr};
   std::atomic<cda::RecordContext> when_{cda::RecordContext::NEVER};
@@ -915,6 +1035,7 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_try_set_memory_fraction", a.try_set_fraction) &&
             resolve(h, "quilt_segments", a.segments) &&
             resolve(h, "quilt_history_since", a.history_since) &&
+            resolve(h, "quilt_history_last_seq", a.history_last_seq) &&
             resolve(h, "quilt_clear_history", a.clear_history) &&
             resolve(h, "quilt_record_history", a.record_history) &&
             resolve(h, "quilt_empty_cache", a.empty_cache) &&

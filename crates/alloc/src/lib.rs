@@ -51,13 +51,15 @@
 //!         other => return Err(format!("expected out of memory, got {other:?}").into()),
 //!     }
 //!
+//!     // Recorded on the copy stream, `weights` is held until that stream's
+//!     // work is done (as PyTorch holds it): its memory is not reused before.
 //!     alloc.free(weights.ptr)?;
 //!     drop(staging);
 //!     assert_eq!(alloc.stats().allocated_bytes.current, 0);
 //!     // Freed memory stays mapped and cached: the same request again makes
 //!     // no VMM call.
 //!     let calls = alloc.vmm().driver_stats().vmm_calls();
-//!     let again = alloc.allocate(300 << 20, compute)?;
+//!     let again = alloc.allocate(100 << 20, copy)?;
 //!     assert_eq!(alloc.vmm().driver_stats().vmm_calls(), calls);
 //!     alloc.free(again.ptr)?;
 //!     println!("{}", alloc.memory_summary());

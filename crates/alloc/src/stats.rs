@@ -90,6 +90,12 @@ pub struct AllocatorStats {
     /// Times a stream was made to wait on another stream's event so that memory
     /// freed there could be reused here.
     pub num_stream_waits: u64,
+    /// Frees of blocks recorded on other streams (`record_stream`) released
+    /// before those streams' work was known complete, to serve an
+    /// allocation that would otherwise run out of memory: that memory is
+    /// reused behind a wait for those streams. (Without that pressure such a
+    /// free is held until the work completes, as PyTorch's allocator does.)
+    pub num_recorded_frees_forced: u64,
     /// Driver calls and driver time of the backend underneath.
     pub driver: DriverStats,
 }

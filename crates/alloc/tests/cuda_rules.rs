@@ -536,3 +536,61 @@ fn exhausted_address_space_is_not_out_of_memory() {
     assert_eq!(alloc.stats().num_ooms, 0);
     alloc.check_invariants().unwrap();
 }
+
+#[test]
+fn a_free_held_for_a_recorded_stream_asks_nothing_of_a_capturing_stream() {
+    // A block of S1 recorded on S2, freed while S2's work runs, is held
+    // (see `held.rs`). While S1 captures, its allocations do not poll the
+    // held free (as PyTorch skips `process_events` during a capture), make
+    // no call the capture forbids and do not reuse it; after the capture,
+    // with S2 done, the held block serves S1 again.
+    let sim = sim(1 << 30);
+    let rec = Recorder::new(sim.clone());
+    let alloc = quilt(rec.clone());
+    let x = alloc.allocate(8 * MIB, S1).unwrap();
+    alloc.record_stream(x.ptr, S2).unwrap();
+    alloc.free(x.ptr).unwrap();
+    alloc.check_invariants().unwrap();
+    sim.begin_capture(S1).unwrap();
+    rec.clear();
+    let y = alloc.allocate(8 * MIB, S1).unwrap();
+    assert!(!overlap(x, y), "{y:?} reuses the held {x:?}");
+    let calls = rec.calls();
+    assert!(!calls.contains(&Call::Record(S1)), "{calls:?}");
+    alloc.free(y.ptr).unwrap();
+    end_capture_cleanly(&sim, S1);
+    alloc.check_invariants().unwrap();
+    sim.complete_all();
+    let z = alloc.allocate(8 * MIB, S1).unwrap();
+    assert_eq!(z.ptr, x.ptr, "released once S2's work is done");
+    alloc.free(z.ptr).unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().num_stream_waits, 0);
+}
+
+#[test]
+fn a_recorded_block_freed_during_its_streams_capture_is_not_held() {
+    // Freed while its own stream captures, the block is not held (its
+    // hazard already keeps other streams off it until the capture ends) and
+    // the free records nothing on the capturing stream.
+    let sim = sim(1 << 30);
+    let rec = Recorder::new(sim.clone());
+    let alloc = quilt(rec.clone());
+    let x = alloc.allocate(8 * MIB, S1).unwrap();
+    alloc.record_stream(x.ptr, S2).unwrap();
+    sim.begin_capture(S1).unwrap();
+    rec.clear();
+    alloc.free(x.ptr).unwrap();
+    let calls = rec.calls();
+    assert!(!calls.contains(&Call::Record(S1)), "{calls:?}");
+    assert!(!calls.contains(&Call::Query), "{calls:?}");
+    let snapshot = alloc.snapshot();
+    let pending = snapshot
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .any(|b| b.state == quilt_alloc::BlockState::PendingFree);
+    assert!(!pending, "held though freed under capture");
+    end_capture_cleanly(&sim, S1);
+    alloc.check_invariants().unwrap();
+}

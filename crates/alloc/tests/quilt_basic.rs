@@ -13,6 +13,7 @@ use quilt_alloc::quilt::{
     ArenaLayout, ArenaSharing, EventTiming, MemoryLimit, PageSize, Placement, PoolConfig,
     QuiltAllocator, QuiltConfig, ReclaimPolicy, SmallBlocks,
 };
+use quilt_alloc::snapshot::BlockState;
 use quilt_alloc::{AllocError, DeviceAllocator, OomVerdict};
 use quilt_vmm::sim::{Fault, SimVmm};
 use quilt_vmm::{CallKind, DevicePtr, DriverStats, EventId, MemInfo, PhysHandle, StreamId, Vmm};
@@ -310,80 +311,120 @@ fn drop_with_live_blocks_releases_everything() {
     assert!(sim.leak_report().is_empty(), "{:?}", sim.leak_report());
 }
 
+/// The state the snapshot gives the block at `ptr`, if any.
+fn block_state(a: &QuiltAllocator, ptr: u64) -> Option<BlockState> {
+    a.snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .find(|b| b.address == ptr)
+        .map(|b| b.state)
+}
+
 #[test]
-fn record_stream_reuse_is_immediate_but_waits_for_the_recorded_stream() {
-    // The same stream after record_stream on another: the range is reused at
-    // once, and the stream waits for the recorded stream's work.
+fn record_stream_free_is_held_while_the_recorded_stream_runs() {
+    // As PyTorch: a block recorded on another stream whose work may still
+    // run is not reused; its own stream gets fresh memory, and no stream
+    // is chained to another.
     let (sim, a) = setup(256 * MIB);
     let x = a.allocate(4 * MIB, S0).unwrap();
     a.record_stream(x.ptr, S1).unwrap();
     ok(&a);
     a.free(x.ptr).unwrap();
     ok(&a);
-    let calls = sim.driver_stats().vmm_calls();
+    assert_eq!(block_state(&a, x.ptr), Some(BlockState::PendingFree));
+    assert_eq!(a.stats().allocation.current, 0, "no longer allocated");
+    assert_eq!(a.stats().active.current, 1, "still active, as in PyTorch");
     let y = a.allocate(4 * MIB, S0).unwrap();
     ok(&a);
-    assert_eq!(y.ptr, x.ptr, "the freed range is reusable at once");
-    assert_eq!(sim.driver_stats().vmm_calls(), calls, "no VMM call");
-    assert_eq!(a.stats().num_stream_waits, 1, "stream 0 waits for stream 1");
-    assert_eq!(sim.driver_stats().count(CallKind::StreamWaitEvent), 1);
-    assert_eq!(a.stats().active.current, 1);
+    assert_ne!(y.ptr, x.ptr, "fresh memory while stream 1 may use x");
+    assert_eq!(a.stats().num_stream_waits, 0, "no stream waits for another");
+    assert_eq!(sim.driver_stats().count(CallKind::StreamWaitEvent), 0);
+    assert_eq!(a.stats().active.current, 2);
+    // A free of the held block is a double free.
+    assert!(matches!(a.free(x.ptr), Err(AllocError::DoubleFree { .. })));
+    // Stream 1's work done: the next allocation frees x for good, and its
+    // own stream reuses it without a wait.
+    sim.complete_stream(S1);
+    let z = a.allocate(4 * MIB, S0).unwrap();
+    ok(&a);
+    assert_eq!(z.ptr, x.ptr, "reused once the recorded work is done");
+    assert_eq!(a.stats().num_stream_waits, 0);
+    assert_eq!(a.stats().num_recorded_frees_forced, 0);
+    assert_eq!(a.stats().active.current, 2);
     a.free(y.ptr).unwrap();
+    a.free(z.ptr).unwrap();
     ok(&a);
     assert_eq!(syncs(&sim), 0);
 }
 
 #[test]
-fn record_stream_reuse_on_the_recorded_stream_waits_for_the_owner() {
+fn record_stream_held_free_once_released_serves_other_streams_as_any_free() {
+    // Released (the recorded stream done), the range carries its own
+    // stream's work only: another stream reuses it behind a wait for the
+    // owner alone, as for any block freed on another stream.
     let (sim, a) = setup(256 * MIB);
     let x = a.allocate(4 * MIB, S0).unwrap();
     a.record_stream(x.ptr, S1).unwrap();
     a.free(x.ptr).unwrap();
-    ok(&a);
-    let y = a.allocate(4 * MIB, S1).unwrap();
-    ok(&a);
-    assert_eq!(y.ptr, x.ptr);
-    assert_eq!(
-        a.stats().num_stream_waits,
-        1,
-        "stream 1 waits for stream 0 only"
-    );
-    a.free(y.ptr).unwrap();
-    ok(&a);
-    assert_eq!(syncs(&sim), 0);
-}
-
-#[test]
-fn record_stream_reuse_on_a_third_stream_waits_for_both() {
-    let (sim, a) = setup(256 * MIB);
-    let x = a.allocate(4 * MIB, S0).unwrap();
-    a.record_stream(x.ptr, S1).unwrap();
-    a.free(x.ptr).unwrap();
-    ok(&a);
+    sim.complete_stream(S1);
     let y = a.allocate(4 * MIB, S2).unwrap();
     ok(&a);
     assert_eq!(y.ptr, x.ptr);
-    assert_eq!(a.stats().num_stream_waits, 2, "stream 2 waits for 0 and 1");
+    assert_eq!(a.stats().num_stream_waits, 1, "stream 2 waits for 0 only");
     a.free(y.ptr).unwrap();
     ok(&a);
-    // Stream 1's work done, stream 0's not: one wait (for stream 0). The
-    // work is declared: the event recorded on demand on stream 1, caught
-    // up, completes at once.
-    let (sim2, b) = setup(256 * MIB);
-    sim2.queue_work(S0);
-    let x = b.allocate(4 * MIB, S0).unwrap();
-    b.record_stream(x.ptr, S1).unwrap();
-    sim2.queue_work(S0);
-    sim2.queue_work(S1);
-    b.free(x.ptr).unwrap();
-    sim2.complete_stream(S1);
-    let y = b.allocate(4 * MIB, S2).unwrap();
-    ok(&b);
-    assert_eq!(y.ptr, x.ptr);
-    assert_eq!(b.stats().num_stream_waits, 1);
-    b.free(y.ptr).unwrap();
-    ok(&b);
-    assert_eq!(syncs(&sim) + syncs(&sim2), 0);
+    assert_eq!(syncs(&sim), 0);
+}
+
+#[test]
+fn record_stream_held_free_is_reused_behind_a_wait_under_pressure() {
+    // Only when memory runs out does a held block serve behind a wait for
+    // the recorded stream: counted, and as a retry, not an out-of-memory.
+    let (sim, a) = setup(16 * MIB);
+    let x = a.allocate(12 * MIB, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    a.free(x.ptr).unwrap();
+    ok(&a);
+    let y = a.allocate(12 * MIB, S0).unwrap();
+    ok(&a);
+    assert_eq!(y.ptr, x.ptr, "the held block's memory, under pressure");
+    let st = a.stats();
+    assert_eq!(st.num_recorded_frees_forced, 1);
+    assert_eq!(st.num_stream_waits, 1, "stream 0 waits for stream 1");
+    assert_eq!(sim.driver_stats().count(CallKind::StreamWaitEvent), 1);
+    assert_eq!(st.num_ooms, 0);
+    assert_eq!(st.num_alloc_retries, 1);
+    assert!(a.last_oom().is_none(), "{:?}", a.last_oom());
+    a.free(y.ptr).unwrap();
+    ok(&a);
+    // Nothing held and still too big: out of memory, as before.
+    let x = a.allocate(12 * MIB, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    a.free(x.ptr).unwrap();
+    assert!(matches!(
+        a.allocate(32 * MIB, S0),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    ok(&a);
+    assert_eq!(a.stats().num_ooms, 1);
+    assert_eq!(a.stats().num_recorded_frees_forced, 2);
+    assert_eq!(syncs(&sim), 0);
+}
+
+#[test]
+fn empty_cache_completes_held_frees() {
+    let (sim, a) = setup(256 * MIB);
+    let x = a.allocate(4 * MIB, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    a.free(x.ptr).unwrap();
+    assert_eq!(a.stats().active.current, 1);
+    a.empty_cache().unwrap();
+    ok(&a);
+    assert_eq!(a.stats().active.current, 0);
+    assert_eq!(a.stats().reserved_bytes.current, 0, "every page released");
+    assert_eq!(block_state(&a, x.ptr), None);
+    assert!(syncs(&sim) >= 1, "stream 1 synchronised");
 }
 
 #[test]

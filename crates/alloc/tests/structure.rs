@@ -31,6 +31,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "own",
             "solo",
             "pressure",
+            "held",
         ],
     ),
     (

@@ -680,6 +680,14 @@ pub unsafe extern "C" fn quilt_history_since(
     })
 }
 
+/// The sequence number of the last history entry recorded so far (0:
+/// none); every entry recorded later has a higher one (what torch's user
+/// metadata set now applies to).
+#[no_mangle]
+pub extern "C" fn quilt_history_last_seq() -> u64 {
+    guard(0, || Ok(library().history_last_seq()))
+}
+
 /// Forget the history recorded so far. 0.
 #[no_mangle]
 pub extern "C" fn quilt_clear_history() -> c_int {

@@ -253,6 +253,12 @@ impl History {
         }
     }
 
+    /// The sequence number of the last entry recorded so far (0: none):
+    /// every later entry has a higher one.
+    pub fn last_seq(&self) -> u64 {
+        self.book.lock().map(|b| b.last_seq).unwrap_or(0)
+    }
+
     /// The entries of every device with a sequence number above `seq`, in
     /// recording order.
     pub fn entries_since(&self, seq: u64) -> Vec<(i32, TraceEntry)> {
@@ -377,6 +383,22 @@ mod tests {
         h.clear();
         assert!(h.entries_since(0).is_empty());
         assert!(h.record(0, "alloc", 3, 8, 0, "quilt_malloc") > c);
+    }
+
+    #[test]
+    fn last_seq_is_the_last_entry_recorded() {
+        let h = History::default();
+        assert_eq!(h.last_seq(), 0, "nothing recorded");
+        h.set(true, 10);
+        let a = h.record(0, "alloc", 1, 8, 0, "quilt_malloc");
+        assert_eq!(h.last_seq(), a);
+        let b = h.record(1, "alloc", 2, 8, 0, "quilt_malloc");
+        assert_eq!(h.last_seq(), b);
+        h.set(false, 10);
+        h.record(0, "free_requested", 1, 8, 0, "quilt_free");
+        assert_eq!(h.last_seq(), b, "nothing recorded while off");
+        h.clear();
+        assert_eq!(h.last_seq(), b, "a clear keeps the numbering");
     }
 
     fn run(addr: u64, size: u64) -> Run {

@@ -900,6 +900,12 @@ impl Library {
         Ok((segs, blocks))
     }
 
+    /// `quilt_history_last_seq`: the sequence number of the last history
+    /// entry recorded so far (0: none).
+    pub fn history_last_seq(&self) -> u64 {
+        self.history.last_seq()
+    }
+
     /// The history entries after sequence number `seq`, in recording order.
     /// From 0 (a snapshot's whole history), as PyTorch's viewer must read
     /// them against the segments shown now
@@ -1125,6 +1131,7 @@ impl Library {
             "num_alloc_retries": s.num_alloc_retries,
             "num_ooms": s.num_ooms,
             "num_stream_waits": s.num_stream_waits,
+            "num_recorded_frees_forced": s.num_recorded_frees_forced,
             "cached_bytes": d.alloc.cached_bytes(),
             "driver_calls": calls,
         });

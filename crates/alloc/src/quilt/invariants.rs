@@ -208,11 +208,29 @@ pub(crate) fn check(
     // 9. growable buffers, zombies, dead arenas.
     let growable_blocks = check_growables(st, growables)?;
     // 2. block records versus occupied ranges.
-    if occupied_total != st.blocks.len() + growable_blocks {
+    if occupied_total != st.blocks.len() + st.held.len() + growable_blocks {
         return fail(format!(
-            "{} block records and {growable_blocks} growable buffers but {occupied_total} occupied ranges",
-            st.blocks.len()
+            "{} block records, {} held frees and {growable_blocks} growable buffers but {occupied_total} occupied ranges",
+            st.blocks.len(),
+            st.held.len()
         ));
+    }
+    // Held frees (see `held.rs`): occupied, active, not allocated.
+    let mut held_bytes = 0u64;
+    for (&ptr, h) in &st.held {
+        let b = &h.block;
+        if st.blocks.contains_key(&ptr) {
+            return fail(format!("block {ptr:#x} is both live and held"));
+        }
+        let Some(a) = st.arenas.get(b.arena) else {
+            return fail(format!("held block {ptr:#x} names a missing arena"));
+        };
+        if a.base + b.off != ptr || a.tiling.block(b.piece) != Some((b.off, b.off + b.size)) {
+            return fail(format!(
+                "held block {ptr:#x} does not match its occupied range"
+            ));
+        }
+        held_bytes += b.size;
     }
     let (mut alloc_bytes, mut requested) = (0u64, 0u64);
     for g in growables.live.values() {
@@ -235,8 +253,16 @@ pub(crate) fn check(
     let checks = [
         ("allocated_bytes", s.allocated_bytes.current, alloc_bytes),
         ("allocation", s.allocation.current, n),
-        ("active_bytes", s.active_bytes.current, alloc_bytes),
-        ("active", s.active.current, st.blocks.len() as u64),
+        (
+            "active_bytes",
+            s.active_bytes.current,
+            alloc_bytes + held_bytes,
+        ),
+        (
+            "active",
+            s.active.current,
+            st.blocks.len() as u64 + st.held.len() as u64,
+        ),
         ("requested_bytes", s.requested_bytes.current, requested),
         (
             "reserved_bytes",

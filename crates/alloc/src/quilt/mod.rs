@@ -23,6 +23,7 @@ mod export;
 mod gap_index;
 mod growable;
 mod growable_buffer;
+mod held;
 #[cfg(feature = "invariants")]
 mod invariants;
 mod offload;

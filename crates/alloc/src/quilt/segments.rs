@@ -23,7 +23,7 @@ pub(crate) fn snapshot(st: &Core, name: &str, page: u64) -> MemorySnapshot {
                 address: a.base + s,
                 size: e - s,
                 requested: b.map(|b| b.requested).unwrap_or(0),
-                state: BlockState::Active,
+                state: occupied_state(st, a.base + s),
             });
         }
         for (s, e) in a.gaps().take_while(|&(s, _)| s < high) {
@@ -96,7 +96,7 @@ pub(crate) fn mapped_segments(st: &Core, name: &str, page: u64) -> MemorySnapsho
                         address: a.base + s,
                         size: e.min(re) - s,
                         requested: b.map(|b| b.requested).unwrap_or(0),
-                        state: BlockState::Active,
+                        state: occupied_state(st, a.base + s),
                     });
                     continue;
                 }
@@ -125,5 +125,15 @@ pub(crate) fn mapped_segments(st: &Core, name: &str, page: u64) -> MemorySnapsho
     MemorySnapshot {
         allocator: name.to_string(),
         segments,
+    }
+}
+
+/// The state of the occupied range at `ptr`: pending free when its free is
+/// held for the streams it was recorded on (see `held.rs`), else active.
+fn occupied_state(st: &Core, ptr: u64) -> BlockState {
+    if st.held.contains_key(&ptr) {
+        BlockState::PendingFree
+    } else {
+        BlockState::Active
     }
 }

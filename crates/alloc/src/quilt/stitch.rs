@@ -96,6 +96,14 @@ pub(crate) struct BlockRec {
     pub(crate) stream: u32,
 }
 
+/// A free held for the streams its block was recorded on (see `held.rs`):
+/// the block, and the tick of its free.
+#[derive(Clone, Debug)]
+pub(crate) struct HeldFree {
+    pub(crate) block: BlockRec,
+    pub(crate) tick: u64,
+}
+
 /// A solo run (see `solo.rs`): the one stream allocating, whose frees
 /// leave no hazard, since `since`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,6 +206,10 @@ pub(crate) struct Core {
     /// Blocks of frozen arenas that were freed while their tag slept: they
     /// are freed when it wakes ([`Core::free_thawed`]).
     pub(crate) freed_asleep: FxHashSet<DevicePtr>,
+    /// Freed blocks recorded on other streams whose work was not known
+    /// complete at the free: held, still occupied, until it is (see
+    /// `held.rs`).
+    pub(crate) held: HashMap<DevicePtr, HeldFree>,
     /// Cached pages of `Kind::Own` arenas (growable buffers' spare pages)
     /// reclaimed for other use: the first class of cached pages reclaimed.
     pub(crate) spare_pages_reclaimed: u64,
@@ -450,7 +462,7 @@ impl Core {
         self.stats.num_stream_waits = self.streams.waits;
     }
 
-    fn remember_freed(&mut self, ptr: DevicePtr) {
+    pub(super) fn remember_freed(&mut self, ptr: DevicePtr) {
         self.freed_recent.push(ptr);
     }
 
@@ -510,6 +522,20 @@ impl Core {
     /// group's own arena, so that its pages are never shared with other
     /// blocks (a frozen group arena refuses).
     pub(crate) fn allocate_in(
+        &mut self,
+        ctx: &Ctx<'_>,
+        size: u64,
+        stream: StreamId,
+        group: Option<u32>,
+    ) -> Result<Allocation, AllocError> {
+        if self.held.is_empty() {
+            return self.allocate_once(ctx, size, stream, group);
+        }
+        self.allocate_releasing_held(ctx, size, stream, group)
+    }
+
+    /// [`Core::allocate_in`]'s one try.
+    pub(super) fn allocate_once(
         &mut self,
         ctx: &Ctx<'_>,
         size: u64,
@@ -717,7 +743,30 @@ impl Core {
             return Err(self.not_live(ptr));
         };
         self.tick += 1;
-        let tick = self.tick;
+        let b = match self.hold_free(ctx, ptr, b) {
+            Ok(()) => return Ok(()),
+            Err(b) => b,
+        };
+        self.stats.allocated_bytes.decrease(b.size);
+        self.stats.allocation.decrease(1);
+        self.stats.requested_bytes.decrease(b.requested);
+        self.remember_freed(ptr);
+        self.vacate(ctx, b);
+        Ok(())
+    }
+
+    /// Vacate the freed block `b` at this tick (its allocated statistics
+    /// already lowered): its range becomes free memory, with a hazard of
+    /// its streams' work where several streams exist.
+    pub(super) fn vacate(&mut self, ctx: &Ctx<'_>, b: BlockRec) {
+        self.vacate_at(ctx, b, self.tick);
+    }
+
+    /// [`Core::vacate`] of a block freed at tick `freed_at`, its streams
+    /// told of the free then (a held free, see `held.rs`): the hazard it
+    /// leaves covers their work up to that free, not to this tick.
+    pub(super) fn vacate_at(&mut self, ctx: &Ctx<'_>, b: BlockRec, freed_at: u64) {
+        let tick = freed_at;
         let track = self.streams.len() > 1 && !self.free_leaves_no_hazard(b.streams);
         let ai = b.arena;
         self.untouch(ai, b.off, b.size, Some(b.streams));
@@ -725,6 +774,9 @@ impl Core {
             self.arenas[ai].vacate_block(b.piece);
         }
         for s in self.streams.in_mask(b.streams) {
+            if freed_at != self.tick {
+                break; // told at the free
+            }
             // With events at frees, a solo run's frees record theirs too
             // (not `track`): the hazards built from the pages when the run
             // ends carry these frees' ticks, and only an event recorded at
@@ -736,15 +788,10 @@ impl Core {
         if track {
             self.leave_hazard(&b, tick);
         }
-        self.stats.allocated_bytes.decrease(b.size);
-        self.stats.allocation.decrease(1);
         self.stats.active_bytes.decrease(b.size);
         self.stats.active.decrease(1);
-        self.stats.requested_bytes.decrease(b.requested);
-        self.remember_freed(ptr);
         self.compact_reclaim_queue();
         self.sync_one_arena_stats(ctx, ai);
-        Ok(())
     }
 
     /// Vacate the freed block `b`, leaving a hazard of its streams' work up
@@ -787,6 +834,7 @@ impl Core {
     /// Release every cached and retired page (synchronising the streams
     /// whose work may still use them) and every free pool page.
     pub(crate) fn empty_cache(&mut self, ctx: &Ctx<'_>) -> Result<(), AllocError> {
+        self.release_held_completing(ctx)?;
         self.tick += 1;
         let r = self
             .reclaim(ctx, u64::MAX, Reclaim::Drain)
