@@ -386,6 +386,11 @@ size_t quilt_segments(int device,
 // `out` is null or points to `len` writable `QuiltTraceEntry`s.
 size_t quilt_history_since(uint64_t seq, struct QuiltTraceEntry *out, size_t len);
 
+// The sequence number of the last history entry recorded so far (0:
+// none); every entry recorded later has a higher one (what torch's user
+// metadata set now applies to).
+uint64_t quilt_history_last_seq(void);
+
 // Forget the history recorded so far. 0.
 int quilt_clear_history(void);
 
