@@ -746,6 +746,25 @@ pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String 
     out
 }
 
+/// The width of the allocator column of a table of scaling points.
+fn allocator_width(points: &[ScalePoint]) -> usize {
+    points
+        .iter()
+        .map(|p| p.allocator.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("allocator".len())
+}
+
+/// A point's fastest and slowest runs, host ns per operation.
+fn fastest_and_slowest(p: &ScalePoint) -> (f64, f64) {
+    let runs = p.runs_ns_per_op.iter().copied();
+    (
+        runs.clone().fold(f64::INFINITY, f64::min),
+        runs.fold(0.0, f64::max),
+    )
+}
+
 /// The table of a scaling run: one line per point, with the host time's
 /// median, fastest and slowest runs, and the median against the same
 /// allocator's at the same live count and the fewest streams measured; the
@@ -754,12 +773,7 @@ pub fn report(outcomes: &[Outcome], layout: Layout, ctx: &RunContext) -> String 
 /// and event calls per operation, and host plus driver time against the
 /// fewest-streams point's.
 pub fn scale_table(points: &[ScalePoint]) -> String {
-    let width = points
-        .iter()
-        .map(|p| p.allocator.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max("allocator".len());
+    let width = allocator_width(points);
     let mut out = format!(
         "{:<width$} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10} {:>10} {:>6} {:>8} {:>7} {:>7}\n",
         "", "", "", "host", "", "", "host", "event", "event", "sim", "driver", "stream", "total"
@@ -786,9 +800,7 @@ pub fn scale_table(points: &[ScalePoint]) -> String {
             .filter(|q| q.allocator == p.allocator && q.live == p.live)
             .min_by_key(|q| q.streams)
             .unwrap_or(p);
-        let runs = p.runs_ns_per_op.iter().copied();
-        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
-        let slowest = runs.fold(0.0, f64::max);
+        let (fastest, slowest) = fastest_and_slowest(p);
         let total = |q: &ScalePoint| q.ns_per_op + q.driver_ns_per_op;
         out += &format!(
             "{:<width$} {:>7} {:>7} {:>7.0} {:>7.0} {:>7.0} {:>6.2}x {:>10.3} {:>10.3} {:>6.0} {:>8.0} {:>7.2} {:>6.2}x\n",
@@ -819,12 +831,7 @@ pub fn scale_table(points: &[ScalePoint]) -> String {
 /// The table of `quilt-bench sizes`: one line per point (allocator and
 /// block size), each against the same allocator's point at the smallest size.
 pub fn sizes_table(points: &[ScalePoint]) -> String {
-    let width = points
-        .iter()
-        .map(|p| p.allocator.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max("allocator".len());
+    let width = allocator_width(points);
     let mut out = format!(
         "{:<width$} {:>10} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>8}\n",
         "", "", "", "host", "", "", "host", "sim", "vmm"
@@ -847,9 +854,7 @@ pub fn sizes_table(points: &[ScalePoint]) -> String {
             .filter(|q| q.allocator == p.allocator && q.streams == p.streams)
             .min_by_key(|q| q.size_bytes)
             .unwrap_or(p);
-        let runs = p.runs_ns_per_op.iter().copied();
-        let fastest = runs.clone().fold(f64::INFINITY, f64::min);
-        let slowest = runs.fold(0.0, f64::max);
+        let (fastest, slowest) = fastest_and_slowest(p);
         let size = p
             .size_bytes
             .map_or_else(|| "mixed".to_string(), |b| size(b).replace(".00", ""));
