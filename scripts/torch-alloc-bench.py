@@ -185,6 +185,23 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def table_row(row, per_round, allocators, others, cell_format):
+    """One row of a summary table: each allocator's median over the rounds
+    (into ``row`` and as a cell in ``cell_format``), and each other
+    allocator's ratio to classic within each round, with its median and
+    range. Returns (row, cells, ratio texts)."""
+    cells = []
+    for a in allocators:
+        row[a] = median(per_round[a])
+        cells.append(cell_format.format(row[a]))
+    ratios = []
+    for a in others:
+        rs = [x / c for x, c in zip(per_round[a], per_round["classic"])]
+        row[a + "_over_classic"] = {"median": median(rs), "rounds": rs}
+        ratios.append("{:.3f} ({:.3f}-{:.3f})".format(median(rs), min(rs), max(rs)))
+    return row, cells, ratios
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=ALLOCATORS, help=argparse.SUPPRESS)
@@ -232,16 +249,8 @@ def main():
             key = str(size)
             per_round = {a: [x["sizes"][key]["median_pairs_per_s"] for x in results[a]]
                          for a in allocators}
-            row = {"size": size}
-            cells = []
-            for a in allocators:
-                row[a] = median(per_round[a])
-                cells.append("{:,.0f}".format(row[a]))
-            ratios = []
-            for a in others:
-                rs = [x / c for x, c in zip(per_round[a], per_round["classic"])]
-                row[a + "_over_classic"] = {"median": median(rs), "rounds": rs}
-                ratios.append("{:.3f} ({:.3f}-{:.3f})".format(median(rs), min(rs), max(rs)))
+            row, cells, ratios = table_row({"size": size}, per_round, allocators, others,
+                                           "{:,.0f}")
             rows.append(row)
             print(header.format(human(size), *cells, *ratios))
         summary["pairs_rows"] = rows
@@ -259,16 +268,8 @@ def main():
         for name in STATS_CALLS:
             per_round = {a: [x["stats"][name]["median_us"] for x in results[a]]
                          for a in allocators}
-            row = {"call": name}
-            cells = []
-            for a in allocators:
-                row[a] = median(per_round[a])
-                cells.append("{:.1f}".format(row[a]))
-            ratios = []
-            for a in others:
-                rs = [x / c for x, c in zip(per_round[a], per_round["classic"])]
-                row[a + "_over_classic"] = {"median": median(rs), "rounds": rs}
-                ratios.append("{:.3f} ({:.3f}-{:.3f})".format(median(rs), min(rs), max(rs)))
+            row, cells, ratios = table_row({"call": name}, per_round, allocators, others,
+                                           "{:.1f}")
             rows.append(row)
             print(header.format(name + "()", *cells, *ratios))
         summary["stats_rows"] = rows
