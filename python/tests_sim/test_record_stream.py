@@ -38,6 +38,21 @@ def quilt_counts():
     return (stats["num_stream_waits"], stats["num_recorded_frees_forced"])
 
 
+def recorded_on_a_busy_stream(size):
+    """A tensor of ``size`` bytes made on a stream of its own and recorded
+    on another stream busy with a long kernel that waited for it: (its
+    stream, the busy stream, the tensor, its address)."""
+    own = torch.cuda.Stream()
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(own):
+        x = torch.empty(size, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(busy):
+        busy.wait_stream(own)
+        torch.cuda._sleep(SLEEP_CYCLES)
+    x.record_stream(busy)
+    return own, busy, x, x.data_ptr()
+
+
 class RecordStream(unittest.TestCase):
     def setUp(self):
         torch.cuda.synchronize()
@@ -45,15 +60,7 @@ class RecordStream(unittest.TestCase):
         torch.cuda.empty_cache()
 
     def test_a_block_recorded_on_a_busy_stream_is_not_reused_until_its_work_is_done(self):
-        own = torch.cuda.Stream()
-        busy = torch.cuda.Stream()
-        with torch.cuda.stream(own):
-            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-        ptr = x.data_ptr()
-        with torch.cuda.stream(busy):
-            busy.wait_stream(own)
-            torch.cuda._sleep(SLEEP_CYCLES)
-        x.record_stream(busy)
+        own, busy, x, ptr = recorded_on_a_busy_stream(3 * MiB)
         waits, forced = quilt_counts()
         del x
         with torch.cuda.stream(own):
@@ -74,15 +81,7 @@ class RecordStream(unittest.TestCase):
         limit = 96 * MiB
         torch.cuda.set_per_process_memory_fraction(limit / total, 0)
         try:
-            own = torch.cuda.Stream()
-            busy = torch.cuda.Stream()
-            with torch.cuda.stream(own):
-                x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-            ptr = x.data_ptr()
-            with torch.cuda.stream(busy):
-                busy.wait_stream(own)
-                torch.cuda._sleep(SLEEP_CYCLES)
-            x.record_stream(busy)
+            own, busy, x, ptr = recorded_on_a_busy_stream(64 * MiB)
             waits, forced = quilt_counts()
             ooms = torch.cuda.memory_stats()["num_ooms"]
             del x
