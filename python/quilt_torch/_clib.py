@@ -3,6 +3,7 @@ is found, its entry points' types, and the helpers every module uses to
 call it."""
 
 import ctypes
+import functools
 import os
 import re
 import threading
@@ -111,11 +112,18 @@ def _ctype(text):
     raise QuiltError("quilt_torch.h: no ctypes type for the C type {!r}".format(text))
 
 
+@functools.lru_cache(maxsize=None)
+def _header_text(path):
+    """The text of the header at ``path``, read once (the sleep flags are
+    read from it on every sleep)."""
+    with open(path) as f:
+        return f.read()
+
+
 def prototypes(header=HEADER):
     """Every function of the header, as {name: (argument types, result
     type)} in ctypes terms."""
-    with open(header) as f:
-        text = re.sub(r"//[^\n]*", "", f.read())
+    text = re.sub(r"//[^\n]*", "", _header_text(header))
     found = {}
     for result, name, args in _PROTOTYPE.findall(text):
         args = " ".join(args.split())
@@ -220,8 +228,9 @@ def check_abi(lib, path):
 
 def constant(name):
     """An integer the header defines (``#define NAME value``)."""
-    with open(HEADER) as f:
-        found = re.search(r"^#define {} (\d+)$".format(re.escape(name)), f.read(), re.MULTILINE)
+    found = re.search(
+        r"^#define {} (\d+)$".format(re.escape(name)), _header_text(HEADER), re.MULTILINE
+    )
     if found is None:
         raise QuiltError("{} defines no {}".format(HEADER, name))
     return int(found.group(1))
