@@ -4,7 +4,9 @@ that uses only ``cuda:1`` has no context on device 0; a ``fork()`` child that
 touches CUDA gets torch's "Cannot re-initialize CUDA in forked subprocess"
 (from Quilt too) rather than a deadlock; the history's annotations are
 bounded by ``max_entries`` and go with ``_record_memory_history(None)`` and
-``clear_history``; under Quilt, a tensor of a sleeping tag freed is given
+``clear_history``; ranks of ``torch.distributed`` over gloo, launched as
+torchrun launches them, all-reduce CUDA tensors and exit cleanly (status 0,
+no C++ ``terminate``); under Quilt, a tensor of a sleeping tag freed is given
 back at the wake; torch's peer access between two devices reaches every
 page mapped before and after (``cuMemGetAccess``). Those that need a
 process of their own run one
@@ -149,6 +151,62 @@ class Deployment(unittest.TestCase):
         if ALLOCATOR == "quilt":
             self.assertEqual(quilt_torch._library().quilt_in_forked_child(), 0)
             self.assertNotIn("error", quilt_torch.memory_stats(0))
+
+    def test_many_ranks_all_reduce_cuda_tensors_and_exit_cleanly(self):
+        # As torchrun runs them: one process per rank, RANK and WORLD_SIZE in
+        # the environment, a TCP rendezvous on a free port; rank r on
+        # cuda:(r mod devices). Each all-reduces CUDA tensors (gloo copies
+        # them through the host), frees, barriers, destroys the group and
+        # exits. A rank of an earlier build sometimes aborted at exit
+        # ("terminate called without an active exception"): every rank of
+        # every round must exit 0 with no such line.
+        import socket
+
+        world, rounds = 4, 2
+        body = """
+            import torch.distributed as dist
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+            dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=world)
+            for step in range(3):
+                t = torch.tensor([float(rank + 1 + step)] * 4096).to(dev)
+                held = torch.empty((step + 1) << 20, dtype=torch.uint8, device=dev)
+                dist.all_reduce(t)
+                want = world * (world + 1) / 2 + world * step
+                assert t.cpu()[0].item() == want, (t.cpu()[0].item(), want)
+                del held, t
+            dist.barrier()
+            dist.destroy_process_group()
+            print("RANK", rank, "DONE", flush=True)
+        """
+        for r in range(rounds):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            ranks = []
+            for rank in range(world):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), INIT="tcp://127.0.0.1:{}".format(port))
+                ranks.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", PROLOGUE + textwrap.dedent(body)],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        universal_newlines=True,
+                        cwd=REPO,
+                        env=env,
+                    )
+                )
+            for rank, p in enumerate(ranks):
+                try:
+                    out, _ = p.communicate(timeout=300)
+                except subprocess.TimeoutExpired:
+                    for q in ranks:
+                        q.kill()
+                    self.fail("round {}: rank {} hung".format(r, rank))
+                self.assertEqual(p.returncode, 0, "round {}: rank {}:\n{}".format(r, rank, out))
+                self.assertNotIn("terminate called", out)
+                self.assertIn("RANK {} DONE".format(rank), out)
 
     def test_annotations_are_bounded_and_go_with_the_history(self):
         memory = torch.cuda.memory
