@@ -151,7 +151,8 @@ impl QuiltAllocator {
             let t = l.tags.index(tag);
             l.tags.check_awake(t)?;
             with_offload_tier(l.tier(), ctx, Some(t), |tier, ctx| {
-                tier.core.allocate_in(ctx, size, stream, Some(Kind::Isolated(t)))
+                tier.core
+                    .allocate_in(ctx, size, stream, Some(Kind::Isolated(t)))
             })
         })
     }
