@@ -15,7 +15,7 @@
 // so that a library and a package of different builds refuse each other
 // rather than misread a struct. Raise it with any change to an exported
 // function or struct.
-#define QUILT_TORCH_ABI_VERSION 1
+#define QUILT_TORCH_ABI_VERSION 2
 
 // The most devices the library serves: indices 0 to `MAX_DEVICES - 1`.
 #define QUILT_MAX_DEVICES 256
@@ -125,8 +125,12 @@ typedef struct QuiltSegment {
   uint64_t address;
   // Its size.
   uint64_t total_size;
-  // The stream it belongs to.
+  // The stream it belongs to (a private pool's segment: the caller's
+  // stream it was allocated on).
   uint64_t stream;
+  // torch's `MempoolId_t` (first, second) of the private pool owning it;
+  // (0, 0) for none.
+  uint64_t owner_pool[2];
 } QuiltSegment;
 
 // One block of a segment, in address order.
@@ -393,6 +397,19 @@ uint64_t quilt_history_last_seq(void);
 
 // Forget the history recorded so far. 0.
 int quilt_clear_history(void);
+
+// torch's `roundup_power2_divisions` setting: `len` divisions, one per
+// power of two of request sizes from 1 MiB (torch's
+// `AcceleratorAllocatorConfig::roundup_power2_divisions()`, 16 of them),
+// each 0 or a power of two (all 0: off), applied to every later request by
+// torch's rounding rule. 0 on success; 1 when refused (another length, a
+// bad division; see `quilt_last_error`), nothing changed.
+//
+// # Safety
+//
+// `divisions` points to `len` readable `uint64_t`s (or is null with `len`
+// 0).
+int quilt_set_roundup_power2_divisions(const uint64_t *divisions, size_t len);
 
 // As `quilt_set_memory_fraction`, saying whether it took: 0 on success, 1
 // when refused (a fraction outside [0, 1], one below what live blocks

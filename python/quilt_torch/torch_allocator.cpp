@@ -98,6 +98,7 @@ struct Api {
   decltype(&::quilt_clear_history) clear_history;
   decltype(&::quilt_record_history) record_history;
   decltype(&::quilt_empty_cache) empty_cache;
+  decltype(&::quilt_set_roundup_power2_divisions) set_roundup;
   decltype(&::quilt_record_stream) record_stream;
   decltype(&::quilt_last_error) last_error;
   decltype(&::quilt_pool_checkpoint) pool_checkpoint;
@@ -231,6 +232,27 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     return p;
   }
 
+  // torch's roundup_power2_divisions (PYTORCH_CUDA_ALLOC_CONF, or
+  // _set_allocator_settings at any time: torch parses it into its
+  // AcceleratorAllocatorConfig whoever allocates), handed to Quilt, which
+  // rounds its requests by torch's rule. A thread hands torch's table when
+  // it differs from the one it last handed, or when another thread has
+  // handed one since (roundup_generation_).
+  void sync_roundup() {
+    thread_local std::vector<size_t> handed;
+    thread_local uint64_t handed_generation = 0;
+    const auto& now = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions();
+    if (handed_generation == roundup_generation_.load(std::memory_order_acquire) && now == handed) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(roundup_mutex_);
+    std::vector<uint64_t> table(now.begin(), now.end());
+    TORCH_CHECK(api.set_roundup(table.data(), table.size()) == 0,
+                "Quilt: roundup_power2_divisions: ", last_error());
+    handed = now;
+    handed_generation = roundup_generation_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  }
+
   // A block of `size` bytes on `device` ordered on `stream`, into the
   // private pool whose filter accepts the stream if one does; throws
   // c10::OutOfMemoryError (after calling the observers) or c10::Error.
@@ -256,6 +278,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     if (history_on_.load() && recorder != nullptr && when_.load() != cda::RecordContext::NEVER) {
       context = recorder();
     }
+    sync_roundup();
     QuiltAllocation a{nullptr, 0};
     int rc = labelled([&] {
       return api.torch_malloc(size, device, stream, use_pool ? 1 : 0, pool.first, pool.second, &a);
@@ -600,6 +623,7 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
       si.address = s.address;
       si.total_size = s.total_size;
       si.stream = reinterpret_cast<void*>(s.stream);
+      si.owner_private_pool_id = {s.owner_pool[0], s.owner_pool[1]};
       si.is_large = true;
       si.is_expandable = true;
       for (uint32_t k = 0; k < s.block_count; ++k) {
@@ -940,6 +964,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
   }
 
+  // Serialises sync_roundup's hand-overs; their count.
+  std::mutex roundup_mutex_;
+  std::atomic<uint64_t> roundup_generation_{0};
   // Guards the tables below; each table's size is also in its counter
   // (written under the lock), read without it to skip an empty table.
   std::mutex mutex_;
@@ -1039,6 +1066,7 @@ int quilt_allocator_install(const char* path, char* buf, size_t len) {
             resolve(h, "quilt_clear_history", a.clear_history) &&
             resolve(h, "quilt_record_history", a.record_history) &&
             resolve(h, "quilt_empty_cache", a.empty_cache) &&
+            resolve(h, "quilt_set_roundup_power2_divisions", a.set_roundup) &&
             resolve(h, "quilt_record_stream", a.record_stream) &&
             resolve(h, "quilt_last_error", a.last_error) &&
             resolve(h, "quilt_pool_checkpoint", a.pool_checkpoint) &&

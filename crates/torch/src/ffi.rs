@@ -29,7 +29,7 @@ thread_local! {
 /// so that a library and a package of different builds refuse each other
 /// rather than misread a struct. Raise it with any change to an exported
 /// function or struct.
-pub const QUILT_TORCH_ABI_VERSION: u32 = 1;
+pub const QUILT_TORCH_ABI_VERSION: u32 = 2;
 
 /// The C ABI version this library was built with
 /// ([`QUILT_TORCH_ABI_VERSION`]).
@@ -693,6 +693,35 @@ pub extern "C" fn quilt_history_last_seq() -> u64 {
 pub extern "C" fn quilt_clear_history() -> c_int {
     guard(1, || {
         library().clear_history();
+        Ok(0)
+    })
+}
+
+/// torch's `roundup_power2_divisions` setting: `len` divisions, one per
+/// power of two of request sizes from 1 MiB (torch's
+/// `AcceleratorAllocatorConfig::roundup_power2_divisions()`, 16 of them),
+/// each 0 or a power of two (all 0: off), applied to every later request by
+/// torch's rounding rule. 0 on success; 1 when refused (another length, a
+/// bad division; see `quilt_last_error`), nothing changed.
+///
+/// # Safety
+///
+/// `divisions` points to `len` readable `uint64_t`s (or is null with `len`
+/// 0).
+#[no_mangle]
+pub unsafe extern "C" fn quilt_set_roundup_power2_divisions(
+    divisions: *const u64,
+    len: usize,
+) -> c_int {
+    guard(1, || {
+        let table = if divisions.is_null() || len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: `divisions` points to `len` readable values (this
+            // function's contract).
+            unsafe { std::slice::from_raw_parts(divisions, len) }
+        };
+        library().set_roundup_power2_divisions(table)?;
         Ok(0)
     })
 }

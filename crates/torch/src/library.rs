@@ -10,6 +10,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use quilt_alloc::baselines::{RoundupPower2Divisions, ROUNDUP_INTERVALS};
 use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, SleepMode, SleepPages};
 use quilt_alloc::{AllocError, DeviceAllocator};
 use quilt_vmm::cuda::CudaVmm;
@@ -294,6 +295,9 @@ pub struct Library {
     devices_top: AtomicUsize,
     /// Memory fractions set for devices not created yet.
     fractions: Mutex<BTreeMap<i32, f64>>,
+    /// torch's `roundup_power2_divisions`, applied to every device's
+    /// requests ([`Library::set_roundup_power2_divisions`]).
+    roundup: Mutex<RoundupPower2Divisions>,
     history: History,
 }
 
@@ -357,6 +361,7 @@ impl Library {
             creating: Mutex::new(()),
             devices_top: AtomicUsize::new(0),
             fractions: Mutex::new(BTreeMap::new()),
+            roundup: Mutex::new(RoundupPower2Divisions::OFF),
             history: History::default(),
         }
     }
@@ -422,6 +427,12 @@ impl Library {
         }
         let alloc = QuiltAllocator::new(vmm, config)
             .map_err(|e| format!("device {index}: cannot build the allocator: {e}"))?;
+        // Held until the device is in place: a rounding set meanwhile
+        // reaches it.
+        let roundup = lock(&self.roundup);
+        alloc
+            .set_roundup_power2_divisions(*roundup)
+            .map_err(|e| format!("device {index}: {e}"))?;
         let d = slot.get_or_init(|| Device {
             index,
             cuda,
@@ -433,6 +444,7 @@ impl Library {
             too_large: AtomicU64::new(0),
             accumulated_base: Mutex::new(Accumulated::default()),
         });
+        drop(roundup);
         // Streams adopted for a device that lay at this address before.
         ADOPTION_GENERATION.fetch_add(1, Ordering::AcqRel);
         self.devices_top
@@ -514,7 +526,7 @@ impl Library {
             if let Some((end, extra)) = p.extension(id, size, stream) {
                 let made = match tag {
                     Some(t) => d.alloc.allocate_tagged(extra, s, t),
-                    None => d.alloc.allocate(extra, s),
+                    None => d.alloc.allocate_apart(extra, s),
                 };
                 if let Ok(a) = made {
                     if a.ptr == end {
@@ -540,14 +552,17 @@ impl Library {
                 }
             }
         }
-        // Into a pool: a segment the pool carves its blocks from.
+        // Into a pool: a segment the pool carves its blocks from, apart
+        // from the blocks outside pools (as torch's private pools own their
+        // segments), unless a tag's arena holds it.
         let quilt_size = match pool {
             Some(_) => private_pools::segment_size(size),
             None => size,
         };
-        let made = match tag {
-            Some(t) => d.alloc.allocate_tagged(quilt_size, s, t),
-            None => d.alloc.allocate(quilt_size, s),
+        let made = match (tag, pool) {
+            (Some(t), _) => d.alloc.allocate_tagged(quilt_size, s, t),
+            (None, Some(_)) => d.alloc.allocate_apart(quilt_size, s),
+            (None, None) => d.alloc.allocate(quilt_size, s),
         };
         self.sync_segments(d, "quilt_malloc");
         match made {
@@ -1066,6 +1081,35 @@ impl Library {
                 Ok(())
             }
         }
+    }
+
+    /// `quilt_set_roundup_power2_divisions`: torch's
+    /// `roundup_power2_divisions` setting, its table of divisions by size
+    /// interval as torch keeps it (`AcceleratorAllocatorConfig::
+    /// roundup_power2_divisions()`: one entry per power of two from 1 MiB,
+    /// [`ROUNDUP_INTERVALS`] entries, each 0 or a power of two), applied to
+    /// every later request on every device by torch's rule
+    /// ([`QuiltAllocator::set_roundup_power2_divisions`]). All zeros: off.
+    pub fn set_roundup_power2_divisions(&self, table: &[u64]) -> Result<(), String> {
+        self.conf()?;
+        let divisions: [u64; ROUNDUP_INTERVALS] = table.try_into().map_err(|_| {
+            format!(
+                "roundup_power2_divisions: {} intervals given, torch has {ROUNDUP_INTERVALS}",
+                table.len()
+            )
+        })?;
+        let divisions = RoundupPower2Divisions(divisions);
+        divisions
+            .validate()
+            .map_err(|e| format!("roundup_power2_divisions {table:?}: {e}"))?;
+        let mut roundup = lock(&self.roundup);
+        for d in self.existing() {
+            d.alloc
+                .set_roundup_power2_divisions(divisions)
+                .map_err(|e| format!("device {}: {e}", d.index))?;
+        }
+        *roundup = divisions;
+        Ok(())
     }
 
     /// `quilt_reset_peak_stats`: every peak of `device`'s statistics set to

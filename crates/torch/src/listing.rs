@@ -1,9 +1,11 @@
 //! Segments, blocks and history entries as plain C structs, for torch's
 //! allocator class (`python/quilt_torch/torch_allocator.cpp`) to build
-//! torch's `SnapshotInfo` from: the same segments and blocks as Quilt's own
-//! snapshot ([`crate::pytorch_snapshot`]), with the free blocks private
-//! pools keep shown `inactive` (torch freed them), and the history's entries
-//! with their sequence numbers.
+//! torch's `SnapshotInfo` from: the same blocks as Quilt's own snapshot
+//! ([`crate::pytorch_snapshot`]), with each private pool's segment a
+//! segment of its own that names its pool (torch's
+//! `owner_private_pool_id`) and shows the pool's blocks, the free ones
+//! `inactive` (torch freed them); and the history's entries with their
+//! sequence numbers.
 
 use quilt_alloc::BlockState;
 
@@ -33,8 +35,12 @@ pub struct QuiltSegment {
     pub address: u64,
     /// Its size.
     pub total_size: u64,
-    /// The stream it belongs to.
+    /// The stream it belongs to (a private pool's segment: the caller's
+    /// stream it was allocated on).
     pub stream: u64,
+    /// torch's `MempoolId_t` (first, second) of the private pool owning it;
+    /// (0, 0) for none.
+    pub owner_pool: [u64; 2],
 }
 
 /// One block of a segment, in address order.
@@ -102,8 +108,11 @@ pub fn trace_entry(device: i32, t: &TraceEntry) -> QuiltTraceEntry {
     }
 }
 
-/// Append `memory`'s segments and blocks to `segs` and `blocks`; a private
-/// pool's segment shows the pool's blocks, the free ones [`BLOCK_INACTIVE`].
+/// Append `memory`'s segments and blocks to `segs` and `blocks`, as
+/// torch lists them: each private pool's segment on its own, with the
+/// pool's id and the stream it was allocated on, showing the pool's blocks
+/// (the free ones [`BLOCK_INACTIVE`]); the runs of other blocks between
+/// them as segments of no pool.
 pub fn segments(
     memory: &DeviceMemory,
     pools: &PrivatePools,
@@ -111,23 +120,48 @@ pub fn segments(
     blocks: &mut Vec<QuiltBlock>,
 ) {
     for s in &memory.segments.segments {
-        let first = blocks.len();
+        // The run of blocks outside pools begun so far: its address, its
+        // first block.
+        let mut run: Option<(u64, usize)> = None;
         for b in &s.blocks {
-            if b.state == BlockState::Active {
-                if let Some(pieces) = pools.pieces(b.address) {
-                    // A pool's segment: its blocks, handed out or free.
-                    blocks.extend(pieces.iter().map(|p| QuiltBlock {
-                        address: p.ptr,
-                        size: p.size,
-                        requested: p.requested,
-                        state: if p.live {
-                            BLOCK_ACTIVE_ALLOCATED
-                        } else {
-                            BLOCK_INACTIVE
-                        },
-                    }));
-                    continue;
+            let owner = match b.state {
+                BlockState::Active => pools.segment_owner(b.address),
+                _ => None,
+            };
+            if let (Some((pool, stream)), Some(pieces)) = (owner, pools.pieces(b.address)) {
+                if let Some((address, first)) = run.take() {
+                    let end = b.address;
+                    push_segment(
+                        memory.device,
+                        (address, end - address),
+                        s.stream.0,
+                        NO_POOL,
+                        first,
+                        segs,
+                        blocks,
+                    );
                 }
+                let first = blocks.len();
+                blocks.extend(pieces.iter().map(|p| QuiltBlock {
+                    address: p.ptr,
+                    size: p.size,
+                    requested: p.requested,
+                    state: if p.live {
+                        BLOCK_ACTIVE_ALLOCATED
+                    } else {
+                        BLOCK_INACTIVE
+                    },
+                }));
+                push_segment(
+                    memory.device,
+                    (b.address, b.size),
+                    stream,
+                    [pool.0, pool.1],
+                    first,
+                    segs,
+                    blocks,
+                );
+                continue;
             }
             let state = match b.state {
                 BlockState::Active => BLOCK_ACTIVE_ALLOCATED,
@@ -139,6 +173,7 @@ pub fn segments(
             } else {
                 b.requested
             };
+            run.get_or_insert((b.address, blocks.len()));
             blocks.push(QuiltBlock {
                 address: b.address,
                 size: b.size,
@@ -146,14 +181,18 @@ pub fn segments(
                 state,
             });
         }
-        segs.push(QuiltSegment {
-            device: memory.device,
-            first_block: u32::try_from(first).unwrap_or(u32::MAX),
-            block_count: u32::try_from(blocks.len() - first).unwrap_or(u32::MAX),
-            address: s.address,
-            total_size: s.total_size,
-            stream: s.stream.0,
-        });
+        if let Some((address, first)) = run {
+            let end = s.address + s.total_size;
+            push_segment(
+                memory.device,
+                (address, end - address),
+                s.stream.0,
+                NO_POOL,
+                first,
+                segs,
+                blocks,
+            );
+        }
     }
     if memory.unmapped_pool_bytes > 0 {
         let first = blocks.len();
@@ -163,15 +202,42 @@ pub fn segments(
             requested: 0,
             state: BLOCK_INACTIVE,
         });
-        segs.push(QuiltSegment {
-            device: memory.device,
-            first_block: u32::try_from(first).unwrap_or(u32::MAX),
-            block_count: 1,
-            address: 0,
-            total_size: memory.unmapped_pool_bytes,
-            stream: 0,
-        });
+        push_segment(
+            memory.device,
+            (0, memory.unmapped_pool_bytes),
+            0,
+            NO_POOL,
+            first,
+            segs,
+            blocks,
+        );
     }
+}
+
+/// The pool id of a segment no private pool owns (torch's `{0, 0}`).
+const NO_POOL: [u64; 2] = [0, 0];
+
+/// Append the segment of `device` at `range` (address, size) on `stream`,
+/// owned by `pool`, tiled by the blocks from `first` to the end of
+/// `blocks`.
+fn push_segment(
+    device: i32,
+    range: (u64, u64),
+    stream: u64,
+    pool: [u64; 2],
+    first: usize,
+    segs: &mut Vec<QuiltSegment>,
+    blocks: &[QuiltBlock],
+) {
+    segs.push(QuiltSegment {
+        device,
+        first_block: u32::try_from(first).unwrap_or(u32::MAX),
+        block_count: u32::try_from(blocks.len() - first).unwrap_or(u32::MAX),
+        address: range.0,
+        total_size: range.1,
+        stream,
+        owner_pool: pool,
+    });
 }
 
 #[cfg(test)]
@@ -182,7 +248,7 @@ mod tests {
     use quilt_vmm::StreamId;
 
     #[test]
-    fn blocks_tile_their_segments_and_pool_segments_show_their_blocks() {
+    fn blocks_tile_their_segments_and_each_pool_segment_is_its_own_with_its_pool() {
         let block = |address, size, state| BlockInfo {
             address,
             size,
@@ -210,14 +276,29 @@ mod tests {
         };
         let mut pools = PrivatePools::default();
         pools.create_or_incref((1, 0));
-        // A pool's segment, carved: its blocks replace Quilt's one.
-        pools.adopt((1, 0), 0x2000, 0x1000, 0x700, 7).unwrap();
+        // A pool's segment, carved, allocated on the caller's stream 9: a
+        // segment of its own, with its pool and stream, showing its blocks;
+        // the blocks on either side of it segments of no pool.
+        pools.adopt((1, 0), 0x2000, 0x1000, 0x700, 9).unwrap();
         let (mut segs, mut blocks) = (Vec::new(), Vec::new());
         segments(&memory, &pools, &mut segs, &mut blocks);
-        assert_eq!(segs.len(), 2);
+        assert_eq!(
+            segs.iter()
+                .map(|s| (s.address, s.total_size, s.stream, s.owner_pool))
+                .collect::<Vec<_>>(),
+            [
+                (0x1000, 0x1000, 7, NO_POOL),
+                (0x2000, 0x1000, 9, [1, 0]),
+                (0x3000, 0x1000, 7, NO_POOL),
+                (0, 0x2000, 0, NO_POOL),
+            ]
+        );
         for s in &segs {
             let bs = &blocks[s.first_block as usize..(s.first_block + s.block_count) as usize];
             assert_eq!(bs.iter().map(|b| b.size).sum::<u64>(), s.total_size);
+            if s.address != 0 {
+                assert_eq!(bs[0].address, s.address);
+            }
             assert_eq!(s.device, 1);
         }
         let states: Vec<i32> = blocks.iter().map(|b| b.state).collect();

@@ -11,7 +11,9 @@
 //! worth keeping (512 bytes in a small segment, more than 1 MiB in a large
 //! one); a freed block merges with the free blocks beside it, in its
 //! segment or in a segment of the same pool, stream and kind right before
-//! or after it (Quilt places segments side by side in its address space).
+//! or after it (Quilt places segments side by side in its address space:
+//! the pools' segments in an arena of their own, apart from the blocks
+//! outside pools, as torch's private pools own their segments).
 //! Where no free block fits, a pool whose free block ends its memory grows
 //! by a segment placed right after it, when Quilt places it there
 //! ([`PrivatePools::extension`]), else by a segment of the whole request.
@@ -636,6 +638,13 @@ impl PrivatePools {
     /// does not).
     pub fn is_kept_free(&self, ptr: u64) -> bool {
         self.blocks.get(&ptr).is_some_and(|b| !b.live)
+    }
+
+    /// The pool owning the segment at `ptr` and the stream it was allocated
+    /// on, if a pool owns a segment there: a listing shows it as that pool's
+    /// segment.
+    pub fn segment_owner(&self, ptr: u64) -> Option<(PoolId, u64)> {
+        self.segments.get(&ptr).map(|s| (s.pool, s.stream))
     }
 
     /// The pool's blocks over the segment at `ptr`, cut to it, in address

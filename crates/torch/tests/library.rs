@@ -307,3 +307,45 @@ fn snapshots_add_up_and_read_back_through_quilt_s_importer() {
     want.sort_unstable();
     assert_eq!(got, want);
 }
+
+/// As torch's `MemPool` test of two threads: blocks outside the pool before
+/// and after the pool's segment, a block of the pool freed. Each private
+/// pool's segment is listed on its own with its pool and stream, apart from
+/// the others (which never lie within it); released, it is no pool's.
+#[test]
+fn a_private_pools_segment_is_listed_apart_with_its_pool_id() {
+    let lib = Library::new("backend:sim,capacity:256MiB");
+    let pool = (0, 1);
+    lib.pool_create_or_incref(0, pool).unwrap();
+    let (before, _) = lib.torch_malloc(MIB, 0, 0, None, None).unwrap();
+    let (pooled, _) = lib.torch_malloc(MIB, 0, 0, None, Some(pool)).unwrap();
+    lib.torch_free(pooled).unwrap();
+    let (after, _) = lib.torch_malloc(MIB, 0, 0, None, None).unwrap();
+
+    let (segs, blocks) = lib.segments(None).unwrap();
+    let of_pool: Vec<_> = segs.iter().filter(|s| s.owner_pool == [0, 1]).collect();
+    assert_eq!(of_pool.len(), 1, "{segs:?}");
+    let p = of_pool[0];
+    assert_eq!((p.total_size, p.stream), (2 * MIB, 0));
+    let p_blocks = &blocks[p.first_block as usize..(p.first_block + p.block_count) as usize];
+    assert!(p_blocks.iter().all(|b| b.state == 2), "{p_blocks:?}");
+    assert_eq!(p_blocks[0].address, pooled);
+    let others: Vec<_> = segs.iter().filter(|s| s.owner_pool == [0, 0]).collect();
+    assert_eq!(others.len() + 1, segs.len(), "no other pool: {segs:?}");
+    let active: u64 = others
+        .iter()
+        .flat_map(|s| &blocks[s.first_block as usize..(s.first_block + s.block_count) as usize])
+        .filter(|b| b.state == 0)
+        .map(|b| b.size)
+        .sum();
+    assert_eq!(active, 2 * MIB);
+    for ptr in [before, after] {
+        assert!(!(p.address..p.address + p.total_size).contains(&ptr));
+    }
+
+    lib.pool_release(0, pool).unwrap();
+    let (segs, _) = lib.segments(None).unwrap();
+    assert!(segs.iter().all(|s| s.owner_pool == [0, 0]), "{segs:?}");
+    lib.torch_free(before).unwrap();
+    lib.torch_free(after).unwrap();
+}

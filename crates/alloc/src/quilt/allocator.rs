@@ -15,8 +15,9 @@ use super::invariants;
 use super::offload::{with_offload_tier, Tier};
 use super::segments;
 use super::sleep::Tags;
-use super::stitch::{pool_err, Core, Ctx};
+use super::stitch::{pool_err, Core, Ctx, Kind};
 use crate::api::{Allocation, DeviceAllocator};
+use crate::baselines::RoundupPower2Divisions;
 use crate::error::AllocError;
 #[cfg(feature = "invariants")]
 use crate::error::InvariantViolation;
@@ -365,6 +366,71 @@ impl QuiltAllocator {
                 }
             }
             l.core.forget_stream(ctx, stream)
+        })
+    }
+
+    /// Round every later request as PyTorch's `roundup_power2_divisions`
+    /// setting does ([`RoundupPower2Divisions`]; PyTorch's own rule,
+    /// `round_size`): a block of the rounded size, its requested bytes those
+    /// asked for. [`RoundupPower2Divisions::OFF`] (the default) rounds to
+    /// blocks only. A bucket neither 0 nor a power of two is an error, and
+    /// nothing changes.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::baselines::RoundupPower2Divisions;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// alloc.set_roundup_power2_divisions(RoundupPower2Divisions::uniform(4))?;
+    /// let a = alloc.allocate(84 << 20, StreamId::DEFAULT)?; // 64 MiB + 4 steps of 8 MiB
+    /// assert_eq!(a.size, 96 << 20);
+    /// assert_eq!(alloc.stats().requested_bytes.current, 84 << 20);
+    /// assert!(alloc.set_roundup_power2_divisions(RoundupPower2Divisions::uniform(3)).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_roundup_power2_divisions(
+        &self,
+        divisions: RoundupPower2Divisions,
+    ) -> Result<(), AllocError> {
+        divisions.validate()?;
+        self.with(|l, _| {
+            l.core.roundup = divisions;
+            Ok(())
+        })
+    }
+
+    /// [`DeviceAllocator::allocate`] in the arena of blocks kept apart: its
+    /// pages are never shared with the blocks of the small and large arenas
+    /// (nor of tags), so that memory set aside for one user (torch's
+    /// private pools' segments) never lies between theirs. Free it with
+    /// [`DeviceAllocator::free`] as any block.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use quilt_alloc::quilt::{QuiltAllocator, QuiltConfig};
+    /// use quilt_alloc::DeviceAllocator;
+    /// use quilt_vmm::{sim::SimVmm, StreamId, Vmm};
+    ///
+    /// let vmm: Arc<dyn Vmm> = Arc::new(SimVmm::with_capacity(1 << 30)?);
+    /// let alloc = QuiltAllocator::new(vmm, QuiltConfig::default())?;
+    /// let a = alloc.allocate(1 << 20, StreamId::DEFAULT)?;
+    /// let apart = alloc.allocate_apart(2 << 20, StreamId::DEFAULT)?;
+    /// let b = alloc.allocate(1 << 20, StreamId::DEFAULT)?;
+    /// let kinds: Vec<_> = alloc.gpu_segments().segments.iter().map(|s| s.kind).collect();
+    /// assert_eq!(kinds.iter().filter(|k| **k == "apart").count(), 1);
+    /// let apart_range = apart.ptr..apart.ptr + apart.size;
+    /// assert!(!apart_range.contains(&a.ptr) && !apart_range.contains(&b.ptr));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn allocate_apart(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        self.with(|l, ctx| {
+            with_offload_tier(l.tier(), ctx, None, |t, ctx| {
+                t.core.allocate_in(ctx, size, stream, Some(Kind::Apart))
+            })
         })
     }
 

@@ -62,7 +62,7 @@ impl Core {
         }
         if !matches!(
             self.arena_meta.get(b.arena),
-            Some((_, Kind::Small | Kind::Large))
+            Some((_, Kind::Small | Kind::Large | Kind::Apart))
         ) {
             return Err(b);
         }
@@ -107,14 +107,14 @@ impl Core {
         ctx: &Ctx<'_>,
         size: u64,
         stream: StreamId,
-        group: Option<u32>,
+        kind: Option<Kind>,
     ) -> Result<Allocation, AllocError> {
         self.release_held_done(ctx, stream);
         if self.held.is_empty() {
-            return self.allocate_once(ctx, size, stream, group);
+            return self.allocate_once(ctx, size, stream, kind);
         }
         let last_oom = self.last_oom.clone();
-        match self.allocate_once(ctx, size, stream, group) {
+        match self.allocate_once(ctx, size, stream, kind) {
             Err(AllocError::OutOfMemory(_)) => {
                 // The first try's failure is not the request's: the retry
                 // answers for it.
@@ -122,7 +122,7 @@ impl Core {
                 self.last_oom = last_oom;
                 self.stats.num_alloc_retries += 1;
                 self.release_held_forced(ctx);
-                self.allocate_once(ctx, size, stream, group)
+                self.allocate_once(ctx, size, stream, kind)
             }
             other => other,
         }

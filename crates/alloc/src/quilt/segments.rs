@@ -50,6 +50,7 @@ pub(crate) fn snapshot(st: &Core, name: &str, page: u64) -> MemorySnapshot {
             kind: match (stream, kind) {
                 (_, Kind::Own) => "growable",
                 (_, Kind::Isolated(_)) => "tagged",
+                (_, Kind::Apart) => "apart",
                 (None, _) => "shared",
                 (_, Kind::Small) => "small",
                 (_, Kind::Large) => "large",

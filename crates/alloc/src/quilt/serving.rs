@@ -10,6 +10,7 @@ use super::config::{MapAhead, OffloadTier, Recycle};
 use super::growable::{GrowableId, GrowableInfo};
 use super::offload::with_offload_tier;
 use super::sleep::{SleepMode, SleepPages};
+use super::stitch::Kind;
 use crate::api::Allocation;
 use crate::error::AllocError;
 use crate::stats::ServingStats;
@@ -150,7 +151,8 @@ impl QuiltAllocator {
             let t = l.tags.index(tag);
             l.tags.check_awake(t)?;
             with_offload_tier(l.tier(), ctx, Some(t), |tier, ctx| {
-                tier.core.allocate_in(ctx, size, stream, Some(t))
+                tier.core
+                    .allocate_in(ctx, size, stream, Some(Kind::Isolated(t)))
             })
         })
     }

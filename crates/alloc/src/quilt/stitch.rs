@@ -19,7 +19,8 @@ use super::arena::Arena;
 use super::config::{ArenaSharing, QuiltConfig};
 use super::streams::Streams;
 use super::tiling::{Hazard, PieceId, Pruning};
-use crate::api::{check_size, round_up, Allocation, MIN_BLOCK_SIZE};
+use crate::api::{check_size, Allocation};
+use crate::baselines::caching::config::{round_size, RoundupPower2Divisions};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::stats::{AllocatorStats, Stat};
 
@@ -37,6 +38,9 @@ pub(crate) enum Kind {
     /// Blocks of one isolation group (a tag, by index), never sharing pages
     /// with blocks outside it.
     Isolated(u32),
+    /// Blocks kept apart from the small and large ones (torch's private
+    /// pools' segments), never sharing pages with them.
+    Apart,
 }
 
 /// How a reclaim takes cached pages back to the pool.
@@ -221,6 +225,9 @@ pub(crate) struct Core {
     /// Each arena's touched pages and holes, summed, behind the
     /// inactive-split statistics.
     arena_figures: ArenaFigures,
+    /// PyTorch's `roundup_power2_divisions` applied to every request
+    /// ([`round_size`]; off: rounded to blocks only).
+    pub(crate) roundup: RoundupPower2Divisions,
 }
 
 /// Each arena's figures behind the inactive-split statistics (touched
@@ -518,20 +525,21 @@ impl Core {
         self.allocate_in(ctx, size, stream, None)
     }
 
-    /// Allocate `size` bytes on `stream`; with an isolation group, in the
-    /// group's own arena, so that its pages are never shared with other
-    /// blocks (a frozen group arena refuses).
+    /// Allocate `size` bytes on `stream`; with an arena kind
+    /// ([`Kind::Isolated`], [`Kind::Apart`]), in an arena of that kind, so
+    /// that its pages are never shared with blocks of other kinds (a frozen
+    /// group arena refuses); without, in the small or large arena by size.
     pub(crate) fn allocate_in(
         &mut self,
         ctx: &Ctx<'_>,
         size: u64,
         stream: StreamId,
-        group: Option<u32>,
+        kind: Option<Kind>,
     ) -> Result<Allocation, AllocError> {
         if self.held.is_empty() {
-            return self.allocate_once(ctx, size, stream, group);
+            return self.allocate_once(ctx, size, stream, kind);
         }
-        self.allocate_releasing_held(ctx, size, stream, group)
+        self.allocate_releasing_held(ctx, size, stream, kind)
     }
 
     /// [`Core::allocate_in`]'s one try.
@@ -540,21 +548,17 @@ impl Core {
         ctx: &Ctx<'_>,
         size: u64,
         stream: StreamId,
-        group: Option<u32>,
+        kind: Option<Kind>,
     ) -> Result<Allocation, AllocError> {
         check_size(size)?;
-        let Some(rounded) = round_up(size, MIN_BLOCK_SIZE) else {
-            return Err(overflows_when_rounded(size));
-        };
+        let rounded = round_size(size, &self.roundup);
         self.tick += 1;
         let si = self.stream_index(stream);
         self.note_allocating(si);
-        let kind = if let Some(g) = group {
-            Kind::Isolated(g)
-        } else if ctx.cfg.layout.small.is_small(size) {
-            Kind::Small
-        } else {
-            Kind::Large
+        let kind = match kind {
+            Some(k) => k,
+            None if ctx.cfg.layout.small.is_small(size) => Kind::Small,
+            None => Kind::Large,
         };
         // More whole pages than the limit (no division: `rounded` past the
         // limit's bytes), or more than an arena.
@@ -879,9 +883,13 @@ impl Core {
         let growable = ctx.pool.growable_pages().unwrap_or(growable);
         let usable = free + cached + growable;
         // The request as placed: rounded to blocks, then to whole pages.
-        let needed = round_up(size, MIN_BLOCK_SIZE).map_or(u64::MAX, |rounded| {
-            rounded.div_ceil(page).saturating_mul(page)
-        });
+        let needed = if check_size(size).is_ok() {
+            round_size(size, &self.roundup)
+                .div_ceil(page)
+                .saturating_mul(page)
+        } else {
+            u64::MAX
+        };
         let report = OomReport {
             allocator: ctx.name.to_string(),
             requested: size,
@@ -913,16 +921,6 @@ fn completed_hazards(streams: &Streams) -> Pruning<impl FnMut(&Hazard) -> bool +
     Pruning {
         progress: streams.progress,
         completed: |h: &Hazard| streams.all_freed_done(h.streams, h.tick),
-    }
-}
-
-/// The error for a request of `size` bytes that overflows when rounded.
-#[cold]
-#[inline(never)]
-fn overflows_when_rounded(size: u64) -> AllocError {
-    AllocError::InvalidSize {
-        size,
-        reason: "size overflows when rounded",
     }
 }
 
