@@ -55,14 +55,20 @@ fn segments_mark(alloc: &QuiltAllocator) -> u64 {
 
 /// The segments of a device's mapped memory, as last counted
 /// ([`Device::segment_count`]).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct MappedRuns {
-    /// The [`segments_mark`] they were counted at (`None`: never counted).
+    /// The [`segments_mark`] the runs were found at (`None`: never).
     mark: Option<u64>,
-    /// The runs of mapped memory (the joined GPU segments).
-    runs: u64,
+    /// The runs of mapped memory (the joined GPU segments): address, bytes.
+    runs: Vec<(u64, u64)>,
     /// Their bytes.
     bytes: u64,
+    /// The pools' [`PrivatePools::segments_generation`] `listed` was
+    /// counted at, with the runs of `mark`.
+    generation: Option<u64>,
+    /// The segments a listing shows over the runs (the pools' segments cut
+    /// out of them, [`PrivatePools::listed_segments_in`]).
+    listed: u64,
 }
 
 /// One device: its driver backend and its allocator.
@@ -128,38 +134,55 @@ thread_local! {
 static ADOPTION_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Device {
-    /// The memory a snapshot shows, and its segment count (current, peak).
-    fn memory(&self) -> (DeviceMemory, u64, u64) {
-        let memory = DeviceMemory::of(self.index, &self.alloc);
-        let count = snapshot::segment_count(&memory);
-        let peak = self
-            .segment_peak
-            .fetch_max(count, Ordering::Relaxed)
-            .max(count);
-        (memory, count, peak)
+    /// The memory a snapshot shows.
+    fn memory(&self) -> DeviceMemory {
+        DeviceMemory::of(self.index, &self.alloc)
+    }
+
+    /// The segments and blocks a snapshot lists ([`listing::segments`]),
+    /// appended to `segs` and `blocks`; the segment peak raised to their
+    /// number.
+    fn list(&self, segs: &mut Vec<QuiltSegment>, blocks: &mut Vec<QuiltBlock>) -> u64 {
+        let memory = self.memory();
+        let before = segs.len();
+        listing::segments(&memory, &lock(&self.pools), segs, blocks);
+        let count = (segs.len() - before) as u64;
+        self.segment_peak.fetch_max(count, Ordering::Relaxed);
+        count
     }
 
     /// The segments a snapshot would show with `reserved` bytes reserved
-    /// ([`snapshot::segment_count`]), and their peak, without walking the
-    /// blocks: the runs of mapped memory are counted again only when a map,
-    /// an unmap or a reservation was made since they were last counted
-    /// ([`segments_mark`]). The mark is read before the count, so a change
-    /// made meanwhile is counted at the next call.
+    /// ([`listing::segments`]), and their peak, without walking the
+    /// blocks: the runs of mapped memory are found again only when a map,
+    /// an unmap or a reservation was made since ([`segments_mark`]), and
+    /// the pools' segments cut out of them only when those runs or the
+    /// pools' segments changed ([`PrivatePools::segments_generation`]).
+    /// The marks are read before the count, so a change made meanwhile is
+    /// counted at the next call.
     fn segment_count(&self, reserved: u64) -> (u64, u64) {
         let mark = segments_mark(&self.alloc);
-        let runs = {
+        let (listed, bytes) = {
             let mut c = lock(&self.mapped_runs);
             if c.mark != Some(mark) {
                 let joined = snapshot::joined(self.alloc.gpu_segments());
-                *c = MappedRuns {
-                    mark: Some(mark),
-                    runs: joined.segments.len() as u64,
-                    bytes: joined.segments.iter().map(|s| s.total_size).sum(),
-                };
+                c.runs = joined
+                    .segments
+                    .iter()
+                    .map(|s| (s.address, s.total_size))
+                    .collect();
+                c.bytes = c.runs.iter().map(|r| r.1).sum();
+                c.mark = Some(mark);
+                c.generation = None;
             }
-            *c
+            let pools = lock(&self.pools);
+            let generation = pools.segments_generation();
+            if c.generation != Some(generation) {
+                c.listed = c.runs.iter().map(|&r| pools.listed_segments_in(r)).sum();
+                c.generation = Some(generation);
+            }
+            (c.listed, c.bytes)
         };
-        let count = runs.runs + u64::from(reserved > runs.bytes);
+        let count = listed + u64::from(reserved > bytes);
         let peak = self
             .segment_peak
             .fetch_max(count, Ordering::Relaxed)
@@ -845,7 +868,8 @@ impl Library {
     /// same: for tests and checks).
     pub fn device_stats_walked(&self, device: i32) -> Result<QuiltDeviceStats, String> {
         let d = self.device(device)?;
-        let (_, segments, peak) = d.memory();
+        let segments = d.list(&mut Vec::new(), &mut Vec::new());
+        let peak = d.segment_peak.load(Ordering::Relaxed);
         let raw = d.alloc.stats();
         Ok(self.torch_stats(d, &raw, (segments, peak)))
     }
@@ -908,9 +932,7 @@ impl Library {
                 continue;
             }
             self.sync_segments(d, "quilt_segments");
-            let (memory, _, _) = d.memory();
-            let pools = lock(&d.pools);
-            listing::segments(&memory, &pools, &mut segs, &mut blocks);
+            d.list(&mut segs, &mut blocks);
         }
         Ok((segs, blocks))
     }
@@ -942,7 +964,7 @@ impl Library {
         let mut starts = BTreeMap::new();
         for d in self.existing() {
             self.sync_segments(d, "quilt_segments");
-            let (memory, _, _) = d.memory();
+            let memory = d.memory();
             let pools = lock(&d.pools);
             starts.insert(
                 d.index,
@@ -1271,7 +1293,7 @@ impl Library {
             // replays it backwards from the segments.
             self.sync_segments(d, "quilt_dump_snapshot");
         }
-        let devices: Vec<DeviceMemory> = existing.iter().map(|d| d.memory().0).collect();
+        let devices: Vec<DeviceMemory> = existing.iter().map(|d| d.memory()).collect();
         let value = snapshot::snapshot(&devices, &self.history.entries(), &self.conf_text);
         serde_pickle::value_to_vec(&value, serde_pickle::SerOptions::new())
             .map_err(|e| format!("encoding the snapshot: {e}"))

@@ -164,6 +164,9 @@ pub struct PrivatePools {
     free_blocks: BTreeSet<FreeKey>,
     /// Kept as blocks and segments change.
     figures: PoolFigures,
+    /// Bumped whenever a segment is added or dropped: while it stands, so
+    /// do the segments a listing shows ([`PrivatePools::listed_segments_in`]).
+    generation: u64,
 }
 
 /// A pool's block as torch last had it ([`PrivatePools::free`] gives it
@@ -293,6 +296,7 @@ impl PrivatePools {
         let Some(seg) = self.segments.remove(&s) else {
             return;
         };
+        self.generation += 1;
         let end = s + seg.size;
         if let Some((&p, b)) = self.blocks.range(..=s).next_back() {
             let b = *b;
@@ -483,6 +487,7 @@ impl PrivatePools {
                 seg.pool
             ));
         }
+        self.generation += 1;
         self.segments.insert(
             ptr,
             Segment {
@@ -638,6 +643,26 @@ impl PrivatePools {
     /// does not).
     pub fn is_kept_free(&self, ptr: u64) -> bool {
         self.blocks.get(&ptr).is_some_and(|b| !b.live)
+    }
+
+    /// Bumped whenever a pool's segment is added or dropped.
+    pub fn segments_generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// How many segments a listing shows over the run of Quilt's memory at
+    /// `addr` (`size` bytes), as [`crate::listing::segments`] cuts it: each
+    /// pool segment in it, and each stretch of other memory before, between
+    /// and after them (Quilt's blocks tile the run). No walk over the
+    /// blocks: the pools' segments in the run only.
+    pub fn listed_segments_in(&self, (addr, size): (u64, u64)) -> u64 {
+        let end = addr.saturating_add(size);
+        let (mut count, mut at) = (0, addr);
+        for (&s, seg) in self.segments.range(addr..end) {
+            count += u64::from(s > at) + 1;
+            at = s + seg.size;
+        }
+        count + u64::from(end > at)
     }
 
     /// The pool owning the segment at `ptr` and the stream it was allocated

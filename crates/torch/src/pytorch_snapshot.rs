@@ -65,12 +65,6 @@ pub struct DeviceMemory {
     pub unmapped_pool_bytes: u64,
 }
 
-/// The number of segments a snapshot of `memory` shows (the statistics'
-/// `segment`).
-pub fn segment_count(memory: &DeviceMemory) -> u64 {
-    memory.segments.segments.len() as u64 + u64::from(memory.unmapped_pool_bytes > 0)
-}
-
 impl DeviceMemory {
     /// The memory of `alloc` as device `device`: its
     /// [`gpu_segments`](DeviceAllocator::gpu_segments), and what it reserves
