@@ -224,6 +224,18 @@ fn growing_buffers_settle_after_one_iteration() {
     }
 }
 
+/// One loop of [`later_growth_survey`], replayed with or without
+/// `record_stream`.
+struct GrowthRow {
+    recorded: bool,
+    /// Driver calls of the later iterations over the first's.
+    later_over_first: f64,
+    /// Some iteration past the eighth called the driver.
+    past_eighth: bool,
+    /// Quilt's peak reserved over classic's.
+    reserved_over_classic: f64,
+}
+
 /// A measurement, not a promise: how much the pool grows after the first
 /// iteration on 400 loops drawn as the property test draws them (32
 /// iterations each), for loops with `record_stream` and without, against
@@ -239,8 +251,7 @@ fn later_growth_survey() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
     let mut runner = TestRunner::deterministic();
-    // (recorded?, later/first, calls past the 8th, quilt/classic reserved)
-    let mut rows: Vec<(bool, f64, bool, f64)> = Vec::new();
+    let mut rows: Vec<GrowthRow> = Vec::new();
     for _ in 0..400 {
         let (streams, body, lag) = body().new_tree(&mut runner).unwrap().current();
         if streams == 1 || !body.iter().any(|b| b.shared) {
@@ -254,29 +265,28 @@ fn later_growth_survey() {
             let calls: Vec<u64> = q.per_iteration.iter().map(vmm_calls).collect();
             let later: u64 = calls[1..].iter().sum();
             let reserved = |r: &Replayed| r.drained.reserved_bytes.peak as f64;
-            rows.push((
-                record,
-                later as f64 / calls[0].max(1) as f64,
-                calls[8..].iter().any(|&n| n > 0),
-                reserved(&q) / reserved(&c),
-            ));
+            rows.push(GrowthRow {
+                recorded: record,
+                later_over_first: later as f64 / calls[0].max(1) as f64,
+                past_eighth: calls[8..].iter().any(|&n| n > 0),
+                reserved_over_classic: reserved(&q) / reserved(&c),
+            });
         }
     }
     for recorded in [false, true] {
-        let mut r: Vec<&(bool, f64, bool, f64)> = rows.iter().filter(|x| x.0 == recorded).collect();
-        r.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let mut r: Vec<&GrowthRow> = rows.iter().filter(|x| x.recorded == recorded).collect();
+        r.sort_by(|a, b| a.later_over_first.total_cmp(&b.later_over_first));
         let n = r.len();
-        let share = |f: &dyn Fn(&(bool, f64, bool, f64)) -> bool| {
-            r.iter().filter(|x| f(x)).count() as f64 / n as f64 * 100.0
-        };
+        let share =
+            |f: fn(&GrowthRow) -> bool| r.iter().filter(|x| f(x)).count() as f64 / n as f64 * 100.0;
         eprintln!(
             "record_stream {recorded}: {n} loops on 2-4 streams; later calls: any {:.1} %, past the 8th iteration {:.1} %, more than the first {:.1} %; later/first median {:.3}, max {:.3}; Quilt/classic peak reserved max {:.3}",
-            share(&|x| x.1 > 0.0),
-            share(&|x| x.2),
-            share(&|x| x.1 > 1.0),
-            r[n / 2].1,
-            r[n - 1].1,
-            r.iter().map(|x| x.3).fold(0.0, f64::max),
+            share(|x| x.later_over_first > 0.0),
+            share(|x| x.past_eighth),
+            share(|x| x.later_over_first > 1.0),
+            r[n / 2].later_over_first,
+            r[n - 1].later_over_first,
+            r.iter().map(|x| x.reserved_over_classic).fold(0.0, f64::max),
         );
     }
 }
