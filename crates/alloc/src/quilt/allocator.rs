@@ -420,7 +420,7 @@ impl QuiltAllocator {
     /// let a = alloc.allocate(1 << 20, StreamId::DEFAULT)?;
     /// let apart = alloc.allocate_apart(2 << 20, StreamId::DEFAULT)?;
     /// let b = alloc.allocate(1 << 20, StreamId::DEFAULT)?;
-    /// let kinds: Vec<_> = alloc.gpu_segments().segments.iter().map(|s| s.kind).collect();
+    /// let kinds: Vec<_> = alloc.snapshot().segments.iter().map(|s| s.kind).collect();
     /// assert_eq!(kinds.iter().filter(|k| **k == "apart").count(), 1);
     /// let apart_range = apart.ptr..apart.ptr + apart.size;
     /// assert!(!apart_range.contains(&a.ptr) && !apart_range.contains(&b.ptr));
