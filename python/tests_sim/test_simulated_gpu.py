@@ -295,6 +295,24 @@ class SimulatedGpu(unittest.TestCase):
         gc.collect()
         torch.cuda.empty_cache()
 
+    def test_memory_fraction_below_live_memory_is_taken(self):
+        # torch takes any fraction in [0, 1], whatever is allocated now:
+        # live tensors keep their memory, no more is mapped, and the
+        # fraction reads back as set.
+        live = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        try:
+            torch.cuda.set_per_process_memory_fraction(0.0, 0)
+            self.assertEqual(torch.cuda.get_per_process_memory_fraction(0), 0.0)
+            with self.assertRaises(torch.OutOfMemoryError):
+                torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+            self.assertEqual(live.device.type, "cuda")
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        grown = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        del grown, live
+        gc.collect()
+        torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     unittest.main()

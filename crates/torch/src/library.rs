@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use quilt_alloc::baselines::{RoundupPower2Divisions, ROUNDUP_INTERVALS};
 use quilt_alloc::quilt::{MemoryLimit, QuiltAllocator, SleepMode, SleepPages};
 use quilt_alloc::{AllocError, DeviceAllocator};
+use quilt_pool::PoolError;
 use quilt_vmm::cuda::CudaVmm;
 use quilt_vmm::host::{HostConfig, HostVmm};
 use quilt_vmm::sim::SimVmm;
@@ -29,6 +30,24 @@ use crate::pytorch_snapshot::{self as snapshot, DeviceMemory};
 
 /// The most devices the library serves: indices 0 to `MAX_DEVICES - 1`.
 pub const MAX_DEVICES: usize = 256;
+
+/// Limit `d`'s memory to the fraction `f` of its device, as torch's
+/// `set_per_process_memory_fraction` does: any fraction from 0 to 1 is
+/// taken. Where live blocks hold more than it allows (after the cache is
+/// given back), the limit becomes what the pool holds now: nothing more
+/// is mapped, as torch maps no new segment past the fraction, and the
+/// fraction takes hold further at each `empty_cache` as memory is freed.
+fn apply_fraction(d: &Device, f: f64) -> Result<(), AllocError> {
+    match d.alloc.set_memory_limit(MemoryLimit::Fraction(f)) {
+        Err(AllocError::Pool(e)) if matches!(*e, PoolError::LimitBelowHeld { .. }) => {
+            let held = d.alloc.pool_stats().held_bytes;
+            d.alloc
+                .set_memory_limit(MemoryLimit::Bytes(held))
+                .map(|_| ())
+        }
+        other => other.map(|_| ()),
+    }
+}
 
 /// The driver's map and unmap count of `alloc`: the mapped memory changes
 /// only when it moves ([`History::sync_segments`]).
@@ -1015,7 +1034,13 @@ impl Library {
         let errors: Vec<String> = self
             .existing()
             .filter_map(|d| {
-                let done = d.alloc.empty_cache();
+                let mut done = d.alloc.empty_cache();
+                // A fraction below what live blocks held when it was set
+                // takes hold as far as the memory given back now allows.
+                let fraction = lock(&self.fractions).get(&d.index).copied();
+                if let (Ok(()), Some(f)) = (&done, fraction) {
+                    done = apply_fraction(d, f);
+                }
                 self.sync_segments(d, "quilt_empty_cache");
                 done.err().map(|e| format!("device {}: {e}", d.index))
             })
@@ -1090,13 +1115,12 @@ impl Library {
         }
         match self.created(device) {
             Some(d) => {
-                let done = d.alloc.set_memory_limit(MemoryLimit::Fraction(f));
+                let done = apply_fraction(d, f);
                 self.sync_segments(d, "quilt_set_memory_fraction");
                 if done.is_ok() {
                     lock(&self.fractions).insert(device, f);
                 }
-                done.map(|_| ())
-                    .map_err(|e| format!("device {device}: {e}"))
+                done.map_err(|e| format!("device {device}: {e}"))
             }
             None => {
                 lock(&self.fractions).insert(device, f);
