@@ -176,13 +176,17 @@ def scenario_enable():
     kind, _, msg = try_malloc(100 * MiB)
     check(kind == 1, "100 MiB served under a 64 MiB cap: {} {}", kind, msg)
     kind, p, msg = try_malloc(40 * MiB)
-    try:
-        torch._C._cuda_setMemoryFraction(0.05, 0)
-        refused = False
-    except RuntimeError as exc:
-        refused = "Quilt refused the memory fraction" in str(exc)
-    check(refused, "a fraction below what is live was accepted")
+    # Below what is live: taken, as torch takes it; nothing more is mapped
+    # until empty_cache gives memory back.
+    torch._C._cuda_setMemoryFraction(0.05, 0)
+    check(torch._C._cuda_getMemoryFraction(0) == 0.05, "get fraction {}", torch._C._cuda_getMemoryFraction(0))
+    kind, _, msg = try_malloc(8 * MiB)
+    check(kind == 1, "8 MiB served past a fraction below what is live: {} {}", kind, msg)
+    check(qt.memory_stats(0)["capacity_bytes"] >= 40 * MiB, "the live block's memory is held")
     allocator_lib().quilt_allocator_free(p)
+    torch._C._cuda_emptyCache()
+    check(qt.memory_stats(0)["capacity_bytes"] == 12 * MiB, "the fraction did not take hold after empty_cache: {}", qt.memory_stats(0)["capacity_bytes"])
+    torch._C._cuda_setMemoryFraction(1.0, 0)
     # Idempotent, also across a reload.
     check(qt.enable() is allocator, "a second enable() made another allocator")
     reloaded = importlib.reload(qt)
