@@ -600,7 +600,10 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     trim_annotations();
   }
 
-  cca::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool include_traces) override {
+  // With a pool's id (MemPool.snapshot()), only that pool's segments, as
+  // torch's own lists only the blocks of that private pool.
+  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
+    const bool one_pool = mempool_id.first != 0 || mempool_id.second != 0;
     cca::SnapshotInfo info;
     std::vector<QuiltSegment> segs(64);
     std::vector<QuiltBlock> blocks(256);
@@ -618,6 +621,9 @@ class QuiltCudaAllocator final : public cca::CUDAAllocator {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& s : segs) {
+      if (one_pool && (s.owner_pool[0] != mempool_id.first || s.owner_pool[1] != mempool_id.second)) {
+        continue;
+      }
       cda::SegmentInfo si;
       si.device = static_cast<c10::DeviceIndex>(s.device);
       si.address = s.address;

@@ -10,11 +10,14 @@ GPU under the allocator named by ``QUILT_SIM_ALLOCATOR`` (see
 * a graph captured on a stream that another joins has segments on both
   streams, all of its one pool;
 * a pool released with nothing live in it owns no segment once the cache
-  is emptied.
+  is emptied;
+* ``MemPool.snapshot()`` lists only that pool's segments, also when
+  several threads each used a pool of their own.
 """
 
 import gc
 import os
+import threading
 import unittest
 
 ALLOCATOR = os.environ.get("QUILT_SIM_ALLOCATOR", "classic")
@@ -75,6 +78,27 @@ class PoolIds(unittest.TestCase):
         ALLOCATOR == "expandable",
         "torch's expandable segments map memory inside the capture, which the driver refuses (operation not permitted when stream is capturing)",
     )
+    def test_a_pools_own_snapshot_lists_only_its_segments(self):
+        pools = [torch.cuda.MemPool() for _ in range(4)]
+        outside = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+
+        def use(pool):
+            with torch.cuda.use_mem_pool(pool):
+                x = torch.empty(16, device="cuda")
+                del x
+                torch.cuda.empty_cache()
+
+        threads = [threading.Thread(target=use, args=(p,)) for p in pools]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p in pools:
+            own = p.snapshot()
+            self.assertEqual(len(own), 1, own)
+            self.assertEqual(tuple(own[0]["segment_pool_id"]), tuple(p.id))
+        del outside
+
     def test_a_graph_captured_across_two_streams_has_segments_of_its_pool_on_both(self):
         x = torch.ones(4 * MiB, device="cuda")
         existing = {s["segment_pool_id"] for s in segments()}
