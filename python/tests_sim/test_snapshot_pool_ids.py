@@ -99,6 +99,12 @@ class PoolIds(unittest.TestCase):
             self.assertEqual(tuple(own[0]["segment_pool_id"]), tuple(p.id))
         del outside
 
+    @unittest.skipIf(
+        ALLOCATOR == "expandable",
+        "torch's expandable segments map a graph pool's memory during the capture, which the "
+        "driver refuses under global capture mode (test_simulated_gpu: "
+        "test_expandable_growth_under_global_capture_is_refused)",
+    )
     def test_a_graph_captured_across_two_streams_has_segments_of_its_pool_on_both(self):
         x = torch.ones(4 * MiB, device="cuda")
         existing = {s["segment_pool_id"] for s in segments()}
