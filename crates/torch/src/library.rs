@@ -264,6 +264,10 @@ impl Device {
                     }
                     return Ok(Some((b, false)));
                 }
+                // No live block of a pool, but a pool's segment starts there
+                // (Quilt's block under the pool's memory): not torch's to
+                // free (a second free of the pool's first block).
+                _ if pools.segment_owner(ptr).is_some() => return Ok(None),
                 _ => {}
             }
         }
