@@ -129,18 +129,14 @@ pub fn segments(
                 _ => None,
             };
             if let (Some((pool, stream)), Some(pieces)) = (owner, pools.pieces(b.address)) {
-                if let Some((address, first)) = run.take() {
-                    let end = b.address;
-                    push_segment(
-                        memory.device,
-                        (address, end - address),
-                        s.stream.0,
-                        NO_POOL,
-                        first,
-                        segs,
-                        blocks,
-                    );
-                }
+                push_run(
+                    memory.device,
+                    s.stream.0,
+                    run.take(),
+                    b.address,
+                    segs,
+                    blocks,
+                );
                 let first = blocks.len();
                 blocks.extend(pieces.iter().map(|p| QuiltBlock {
                     address: p.ptr,
@@ -181,18 +177,8 @@ pub fn segments(
                 state,
             });
         }
-        if let Some((address, first)) = run {
-            let end = s.address + s.total_size;
-            push_segment(
-                memory.device,
-                (address, end - address),
-                s.stream.0,
-                NO_POOL,
-                first,
-                segs,
-                blocks,
-            );
-        }
+        let end = s.address + s.total_size;
+        push_run(memory.device, s.stream.0, run, end, segs, blocks);
     }
     if memory.unmapped_pool_bytes > 0 {
         let first = blocks.len();
@@ -216,6 +202,29 @@ pub fn segments(
 
 /// The pool id of a segment no private pool owns (torch's `{0, 0}`).
 const NO_POOL: [u64; 2] = [0, 0];
+
+/// Append the run of blocks outside pools begun at `run` (its address, its
+/// first block), if one was, as a segment of no pool ending at `end`.
+fn push_run(
+    device: i32,
+    stream: u64,
+    run: Option<(u64, usize)>,
+    end: u64,
+    segs: &mut Vec<QuiltSegment>,
+    blocks: &[QuiltBlock],
+) {
+    if let Some((address, first)) = run {
+        push_segment(
+            device,
+            (address, end - address),
+            stream,
+            NO_POOL,
+            first,
+            segs,
+            blocks,
+        );
+    }
+}
 
 /// Append the segment of `device` at `range` (address, size) on `stream`,
 /// owned by `pool`, tiled by the blocks from `first` to the end of
